@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of weftboard.v1 (see proto/generate.py)."""
