@@ -16,7 +16,8 @@ COMMAND_MODULES = (
     "weftboard.board.commands",       # serve, history, status, token, gc, bench board
     "weftboard.cuda.commands",        # bench codec
     "weftboard.publisher.commands",   # bench sync
-    "weftboard.subscriber.commands",  # subscribe, sidecar, demo
+    "weftboard.subscriber.commands",  # subscribe
+    "weftboard.subscriber.serving_commands",  # sidecar, demo
 )
 
 
