@@ -119,10 +119,12 @@ def plan_catch_up(
     if have == target:
         return Plan(have, target, ())
 
-    # suffix[n] = bytes of the patches n+1..target, None when one is missing.
+    # suffix[n] = bytes of the patches n+1..target, None when one is missing. It reaches
+    # down to oldest_available - 1: an island may still hold a collected version, and the
+    # patch of the oldest retained version applies to it.
     suffix: dict[int, int | None] = {target: 0}
     running: int | None = 0
-    for n in range(target, max(oldest_available, 1) - 1, -1):
+    for n in range(target, max(oldest_available - 1, 1) - 1, -1):
         suffix[n] = running
         if running is not None:
             patch = artifacts.get(n)
