@@ -1,0 +1,70 @@
+"""Shared HTTP plumbing for adapters of engines that run in their own process.
+
+Invariant: every call has a timeout; a non-2xx answer or an unreachable engine becomes
+``ApplyError`` naming the engine, the method, the path and what the engine said.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import aiohttp
+
+from weftboard.proto.errors import ApplyError
+from weftboard.subscriber.engines.base import EngineAdapter
+
+
+class HttpEngineAdapter(EngineAdapter):
+    def __init__(self, engine_url: str, *, timeout_s: float = 30.0, load_timeout_s: float = 600.0) -> None:
+        super().__init__()
+        self.engine_url = engine_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.load_timeout_s = load_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        return self._session
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Mapping[str, Any] | None = None,
+        params: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """One request to the engine; the decoded JSON answer (or text) on 2xx, else ApplyError."""
+        url = self.engine_url + path
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self._client().request(method, url, json=json, params=params, timeout=timeout) as resp:
+                text = await resp.text()
+                if resp.status >= 300:
+                    raise ApplyError(
+                        f"{self.kind} engine at {self.engine_url} answered {resp.status} to {method} {path}: {text[:500]}"
+                    )
+                if "json" in resp.headers.get("Content-Type", ""):
+                    return await resp.json(content_type=None)
+                return text
+        except aiohttp.ClientError as exc:
+            raise ApplyError(f"{self.kind} engine at {self.engine_url} unreachable for {method} {path}: {exc}") from exc
+        except TimeoutError as exc:
+            raise ApplyError(
+                f"{self.kind} engine at {self.engine_url} did not answer {method} {path} within "
+                f"{timeout_s or self.timeout_s:.0f}s"
+            ) from exc
+
+    async def health(self) -> bool:
+        try:
+            await self.call("GET", "/health", timeout_s=min(self.timeout_s, 5.0))
+        except ApplyError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

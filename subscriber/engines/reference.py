@@ -1,0 +1,97 @@
+"""Adapters for the reference engine: in-process (patched in place) and over HTTP.
+
+In process, the adapter reaches the engine's bf16 tensors directly: a patch is applied
+to them in place between two decoding steps (the engine's ``step_lock``), which is how a
+real engine's CUDA graphs stay valid. Over HTTP (the engine in its own process) it loads
+checkpoint directories through the engine's ``/admin/*`` endpoints.
+
+Invariant: a failed apply or load leaves the engine's tensors on the previous version
+(the patch handle is reverted; a checkpoint is validated whole before any tensor is
+overwritten) and ``served_version()`` unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Mapping
+
+from weftboard.proto.errors import ApplyError, CorruptData, WeftboardError
+from weftboard.subscriber.engines.base import ActivationMode, EngineAdapter, require_mode
+from weftboard.subscriber.engines.http import HttpEngineAdapter
+from weftboard.subscriber.reference_model import ReferenceEngine
+
+
+class ReferenceAdapter(EngineAdapter):
+    """The reference engine living in this process."""
+
+    kind = "reference"
+    supports_patch = True
+
+    def __init__(self, engine: ReferenceEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self._version = engine.version
+
+    def _set_version(self, version: int) -> None:
+        super()._set_version(version)
+        self.engine.version = version
+
+    async def pause(self, mode: ActivationMode) -> None:
+        await self.engine.pause(require_mode(mode).value)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def load_checkpoint(self, directory: Path, version: int) -> None:
+        if not self.engine.paused:
+            raise ApplyError("pause the reference engine before loading a checkpoint")
+        try:
+            await asyncio.to_thread(self.engine.load_checkpoint_dir, Path(directory))
+        except OSError as exc:
+            raise ApplyError(f"cannot read checkpoint {directory}: {exc}") from exc
+        self._set_version(version)
+
+    async def apply_patch(self, data: bytes, version: int) -> Any:
+        """Apply ``data`` (a patch container from ``version - 1``) to the live tensors."""
+        from weftboard.cuda.codec import apply_patch_
+
+        if not self.engine.paused:
+            raise ApplyError("pause the reference engine before patching its weights")
+        if self.served_version() != version - 1:
+            raise ApplyError(f"patch to version {version} needs version {version - 1}; the engine holds {self.served_version()}")
+        try:
+            handle = await asyncio.to_thread(apply_patch_, self.engine.tensors, data)
+        except WeftboardError:
+            raise
+        except (ValueError, RuntimeError, KeyError) as exc:
+            raise CorruptData(f"patch to version {version} does not apply to the engine's tensors: {exc}") from exc
+        self._set_version(version)
+        return handle
+
+    def rollback(self, version: int) -> None:
+        """Record that a reverted patch put the tensors back on ``version``."""
+        self._set_version(version)
+
+    def live_tensors(self) -> Mapping[str, Any]:
+        return self.engine.tensors
+
+    async def health(self) -> bool:
+        return True
+
+
+class ReferenceHttpAdapter(HttpEngineAdapter):
+    """The reference engine in its own process (``python -m weftboard.subscriber.reference_model``)."""
+
+    kind = "reference"
+
+    async def pause(self, mode: ActivationMode) -> None:
+        await self.call("POST", "/admin/pause", json={"mode": require_mode(mode).value})
+
+    async def resume(self) -> None:
+        await self.call("POST", "/admin/resume", json={})
+
+    async def load_checkpoint(self, directory: Path, version: int) -> None:
+        await self.call("POST", "/admin/load_checkpoint", json={"path": str(directory), "version": version},
+                        timeout_s=self.load_timeout_s)
+        self._set_version(version)
