@@ -283,7 +283,7 @@ class ReferenceEngine:
             token = int(torch.multinomial(probs, 1, generator=gen))
         return token, float(logprobs[token])
 
-    async def generate(
+    def generate(
         self,
         prompt: str,
         *,
@@ -292,7 +292,7 @@ class ReferenceEngine:
         seed: int | None = None,
         stop: list[str] | None = None,
     ) -> AsyncIterator[GeneratedToken]:
-        """Yield tokens one by one; each step holds ``step_lock`` so weights cannot change mid-token."""
+        """Validate at once (so a server can answer 400 before streaming), then yield tokens."""
         if max_tokens < 1:
             raise InvalidArgument("max_tokens must be >= 1")
         prompt_ids = self.tokenizer.encode(prompt) or [self.tokenizer.encode(" ")[0]]
@@ -301,6 +301,12 @@ class ReferenceEngine:
                 f"prompt of {len(prompt_ids)} tokens leaves no room in the context of {self.config['max_seq']}"
             )
         gen = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % 2**31))
+        return self._generate(prompt_ids, max_tokens, temperature, gen, stop)
+
+    async def _generate(
+        self, prompt_ids: list[int], max_tokens: int, temperature: float, gen: torch.Generator, stop: list[str] | None
+    ) -> AsyncIterator[GeneratedToken]:
+        """Yield tokens one by one; each step holds ``step_lock`` so weights cannot change mid-token."""
         while self._paused:
             await self._unpaused.wait()
         self._active += 1
@@ -386,7 +392,7 @@ def build_app(engine: ReferenceEngine):
             return _error(400, "request body must be JSON")
         try:
             prompt = _chat_prompt(body) if chat else _prompt_of(body)
-            max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+            max_tokens = int(body.get("max_tokens", body.get("max_completion_tokens", 16)))
             temperature = float(body.get("temperature", 1.0))
             seed = body.get("seed")
             want_logprobs = bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
@@ -515,7 +521,6 @@ def build_app(engine: ReferenceEngine):
 
     app = web.Application()
     app.add_routes(routes)
-    app["engine"] = engine
     return app
 
 
