@@ -1,0 +1,313 @@
+"""The WAN simulation: the delaying relay, namespaces behind tbf links, and their cleanup.
+
+Relay tests run anywhere (loopback only). Namespace tests need root and iproute2; they are skipped
+with the reason ``check_capability`` gives where the machine does not allow them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from weftboard.publisher.wan import DelayRelay, WanTopology, WanUnavailable, check_capability
+from weftboard.publisher.wan import netns
+
+
+def _wan_skip_reason() -> str | None:
+    try:
+        check_capability()
+    except WanUnavailable as exc:
+        return str(exc)
+    return None
+
+
+_SKIP = _wan_skip_reason()
+needs_netns = pytest.mark.skipif(_SKIP is not None, reason=f"WAN simulation unavailable: {_SKIP}")
+
+
+async def _echo_server() -> asyncio.Server:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.write_eof()
+        await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def _rtt(host: str, port: int, samples: int = 5) -> float:
+    """Smallest round trip of one byte on one connection (the smallest is the least noisy)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    best = float("inf")
+    for _ in range(samples):
+        start = time.perf_counter()
+        writer.write(b"x")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readexactly(1), 5) == b"x"
+        best = min(best, time.perf_counter() - start)
+    writer.close()
+    return best
+
+
+# ---- the relay (loopback only, runs everywhere) --------------------------------------------------
+
+
+async def test_relay_adds_the_configured_delay_each_way() -> None:
+    server = await _echo_server()
+    port = server.sockets[0].getsockname()[1]
+    delay = 0.03
+    async with server, DelayRelay(("127.0.0.1", port), delay, listen=("127.0.0.1", 0)) as relay:
+        direct = await _rtt("127.0.0.1", port)
+        relayed = await _rtt(*relay.address)
+    # Both directions are delayed, so a round trip takes at least twice the one-way delay.
+    assert relayed >= 2 * delay
+    assert relayed > direct + 2 * delay * 0.95
+
+
+async def test_relay_passes_bytes_intact_in_order_and_propagates_half_close() -> None:
+    server = await _echo_server()
+    port = server.sockets[0].getsockname()[1]
+    payload = os.urandom(3 * 1024 * 1024 + 17)
+    async with server, DelayRelay(("127.0.0.1", port), 0.005, listen=("127.0.0.1", 0)) as relay:
+        reader, writer = await asyncio.open_connection(*relay.address)
+
+        async def send() -> None:
+            writer.write(payload)
+            await writer.drain()
+            writer.write_eof()  # must reach the echo server, which then closes its side
+
+        sender = asyncio.create_task(send())
+        echoed = await asyncio.wait_for(reader.read(-1), 20)  # returns only at the echoed EOF
+        await sender
+        writer.close()
+    assert echoed == payload
+
+
+async def test_relay_pipelines_chunks_instead_of_one_per_delay() -> None:
+    """8 MiB is >= 128 reads of 64 KiB: one chunk per delay would take >= 6.4 s at 50 ms."""
+    size, delay = 8 * 1024 * 1024, 0.05
+
+    async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"\0" * size)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(sink, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, DelayRelay(("127.0.0.1", port), delay, listen=("127.0.0.1", 0)) as relay:
+        start = time.perf_counter()
+        reader, writer = await asyncio.open_connection(*relay.address)
+        received = len(await asyncio.wait_for(reader.read(-1), 30))
+        elapsed = time.perf_counter() - start
+        writer.close()
+    assert received == size
+    assert elapsed >= delay
+    assert elapsed < 0.3 * (size / 65536) * delay, f"{elapsed:.2f}s looks serialised per chunk"
+
+
+async def test_relay_to_a_closed_port_ends_the_client_connection() -> None:
+    probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    dead_port = probe.sockets[0].getsockname()[1]
+    probe.close()
+    await probe.wait_closed()
+    async with DelayRelay(("127.0.0.1", dead_port), 0.0, listen=("127.0.0.1", 0)) as relay:
+        reader, writer = await asyncio.open_connection(*relay.address)
+        try:
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        except ConnectionResetError:
+            pass  # also an acceptable way to learn the target is gone
+        writer.close()
+
+
+async def test_relay_close_ends_live_connections() -> None:
+    server = await _echo_server()
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        relay = await DelayRelay(("127.0.0.1", port), 0.0, listen=("127.0.0.1", 0)).start()
+        reader, writer = await asyncio.open_connection(*relay.address)
+        writer.write(b"hi")
+        assert await asyncio.wait_for(reader.readexactly(2), 5) == b"hi"
+        await asyncio.wait_for(relay.close(), 5)
+        try:
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        except ConnectionResetError:
+            pass
+        writer.close()
+
+
+def test_relay_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        DelayRelay(("127.0.0.1", 1), -1.0, listen=("127.0.0.1", 0))
+    with pytest.raises(ValueError):
+        DelayRelay(("127.0.0.1", 1), 0.0)
+    with pytest.raises(ValueError, match="loopback"):
+        WanTopology(1, [80], target_host="10.0.0.1")
+
+
+# ---- capability messages --------------------------------------------------------------------------
+
+
+def test_missing_iproute2_is_reported_clearly(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the root check answers first when not running as root")
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no ip, no tc
+    with pytest.raises(WanUnavailable, match="iproute2"):
+        check_capability()
+
+
+def test_non_root_is_reported_clearly() -> None:
+    code = (
+        "from weftboard.publisher.wan import check_capability, WanUnavailable\n"
+        "try:\n    check_capability()\nexcept WanUnavailable as e:\n    print('UNAVAILABLE', e)\n"
+    )
+    kwargs = {"user": 65534} if os.geteuid() == 0 else {}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, **kwargs
+        )
+    except PermissionError:
+        pytest.skip("cannot run this Python interpreter as user nobody here")
+    if result.returncode != 0 and "Permission denied" in result.stderr:
+        pytest.skip(f"user nobody cannot import the project here: {result.stderr[-200:]}")
+    assert result.returncode == 0, result.stderr
+    assert "UNAVAILABLE" in result.stdout and "root" in result.stdout
+
+
+# ---- namespaces behind tbf links ------------------------------------------------------------------
+
+_ISLAND_CLIENT = """
+import json, socket, sys, time
+host, port, upload = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = socket.create_connection((host, port), timeout=10)
+best = 1e9
+for _ in range(3):
+    t = time.perf_counter(); s.sendall(b"r"); assert s.recv(1) == b"r"; best = min(best, time.perf_counter() - t)
+t = time.perf_counter(); s.sendall(b"d"); n = 0
+while True:
+    d = s.recv(1 << 16)
+    if not d: break
+    n += len(d)
+down = time.perf_counter() - t
+s = socket.create_connection((host, port), timeout=10)
+s.sendall(b"u"); t = time.perf_counter(); s.sendall(b"\\0" * upload); s.shutdown(socket.SHUT_WR)
+assert s.recv(2) == b"ok"
+up = time.perf_counter() - t
+print(json.dumps({"rtt_s": best, "down_bytes": n, "down_s": down, "up_bytes": upload, "up_s": up}))
+"""
+
+
+async def _traffic_server(download_bytes: int) -> asyncio.Server:
+    """'r' echoes one byte; 'd' sends download_bytes and closes; 'u' reads to EOF, answers ok."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while cmd := await reader.read(1):
+            if cmd == b"r":
+                writer.write(b"r")
+            elif cmd == b"d":
+                writer.write(b"\0" * download_bytes)
+                await writer.drain()
+                break
+            elif cmd == b"u":
+                while await reader.read(1 << 16):
+                    pass
+                writer.write(b"ok")
+                await writer.drain()
+                break
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def _run_in_island(wan: WanTopology, island: int, host: str, port: int, upload: int) -> dict:
+    proc = await asyncio.create_subprocess_exec(
+        *wan.prefix(island), sys.executable, "-c", _ISLAND_CLIENT, host, str(port), str(upload),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    return json.loads(out.decode().strip().splitlines()[-1])
+
+
+def _our_objects(pid: int) -> list[str]:
+    ns = [n for n in netns.list_namespaces() if n.startswith(f"{netns.NS_PREFIX}{pid}-")]
+    links = [
+        n for n in netns.list_links()
+        if n.startswith((f"{netns.HOST_IF_PREFIX}{pid}x", f"{netns.NS_IF_PREFIX}{pid}x"))
+    ]
+    return ns + links
+
+
+@needs_netns
+async def test_islands_are_rate_limited_and_delayed_both_ways() -> None:
+    rate_mbit, rtt_ms, size = 20.0, 40.0, 2_500_000  # 1 s per direction at the limit
+    server = await _traffic_server(size)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        async with WanTopology(2, [port], rate_mbit=rate_mbit, rtt_ms=rtt_ms) as wan:
+            assert len(set(wan.namespace(i) for i in range(2))) == 2
+            # Island 0 uses the unchanged loopback address; island 1 the relay's own address.
+            results = await asyncio.gather(
+                _run_in_island(wan, 0, "127.0.0.1", port, size),
+                _run_in_island(wan, 1, *wan.address(1, port), size),
+            )
+            forwarded = wan.bytes_forwarded(0)
+    limit_bytes_per_s = rate_mbit * 1e6 / 8
+    for r in results:
+        assert r["down_bytes"] == size
+        assert r["rtt_s"] >= rtt_ms / 1000
+        for direction in ("down", "up"):
+            rate = size / r[f"{direction}_s"]
+            # Below the limit (a small allowance for the token bucket's initial burst) ...
+            assert rate <= limit_bytes_per_s * 1.05, (direction, rate, r)
+            # ... and the link really carries traffic (not stalled, not a no-op).
+            assert rate >= limit_bytes_per_s * 0.3, (direction, rate, r)
+    assert forwarded >= 2 * size
+    assert _our_objects(os.getpid()) == []
+
+
+@needs_netns
+def test_cleanup_after_an_error_and_keyboard_interrupt() -> None:
+    for exc_type in (RuntimeError, KeyboardInterrupt):
+        with pytest.raises(exc_type):
+            with WanTopology(2, [1], rtt_ms=0) as wan:
+                assert len(_our_objects(os.getpid())) == 4  # 2 namespaces + 2 host veths
+                assert wan.namespace(0) in netns.list_namespaces()
+                raise exc_type("boom")
+        assert _our_objects(os.getpid()) == []
+
+
+@needs_netns
+def test_stale_objects_of_a_killed_run_are_removed_and_live_ones_kept() -> None:
+    code = (
+        "import sys, time\n"
+        "from weftboard.publisher.wan import WanTopology\n"
+        "w = WanTopology(1, [1]).open()\n"
+        "print('up', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        while (line := proc.stdout.readline()) and line.strip() != "up":
+            pass  # log lines
+        assert line.strip() == "up"
+        assert len(_our_objects(proc.pid)) == 2
+        netns.remove_stale()
+        assert len(_our_objects(proc.pid)) == 2  # its process is alive: never touched
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    assert len(_our_objects(proc.pid)) == 2  # SIGKILL: no chance to clean up
+    removed = netns.remove_stale()
+    assert f"{netns.NS_PREFIX}{proc.pid}-0" in removed
+    assert _our_objects(proc.pid) == []
