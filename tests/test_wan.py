@@ -260,7 +260,7 @@ async def test_islands_are_rate_limited_and_delayed_both_ways() -> None:
                 _run_in_island(wan, 0, "127.0.0.1", port, size),
                 _run_in_island(wan, 1, *wan.address(1, port), size),
             )
-            forwarded = wan.bytes_forwarded(0)
+        forwarded = wan.bytes_forwarded(0)
     limit_bytes_per_s = rate_mbit * 1e6 / 8
     for r in results:
         assert r["down_bytes"] == size

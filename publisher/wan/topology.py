@@ -17,27 +17,29 @@ Invariants:
 - Everything is torn down on exit, on error during setup, and on KeyboardInterrupt; an ``atexit``
   hook covers an interpreter exit without ``__exit__``; ``remove_stale()`` at start removes what a
   killed run left behind.
-- Relays run on their own event loop in a daemon thread, so they keep flowing while the caller
-  blocks (a synchronous bench) or computes.
+- Relays run in a child process (``relayd``) tethered to this one by its stdin, so they keep
+  flowing while the caller blocks or computes (no GIL contention), and exit when we do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import ipaddress
-import socket
+import json
+import queue
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import IO, Any
 
 import structlog
 
 from weftboard.publisher.wan import netns
 from weftboard.publisher.wan.netns import IslandNet
-from weftboard.publisher.wan.relay import DelayRelay
+from weftboard.publisher.wan.relayd import MARKER
 
 log = structlog.get_logger(__name__)
 
@@ -74,11 +76,10 @@ class WanTopology:
         self.target_host = target_host
         self.loopback_forwarders = loopback_forwarders
         self.nets: list[IslandNet] = []
-        self._relays: dict[tuple[int, int], DelayRelay] = {}
-        self._forwarders: list[DelayRelay] = []
-        self._executors: list[ThreadPoolExecutor] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._relays: dict[tuple[int, int], tuple[str, int]] = {}
+        self._proc: subprocess.Popen[str] | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._bytes_forwarded: list[int] | None = None
         self._closed = True
 
     # ---- what callers use -------------------------------------------------------------------
@@ -91,7 +92,7 @@ class WanTopology:
 
     def address(self, island: int, port: int) -> tuple[str, int]:
         """Where island ``island`` reaches loopback port ``port`` through the relay."""
-        return self._relays[(island, port)].address
+        return self._relays[(island, port)]
 
     def endpoint(self, island: int, port: int) -> str:
         host, relay_port = self.address(island, port)
@@ -114,8 +115,7 @@ class WanTopology:
                 blocks = netns.free_blocks(self.islands)
                 for index, block in enumerate(blocks):
                     self.nets.append(netns.create_island(index, block, self.rate_mbit))
-            self._start_loop()
-            self._call(self._start_relays())
+            self._start_relays()
         except BaseException:
             self.close()
             raise
@@ -129,14 +129,7 @@ class WanTopology:
         self._closed = True
         atexit.unregister(self.close)
         try:
-            if self._loop is not None and self._loop.is_running():
-                with contextlib.suppress(Exception):
-                    self._call(self._stop_relays(), timeout=15.0)
-                self._loop.call_soon_threadsafe(self._loop.stop)
-            if self._thread is not None:
-                self._thread.join(timeout=15.0)
-            for executor in self._executors:
-                executor.shutdown(wait=False)
+            self._stop_relays()
         finally:
             for net in self.nets:
                 netns.destroy_island(net)
@@ -154,71 +147,80 @@ class WanTopology:
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.to_thread(self.close)
 
-    # ---- relay loop -------------------------------------------------------------------------
+    # ---- relay process ----------------------------------------------------------------------
 
-    def _start_loop(self) -> None:
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(loop)
-            loop.call_soon(ready.set)
-            loop.run_forever()
-            loop.close()
-
-        self._loop = loop
-        self._thread = threading.Thread(target=run, name="wan-relays", daemon=True)
-        self._thread.start()
-        if not ready.wait(STARTUP_TIMEOUT_S):
-            raise RuntimeError("the WAN relay loop did not start")
-
-    def _call(self, coro: Any, timeout: float = STARTUP_TIMEOUT_S) -> Any:
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    async def _start_relays(self) -> None:
-        loop = asyncio.get_running_loop()
-        delay_s = self.rtt_ms / 2000.0
-        for i, net in enumerate(self.nets):
-            executor = netns.namespace_executor(net.namespace)
-            self._executors.append(executor)
-            for port in self.target_ports:
-                relay = DelayRelay((self.target_host, port), delay_s, listen=(net.host_ip, 0))
-                self._relays[(i, port)] = await relay.start()
-                if not self.loopback_forwarders:
-                    continue
-                listen_sock = await loop.run_in_executor(
-                    executor, _listening_socket, self.target_host, port
-                )
-
-                async def make_socket(ex: ThreadPoolExecutor = executor) -> socket.socket:
-                    return await loop.run_in_executor(ex, socket.socket)
-
-                forwarder = DelayRelay(
-                    relay.address, 0.0, listen_sock=listen_sock, make_socket=make_socket
-                )
-                self._forwarders.append(await forwarder.start())
-
-    async def _stop_relays(self) -> None:
-        await asyncio.gather(
-            *(r.close() for r in [*self._forwarders, *self._relays.values()]),
-            return_exceptions=True,
+    def _start_relays(self) -> None:
+        config = {
+            "delay_s": self.rtt_ms / 2000.0,
+            "target_host": self.target_host,
+            "loopback_forwarders": self.loopback_forwarders,
+            "islands": [
+                {"namespace": n.namespace, "host_ip": n.host_ip, "ports": self.target_ports}
+                for n in self.nets
+            ],
+        }
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "weftboard.publisher.wan.relayd"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
+        self._lines = queue.Queue()
+        threading.Thread(
+            target=_pump_lines, args=(self._proc.stdout, self._lines), daemon=True,
+            name="wan-relayd-stdout",
+        ).start()
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(config) + "\n")
+        self._proc.stdin.flush()
+        ready = self._await_message("relays", STARTUP_TIMEOUT_S)
+        for island, port, host, relay_port in ready["relays"]:
+            self._relays[(island, port)] = (host, relay_port)
+
+    def _stop_relays(self) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        self._proc = None
+        try:
+            if proc.stdin is not None:
+                proc.stdin.close()  # EOF: the relay process closes everything and reports
+            stats = self._await_message("bytes_forwarded", 15.0)
+            self._bytes_forwarded = stats["bytes_forwarded"]
+        except (OSError, RuntimeError, TimeoutError):
+            log.warning("wan_relayd_no_stats")
+        finally:
+            try:
+                proc.wait(timeout=15.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=15.0)
+
+    def _await_message(self, key: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                line = self._lines.get(timeout=max(remaining, 0.0))
+            except queue.Empty:
+                raise TimeoutError(f"the WAN relay process sent no {key!r} in {timeout}s") from None
+            if line is None:
+                raise RuntimeError(f"the WAN relay process exited before sending {key!r}")
+            message = json.loads(line)
+            if key in message:
+                return message
 
     def bytes_forwarded(self, island: int) -> int:
-        """Bytes the host-side relays of one island forwarded (both directions)."""
-        return sum(r.bytes_forwarded for (i, _), r in self._relays.items() if i == island)
+        """Bytes the host-side relays of one island forwarded (both directions); after close."""
+        if self._bytes_forwarded is None:
+            raise RuntimeError("bytes_forwarded is known once the topology is closed")
+        return self._bytes_forwarded[island]
 
 
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """Runs on a namespace thread: the socket belongs to that namespace's loopback."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+def _pump_lines(stream: IO[str] | None, lines: queue.Queue[str | None]) -> None:
+    """Hand protocol lines to the owner; pass log lines through to our stderr."""
+    assert stream is not None
+    for line in stream:
+        if line.startswith(MARKER + " "):
+            lines.put(line[len(MARKER) + 1 :])
+        else:
+            sys.stderr.write(line)
+    lines.put(None)
