@@ -286,6 +286,28 @@ def test_cleanup_after_an_error_and_keyboard_interrupt() -> None:
         assert _our_objects(os.getpid()) == []
 
 
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 @needs_netns
 def test_stale_objects_of_a_killed_run_are_removed_and_live_ones_kept() -> None:
     code = (
@@ -304,10 +326,17 @@ def test_stale_objects_of_a_killed_run_are_removed_and_live_ones_kept() -> None:
         assert len(_our_objects(proc.pid)) == 2
         netns.remove_stale()
         assert len(_our_objects(proc.pid)) == 2  # its process is alive: never touched
+        relay_processes = _children(proc.pid)
+        assert relay_processes, "the topology runs its relays in a child process"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     assert len(_our_objects(proc.pid)) == 2  # SIGKILL: no chance to clean up
+    # The relay process is tethered to its owner's stdin pipe and leaves with it.
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in relay_processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(pid) for pid in relay_processes)
     removed = netns.remove_stale()
     assert f"{netns.NS_PREFIX}{proc.pid}-0" in removed
     assert _our_objects(proc.pid) == []
