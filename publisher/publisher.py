@@ -1,0 +1,694 @@
+"""The trainer-side publisher: served view -> sparse delta -> patch/anchor -> blob store -> commit.
+
+Called from an ordinary synchronous training loop::
+
+    with Publisher("127.0.0.1:50051", "my-run", token=T) as pub:
+        for step in ...:
+            optimizer.step()
+            pub.publish(model, step=step)
+
+Invariants:
+- The publisher keeps ONE served view (on the model's device). ``publish`` projects each
+  master tensor and diffs it into that view in one fused pass (``diff_and_update_``), so
+  the view always equals the newest published version and the kept deltas describe the
+  transition. That pass is all the trainer waits for (``trainer_blocked_s``).
+- Everything else runs on a background thread with its own asyncio loop, in two stages:
+  a *snapshot* stage that reads the view (digests of the tensors that changed, the anchor
+  file) and must finish before the next ``publish`` may change the view; and an *upload*
+  stage (encode, upload, commit) that needs only the deltas, in version order.
+- Versions are consecutive and committed in order; a failure that cannot be retried
+  poisons the publisher (every later ``publish`` raises it), because a gap would break
+  the chain islands follow.
+- Backpressure: at most ``max_pending`` versions are between ``publish`` and their commit.
+  ``"wait"`` blocks the trainer until one commits; ``"skip"`` replaces the newest queued,
+  not yet uploading version by the new one, with a delta merged to span both (from the
+  last version that was committed or is uploading), so the chain stays bitwise exact.
+- A new publisher on a run with versions resumes from the head: it rebuilds its view from
+  the newest anchor and the patches after it (verified against the head's root digest),
+  or takes a state dict the caller vouches for, and anchors if its projection differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import structlog
+import torch
+import xxhash
+
+from weftboard.proto.domain import check_name, format_digest
+from weftboard.proto.errors import FailedPrecondition, InvalidArgument, NotFound, WeftboardError
+from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.publisher.anchors import DEFAULT_SHARD_BYTES, WrittenFile, write_checkpoint
+from weftboard.publisher.policy import AnchorPolicy, AnchorReason, decide_anchor
+from weftboard.publisher.uploader import Uploader, with_retries
+
+log = structlog.get_logger("weftboard.publisher")
+
+_ESTIMATE_BYTES_PER_CHANGE = 1.5
+
+
+@dataclass
+class PublishHandle:
+    """The future of one published version; ``result()`` is its committed record."""
+
+    version: int
+    step: int
+    _future: concurrent.futures.Future = field(repr=False)
+    blocked_s: float = 0.0
+    coalesced: bool = False  # replaced by a newer publish under "skip" (same version number)
+
+    def result(self, timeout: float | None = None) -> pb.VersionRecord:
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+@dataclass
+class _Job:
+    version: int
+    step: int
+    labels: dict[str, str]
+    anchor: bool
+    reason: AnchorReason
+    deltas: dict[str, Any] | None  # served name -> TensorDelta; None when no patch (no base)
+    futures: list[concurrent.futures.Future]
+    t_publish: float
+    adapter_tensors: dict[str, torch.Tensor] | None = None
+    touched: set[str] = field(default_factory=set)
+    digests: dict[str, str] = field(default_factory=dict)
+    root: str = ""
+    anchor_files: list[WrittenFile] = field(default_factory=list)
+    anchor_dir: Path | None = None
+    started: bool = False
+    est_patch_bytes: int = 0
+
+
+def _state_dict(model_or_state: Any) -> dict[str, torch.Tensor]:
+    if isinstance(model_or_state, torch.nn.Module):
+        return {k: v.detach() for k, v in model_or_state.state_dict().items()}
+    if isinstance(model_or_state, Mapping):
+        return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in model_or_state.items()}
+    raise InvalidArgument(f"publish() takes an nn.Module or a state dict, not {type(model_or_state).__name__}")
+
+
+def _token_of(client: Any) -> str | None:
+    for key, value in getattr(client, "_metadata", ()):
+        if key == "authorization" and value.startswith("Bearer "):
+            return value[len("Bearer "):]
+    return None
+
+
+class Publisher:
+    def __init__(
+        self,
+        board: Any,
+        run: str,
+        *,
+        token: str | None = None,
+        served_format: Any = None,
+        blob_store: Any = None,
+        anchor_every: int = 50,
+        anchor_patch_fraction: float = 0.5,
+        max_pending: int = 2,
+        on_backpressure: str = "wait",
+        work_dir: Path | str | None = None,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        resume_state: Any = None,
+        run_labels: Mapping[str, str] | None = None,
+        encoding: str = "default",
+        timeout_s: float = 30.0,
+    ) -> None:
+        from weftboard.cuda.formats import Projector, ServedFormatSpec
+
+        self.run = check_name("run", run)
+        if on_backpressure not in ("wait", "skip"):
+            raise InvalidArgument(f"on_backpressure must be 'wait' or 'skip', not {on_backpressure!r}")
+        if max_pending < 1:
+            raise InvalidArgument(f"max_pending must be >= 1, got {max_pending}")
+        if isinstance(board, str):
+            self._address, self._token = board, token
+        else:  # a BoardClient lives on its creator's loop: open our own to the same board
+            self._address, self._token = board.address, token or _token_of(board)
+        self.spec = served_format if served_format is not None else ServedFormatSpec("bf16")
+        self.projector = Projector(self.spec)
+        self.blob_store = blob_store
+        self.policy = AnchorPolicy(anchor_every, anchor_patch_fraction)
+        self.max_pending = max_pending
+        self.on_backpressure = on_backpressure
+        self.shard_bytes = shard_bytes
+        self.encoding = encoding
+        self.timeout_s = timeout_s
+        self.run_labels = dict(run_labels or {})
+        self._resume_state = resume_state
+        self._own_work_dir = work_dir is None
+        self.work_dir = Path(tempfile.mkdtemp(prefix="weftboard-pub-")) if work_dir is None else Path(work_dir)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+
+        # Served view state (touched by the trainer thread in publish, and by the snapshot stage).
+        self._view: dict[str, torch.Tensor] | None = None
+        self._layout: list[tuple[str, str, tuple[int, ...]]] = []
+        self._digest_cache: dict[str, str] = {}
+        self._has_base = False
+        self._kind = pb.RUN_KIND_UNSPECIFIED
+        self._next_version = 0
+        self._last_anchor = 0
+        self._patch_bytes_since_anchor = 0  # committed or estimated patch bytes after _last_anchor
+        self._last_patch_bytes = 0
+        self._bytes_per_change = _ESTIMATE_BYTES_PER_CHANGE
+        self._anchor_bytes = 0
+
+        # Pipeline state, guarded by _cond.
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._snapshotting = 0
+        self._inflight: _Job | None = None
+        self._view_free = threading.Event()
+        self._view_free.set()
+        self._failure: BaseException | None = None
+        self._closed = False
+        self.blocked_s: list[float] = []
+        self.committed: list[pb.VersionRecord] = []
+        self.commit_latency_s: list[float] = []
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"weftboard-publisher-{run}", daemon=True)
+        self._thread.start()
+        self._snapshot_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weftboard-snapshot")
+        self._wake: asyncio.Event | None = None
+        self._client = None
+        self._uploader: Uploader | None = None
+        self._worker: concurrent.futures.Future | None = None
+
+    # -- public API --------------------------------------------------------------------
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, exc_type, *exc: object) -> None:
+        self.close(flush=exc_type is None)
+
+    @property
+    def head(self) -> int:
+        """The newest version this publisher has committed (or found at resume)."""
+        return self.committed[-1].version if self.committed else self._next_version - 1 - self.pending()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._queue) + self._snapshotting + (1 if self._inflight else 0)
+
+    def connect(self, model_or_state: Any = None, *, kind: int = pb.RUN_KIND_WEIGHTS) -> None:
+        """Create or open the run (and resume from its head); ``publish`` calls it lazily."""
+        if self._kind != pb.RUN_KIND_UNSPECIFIED:
+            return
+        master = _state_dict(model_or_state) if model_or_state is not None else None
+        self._call(self._connect(master, kind))
+
+    def publish(self, model_or_state: Any, *, step: int = 0, labels: Mapping[str, str] | None = None) -> PublishHandle:
+        """Publish the model's current weights as the next version; returns at once after the diff."""
+        t0 = time.perf_counter()
+        self._raise_if_failed()
+        master = _state_dict(model_or_state)
+        if self._kind == pb.RUN_KIND_UNSPECIFIED:
+            self._call(self._connect(master, pb.RUN_KIND_WEIGHTS))
+        if self._kind != pb.RUN_KIND_WEIGHTS:
+            raise FailedPrecondition(f"run {self.run} is a LoRA adapter run: use publish_adapter()")
+        t_setup = time.perf_counter()
+        target = self._reserve_slot()
+        self._view_free.wait()
+        self._raise_if_failed()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if target is not None:
+            version = target.version
+        else:
+            version = self._next_version
+        reason = self._decide(version, target)
+        deltas = self._project_and_diff(master, anchor=bool(reason))
+        if target is not None:
+            from weftboard.publisher.deltas import merge_deltas
+
+            if target.deltas is not None and deltas is not None:
+                deltas = {n: merge_deltas(target.deltas[n], d) for n, d in deltas.items()}
+            else:
+                deltas = None
+            if target.anchor and not reason:
+                reason = target.reason
+            job = _Job(version, step, dict(labels or {}), bool(reason), reason, deltas, target.futures + [fut], target.t_publish)
+            job.touched = set(target.touched)
+        else:
+            self._next_version += 1
+            job = _Job(version, step, dict(labels or {}), bool(reason), reason, deltas, [fut], t0)
+        if deltas is not None:
+            changed = sum(int(d.positions.numel()) for d in deltas.values())
+            job.touched |= {n for n, d in deltas.items() if d.positions.numel()}
+            job.est_patch_bytes = int(changed * self._bytes_per_change) + 64 * len(deltas)
+        else:
+            job.touched = set(self._view)
+        self._has_base = True
+        handle = PublishHandle(version, step, fut)
+        self._submit_snapshot(job)
+        blocked = time.perf_counter() - t0
+        handle.blocked_s = blocked
+        self.blocked_s.append(blocked)
+        log.debug("published", run=self.run, version=version, blocked_s=round(blocked, 4), setup_s=round(t_setup - t0, 4),
+                  anchor=job.anchor, coalesced=target is not None)
+        return handle
+
+    def publish_adapter(self, state_dict: Mapping[str, torch.Tensor], *, step: int = 0, labels: Mapping[str, str] | None = None) -> PublishHandle:
+        """Publish a LoRA adapter whole (a run of kind RUN_KIND_LORA_ADAPTER: anchors only)."""
+        t0 = time.perf_counter()
+        self._raise_if_failed()
+        master = _state_dict(state_dict)
+        if self._kind == pb.RUN_KIND_UNSPECIFIED:
+            self._call(self._connect(master, pb.RUN_KIND_LORA_ADAPTER))
+        if self._kind != pb.RUN_KIND_LORA_ADAPTER:
+            raise FailedPrecondition(f"run {self.run} holds full weights: use publish()")
+        self._check_layout(self.projector.layout(master))
+        self._reserve_slot(allow_skip=False)
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        version = self._next_version
+        self._next_version += 1
+        stored = self.projector.project(master, anchor=True)
+        tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in stored.items()}
+        job = _Job(version, step, dict(labels or {}), True, AnchorReason.ADAPTER, None, [fut], t0, adapter_tensors=tensors)
+        job.touched = set(tensors)
+        self._submit_snapshot(job)
+        handle = PublishHandle(version, step, fut, blocked_s=time.perf_counter() - t0)
+        self.blocked_s.append(handle.blocked_s)
+        return handle
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every published version is committed (raises a pipeline failure)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (self._queue or self._snapshotting or self._inflight) and self._failure is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"publisher flush timed out with {self.pending()} versions pending")
+                self._cond.wait(left)
+        self._raise_if_failed()
+
+    def close(self, flush: bool = True) -> None:
+        if self._closed:
+            return
+        try:
+            if flush and self._failure is None:
+                self.flush()
+        finally:
+            self._closed = True
+            if self._worker is not None:
+                self._worker.cancel()
+            if self._client is not None:
+                try:
+                    asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(10)
+                except Exception:  # closing is best effort once the work is done
+                    pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._snapshot_pool.shutdown(wait=True)
+            if self._own_work_dir:
+                shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    # -- connect / resume ---------------------------------------------------------------
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _connect(self, master: dict[str, torch.Tensor] | None, kind: int) -> None:
+        from weftboard.board.client import BoardClient
+
+        if self._client is None:
+            self._client = BoardClient(self._address, self._token, timeout_s=self.timeout_s)
+            self._uploader = Uploader(self.run, self._client, self.blob_store)
+            self._wake = asyncio.Event()
+            self._worker = asyncio.run_coroutine_threadsafe(self._upload_worker(), self._loop)
+        if master is None:
+            raise InvalidArgument("connect() needs the model or state dict to know the run's layout")
+        layout = self.projector.layout(master)
+        try:
+            run = await with_retries("GetRun", lambda: self._client.get_run(self.run))
+        except NotFound:
+            run = await with_retries("CreateRun", lambda: self._client.create_run(pb.Run(
+                run=self.run,
+                kind=kind,
+                served_format=self.spec.to_proto(),
+                layout=pb.Layout(tensors=[pb.TensorSpec(name=n, dtype=d, shape=list(s)) for n, d, s in layout]),
+                labels=self.run_labels,
+            )))
+        if run.kind != kind:
+            raise FailedPrecondition(
+                f"run {self.run} is of kind {pb.RunKind.Name(run.kind)}, but this call publishes {pb.RunKind.Name(kind)}"
+            )
+        self._layout = [(t.name, t.dtype, tuple(t.shape)) for t in run.layout.tensors]
+        self._check_layout(layout)
+        self._anchor_bytes = sum(_nbytes(d, s) for _, d, s in self._layout)
+        head = await self._client.get_head(self.run)
+        self._next_version = head.version + 1
+        self._kind = kind
+        if head.version > 0 and kind == pb.RUN_KIND_WEIGHTS:
+            await self._resume(head.version, master)
+
+    def _check_layout(self, layout: list[tuple[str, str, tuple[int, ...]]]) -> None:
+        ours = [(n, d, tuple(s)) for n, d, s in layout]
+        if ours == self._layout:
+            return
+        theirs = {n: (d, s) for n, d, s in self._layout}
+        mine = {n: (d, s) for n, d, s in ours}
+        details = []
+        for n in sorted(set(theirs) | set(mine)):
+            if theirs.get(n) != mine.get(n):
+                details.append(f"{n}: run has {theirs.get(n, 'nothing')}, model gives {mine.get(n, 'nothing')}")
+        if not details:
+            details.append("same tensors in a different order")
+        raise FailedPrecondition(
+            f"the model's served layout differs from run {self.run}'s layout ({len(details)} differences; first: "
+            + "; ".join(details[:3]) + "). Publish it to a new run."
+        )
+
+    async def _resume(self, head: int, master: dict[str, torch.Tensor]) -> None:
+        """Rebuild the kept view at ``head`` so the next version can carry a patch."""
+        from weftboard.cuda.digest import root_digest, tensor_digest
+
+        record = await self._client.get_version(self.run, head)
+        await self._find_last_anchor(head)
+        device = next((t.device for t in master.values() if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        if self._resume_state is not None:
+            view = {n: t.detach().clone().contiguous() for n, t in
+                    self.projector.project(_state_dict(self._resume_state), anchor=False).items()}
+            digests = {n: await asyncio.to_thread(tensor_digest, t) for n, t in view.items()}
+            root = root_digest([(n, d, list(s), digests[n]) for n, d, s in self._layout])
+            if root != record.root_digest:
+                log.warning("resume state differs from the head; the next version carries an anchor",
+                            run=self.run, head=head)
+                self._view, self._digest_cache, self._has_base = None, {}, False
+                return
+            self._view, self._digest_cache, self._has_base = view, digests, True
+            self.projector.resume_from(view)
+            log.info("resumed from a given state dict", run=self.run, head=head)
+            return
+        from weftboard.subscriber.live_tensors import LiveTensorsDestination
+        from weftboard.subscriber.subscriber import Subscriber
+
+        view = {n: torch.empty(s, dtype=getattr(torch, d), device=device) for n, d, s in self._layout}
+        dest = LiveTensorsDestination(view)
+        cache = self.work_dir / "resume-cache"
+        sub = Subscriber(self._client, self.run, dest, island_id=f"publisher-resume-{self.run}"[:64],
+                         blob_store=self.blob_store, cache_dir=cache, heartbeat=False)
+        await sub.sync_to(head)
+        shutil.rmtree(cache, ignore_errors=True)
+        self._view = view
+        self._digest_cache = {d.name: d.digest for d in record.tensor_digests}
+        self._has_base = True
+        self.projector.resume_from(view)
+        log.info("resumed from the head", run=self.run, head=head, anchor=self._last_anchor)
+
+    async def _find_last_anchor(self, head: int) -> None:
+        start = max(1, head - self.policy.anchor_every)
+        since = 0
+        last = 0
+        async for rec in self._client.iter_versions(self.run, from_version=start, to_version=head):
+            if any(a.kind == pb.ARTIFACT_KIND_ANCHOR for a in rec.artifacts):
+                last, since = rec.version, 0
+            else:
+                since += rec.stats.patch_bytes
+        self._last_anchor = last if last else max(0, head - self.policy.anchor_every)
+        self._patch_bytes_since_anchor = since
+
+    # -- the blocking part ---------------------------------------------------------------
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise FailedPrecondition("the publisher is closed")
+
+    def _reserve_slot(self, allow_skip: bool = True) -> _Job | None:
+        """Wait for room in the pipeline; under "skip", take the newest queued job to merge into."""
+        with self._cond:
+            while True:
+                if self._failure is not None:
+                    raise self._failure
+                pending = len(self._queue) + self._snapshotting + (1 if self._inflight else 0)
+                if pending < self.max_pending:
+                    return None
+                if allow_skip and self.on_backpressure == "skip" and self._queue and not self._snapshotting:
+                    job = self._queue.pop()
+                    if not job.started and job.adapter_tensors is None:
+                        return job
+                    self._queue.append(job)
+                self._cond.wait(1.0)
+
+    def _decide(self, version: int, target: _Job | None) -> AnchorReason:
+        since = self._patch_bytes_since_anchor + self._last_patch_bytes
+        last = self._last_anchor
+        if target is not None and target.anchor:
+            return target.reason
+        return decide_anchor(
+            self.policy,
+            version=version,
+            last_anchor_version=last,
+            patch_bytes_since_anchor=since,
+            anchor_bytes=self._anchor_bytes,
+            has_base=self._view is not None and self._has_base,
+        ).reason
+
+    def _project_and_diff(self, master: dict[str, torch.Tensor], *, anchor: bool) -> dict[str, Any] | None:
+        """Project every master tensor and fold it into the kept view; the deltas, or None without a base."""
+        from weftboard.cuda.diff import diff_and_update_
+
+        if self._view is None:
+            view: dict[str, torch.Tensor] = {}
+            for name, t in master.items():
+                for sname, st in self.projector.project_tensor(name, t, anchor=True).items():
+                    if st.data_ptr() == t.data_ptr():  # the projection aliases the trainer's tensor
+                        st = st.clone()
+                    view[sname] = st.contiguous()
+            self._check_layout([(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in view.items()])
+            self._view = view
+            self._digest_cache = {}
+            return None
+        deltas: dict[str, Any] = {}
+        for name, t in master.items():
+            for sname, st in self.projector.project_tensor(name, t, anchor=anchor).items():
+                prev = self._view.get(sname)
+                if prev is None or prev.shape != st.shape or prev.dtype != st.dtype:
+                    raise FailedPrecondition(
+                        f"tensor {sname!r} projects to {tuple(st.shape)} {st.dtype}, but the run's layout has "
+                        f"{None if prev is None else (tuple(prev.shape), prev.dtype)}"
+                    )
+                deltas[sname] = diff_and_update_(prev, st)
+        if len(deltas) != len(self._view):
+            missing = sorted(set(self._view) - set(deltas))[:3]
+            raise FailedPrecondition(f"the model no longer produces served tensors {missing} of run {self.run}")
+        return deltas
+
+    def _submit_snapshot(self, job: _Job) -> None:
+        with self._cond:
+            self._snapshotting += 1
+        self._view_free.clear()
+        self._snapshot_pool.submit(self._snapshot, job)
+
+    # -- background: snapshot stage (reads the view) -----------------------------------------
+
+    def _snapshot(self, job: _Job) -> None:
+        from weftboard.cuda.digest import root_digest, tensor_digest
+
+        try:
+            tensors = job.adapter_tensors if job.adapter_tensors is not None else self._view
+            assert tensors is not None
+            cache = {} if job.adapter_tensors is not None else self._digest_cache
+            for name in self._layout_names():
+                if name in job.touched or name not in cache:
+                    cache[name] = tensor_digest(tensors[name])
+            job.digests = {n: cache[n] for n in self._layout_names()}
+            job.root = root_digest([(n, d, list(s), job.digests[n]) for n, d, s in self._layout])
+            if job.anchor:
+                job.anchor_dir = self.work_dir / f"anchor-v{job.version}-{time.monotonic_ns()}"
+                job.anchor_files = write_checkpoint(
+                    job.anchor_dir,
+                    [(n, tensors[n]) for n in self._layout_names()],
+                    shard_bytes=self.shard_bytes,
+                    metadata={"format": "pt", "weftboard_run": self.run, "weftboard_version": str(job.version)},
+                )
+            if job.adapter_tensors is not None:
+                job.adapter_tensors = None
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiter below
+            self._fail(exc, [job])
+            with self._cond:
+                self._snapshotting -= 1
+                self._cond.notify_all()
+            self._view_free.set()
+            return
+        with self._cond:
+            self._snapshotting -= 1
+            self._queue.append(job)
+            if job.deltas is not None and not job.anchor:
+                pass
+            self._cond.notify_all()
+        self._view_free.set()
+        if self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def _layout_names(self) -> list[str]:
+        return [n for n, _, _ in self._layout]
+
+    # -- background: upload stage (encode, upload, commit) ----------------------------------
+
+    async def _upload_worker(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while True:
+                with self._cond:
+                    if not self._queue or self._failure is not None:
+                        break
+                    job = self._queue.popleft()
+                    job.started = True
+                    self._inflight = job
+                try:
+                    record = await self._process(job)
+                except BaseException as exc:  # noqa: BLE001
+                    self._fail(exc, [job])
+                    with self._cond:
+                        self._inflight = None
+                        failed = list(self._queue)
+                        self._queue.clear()
+                        self._cond.notify_all()
+                    self._fail(exc, failed)
+                    break
+                with self._cond:
+                    self._inflight = None
+                    self._cond.notify_all()
+                for f in job.futures:
+                    if not f.done():
+                        f.set_result(record)
+
+    async def _process(self, job: _Job) -> pb.VersionRecord:
+        from weftboard.cuda.codec import encode_deltas
+
+        assert self._uploader is not None and self._client is not None
+        artifacts: list[pb.Artifact] = []
+        patch_bytes = anchor_bytes = 0
+        uploads = []
+        if job.deltas is not None and job.version > 1:
+            deltas = job.deltas
+            order = self._layout_names()
+            encoded = await asyncio.to_thread(
+                encode_deltas, [(n, deltas[n]) for n in order],
+                base_version=job.version - 1, target_version=job.version, target_root=job.root, encoding=self.encoding,
+            )
+            data = encoded.data
+            digest = format_digest(xxhash.xxh3_128(data).digest())
+            patch_bytes = len(data)
+            uploads.append(self._uploader.upload(digest, patch_bytes, data=data))
+            patch_ref = pb.BlobRef(digest=digest, size=patch_bytes)
+        else:
+            patch_ref = None
+        for wf in job.anchor_files:
+            uploads.append(self._uploader.upload(wf.digest, wf.size, path=wf.path))
+            anchor_bytes += wf.size
+        keys = await asyncio.gather(*uploads)
+        if patch_ref is not None:
+            patch_ref.key = keys[0]
+            artifacts.append(pb.Artifact(kind=pb.ARTIFACT_KIND_PATCH, base_version=job.version - 1, blobs=[patch_ref]))
+        if job.anchor_files:
+            shard_keys = keys[1:] if patch_ref is not None else keys
+            artifacts.append(pb.Artifact(kind=pb.ARTIFACT_KIND_ANCHOR, base_version=0, blobs=[
+                pb.BlobRef(key=k, digest=wf.digest, size=wf.size, name=wf.name) for k, wf in zip(shard_keys, job.anchor_files)
+            ]))
+        record = pb.VersionRecord(
+            run=self.run,
+            version=job.version,
+            parent=job.version - 1,
+            tensor_digests=[pb.TensorDigest(name=n, digest=job.digests[n]) for n in self._layout_names()],
+            root_digest=job.root,
+            artifacts=artifacts,
+            stats=self._stats(job, patch_bytes, anchor_bytes),
+            step=job.step,
+            labels=job.labels,
+            created_at_ms=int(time.time() * 1000),
+        )
+        response = await with_retries(f"commit of version {job.version}", lambda: self._client.commit_version(record))
+        if job.anchor_dir is not None:
+            shutil.rmtree(job.anchor_dir, ignore_errors=True)
+        # Policy bookkeeping: real patch sizes replace the estimates.
+        if job.anchor:
+            self._last_anchor = job.version
+            self._patch_bytes_since_anchor = 0
+        else:
+            self._patch_bytes_since_anchor += patch_bytes
+        self._last_patch_bytes = patch_bytes
+        changed = record.stats.changed_elements
+        if changed and patch_bytes:
+            self._bytes_per_change = max(patch_bytes / changed, 0.1)
+        self.committed.append(response.record)
+        self.commit_latency_s.append(time.perf_counter() - job.t_publish)
+        log.info("committed", run=self.run, version=job.version, patch_bytes=patch_bytes, anchor_bytes=anchor_bytes,
+                 density=round(record.stats.density, 6), anchor=job.anchor, reason=job.reason.value,
+                 latency_s=round(time.perf_counter() - job.t_publish, 3))
+        return response.record
+
+    def _stats(self, job: _Job, patch_bytes: int, anchor_bytes: int) -> pb.VersionStats:
+        from weftboard.cuda.formats import is_scale_tensor
+
+        tensors = []
+        changed_total = total = scale_changed = 0
+        for name, dtype, shape in self._layout:
+            numel = _numel(shape)
+            if job.deltas is not None and job.version > 1:
+                changed = int(job.deltas[name].positions.numel())
+            else:
+                changed = numel
+            total += numel
+            changed_total += changed
+            if is_scale_tensor(name):
+                scale_changed += changed
+            if changed:
+                tensors.append(pb.TensorStats(name=name, changed=changed, numel=numel))
+        return pb.VersionStats(
+            changed_elements=changed_total,
+            total_elements=total,
+            density=changed_total / total if total else 0.0,
+            patch_bytes=patch_bytes,
+            anchor_bytes=anchor_bytes,
+            tensors=tensors,
+            scale_changed_elements=scale_changed,
+        )
+
+    def _fail(self, exc: BaseException, jobs: list[_Job]) -> None:
+        if not isinstance(exc, WeftboardError):
+            wrapped: BaseException = FailedPrecondition(f"publishing failed: {type(exc).__name__}: {exc}")
+            wrapped.__cause__ = exc
+        else:
+            wrapped = exc
+        with self._cond:
+            if self._failure is None:
+                self._failure = wrapped
+                log.error("publisher failed; later versions cannot be published", run=self.run, error=str(exc))
+            self._cond.notify_all()
+        for job in jobs:
+            for f in job.futures:
+                if not f.done():
+                    f.set_exception(wrapped)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return _numel(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()

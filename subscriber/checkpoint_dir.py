@@ -1,0 +1,262 @@
+"""A destination that keeps the served weights as an HF safetensors checkpoint directory.
+
+Layout under ``root``::
+
+    root/current -> versions/vN          (a relative symlink; engines load root/current)
+    root/versions/vN/model.safetensors   (or model-0000i-of-0000K.safetensors + index json)
+    root/versions/vN/weftboard.json      (version, root digest, tensor digests)
+
+Invariants:
+- A version is built aside (``versions/.tmp-vN-*``), verified (every tensor digest and the
+  root digest against the record), fsynced (files and directories), renamed to
+  ``versions/vN``, and only then published by atomically replacing ``current`` (rename of
+  a temporary symlink over it). A crash at any point leaves ``current`` on a complete,
+  verified version: never a torn checkpoint.
+- At start-up nothing on disk is trusted: what ``current`` points to is re-hashed and
+  compared with its ``weftboard.json`` before ``held_version()`` reports it; leftover
+  temporary directories from a crash are removed.
+- Older versions are pruned after the swap, keeping the newest ``keep`` (>= 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import structlog
+import torch
+
+from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch, WeftboardError
+from weftboard.publisher.anchors import checkpoint_files, map_safetensors, read_header, write_index
+from weftboard.subscriber.destination import TensorEntry, VersionTarget
+from weftboard.subscriber.verify import verify_tensors
+
+log = structlog.get_logger("weftboard.subscriber")
+
+META_NAME = "weftboard.json"
+HANG_ENV = "WEFTBOARD_TEST_HANG_IN_APPLY_S"  # tests: sleep inside apply, before the swap
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Mapped:
+    """The tensors of every safetensors file of a directory, mapped in place."""
+
+    def __init__(self, directory: Path, *, writable: bool) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._maps = []
+        for path in checkpoint_files(directory):
+            tensors, mm = map_safetensors(path, writable=writable)
+            self._maps.append(mm)
+            dup = set(self.tensors) & set(tensors)
+            if dup:
+                raise CorruptData(f"{directory}: tensors {sorted(dup)[:3]} appear in more than one shard")
+            self.tensors.update(tensors)
+
+    def flush(self) -> None:
+        for mm in self._maps:
+            mm.flush()
+
+    def close(self) -> None:
+        self.tensors.clear()
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+
+    def __enter__(self) -> "_Mapped":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class CheckpointDirDestination:
+    def __init__(self, root: Path | str, *, keep: int = 2, verify: bool = True,
+                 before_swap: Callable[[Path], None] | None = None) -> None:
+        self.root = Path(root)
+        self.keep = max(1, keep)
+        self.before_swap = before_swap  # tests: simulate a crash between write and swap
+        (self.root / "versions").mkdir(parents=True, exist_ok=True)
+        self._held = 0
+        self._digests: dict[str, str] = {}
+        self._lock = asyncio.Lock()
+        for stale in (self.root / "versions").glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if verify:
+            self._recover()
+
+    # -- the port -----------------------------------------------------------------------
+
+    def held_version(self) -> int:
+        return self._held
+
+    @property
+    def current(self) -> Path:
+        return self.root / "current"
+
+    def current_dir(self) -> Path | None:
+        return self.current.resolve() if self._held else None
+
+    async def load_anchor(self, shards: Sequence[Path], target: VersionTarget) -> None:
+        async with self._lock:
+            digests = await asyncio.to_thread(self._load_anchor, list(shards), target)
+            self._digests, self._held = digests, target.version
+
+    async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
+        async with self._lock:
+            if self._held != target.version - 1:
+                raise ApplyError(
+                    f"patch to version {target.version} needs version {target.version - 1}, {self.root} holds {self._held}"
+                )
+            digests = await asyncio.to_thread(self._apply_patch, patch, target)
+            self._digests, self._held = digests, target.version
+
+    # -- work (worker threads) -------------------------------------------------------------
+
+    def _tmp_dir(self, version: int) -> Path:
+        tmp = self.root / "versions" / f".tmp-v{version}-{os.getpid()}-{time.monotonic_ns()}"
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def _load_anchor(self, shards: list[Path], target: VersionTarget) -> dict[str, str]:
+        tmp = self._tmp_dir(target.version)
+        try:
+            names = []
+            for src in shards:
+                dest = tmp / src.name
+                try:
+                    os.link(src, dest)  # same filesystem: no copy; the cache entry is deleted later
+                except OSError:
+                    shutil.copyfile(src, dest)
+                names.append(src.name)
+            if len(names) > 1:
+                files = [(n, list(read_header(tmp / n)[1])) for n in names]
+                total = sum(
+                    info["data_offsets"][1] - info["data_offsets"][0]
+                    for n in names for info in read_header(tmp / n)[1].values()
+                )
+                write_index(tmp, files, total)
+            with _Mapped(tmp, writable=False) as mapped:
+                digests = verify_tensors(mapped.tensors, target)
+            self._finish(tmp, target, digests)
+            return digests
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def _apply_patch(self, patch: Path, target: VersionTarget) -> dict[str, str]:
+        from weftboard.cuda.codec import apply_patch_
+
+        data = patch.read_bytes()
+        src = self.current.resolve()
+        tmp = self._tmp_dir(target.version)
+        try:
+            for f in src.iterdir():
+                if f.name != META_NAME:
+                    shutil.copyfile(f, tmp / f.name)
+            with _Mapped(tmp, writable=True) as mapped:
+                applied = apply_patch_(mapped.tensors, data)
+                if applied.target_version != target.version or applied.base_version != target.version - 1:
+                    raise CorruptData(
+                        f"patch goes from {applied.base_version} to {applied.target_version}, expected "
+                        f"{target.version - 1} to {target.version}"
+                    )
+                touched = [n for n, c in applied.changed.items() if c]
+                digests = verify_tensors(mapped.tensors, target, rehash=touched, cache=self._digests)
+                mapped.flush()
+            hang = float(os.environ.get(HANG_ENV, "0") or 0)
+            if hang > 0:
+                log.warning("test hook: hanging inside apply before the swap", seconds=hang, version=target.version)
+                time.sleep(hang)
+            self._finish(tmp, target, digests)
+            return digests
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, (WeftboardError, KeyboardInterrupt, SystemExit)):
+                raise
+            raise ApplyError(f"applying the patch to version {target.version} in {self.root} failed: {exc}") from exc
+
+    def _finish(self, tmp: Path, target: VersionTarget, digests: dict[str, str]) -> None:
+        meta = {
+            "version": target.version,
+            "root_digest": target.root_digest,
+            "tensor_digests": digests,
+            "layout": [[e.name, e.dtype, list(e.shape)] for e in target.layout],
+            "labels": dict(target.labels),
+        }
+        (tmp / META_NAME).write_text(json.dumps(meta))
+        for f in tmp.iterdir():
+            _fsync_file(f)
+        _fsync_dir(tmp)
+        final = self.root / "versions" / f"v{target.version}"
+        if final.exists():  # a leftover of an earlier attempt that never became current
+            if self.current.exists() and self.current.resolve() == final.resolve():
+                raise ApplyError(f"{final} is current already; refusing to overwrite it")
+            shutil.rmtree(final)
+        if self.before_swap is not None:
+            self.before_swap(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+        link_tmp = self.root / f".current-{os.getpid()}-{time.monotonic_ns()}"
+        os.symlink(os.path.join("versions", final.name), link_tmp)
+        os.replace(link_tmp, self.current)
+        _fsync_dir(self.root)
+        self._prune(target.version)
+
+    def _prune(self, newest: int) -> None:
+        versions = []
+        for d in (self.root / "versions").iterdir():
+            if d.name.startswith("v") and d.name[1:].isdigit():
+                versions.append(int(d.name[1:]))
+        for v in sorted(versions)[:-self.keep]:
+            if v != newest:
+                shutil.rmtree(self.root / "versions" / f"v{v}", ignore_errors=True)
+
+    # -- start-up --------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Trust what ``current`` holds only after re-hashing it against its own record."""
+        if not self.current.exists():
+            return
+        directory = self.current.resolve()
+        try:
+            meta = json.loads((directory / META_NAME).read_text())
+            target = VersionTarget(
+                version=int(meta["version"]),
+                root_digest=meta["root_digest"],
+                tensor_digests=meta["tensor_digests"],
+                layout=[TensorEntry(n, d, tuple(s)) for n, d, s in meta["layout"]],
+            )
+            with _Mapped(directory, writable=False) as mapped:
+                self._digests = verify_tensors(mapped.tensors, target)
+            self._held = target.version
+            log.info("verified the checkpoint on disk", root=str(self.root), version=self._held)
+        except (OSError, ValueError, KeyError, WeftboardError) as exc:
+            log.error("the checkpoint on disk does not verify; starting from nothing", root=str(self.root), error=str(exc))
+            self._held, self._digests = 0, {}
+
+    def held_root_digest(self) -> str | None:
+        if not self._held:
+            return None
+        return json.loads((self.current.resolve() / META_NAME).read_text())["root_digest"]

@@ -1,0 +1,100 @@
+"""Fetching plan blobs into the island's cache: streaming, resumable, digest-verified.
+
+Invariants:
+- A blob is downloaded to ``<cache>/<hex>.part`` (resuming from its current size after a
+  crash or a dropped connection), then hashed; only a file whose size and xxh3-128 match
+  the ``BlobRef`` is renamed to its final name. A final file is therefore always verified
+  (and re-verified if found at start-up, since the disk may have been tampered with).
+- Anchor shards keep their checkpoint file names (``<cache>/<hex>/<name>``) so a
+  destination can lay them out as an HF checkpoint directly.
+- With a blob store the island reads S3 with its own credentials; without, it uses the
+  presigned URL the board put in the plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+
+from weftboard.proto.errors import DigestMismatch, NotFound, PermissionDenied, Unavailable
+from weftboard.publisher.anchors import file_digest
+from weftboard.publisher.uploader import with_retries
+
+log = structlog.get_logger("weftboard.subscriber")
+
+
+def cache_path(cache_dir: Path, ref: Any) -> Path:
+    hexpart = ref.digest.split(":", 1)[1]
+    if ref.name:
+        return cache_dir / hexpart / ref.name
+    return cache_dir / f"{hexpart}.patch"
+
+
+class Fetcher:
+    def __init__(self, cache_dir: Path, blob_store: Any = None, *, parallel: int = 4, timeout_s: float = 600.0,
+                 on_bytes: Callable[[int], None] | None = None) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self.store = blob_store
+        self.timeout_s = timeout_s
+        self._sem = asyncio.Semaphore(parallel)
+        self.on_bytes = on_bytes
+        self.bytes_downloaded = 0
+
+    async def fetch(self, ref: Any) -> Path:
+        """The verified local file of ``ref`` (downloading or resuming as needed)."""
+        final = cache_path(self.cache_dir, ref)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if final.exists():
+            if final.stat().st_size == ref.size and await asyncio.to_thread(file_digest, final) == ref.digest:
+                return final
+            final.unlink()
+        part = final.with_name(final.name + ".part")
+        async with self._sem:
+            async def attempt() -> None:
+                offset = part.stat().st_size if part.exists() else 0
+                if offset > ref.size:
+                    part.unlink()
+                    offset = 0
+                if offset == ref.size:
+                    return
+                if self.store is not None:
+                    await asyncio.wait_for(self.store.download_to(ref.key, part, offset), self.timeout_s)
+                elif ref.url:
+                    from weftboard.board.blobs import fetch_url
+
+                    await fetch_url(ref.url, part, offset, timeout_s=self.timeout_s)
+                else:
+                    raise PermissionDenied(
+                        f"blob {ref.key}: no blob-store credentials and the plan carries no presigned URL"
+                    )
+
+            await with_retries(f"download of {ref.key}", attempt, deadline_s=self.timeout_s)
+        size = part.stat().st_size
+        self.bytes_downloaded += size
+        if self.on_bytes is not None:
+            self.on_bytes(size)
+        digest = await asyncio.to_thread(file_digest, part) if size == ref.size else None
+        if digest != ref.digest:
+            part.unlink(missing_ok=True)
+            raise DigestMismatch(
+                f"blob {ref.key}: downloaded {size} bytes hashing to {digest}, the record says "
+                f"{ref.size} bytes hashing to {ref.digest}"
+            )
+        os.replace(part, final)
+        return final
+
+    def forget(self, ref: Any) -> None:
+        """Drop a blob's cached file (after it was applied, or when it proved bad)."""
+        final = cache_path(self.cache_dir, ref)
+        for p in (final, final.with_name(final.name + ".part")):
+            p.unlink(missing_ok=True)
+        if ref.name:
+            try:
+                final.parent.rmdir()
+            except OSError:
+                pass

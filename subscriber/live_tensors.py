@@ -1,0 +1,106 @@
+"""A destination that keeps served weights in live torch tensors (CPU or GPU), in place.
+
+For an engine in the same process: its weight tensors are handed over once and stay the
+same objects forever (same storage, same device pointers), so CUDA graphs and anything
+else holding them remain valid.
+
+Invariants:
+- A patch is decoded and validated before any byte is written (``apply_patch_``); after
+  it is written, the tensors it touched are hashed and checked against the record, and a
+  mismatch is undone with ``AppliedPatch.revert()`` before the error is raised: the held
+  version's bytes are back, bit for bit.
+- An anchor is verified in its files first (tensor digests and root), and only then copied
+  into the live tensors with ``copy_``.
+- ``held_version()`` names a verified version only; 0 until the first verified step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import structlog
+import torch
+
+from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch
+from weftboard.publisher.anchors import map_safetensors
+from weftboard.subscriber.destination import VersionTarget
+from weftboard.subscriber.verify import check_layout, verify_tensors
+
+log = structlog.get_logger("weftboard.subscriber")
+
+
+class LiveTensorsDestination:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, held_version: int = 0, digests: Mapping[str, str] | None = None) -> None:
+        """``tensors`` are updated in place. ``held_version``/``digests`` only for tensors the
+        caller has already verified (e.g. the publisher's own view)."""
+        for name, t in tensors.items():
+            if not t.is_contiguous():
+                raise ApplyError(f"tensor {name!r} is not contiguous; patches apply in place to contiguous storage")
+        self.tensors = dict(tensors)
+        self._held = held_version
+        self._digests: dict[str, str] = dict(digests or {})
+        self._lock = asyncio.Lock()
+
+    def held_version(self) -> int:
+        return self._held
+
+    async def load_anchor(self, shards: Sequence[Path], target: VersionTarget) -> None:
+        async with self._lock:
+            digests = await asyncio.to_thread(self._load_anchor, list(shards), target)
+            self._digests, self._held = digests, target.version
+
+    def _load_anchor(self, shards: list[Path], target: VersionTarget) -> dict[str, str]:
+        maps = []
+        try:
+            files: dict[str, torch.Tensor] = {}
+            for path in shards:
+                tensors, mm = map_safetensors(path, writable=False)
+                maps.append(mm)
+                dup = set(files) & set(tensors)
+                if dup:
+                    raise CorruptData(f"anchor shards repeat tensors {sorted(dup)[:3]}")
+                files.update(tensors)
+            digests = verify_tensors(files, target)  # the files, before touching live tensors
+            check_layout(self.tensors, target)
+            for name, src in files.items():
+                self.tensors[name].copy_(src)
+            files.clear()
+            return digests
+        finally:
+            for mm in maps:
+                try:
+                    mm.close()
+                except BufferError:  # a view is still referenced; the GC closes it later
+                    pass
+
+    async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
+        async with self._lock:
+            if self._held != target.version - 1:
+                raise ApplyError(
+                    f"patch to version {target.version} needs version {target.version - 1}, the destination holds {self._held}"
+                )
+            digests = await asyncio.to_thread(self._apply, patch, target)
+            self._digests, self._held = digests, target.version
+
+    def _apply(self, patch: Path, target: VersionTarget) -> dict[str, str]:
+        from weftboard.cuda.codec import apply_patch_
+
+        data = patch.read_bytes()
+        check_layout(self.tensors, target)
+        applied = apply_patch_(self.tensors, data)  # validates everything before writing
+        try:
+            if applied.target_version != target.version or applied.base_version != target.version - 1:
+                raise CorruptData(
+                    f"patch goes from {applied.base_version} to {applied.target_version}, expected "
+                    f"{target.version - 1} to {target.version}"
+                )
+            touched = [n for n, c in applied.changed.items() if c]
+            return verify_tensors(self.tensors, target, rehash=touched, cache=self._digests)
+        except BaseException as exc:
+            applied.revert()
+            log.error("patch result rejected and reverted", version=target.version, error=str(exc))
+            if isinstance(exc, (CorruptData, ApplyError)):
+                raise
+            raise ApplyError(f"applying the patch to version {target.version} failed: {exc}") from exc

@@ -1,0 +1,257 @@
+"""The island-side follower: watch the board, plan, fetch, verify, apply, report.
+
+Invariants:
+- The destination only ever reports versions whose root digest it verified; the
+  subscriber's ``held_version`` is the destination's.
+- Steps of a plan are applied strictly in order; downloads of later steps run while
+  earlier steps apply (pipelined), bounded by ``parallel`` concurrent transfers.
+- A bad blob or a failed apply is never served. Recovery is: refetch (the cached blobs of
+  the failed step are dropped) with a fresh plan, then a plan from nothing (an anchor);
+  each failure is logged at error level and heartbeated as ERROR with its message. Only
+  when all three fail does ``sync_to`` raise.
+- ``run()`` never misses a version: it watches from the held version (the board's watch
+  replays everything after it) and, when the held version falls out of retained history
+  (OUT_OF_RANGE), catches up from an anchor and watches again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+
+from weftboard.proto.errors import (
+    ApplyError,
+    CorruptData,
+    FailedPrecondition,
+    NotFound,
+    OutOfRange,
+    Unavailable,
+    WeftboardError,
+)
+from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.subscriber.destination import Destination, TensorEntry, VersionTarget
+from weftboard.subscriber.fetch import Fetcher
+
+log = structlog.get_logger("weftboard.subscriber")
+
+_RECOVERABLE = (CorruptData, ApplyError, NotFound)
+
+
+class Subscriber:
+    def __init__(
+        self,
+        client: Any,
+        run: str,
+        destination: Destination,
+        *,
+        island_id: str,
+        region: str = "local",
+        blob_store: Any = None,
+        cache_dir: Path | str,
+        heartbeat_s: float = 5.0,
+        lease_s: int = 15,
+        heartbeat: bool = True,
+        parallel: int = 4,
+        progress: Any = None,
+    ) -> None:
+        self.client = client
+        self.run_name = run
+        self.destination = destination
+        self.island_id = island_id
+        self.region = region
+        self.blob_store = blob_store
+        self.fetcher = Fetcher(Path(cache_dir), blob_store, parallel=parallel)
+        self.heartbeat_s = heartbeat_s
+        self.lease_s = lease_s
+        self._heartbeat_enabled = heartbeat
+        self.progress = progress
+        self.head = 0
+        self.state = pb.ISLAND_STATE_STARTING
+        self.message = ""
+        self.version_changed = asyncio.Event()  # set on every change of held_version; clear it to wait again
+        self._listeners: list[Callable[[int], Any]] = []
+        self._cond = asyncio.Condition()
+        self._layout: list[TensorEntry] | None = None
+        self._sync_lock = asyncio.Lock()
+        self.applied_at: dict[int, float] = {}  # version -> time.time() when verified and held
+
+    # -- observation ------------------------------------------------------------------
+
+    @property
+    def held_version(self) -> int:
+        return self.destination.held_version()
+
+    def add_listener(self, callback: Callable[[int], Any]) -> None:
+        """``callback(version)`` after every verified step (sync or async callable)."""
+        self._listeners.append(callback)
+
+    async def wait_for_version(self, version: int, timeout_s: float | None = None) -> int:
+        """Wait until the held version is at least ``version``; returns it."""
+        async def wait() -> int:
+            async with self._cond:
+                await self._cond.wait_for(lambda: self.held_version >= version)
+                return self.held_version
+
+        return await asyncio.wait_for(wait(), timeout_s)
+
+    async def _changed(self, version: int) -> None:
+        self.applied_at[version] = time.time()
+        self.version_changed.set()
+        async with self._cond:
+            self._cond.notify_all()
+        for cb in self._listeners:
+            result = cb(version)
+            if asyncio.iscoroutine(result):
+                await result
+
+    # -- state reporting ----------------------------------------------------------------
+
+    async def _set_state(self, state: int, message: str = "") -> None:
+        changed = (state, message) != (self.state, self.message)
+        self.state, self.message = state, message
+        if changed and self._heartbeat_enabled:
+            await self.heartbeat()
+
+    async def heartbeat(self) -> None:
+        status = pb.IslandStatus(
+            island_id=self.island_id, run=self.run_name, region=self.region,
+            version=self.held_version, state=self.state, message=self.message[:1000],
+        )
+        try:
+            resp = await self.client.heartbeat(status, lease_s=self.lease_s)
+            self.head = max(self.head, resp.head)
+        except WeftboardError as exc:
+            log.warning("heartbeat failed", island=self.island_id, error=str(exc))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self.heartbeat()
+            await asyncio.sleep(self.heartbeat_s)
+
+    # -- catch-up -----------------------------------------------------------------------
+
+    async def _get_layout(self) -> list[TensorEntry]:
+        if self._layout is None:
+            run = await self.client.get_run(self.run_name)
+            self._layout = [TensorEntry(t.name, t.dtype, tuple(t.shape)) for t in run.layout.tensors]
+        return self._layout
+
+    async def _target(self, version: int) -> VersionTarget:
+        record = await self.client.get_version(self.run_name, version)
+        return VersionTarget(
+            version=version,
+            root_digest=record.root_digest,
+            tensor_digests={d.name: d.digest for d in record.tensor_digests},
+            layout=await self._get_layout(),
+            labels=dict(record.labels),
+        )
+
+    async def sync_to(self, want: int = 0) -> int:
+        """Catch up to ``want`` (0: the head); returns the verified version held after."""
+        async with self._sync_lock:
+            errors: list[str] = []
+            for attempt, from_nothing in ((1, False), (2, False), (3, True)):
+                have = 0 if from_nothing else self.held_version
+                plan = await self.client.plan_catch_up(
+                    self.run_name, have_version=have, want_version=want, presign=self.blob_store is None
+                )
+                self.head = max(self.head, plan.to_version)
+                if not plan.steps or (plan.to_version <= self.held_version and not from_nothing):
+                    if self.state != pb.ISLAND_STATE_READY and self.held_version:
+                        await self._set_state(pb.ISLAND_STATE_READY)
+                    return self.held_version
+                await self._set_state(pb.ISLAND_STATE_CATCHING_UP, f"to version {plan.to_version}")
+                try:
+                    await self._execute(plan)
+                except _RECOVERABLE as exc:
+                    errors.append(f"attempt {attempt}: {exc}")
+                    log.error(
+                        "catch-up step failed; nothing of it is served",
+                        island=self.island_id, run=self.run_name, attempt=attempt,
+                        next="refetch" if attempt == 1 else "anchor" if attempt == 2 else "give up",
+                        error=str(exc), held=self.held_version,
+                    )
+                    await self._set_state(pb.ISLAND_STATE_ERROR, f"{type(exc).__name__}: {exc}")
+                    continue
+                await self._set_state(pb.ISLAND_STATE_READY)
+                return self.held_version
+            message = "; ".join(errors)
+            await self._set_state(pb.ISLAND_STATE_ERROR, message)
+            raise ApplyError(f"island {self.island_id} could not reach version {want or 'head'}: {message}")
+
+    async def _execute(self, plan: pb.CatchUpPlan) -> None:
+        steps = list(plan.steps)
+        targets = [asyncio.ensure_future(self._target(s.to_version)) for s in steps]
+        downloads = [asyncio.ensure_future(asyncio.gather(*(self.fetcher.fetch(b) for b in s.blobs))) for s in steps]
+        try:
+            for step, target_f, download in zip(steps, targets, downloads):
+                target = await target_f
+                if target.root_digest != step.root_digest:
+                    raise CorruptData(
+                        f"plan step to {step.to_version} names root {step.root_digest}, the record {target.root_digest}"
+                    )
+                try:
+                    paths = await download
+                    t0 = time.perf_counter()
+                    if step.kind == pb.ARTIFACT_KIND_ANCHOR:
+                        await self.destination.load_anchor(paths, target)
+                    else:
+                        await self.destination.apply_patch(paths[0], target)
+                except _RECOVERABLE:
+                    for b in step.blobs:
+                        self.fetcher.forget(b)
+                    raise
+                for b in step.blobs:
+                    self.fetcher.forget(b)
+                log.info("version applied", island=self.island_id, run=self.run_name, version=step.to_version,
+                         kind="anchor" if step.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
+                         bytes=sum(b.size for b in step.blobs), apply_s=round(time.perf_counter() - t0, 3))
+                await self._changed(step.to_version)
+        finally:
+            for f in (*targets, *downloads):
+                if not f.done():
+                    f.cancel()
+            await asyncio.gather(*targets, *downloads, return_exceptions=True)
+
+    # -- following ------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Follow the run forever: catch up, then apply every new version as it is committed."""
+        hb = asyncio.ensure_future(self._heartbeat_loop()) if self._heartbeat_enabled else None
+        try:
+            while True:
+                try:
+                    await self._follow()
+                except (OutOfRange, FailedPrecondition) as exc:
+                    log.warning("fell behind retained history or run empty; re-planning", island=self.island_id, error=str(exc))
+                    await asyncio.sleep(0.5)
+                except (ApplyError, CorruptData, Unavailable, NotFound) as exc:
+                    log.error("follow loop error; retrying", island=self.island_id, error=str(exc))
+                    await asyncio.sleep(1.0)
+        finally:
+            if hb is not None:
+                hb.cancel()
+                await asyncio.gather(hb, return_exceptions=True)
+
+    async def _follow(self) -> None:
+        head = (await self.client.get_head(self.run_name)).version
+        self.head = max(self.head, head)
+        if head > self.held_version:
+            await self.sync_to(head)
+        elif self.held_version:
+            await self._set_state(pb.ISLAND_STATE_READY)
+        async for event in self.client.watch(self.run_name, after_version=self.held_version, progress_interval_ms=1000):
+            kind = event.WhichOneof("event")
+            if kind == "version":
+                v = event.version.version
+                self.head = max(self.head, v)
+                if v > self.held_version:
+                    await self.sync_to(v)
+            elif kind == "progress":
+                self.head = max(self.head, event.progress.head)
+                if self.head > self.held_version:
+                    await self.sync_to(self.head)

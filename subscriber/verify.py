@@ -1,0 +1,73 @@
+"""Verifying served tensors against a version record before anyone sees them.
+
+Invariants:
+- The layout must match the target's exactly (names, dtypes, shapes); a mismatch is
+  ``ApplyError`` (wrong destination for this run), not a digest problem.
+- Every tensor's digest is compared to the record's, and the root digest is recomputed
+  from the layout and those digests and compared to the record's root, so a record whose
+  tensor digests were tampered with cannot pass either.
+- Only tensors named in ``rehash`` are hashed; the others come from ``cache`` (digests the
+  destination computed when it last verified them), which keeps a sparse patch's check
+  proportional to the tensors it touched.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+from weftboard.proto.errors import ApplyError, DigestMismatch
+from weftboard.subscriber.destination import VersionTarget
+
+
+def check_layout(tensors: Mapping[str, torch.Tensor], target: VersionTarget) -> None:
+    if len(tensors) != len(target.layout):
+        extra = sorted(set(tensors) - {e.name for e in target.layout})[:3]
+        missing = sorted({e.name for e in target.layout} - set(tensors))[:3]
+        raise ApplyError(
+            f"version {target.version}: the destination holds {len(tensors)} tensors, the layout has "
+            f"{len(target.layout)} (missing {missing}, unexpected {extra})"
+        )
+    for e in target.layout:
+        t = tensors.get(e.name)
+        if t is None:
+            raise ApplyError(f"version {target.version}: tensor {e.name!r} of the layout is missing")
+        dtype = str(t.dtype).removeprefix("torch.")
+        if dtype != e.dtype or tuple(t.shape) != tuple(e.shape):
+            raise ApplyError(
+                f"version {target.version}: tensor {e.name!r} is {dtype}{list(t.shape)}, "
+                f"the layout says {e.dtype}{list(e.shape)}"
+            )
+
+
+def verify_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    target: VersionTarget,
+    *,
+    rehash: Iterable[str] | None = None,
+    cache: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Digests of every layout tensor, verified against ``target``; DigestMismatch otherwise."""
+    from weftboard.cuda.digest import root_digest, tensor_digest
+
+    check_layout(tensors, target)
+    todo = set(rehash) if rehash is not None else None
+    digests: dict[str, str] = {}
+    for e in target.layout:
+        if todo is None or e.name in todo or cache is None or e.name not in cache:
+            digests[e.name] = tensor_digest(tensors[e.name])
+        else:
+            digests[e.name] = cache[e.name]
+        want = target.tensor_digests.get(e.name)
+        if digests[e.name] != want:
+            raise DigestMismatch(
+                f"version {target.version}: tensor {e.name!r} hashes to {digests[e.name]}, "
+                f"the record says {want}; the result is not served"
+            )
+    root = root_digest([(e.name, e.dtype, list(e.shape), digests[e.name]) for e in target.layout])
+    if root != target.root_digest:
+        raise DigestMismatch(
+            f"version {target.version}: root digest {root} differs from the record's {target.root_digest}"
+        )
+    return digests
