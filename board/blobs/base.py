@@ -1,0 +1,103 @@
+"""The blob store port: where anchors and patches live, addressed by key.
+
+Everything that moves blob bytes (publisher, board checks, island fetchers, GC) codes
+against ``BlobStore`` only, so S3 (MinIO, AWS, SeaweedFS) and a local directory are
+interchangeable.
+
+Invariants:
+- Keys are relative, '/'-separated paths without empty, '.' or '..' segments, no
+  backslashes, no NUL: ``check_key`` enforces this for every store, so a key can never
+  escape a local root or alias another key.
+- Writes are all-or-nothing: a reader sees either no object or the complete bytes.
+- A missing object raises ``NotFound`` on reads and is ``None`` for ``stat``; an
+  unreachable backend raises ``Unavailable`` (safe to retry).
+- Every method is a coroutine; blocking client calls run in ``asyncio.to_thread`` so a
+  server's event loop never stalls on storage.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+from typing import Iterable
+
+from weftboard.proto.errors import InvalidArgument
+
+MAX_KEY_BYTES = 1024
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that could escape a root, alias another key, or break S3 naming."""
+    if not isinstance(key, str) or not key:
+        raise InvalidArgument("a blob key must be a non-empty string")
+    if len(key.encode()) > MAX_KEY_BYTES:
+        raise InvalidArgument(f"blob key is {len(key.encode())} bytes; the limit is {MAX_KEY_BYTES}")
+    if "\\" in key or "\x00" in key:
+        raise InvalidArgument(f"blob key {key!r} contains a backslash or NUL")
+    if key.startswith("/"):
+        raise InvalidArgument(f"blob key {key!r} must be relative (no leading '/')")
+    for segment in key.split("/"):
+        if segment in ("", ".", ".."):
+            raise InvalidArgument(f"blob key {key!r} has an empty, '.' or '..' segment")
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """A listing prefix: empty, or a key-like string (it may end with '/')."""
+    if prefix:
+        stripped = prefix.rstrip("/")
+        if not stripped:
+            raise InvalidArgument(f"listing prefix {prefix!r} must not start with '/'")
+        check_key(stripped)
+    return prefix
+
+
+class BlobStore(abc.ABC):
+    """Async key/value store for immutable blobs. See the module docstring for the rules."""
+
+    @abc.abstractmethod
+    async def put_file(self, key: str, path: Path | str) -> int:
+        """Upload a local file (multipart when large); returns its size."""
+
+    @abc.abstractmethod
+    async def put_bytes(self, key: str, data: bytes) -> int:
+        """Store ``data`` under ``key``; returns its size."""
+
+    @abc.abstractmethod
+    async def get_bytes(self, key: str) -> bytes:
+        """The whole object; ``NotFound`` when missing."""
+
+    @abc.abstractmethod
+    async def download_to(self, key: str, path: Path | str, offset: int = 0) -> int:
+        """Write the object to ``path``, resuming a partial file at ``offset``.
+
+        Bytes before ``offset`` are kept as they are (the caller verifies the digest of the
+        whole file afterwards); returns the object's total size.
+        """
+
+    @abc.abstractmethod
+    async def stat(self, key: str) -> int | None:
+        """Size in bytes, or None when the object does not exist."""
+
+    @abc.abstractmethod
+    async def delete(self, keys: Iterable[str]) -> int:
+        """Delete objects (missing ones are fine); returns how many keys were asked for."""
+
+    @abc.abstractmethod
+    async def list_keys(self, prefix: str = "") -> list[str]:
+        """Every key starting with ``prefix``, sorted."""
+
+    async def presign_put(self, key: str, expires_s: int) -> str | None:
+        """A URL that lets its holder PUT this one object until it expires; None if unsupported."""
+        return None
+
+    async def presign_get(self, key: str, expires_s: int) -> str | None:
+        """A URL that lets its holder GET this one object until it expires; None if unsupported."""
+        return None
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """A one-line, credential-free description for logs and ``serve``'s banner."""
+
+    async def close(self) -> None:
+        """Release connections; the default has nothing to release."""

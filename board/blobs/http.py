@@ -1,0 +1,156 @@
+"""Moving blobs through presigned URLs, for processes that hold no S3 credentials.
+
+The board hands an island (or a credential-less publisher) a short-lived URL scoped to one
+object; these helpers stream it to or from a local file with aiohttp.
+
+Invariants:
+- ``fetch_url`` resumes: with ``offset > 0`` it sends a Range request and appends; if the
+  server ignores the range (200 instead of 206) the file is rewritten from byte 0.
+- File I/O runs in worker threads so the caller's event loop keeps serving.
+- HTTP statuses map to weftboard errors: 403 -> PermissionDenied (expired or foreign
+  URL), 404 -> NotFound, 5xx and network failures -> Unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from pathlib import Path
+from typing import AsyncIterator
+
+import aiohttp
+
+from weftboard.proto.errors import NotFound, PermissionDenied, Unavailable, WeftboardError
+
+_CHUNK = 1 << 20
+_CONTENT_RANGE = re.compile(r"bytes (?:(\d+)-(\d+)|\*)/(\d+)")
+
+
+def _timeout(total_s: float | None, connect_s: float) -> aiohttp.ClientTimeout:
+    return aiohttp.ClientTimeout(total=total_s, sock_connect=connect_s, sock_read=60.0)
+
+
+def _redact(url: str) -> str:
+    """The URL without its query (the signature), for error messages and logs."""
+    return url.split("?", 1)[0]
+
+
+def _raise_for_status(status: int, url: str, body: str) -> None:
+    where = _redact(url)
+    snippet = body[:300].strip()
+    if status == 403:
+        raise PermissionDenied(f"GET/PUT {where} refused (403): the presigned URL expired or is for another object; ask the board for a new one. {snippet}")
+    if status == 404:
+        raise NotFound(f"{where} does not exist (404)")
+    if status >= 500:
+        raise Unavailable(f"{where} answered {status}; retry later. {snippet}")
+    raise WeftboardError(f"{where} answered HTTP {status}: {snippet}")
+
+
+async def fetch_url(
+    url: str,
+    path: Path | str,
+    offset: int = 0,
+    *,
+    timeout_s: float | None = 600.0,
+    connect_timeout_s: float = 10.0,
+    session: aiohttp.ClientSession | None = None,
+) -> int:
+    """Download ``url`` into ``path`` (resuming at ``offset``); returns the object's size."""
+    dest = Path(path)
+    headers = {"Range": f"bytes={offset}-"} if offset > 0 else {}
+    own = session is None
+    session = session or aiohttp.ClientSession(timeout=_timeout(timeout_s, connect_timeout_s))
+    try:
+        async with session.get(url, headers=headers) as response:
+            if response.status == 416 and offset > 0:
+                # Range starts at or past the end: complete already, or longer than the object.
+                match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
+                total = int(match.group(3)) if match else -1
+                if total == offset:
+                    return total
+                return await fetch_url(url, dest, 0, timeout_s=timeout_s, session=session)
+            if response.status not in (200, 206):
+                _raise_for_status(response.status, url, await response.text(errors="replace"))
+            start = offset if response.status == 206 else 0
+            if response.status == 206:
+                match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
+                total = int(match.group(3)) if match else start + (response.content_length or 0)
+            else:
+                total = response.content_length if response.content_length is not None else -1
+            out = await asyncio.to_thread(_open_at, dest, start)
+            try:
+                async for chunk in response.content.iter_chunked(_CHUNK):
+                    await asyncio.to_thread(out.write, chunk)
+                written = out.tell()
+            finally:
+                await asyncio.to_thread(out.close)
+    except aiohttp.ClientError as exc:
+        raise Unavailable(f"cannot download {_redact(url)}: {exc}") from exc
+    except asyncio.TimeoutError as exc:
+        raise Unavailable(f"download of {_redact(url)} timed out; resume with offset={dest.stat().st_size if dest.exists() else 0}") from exc
+    finally:
+        if own:
+            await session.close()
+    if total >= 0 and written != total:
+        raise Unavailable(f"download of {_redact(url)} stopped at byte {written} of {total}; resume with offset={written}")
+    return written
+
+
+def _open_at(dest: Path, start: int):
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    out = open(dest, "r+b" if dest.exists() else "wb")  # noqa: SIM115
+    out.truncate(start)
+    out.seek(start)
+    return out
+
+
+async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
+    handle = await asyncio.to_thread(open, path, "rb")
+    try:
+        while chunk := await asyncio.to_thread(handle.read, _CHUNK):
+            yield chunk
+    finally:
+        await asyncio.to_thread(handle.close)
+
+
+async def upload_url(
+    url: str,
+    path: Path | str,
+    *,
+    timeout_s: float | None = 600.0,
+    connect_timeout_s: float = 10.0,
+    session: aiohttp.ClientSession | None = None,
+) -> int:
+    """PUT a local file to a presigned URL (streamed, with Content-Length); returns its size."""
+    source = Path(path)
+    size = os.path.getsize(source)
+    own = session is None
+    session = session or aiohttp.ClientSession(timeout=_timeout(timeout_s, connect_timeout_s))
+    try:
+        async with session.put(
+            url, data=_file_chunks(source), headers={"Content-Length": str(size)}
+        ) as response:
+            if response.status not in (200, 201, 204):
+                _raise_for_status(response.status, url, await response.text(errors="replace"))
+    except aiohttp.ClientError as exc:
+        raise Unavailable(f"cannot upload to {_redact(url)}: {exc}") from exc
+    except asyncio.TimeoutError as exc:
+        raise Unavailable(f"upload to {_redact(url)} timed out") from exc
+    finally:
+        if own:
+            await session.close()
+    return size
+
+
+async def upload_bytes_url(url: str, data: bytes, *, timeout_s: float = 120.0) -> int:
+    """PUT bytes to a presigned URL; returns their size."""
+    async with aiohttp.ClientSession(timeout=_timeout(timeout_s, 10.0)) as session:
+        try:
+            async with session.put(url, data=data) as response:
+                if response.status not in (200, 201, 204):
+                    _raise_for_status(response.status, url, await response.text(errors="replace"))
+        except aiohttp.ClientError as exc:
+            raise Unavailable(f"cannot upload to {_redact(url)}: {exc}") from exc
+    return len(data)

@@ -1,0 +1,160 @@
+"""A blob store in a local directory: the embedded default and a test double-free option.
+
+Invariants:
+- ``<root>/<key>`` is the object; keys pass ``check_key`` and the resolved path must stay
+  inside the root, so no key reaches outside it.
+- Writes go to a temporary file in the destination directory, are fsynced, then
+  ``os.replace``d into place: a crash leaves either the old object or the new one, never a
+  torn file. Temporary files start with ``.tmp-`` and are invisible to listings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterable
+
+from weftboard.board.blobs.base import BlobStore, check_key, check_prefix
+from weftboard.proto.errors import InvalidArgument, NotFound
+
+_TMP_PREFIX = ".tmp-"
+_CHUNK = 1 << 20
+
+
+class LocalDirBlobStore(BlobStore):
+    def __init__(self, root: Path | str):
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def describe(self) -> str:
+        return f"file://{self.root}"
+
+    def path_for(self, key: str) -> Path:
+        """The file that holds ``key``; refuses anything that resolves outside the root."""
+        check_key(key)
+        if any(segment.startswith(_TMP_PREFIX) for segment in key.split("/")):
+            raise InvalidArgument(f"blob key {key!r} uses the reserved prefix {_TMP_PREFIX!r}")
+        path = (self.root / key).resolve()
+        if not path.is_relative_to(self.root):
+            raise InvalidArgument(f"blob key {key!r} resolves outside the store root {self.root}")
+        return path
+
+    # -- writes ---------------------------------------------------------------
+
+    def _write_atomic(self, key: str, fill: Callable[[BinaryIO], None]) -> int:
+        path = self.path_for(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                fill(out)
+                out.flush()
+                os.fsync(out.fileno())
+                size = out.tell()
+            os.replace(tmp_name, path)
+        except BaseException:
+            try:
+                os.unlink(tmp_name)
+            except FileNotFoundError:
+                pass
+            raise
+        _fsync_dir(path.parent)
+        return size
+
+    async def put_bytes(self, key: str, data: bytes) -> int:
+        return await asyncio.to_thread(self._write_atomic, key, lambda out: out.write(data))
+
+    async def put_file(self, key: str, path: Path | str) -> int:
+        def copy(out: BinaryIO) -> None:
+            with open(path, "rb") as src:
+                shutil.copyfileobj(src, out, _CHUNK)
+
+        if not Path(path).is_file():
+            raise NotFound(f"cannot upload {path}: no such file")
+        return await asyncio.to_thread(self._write_atomic, key, copy)
+
+    # -- reads ----------------------------------------------------------------
+
+    async def get_bytes(self, key: str) -> bytes:
+        path = self.path_for(key)
+        try:
+            return await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            raise NotFound(f"blob {key!r} does not exist in {self.describe()}") from None
+
+    async def download_to(self, key: str, path: Path | str, offset: int = 0) -> int:
+        source = self.path_for(key)
+        return await asyncio.to_thread(_copy_from, source, Path(path), offset, key, self.describe())
+
+    async def stat(self, key: str) -> int | None:
+        path = self.path_for(key)
+        try:
+            return (await asyncio.to_thread(os.stat, path)).st_size
+        except FileNotFoundError:
+            return None
+
+    async def delete(self, keys: Iterable[str]) -> int:
+        paths = [self.path_for(k) for k in keys]
+
+        def unlink_all() -> None:
+            for p in paths:
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+
+        await asyncio.to_thread(unlink_all)
+        return len(paths)
+
+    async def list_keys(self, prefix: str = "") -> list[str]:
+        check_prefix(prefix)
+        return await asyncio.to_thread(self._list, prefix)
+
+    def _list(self, prefix: str) -> list[str]:
+        # Walk only the deepest directory the prefix pins down.
+        base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        keys: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if not d.startswith(_TMP_PREFIX)]
+            for name in filenames:
+                if name.startswith(_TMP_PREFIX):
+                    continue
+                key = Path(dirpath, name).relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    keys.append(key)
+        keys.sort()
+        return keys
+
+
+def _copy_from(source: Path, dest: Path, offset: int, key: str, where: str) -> int:
+    try:
+        src = open(source, "rb")  # noqa: SIM115
+    except FileNotFoundError:
+        raise NotFound(f"blob {key!r} does not exist in {where}") from None
+    with src:
+        total = os.fstat(src.fileno()).st_size
+        if offset < 0 or offset > total:
+            offset = 0  # a partial file longer than the object is not a prefix of it: restart
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(dest, "r+b" if dest.exists() else "wb") as out:
+            out.truncate(offset)
+            out.seek(offset)
+            src.seek(offset)
+            shutil.copyfileobj(src, out, _CHUNK)
+    return total
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,292 @@
+"""The BlobStore port, run identically against a real S3 server (SeaweedFS) and a local dir."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from conftest import make_s3_store
+from weftboard.board.blobs import (
+    BlobStore,
+    LocalDirBlobStore,
+    S3BlobStore,
+    check_key,
+    fetch_url,
+    upload_bytes_url,
+    upload_url,
+)
+from weftboard.board.services import free_port
+from weftboard.proto.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+
+
+@pytest.fixture(params=["s3", "local"])
+def store(request: pytest.FixtureRequest) -> BlobStore:
+    return request.getfixturevalue("s3_store" if request.param == "s3" else "local_store")
+
+
+def _payload(n: int, seed: int = 7) -> bytes:
+    return bytes((i * 31 + seed) & 0xFF for i in range(n))
+
+
+async def test_put_get_stat_roundtrip(store: BlobStore) -> None:
+    data = _payload(10_000)
+    assert await store.put_bytes("run-a/blobs/one", data) == len(data)
+    assert await store.get_bytes("run-a/blobs/one") == data
+    assert await store.stat("run-a/blobs/one") == len(data)
+    assert await store.stat("run-a/blobs/absent") is None
+    # overwrite with the same key replaces the whole object
+    await store.put_bytes("run-a/blobs/one", b"short")
+    assert await store.get_bytes("run-a/blobs/one") == b"short"
+
+
+async def test_empty_object(store: BlobStore) -> None:
+    await store.put_bytes("r/blobs/empty", b"")
+    assert await store.stat("r/blobs/empty") == 0
+    assert await store.get_bytes("r/blobs/empty") == b""
+
+
+async def test_missing_key_is_not_found(store: BlobStore, tmp_path: Path) -> None:
+    with pytest.raises(NotFound, match="r/blobs/nothing"):
+        await store.get_bytes("r/blobs/nothing")
+    with pytest.raises(NotFound):
+        await store.download_to("r/blobs/nothing", tmp_path / "out")
+
+
+async def test_put_file_and_download(store: BlobStore, tmp_path: Path) -> None:
+    src = tmp_path / "src.bin"
+    data = _payload(3 * (1 << 20) + 123)
+    src.write_bytes(data)
+    assert await store.put_file("r/blobs/file", src) == len(data)
+    dest = tmp_path / "dl" / "copy.bin"
+    assert await store.download_to("r/blobs/file", dest) == len(data)
+    assert dest.read_bytes() == data
+
+
+async def test_download_resumes_from_offset(store: BlobStore, tmp_path: Path) -> None:
+    data = _payload(200_000, seed=3)
+    await store.put_bytes("r/blobs/resume", data)
+    dest = tmp_path / "partial.bin"
+    # a partial download whose tail is garbage beyond the offset: only the prefix is trusted
+    dest.write_bytes(data[:77_777] + b"\xff" * 500)
+    assert await store.download_to("r/blobs/resume", dest, offset=77_777) == len(data)
+    assert dest.read_bytes() == data
+    # resuming a complete file is a no-op that still reports the size
+    assert await store.download_to("r/blobs/resume", dest, offset=len(data)) == len(data)
+    assert dest.read_bytes() == data
+    # an offset past the end means the file is not a prefix: start over
+    dest.write_bytes(b"x" * (len(data) + 10))
+    assert await store.download_to("r/blobs/resume", dest, offset=len(data) + 10) == len(data)
+    assert dest.read_bytes() == data
+
+
+async def test_list_and_delete(store: BlobStore) -> None:
+    keys = ["run-a/blobs/1", "run-a/blobs/2", "run-a/manifest", "run-b/blobs/1"]
+    for k in keys:
+        await store.put_bytes(k, k.encode())
+    assert await store.list_keys("run-a/") == ["run-a/blobs/1", "run-a/blobs/2", "run-a/manifest"]
+    assert await store.list_keys("run-a/blobs/") == ["run-a/blobs/1", "run-a/blobs/2"]
+    assert await store.list_keys("run-a/bl") == ["run-a/blobs/1", "run-a/blobs/2"]
+    assert await store.list_keys() == sorted(keys)
+    assert await store.delete(["run-a/blobs/1", "run-a/blobs/never-existed"]) == 2
+    assert await store.stat("run-a/blobs/1") is None
+    assert await store.list_keys("run-a/blobs/") == ["run-a/blobs/2"]
+    assert await store.delete([]) == 0
+
+
+async def test_concurrent_writes_are_all_or_nothing(store: BlobStore) -> None:
+    """Readers racing writers of one key only ever see one complete version."""
+    versions = [bytes([i]) * 300_000 for i in range(4)]
+
+    async def writer(i: int) -> None:
+        await store.put_bytes("r/blobs/race", versions[i])
+
+    async def reader() -> set[bytes]:
+        seen = set()
+        for _ in range(5):
+            try:
+                seen.add(await store.get_bytes("r/blobs/race"))
+            except NotFound:
+                pass
+        return seen
+
+    results = await asyncio.gather(*(writer(i) for i in range(4)), reader(), reader())
+    for seen in results[4:]:
+        assert seen <= set(versions)
+    assert await store.get_bytes("r/blobs/race") in versions
+
+
+@pytest.mark.parametrize(
+    "key", ["", "/abs", "a/../b", "../x", "a//b", "a/./b", "a\\b", "a\x00b", "x" * 1025, "a/"]
+)
+async def test_bad_keys_rejected(store: BlobStore, key: str) -> None:
+    with pytest.raises(InvalidArgument):
+        await store.put_bytes(key, b"x")
+    with pytest.raises(InvalidArgument):
+        check_key(key)
+
+
+async def test_local_store_never_escapes_root(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    store = LocalDirBlobStore(root)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (root / "link").symlink_to(outside)
+    with pytest.raises(InvalidArgument, match="outside"):
+        await store.put_bytes("link/evil", b"x")
+    assert not (outside / "evil").exists()
+    with pytest.raises(InvalidArgument, match="reserved"):
+        await store.put_bytes("r/.tmp-sneaky", b"x")
+
+
+async def test_local_store_leaves_no_temp_files(local_store: LocalDirBlobStore, tmp_path: Path) -> None:
+    await local_store.put_bytes("r/blobs/a", b"abc")
+    missing = tmp_path / "no-such-file"
+    with pytest.raises(NotFound):
+        await local_store.put_file("r/blobs/b", missing)
+    leftovers = [p for p in local_store.root.rglob("*") if p.name.startswith(".tmp-")]
+    assert leftovers == []
+    assert await local_store.list_keys() == ["r/blobs/a"]
+
+
+async def test_local_store_cannot_presign(local_store: LocalDirBlobStore) -> None:
+    assert await local_store.presign_get("r/blobs/a", 60) is None
+    assert await local_store.presign_put("r/blobs/a", 60) is None
+    assert local_store.describe().startswith("file://")
+
+
+async def test_s3_presigned_put_and_get(s3_store: S3BlobStore, tmp_path: Path) -> None:
+    data = _payload(1_500_000, seed=11)
+    src = tmp_path / "up.bin"
+    src.write_bytes(data)
+    put_url = await s3_store.presign_put("r/blobs/presigned", 60)
+    assert put_url and "X-Amz-Signature" in put_url
+    assert await upload_url(put_url, src) == len(data)
+    assert await s3_store.get_bytes("r/blobs/presigned") == data
+
+    get_url = await s3_store.presign_get("r/blobs/presigned", 60)
+    dest = tmp_path / "down.bin"
+    assert await fetch_url(get_url, dest) == len(data)
+    assert dest.read_bytes() == data
+    # resume from the middle with a Range request
+    dest.write_bytes(data[:600_000])
+    assert await fetch_url(get_url, dest, offset=600_000) == len(data)
+    assert dest.read_bytes() == data
+    # already complete: the server answers 416 and nothing changes
+    assert await fetch_url(get_url, dest, offset=len(data)) == len(data)
+    assert dest.read_bytes() == data
+
+    small = await s3_store.presign_put("r/blobs/small", 60)
+    assert await upload_bytes_url(small, b"tiny") == 4
+    assert await s3_store.get_bytes("r/blobs/small") == b"tiny"
+
+
+async def test_s3_presigned_url_is_scoped_to_one_object(s3_store: S3BlobStore, tmp_path: Path) -> None:
+    await s3_store.put_bytes("r/blobs/a", b"aaa")
+    await s3_store.put_bytes("r/blobs/b", b"bbb")
+    url_a = await s3_store.presign_get("r/blobs/a", 60)
+    tampered = url_a.replace("/r/blobs/a?", "/r/blobs/b?")
+    assert tampered != url_a
+    with pytest.raises(PermissionDenied):
+        await fetch_url(tampered, tmp_path / "x")
+    missing = await s3_store.presign_get("r/blobs/missing", 60)
+    with pytest.raises(NotFound):
+        await fetch_url(missing, tmp_path / "y")
+    with pytest.raises(InvalidArgument):
+        await s3_store.presign_get("r/blobs/a", 0)
+
+
+async def test_s3_expired_presigned_url_is_refused(s3_store: S3BlobStore, tmp_path: Path) -> None:
+    await s3_store.put_bytes("r/blobs/exp", b"x")
+    url = await s3_store.presign_get("r/blobs/exp", 1)
+    await asyncio.sleep(2.1)
+    with pytest.raises(PermissionDenied, match="expired"):
+        await fetch_url(url, tmp_path / "x")
+
+
+async def test_s3_prefixes_isolate_stores(s3_server, s3_store: S3BlobStore) -> None:
+    other = make_s3_store(s3_server, prefix=s3_store.prefix + "other")
+    try:
+        await other.put_bytes("r/blobs/x", b"other")
+        await s3_store.put_bytes("r/blobs/x", b"mine")
+        assert await other.get_bytes("r/blobs/x") == b"other"
+        assert await s3_store.get_bytes("r/blobs/x") == b"mine"
+        assert await s3_store.list_keys("r/") == ["r/blobs/x"]
+    finally:
+        await other.close()
+
+
+async def test_s3_creates_a_missing_bucket(s3_server) -> None:
+    store = S3BlobStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key,
+                        "weftboard-fresh-bucket", region="us-east-1")
+    try:
+        await store.put_bytes("r/blobs/x", b"x")
+        assert await store.list_keys() == ["r/blobs/x"]
+        await store.delete(["r/blobs/x"])
+    finally:
+        await store.close()
+
+
+async def test_s3_wrong_credentials_are_permission_denied(s3_server) -> None:
+    store = S3BlobStore(s3_server.endpoint, "nobody", "not-the-secret", s3_server.bucket, region="us-east-1")
+    try:
+        with pytest.raises(PermissionDenied, match="credentials"):
+            await store.stat("r/blobs/x")
+    finally:
+        await store.close()
+
+
+async def test_s3_unreachable_is_unavailable() -> None:
+    port = free_port()  # nothing listens there
+    store = S3BlobStore(f"http://127.0.0.1:{port}", "k", "secret-key", "bucket", region="us-east-1",
+                        connect_timeout_s=1, retries=0)
+    try:
+        with pytest.raises(Unavailable, match=f"127.0.0.1:{port}"):
+            await store.get_bytes("r/blobs/x")
+    finally:
+        await store.close()
+
+
+async def test_fetch_url_unreachable_is_unavailable(tmp_path: Path) -> None:
+    port = free_port()
+    with pytest.raises(Unavailable):
+        await fetch_url(f"http://127.0.0.1:{port}/b/k?X-Amz-Signature=x", tmp_path / "o", connect_timeout_s=1)
+
+
+async def test_fetch_url_restarts_when_server_ignores_range(tmp_path: Path) -> None:
+    """A server that answers 200 to a Range request gets the file rewritten from byte 0."""
+    from aiohttp import web
+
+    body = _payload(50_000)
+
+    async def handler(request: web.Request) -> web.Response:
+        return web.Response(body=body)
+
+    app = web.Application()
+    app.router.add_get("/obj", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        dest = tmp_path / "o"
+        dest.write_bytes(b"garbage-prefix")
+        assert await fetch_url(f"http://127.0.0.1:{port}/obj", dest, offset=14) == len(body)
+        assert dest.read_bytes() == body
+    finally:
+        await runner.cleanup()
+
+
+def test_s3_invalid_bucket_name_is_invalid_argument() -> None:
+    with pytest.raises(InvalidArgument, match="bucket name"):
+        S3BlobStore("127.0.0.1:9", "k", "secret-key", "B")
+
+
+def test_describe_hides_credentials(s3_store: S3BlobStore) -> None:
+    text = s3_store.describe()
+    assert s3_store.bucket in text and s3_store.endpoint in text
+    assert "secret" not in text.lower()
