@@ -1,0 +1,192 @@
+"""Start and stop a board process: gRPC server, Redis store, auth, metrics, health, reflection.
+
+Used by ``weftboard serve``, the tests, the benchmark and the embedded demo.
+
+Invariants:
+- ``start_board`` returns only once Redis answered, the admin tokens are stored (hashed)
+  and the server is bound; health reports SERVING from then on, NOT_SERVING during stop.
+- Auth is on unless ``BoardConfig.auth`` is explicitly False (the embedded demo).
+- ``RunningBoard.address`` is the ``host:port`` actually bound (``listen`` may say port 0).
+- ``stop`` ends open Watch streams (clients resume by version on the next board) and
+  releases every connection, thread and port the board took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from weftboard.board.auth import Authenticator
+from weftboard.board.fanout import FanOut
+from weftboard.board.metrics import BoardMetrics
+from weftboard.board.servicer import BoardServicer, guarded
+from weftboard.board.store import RedisStore
+from weftboard.proto.errors import InvalidArgument, Unavailable
+from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Board"].full_name
+
+
+@dataclass
+class BoardConfig:
+    """Everything a board process needs. ``blob_store`` may instead be passed to ``start_board``."""
+
+    listen: str = "127.0.0.1:0"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    blob_store: Any = None
+    admin_tokens: tuple[str, ...] = ()
+    admin_token: str | None = None  # convenience: one more admin token
+    auth: bool = True
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: a free port
+    metrics_host: str = "127.0.0.1"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None  # set: mutual TLS, clients must present a cert it signed
+    watch_progress_s: float = 5.0  # default Progress interval when a watcher asks for 0
+    trajectory_maxlen: int = 1_000_000  # approximate cap of each run's trajectory stream; 0: no cap
+    redis_max_connections: int = 128
+    islands_refresh_s: float = 15.0  # how often the islands-by-state gauge is refreshed
+
+    def all_admin_tokens(self) -> tuple[str, ...]:
+        return tuple(self.admin_tokens) + ((self.admin_token,) if self.admin_token else ())
+
+
+@dataclass
+class RunningBoard:
+    address: str
+    metrics_port: int | None
+    config: BoardConfig
+    server: grpc.aio.Server
+    store: RedisStore
+    metrics: BoardMetrics
+    fanout: FanOut
+    health: Any
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+    _stopped: bool = False
+
+    @property
+    def admin_token(self) -> str | None:
+        tokens = self.config.all_admin_tokens()
+        return tokens[0] if tokens else None
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        for task in self._tasks:
+            task.cancel()
+        await self.fanout.close()
+        await self.server.stop(grace)
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        await self.store.close()
+        await asyncio.to_thread(self.metrics.stop)
+        log.info("board stopped", address=self.address)
+
+
+def _server_credentials(config: BoardConfig) -> grpc.ServerCredentials | None:
+    if config.tls_cert is None and config.tls_key is None:
+        if config.tls_client_ca is not None:
+            raise InvalidArgument("tls_client_ca (mutual TLS) needs tls_cert and tls_key too")
+        return None
+    if config.tls_cert is None or config.tls_key is None:
+        raise InvalidArgument("TLS needs both tls_cert and tls_key")
+    cert = Path(config.tls_cert).read_bytes()
+    key = Path(config.tls_key).read_bytes()
+    ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+async def _refresh_islands(servicer: BoardServicer, every_s: float) -> None:
+    """Keep the islands-by-state gauge current for runs whose islands talk to this board."""
+    while True:
+        await asyncio.sleep(every_s)
+        for run in list(servicer.heartbeat_runs):
+            try:
+                await servicer.island_infos(run)
+            except Exception as exc:  # noqa: BLE001 - a metrics refresh must never kill the board
+                log.warning("islands gauge refresh failed", run=run, error=str(exc))
+
+
+async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard:
+    blob_store = blobs if blobs is not None else config.blob_store
+    if blob_store is None:
+        raise InvalidArgument("BoardConfig.blob_store (or start_board(blobs=...)) is required")
+    store = RedisStore(config.redis_url, max_connections=config.redis_max_connections)
+    try:
+        await asyncio.wait_for(store.ping(), 10)
+    except (asyncio.TimeoutError, Unavailable) as exc:
+        await store.close()
+        raise Unavailable(f"cannot start the board: Redis at {config.redis_url} does not answer ({exc})") from None
+    auth = Authenticator(store, enabled=config.auth)
+    if config.auth and not config.all_admin_tokens():
+        log.warning("auth is on but no admin token is configured; only tokens already in Redis will work")
+    await auth.bootstrap(config.all_admin_tokens())
+
+    metrics = BoardMetrics()
+    fanout = FanOut(store)
+    servicer = BoardServicer(
+        store,
+        blob_store,
+        auth,
+        metrics,
+        fanout,
+        trajectory_maxlen=config.trajectory_maxlen,
+        default_progress_ms=max(int(config.watch_progress_s * 1000), 100),
+    )
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ("grpc.max_concurrent_streams", 100_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ]
+    )
+    pb_grpc.add_BoardServicer_to_server(guarded(servicer), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+
+    creds = _server_credentials(config)
+    try:
+        port = server.add_secure_port(config.listen, creds) if creds else server.add_insecure_port(config.listen)
+    except RuntimeError as exc:
+        await store.close()
+        raise Unavailable(f"cannot listen on {config.listen}: {exc}") from None
+    if port == 0:
+        await store.close()
+        raise Unavailable(f"cannot listen on {config.listen} (address in use?)")
+    host = config.listen.rsplit(":", 1)[0]
+    address = f"{host}:{port}"
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    metrics_port = metrics.serve(config.metrics_port, config.metrics_host) if config.metrics_port is not None else None
+    running = RunningBoard(address, metrics_port, config, server, store, metrics, fanout, health_servicer)
+    running._tasks.append(asyncio.create_task(_refresh_islands(servicer, config.islands_refresh_s)))
+    log.info(
+        "board serving",
+        address=address,
+        tls=creds is not None,
+        mutual_tls=config.tls_client_ca is not None,
+        auth=config.auth,
+        metrics_port=metrics_port,
+        blobs=blob_store.describe(),
+    )
+    return running

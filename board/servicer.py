@@ -1,0 +1,671 @@
+"""The ``weftboard.v1.Board`` gRPC servicer (grpc.aio).
+
+Invariants:
+- Every method goes through ``_unary`` / ``_stream``, the ONE place where weftboard
+  errors become gRPC status codes, Redis outages become UNAVAILABLE, unexpected
+  exceptions become INTERNAL (logged with a traceback), auth is enforced, metrics are
+  counted and run / method / peer are bound to the structlog context.
+- CommitVersion checks the record and every blob it names *before* the Lua
+  compare-and-set; the blob store is not in Redis, and the CAS is the only writer.
+  A different record for version n is ABORTED while n is the head (the caller lost a
+  race and must re-read the head) and ALREADY_EXISTS once n is older (history is
+  immutable); an identical record always succeeds with already_committed.
+- Watch sends history from XRANGE, then live events from the run's shared feed, never
+  a version twice and never with a gap (see fanout.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import re
+import time
+from typing import Any, AsyncIterator, Callable
+
+import grpc
+import structlog
+
+from weftboard.board import gc as gcmod
+from weftboard.board.auth import Authenticator
+from weftboard.board.fanout import FanOut
+from weftboard.board.metrics import BoardMetrics
+from weftboard.board.store import REDIS_ERRORS, RedisStore, already_exists_message, canonical_record, k_traj, now_ms
+from weftboard.proto.domain import VersionArtifacts, StepKind, blob_key, check_digest, check_name, lag, plan_catch_up
+from weftboard.proto.errors import (
+    AlreadyExists,
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    Unavailable,
+    WeftboardError,
+)
+from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
+
+log = structlog.get_logger(__name__)
+
+MAX_PAGE = 1000
+MAX_TRAJECTORY_BATCH = 10_000
+MAX_PRESIGN_S = 3600
+DEFAULT_PRESIGN_S = 900
+MAX_BLOCK_MS = 60_000
+EXPIRED_VISIBLE_MS = 3_600_000
+_DTYPE = re.compile(r"^[a-z][a-z0-9_]*$")
+_STREAM_ID = re.compile(r"^\d+-\d+$")
+
+_TRAJ_LUA = """
+local maxlen = ARGV[1]
+for i = 2, #ARGV do
+  if maxlen == '0' then
+    redis.call('XADD', KEYS[1], '*', 'r', ARGV[i])
+  else
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', 'r', ARGV[i])
+  end
+end
+return #ARGV - 1
+"""
+
+
+def _request_run(request: Any) -> str | None:
+    for path in (("run",), ("record", "run"), ("status", "run")):
+        obj = request
+        try:
+            for attr in path:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            continue
+        if isinstance(obj, str) and obj:
+            return obj
+    records = getattr(request, "records", None)
+    if records:
+        return records[0].run
+    return None
+
+
+def _page_size(value: int) -> int:
+    if value > MAX_PAGE:
+        raise InvalidArgument(f"page_size {value} is too large; at most {MAX_PAGE} (0 means 100)")
+    return value or 100
+
+
+class BoardServicer(pb_grpc.BoardServicer):
+    def __init__(
+        self,
+        store: RedisStore,
+        blobs: Any,
+        auth: Authenticator,
+        metrics: BoardMetrics,
+        fanout: FanOut,
+        *,
+        trajectory_maxlen: int = 1_000_000,
+        default_progress_ms: int = 5000,
+    ) -> None:
+        self.store = store
+        self.blobs = blobs
+        self.auth = auth
+        self.metrics = metrics
+        self.fanout = fanout
+        self.trajectory_maxlen = trajectory_maxlen
+        self.default_progress_ms = default_progress_ms
+        self.heartbeat_runs: set[str] = set()
+        self._traj = store.redis.register_script(_TRAJ_LUA)
+
+    # -- the one error/auth/metrics wrapper ------------------------------
+
+    async def _guard(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+        run = _request_run(request)
+        structlog.contextvars.bind_contextvars(method=method, peer=context.peer(), run=run)
+        await self.auth.authorize(method, context.invocation_metadata())
+
+    def _status_of(self, method: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        if isinstance(exc, WeftboardError):
+            code = getattr(grpc.StatusCode, exc.grpc_code_name, grpc.StatusCode.INTERNAL)
+            return code, str(exc)
+        if isinstance(exc, REDIS_ERRORS):
+            return grpc.StatusCode.UNAVAILABLE, f"Redis at {self.store.url} is unreachable ({exc}); retry"
+        log.exception("unexpected error", exc_info=exc)
+        return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
+
+    # -- runs -------------------------------------------------------------
+
+    async def CreateRun(self, request: pb.CreateRunRequest, context) -> pb.Run:
+        run = pb.Run()
+        run.CopyFrom(request.run)
+        check_name("run.run", run.run)
+        if run.kind == pb.RUN_KIND_UNSPECIFIED:
+            raise InvalidArgument("run.kind must be RUN_KIND_WEIGHTS or RUN_KIND_LORA_ADAPTER")
+        if run.served_format.kind == pb.FORMAT_KIND_UNSPECIFIED:
+            raise InvalidArgument("run.served_format.kind must be set (e.g. FORMAT_KIND_BF16)")
+        if not run.layout.tensors:
+            raise InvalidArgument("run.layout.tensors is empty; a run fixes its tensor layout")
+        seen: set[str] = set()
+        for i, spec in enumerate(run.layout.tensors):
+            if not spec.name:
+                raise InvalidArgument(f"run.layout.tensors[{i}].name is empty")
+            if spec.name in seen:
+                raise InvalidArgument(f"run.layout.tensors[{i}].name {spec.name!r} appears twice")
+            seen.add(spec.name)
+            if not _DTYPE.match(spec.dtype):
+                raise InvalidArgument(
+                    f"run.layout.tensors[{i}].dtype {spec.dtype!r} is not a torch dtype name (e.g. 'bfloat16')"
+                )
+            if any(d < 0 for d in spec.shape):
+                raise InvalidArgument(f"run.layout.tensors[{i}].shape {list(spec.shape)} has a negative dimension")
+        run.created_at_ms = now_ms()
+        stored, created = await self.store.create_run(run)
+        if not created:
+            same = (
+                stored.kind == run.kind
+                and stored.served_format == run.served_format
+                and stored.layout == run.layout
+            )
+            if not same:
+                raise AlreadyExists(
+                    f"run {run.run!r} exists with a different kind, served format or layout; "
+                    "pick another run name"
+                )
+            return await self.store.get_run(run.run)
+        log.info("run created", tensors=len(run.layout.tensors))
+        return stored
+
+    async def GetRun(self, request: pb.GetRunRequest, context) -> pb.Run:
+        check_name("run", request.run)
+        return await self.store.get_run(request.run)
+
+    async def ListRuns(self, request: pb.ListRunsRequest, context) -> pb.ListRunsResponse:
+        size = _page_size(request.page_size)
+        if request.page_token:
+            check_name("page_token", request.page_token)
+        names = await self.store.list_runs(request.page_token, size + 1)
+        more = len(names) > size
+        names = names[:size]
+        runs = await asyncio.gather(*(self.store.get_run(n) for n in names))
+        return pb.ListRunsResponse(runs=runs, next_page_token=names[-1] if more else "")
+
+    # -- publishing -------------------------------------------------------
+
+    async def PresignUpload(self, request: pb.PresignUploadRequest, context) -> pb.PresignUploadResponse:
+        check_name("run", request.run)
+        check_digest("digest", request.digest)
+        expires = request.expires_s or DEFAULT_PRESIGN_S
+        if expires > MAX_PRESIGN_S:
+            raise InvalidArgument(f"expires_s {expires} is too long; at most {MAX_PRESIGN_S}")
+        await self.store.get_run(request.run)
+        key = blob_key(request.run, request.digest)
+        url = await self.blobs.presign_put(key, expires)
+        if url is None:
+            raise FailedPrecondition(
+                f"the blob store ({self.blobs.describe()}) cannot presign URLs; upload with its credentials instead"
+            )
+        return pb.PresignUploadResponse(key=key, url=url, expires_at_ms=now_ms() + expires * 1000)
+
+    def _check_record(self, record: pb.VersionRecord, run: pb.Run) -> None:
+        n = record.version
+        if n < 1:
+            raise InvalidArgument("record.version must be >= 1")
+        if record.parent != n - 1:
+            raise InvalidArgument(f"record.parent is {record.parent}; version {n} must name parent {n - 1}")
+        check_digest("record.root_digest", record.root_digest)
+        for i, td in enumerate(record.tensor_digests):
+            check_digest(f"record.tensor_digests[{i}].digest ({td.name})", td.digest)
+        if not record.artifacts:
+            raise InvalidArgument("record.artifacts is empty; a version needs a PATCH from its parent or an ANCHOR")
+        kinds = [a.kind for a in record.artifacts]
+        for i, artifact in enumerate(record.artifacts):
+            where = f"record.artifacts[{i}]"
+            if artifact.kind == pb.ARTIFACT_KIND_PATCH:
+                if n == 1:
+                    raise InvalidArgument(f"{where}: version 1 has no parent to patch; give an ANCHOR only")
+                if artifact.base_version != n - 1:
+                    raise InvalidArgument(f"{where}.base_version is {artifact.base_version}; a patch of {n} applies to {n - 1}")
+                if len(artifact.blobs) != 1:
+                    raise InvalidArgument(f"{where}: a PATCH has exactly one blob, got {len(artifact.blobs)}")
+            elif artifact.kind == pb.ARTIFACT_KIND_ANCHOR:
+                if artifact.base_version != 0:
+                    raise InvalidArgument(f"{where}.base_version must be 0 for an ANCHOR")
+                if not artifact.blobs:
+                    raise InvalidArgument(f"{where}: an ANCHOR needs at least one shard blob")
+            else:
+                raise InvalidArgument(f"{where}.kind must be ARTIFACT_KIND_PATCH or ARTIFACT_KIND_ANCHOR")
+            for j, blob in enumerate(artifact.blobs):
+                check_digest(f"{where}.blobs[{j}].digest", blob.digest)
+                expected = blob_key(record.run, blob.digest)
+                if blob.key != expected:
+                    raise InvalidArgument(f"{where}.blobs[{j}].key is {blob.key!r}; content-addressed key is {expected!r}")
+        if kinds.count(pb.ARTIFACT_KIND_PATCH) > 1 or kinds.count(pb.ARTIFACT_KIND_ANCHOR) > 1:
+            raise InvalidArgument("record.artifacts holds at most one PATCH and one ANCHOR")
+        if n == 1 and pb.ARTIFACT_KIND_ANCHOR not in kinds:
+            raise FailedPrecondition("the run has no version yet: version 1 must carry an ANCHOR artifact")
+        # Layout: every tensor of the run, in order.
+        want = [t.name for t in run.layout.tensors]
+        got = [t.name for t in record.tensor_digests]
+        if got != want:
+            missing = [x for x in want if x not in set(got)]
+            extra = [x for x in got if x not in set(want)]
+            detail = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra else "out of order"
+            raise FailedPrecondition(
+                f"record.tensor_digests do not match the layout of run {run.run!r} ({len(got)} vs {len(want)} tensors; {detail})"
+            )
+        numel = {t.name: math.prod(t.shape) for t in run.layout.tensors}
+        for ts in record.stats.tensors:
+            if ts.name not in numel:
+                raise FailedPrecondition(f"record.stats.tensors names {ts.name!r}, which is not in the run's layout")
+            if ts.numel and ts.numel != numel[ts.name]:
+                raise FailedPrecondition(
+                    f"record.stats for {ts.name!r} says numel {ts.numel}; the layout's shape has {numel[ts.name]}"
+                )
+
+    async def _check_blobs(self, record: pb.VersionRecord) -> None:
+        refs = [b for a in record.artifacts for b in a.blobs]
+        sizes = await asyncio.gather(*(self.blobs.stat(b.key) for b in refs))
+        for ref, size in zip(refs, sizes):
+            if size is None:
+                raise FailedPrecondition(
+                    f"blob {ref.key!r} does not exist in {self.blobs.describe()}; upload it before committing"
+                )
+            if size != ref.size:
+                raise FailedPrecondition(
+                    f"blob {ref.key!r} has {size} bytes but the record declares {ref.size}; re-upload it"
+                )
+
+    @staticmethod
+    def _lost_race(record: pb.VersionRecord, head: int) -> Aborted:
+        return Aborted(
+            f"version {record.version} of run {record.run!r} lost a race: another publisher committed a "
+            f"different record first and the head is now {head}; re-read the head and publish {head + 1}"
+        )
+
+    async def CommitVersion(self, request: pb.CommitVersionRequest, context) -> pb.CommitVersionResponse:
+        record = request.record
+        check_name("record.run", record.run)
+        structlog.contextvars.bind_contextvars(version=record.version)
+        run = await self.store.get_run(record.run)
+        self._check_record(record, run)
+        # Cheap checks first: a retry or a lost race needs no blob-store round trips.
+        existing = await self.store.existing_record(record.run, record.version)
+        if existing is not None:
+            if existing != canonical_record(record):
+                if record.version == run.head:
+                    raise self._lost_race(record, run.head)
+                raise already_exists_message(record.run, record.version)
+            stored = (await self.store.get_versions(record.run, [record.version]))[record.version]
+            return pb.CommitVersionResponse(record=stored, already_committed=True)
+        if run.head != record.version - 1:
+            raise Aborted(
+                f"version {record.version} of run {record.run!r} cannot commit: the head is {run.head}; "
+                f"the next version to commit is {run.head + 1}"
+            )
+        await self._check_blobs(record)
+        outcome = await self.store.commit(record)
+        if outcome.status in ("exists_different", "head_mismatch"):
+            raise self._lost_race(record, outcome.head)
+        stored = pb.VersionRecord()
+        stored.CopyFrom(record)
+        stored.committed_at_ms = outcome.committed_at_ms
+        if outcome.status == "committed":
+            self.metrics.record_commit(stored)
+            log.info("version committed", artifacts=len(record.artifacts))
+        return pb.CommitVersionResponse(record=stored, already_committed=outcome.status == "already_committed")
+
+    # -- reading ----------------------------------------------------------
+
+    async def _run_and_state(self, run: str) -> pb.Run:
+        check_name("run", run)
+        return await self.store.get_run(run)
+
+    async def GetVersion(self, request: pb.GetVersionRequest, context) -> pb.VersionRecord:
+        run = await self._run_and_state(request.run)
+        structlog.contextvars.bind_contextvars(version=request.version)
+        if request.version < 1:
+            raise InvalidArgument("version must be >= 1")
+        if request.version > run.head:
+            raise NotFound(f"version {request.version} of run {request.run!r} does not exist; the head is {run.head}")
+        if request.version < run.oldest_available:
+            raise OutOfRange(
+                f"version {request.version} of run {request.run!r} was garbage collected; "
+                f"the oldest available version is {run.oldest_available}"
+            )
+        found = await self.store.get_versions(request.run, [request.version])
+        if request.version not in found:
+            raise NotFound(f"version {request.version} of run {request.run!r} does not exist")
+        return found[request.version]
+
+    async def GetHead(self, request: pb.GetHeadRequest, context) -> pb.Head:
+        check_name("run", request.run)
+        await self.store.get_run(request.run)
+        state = await self.store.run_state(request.run)
+        return pb.Head(
+            run=request.run, version=state.head, committed_at_ms=state.committed_at_ms, oldest_available=state.oldest
+        )
+
+    async def ListVersions(self, request: pb.ListVersionsRequest, context) -> pb.ListVersionsResponse:
+        run = await self._run_and_state(request.run)
+        size = _page_size(request.page_size)
+        oldest = max(run.oldest_available, 1)
+        first = request.from_version or oldest
+        last = request.to_version or run.head
+        if request.from_version and request.from_version < run.oldest_available:
+            raise OutOfRange(
+                f"from_version {request.from_version} was garbage collected; the oldest available version is {oldest}"
+            )
+        if request.to_version and request.from_version > request.to_version:
+            raise InvalidArgument(f"from_version {request.from_version} is after to_version {request.to_version}")
+        last = min(last, run.head)
+        if request.page_token:
+            try:
+                first = int(request.page_token)
+            except ValueError:
+                raise InvalidArgument(f"page_token {request.page_token!r} is not one this board returned") from None
+            if first < oldest:
+                raise OutOfRange(f"page_token points below the oldest available version {oldest}; list again")
+        if first > last:
+            return pb.ListVersionsResponse()
+        upto = min(last, first + size - 1)
+        found = await self.store.get_versions(request.run, list(range(first, upto + 1)))
+        versions = [found[v] for v in range(first, upto + 1) if v in found]
+        return pb.ListVersionsResponse(versions=versions, next_page_token=str(upto + 1) if upto < last else "")
+
+    async def Watch(self, request: pb.WatchRequest, context) -> AsyncIterator[pb.WatchEvent]:
+        run = await self._run_and_state(request.run)
+        interval_ms = request.progress_interval_ms or self.default_progress_ms
+        if request.progress_interval_ms and request.progress_interval_ms < 100:
+            raise InvalidArgument(f"progress_interval_ms {request.progress_interval_ms} is below the minimum of 100")
+        oldest = run.oldest_available
+        after = request.after_version
+        if after == 0:
+            after = max(oldest - 1, 0)
+        elif oldest and after + 1 < oldest:
+            raise OutOfRange(
+                f"after_version {after} is below the retained history of run {request.run!r}: "
+                f"the oldest available version is {oldest}; catch up from an anchor with PlanCatchUp"
+            )
+        if after > run.head:
+            raise OutOfRange(f"after_version {after} is beyond the head ({run.head}) of run {request.run!r}")
+        queue = await self.fanout.subscribe(request.run)
+        self.metrics.watch_streams.inc()
+        last = after
+        try:
+            # History first (everything up to the feed's cursor is visible to XRANGE now).
+            while True:
+                batch = await self.store.events_after(request.run, last, count=500)
+                for record in batch:
+                    yield pb.WatchEvent(version=record)
+                    last = record.version
+                if len(batch) < 500:
+                    break
+            timeout = interval_ms / 1000.0
+            while True:
+                try:
+                    item = await asyncio.wait_for(queue.get(), timeout)
+                except asyncio.TimeoutError:
+                    state = await self.store.run_state(request.run)
+                    yield pb.WatchEvent(progress=pb.Progress(head=state.head, server_time_ms=now_ms()))
+                    continue
+                if isinstance(item, BaseException):
+                    raise Unavailable(f"the board lost its Redis feed for run {request.run!r}; reconnect and resume")
+                version = item.version.version
+                if version <= last:
+                    continue
+                if version > last + 1:  # fill a hole from the durable log
+                    for record in await self.store.events_after(request.run, last, count=version - last):
+                        yield pb.WatchEvent(version=record)
+                        last = record.version
+                    continue
+                yield item
+                last = version
+        finally:
+            self.metrics.watch_streams.dec()
+            self.fanout.unsubscribe(request.run, queue)
+
+    # -- catch-up ---------------------------------------------------------
+
+    async def PlanCatchUp(self, request: pb.PlanCatchUpRequest, context) -> pb.CatchUpPlan:
+        run = await self._run_and_state(request.run)
+        expires = request.presign_expires_s or DEFAULT_PRESIGN_S
+        if expires > MAX_PRESIGN_S:
+            raise InvalidArgument(f"presign_expires_s {expires} is too long; at most {MAX_PRESIGN_S}")
+        oldest = max(run.oldest_available, 1)
+        target = request.want_version or run.head
+        records = {}
+        if run.head and oldest <= target <= run.head:
+            records = await self.store.get_versions(request.run, list(range(oldest, target + 1)))
+        artifacts: dict[int, VersionArtifacts] = {}
+        for v, rec in records.items():
+            patch = anchor = None
+            for a in rec.artifacts:
+                size = sum(b.size for b in a.blobs)
+                if a.kind == pb.ARTIFACT_KIND_PATCH:
+                    patch = size
+                else:
+                    anchor = size
+            artifacts[v] = VersionArtifacts(v, patch, anchor)
+        plan = plan_catch_up(request.have_version, request.want_version, run.head, oldest, artifacts)
+        steps = []
+        for step in plan.steps:
+            rec = records[step.to_version]
+            kind = pb.ARTIFACT_KIND_ANCHOR if step.kind == StepKind.ANCHOR else pb.ARTIFACT_KIND_PATCH
+            blobs = [pb.BlobRef(key=b.key, digest=b.digest, size=b.size, name=b.name)
+                     for a in rec.artifacts if a.kind == kind for b in a.blobs]
+            steps.append(pb.PlanStep(kind=kind, from_version=step.from_version, to_version=step.to_version,
+                                     blobs=blobs, root_digest=rec.root_digest))
+        if request.presign:
+            refs = [b for s in steps for b in s.blobs]
+            urls = await asyncio.gather(*(self.blobs.presign_get(b.key, expires) for b in refs))
+            for ref, url in zip(refs, urls):
+                ref.url = url or ""
+        return pb.CatchUpPlan(run=request.run, from_version=plan.from_version, to_version=plan.to_version,
+                              steps=steps, total_bytes=plan.total_bytes)
+
+    # -- fleet ------------------------------------------------------------
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        status = request.status
+        check_name("status.island_id", status.island_id)
+        check_name("status.run", status.run)
+        if status.state == pb.ISLAND_STATE_EXPIRED:
+            raise InvalidArgument("status.state EXPIRED is set by the board, never sent")
+        if status.state not in pb.IslandState.values() or status.state == pb.ISLAND_STATE_UNSPECIFIED:
+            raise InvalidArgument("status.state must be STARTING, CATCHING_UP, READY, ERROR or DRAINING")
+        lease = request.lease_s or 30
+        if lease > 600:
+            raise InvalidArgument(f"lease_s {lease} is too long; between 1 and 600")
+        run = await self.store.get_run(status.run)
+        expires = await self.store.heartbeat(status, lease)
+        self.heartbeat_runs.add(status.run)
+        return pb.HeartbeatResponse(head=run.head, lease_expires_at_ms=expires)
+
+    async def island_infos(self, run: str) -> tuple[list[pb.IslandInfo], int]:
+        """Islands of a run with lag and EXPIRED state; also refreshes the islands gauge."""
+        now = now_ms()
+        rows = await self.store.islands(run, forget_before_ms=now - EXPIRED_VISIBLE_MS)
+        head = (await self.store.run_state(run)).head
+        infos = []
+        counts: dict[int, int] = {}
+        for row in rows:
+            status = pb.IslandStatus()
+            status.CopyFrom(row.status)
+            if row.lease_expires_at_ms < now:
+                status.state = pb.ISLAND_STATE_EXPIRED
+            counts[status.state] = counts.get(status.state, 0) + 1
+            infos.append(pb.IslandInfo(status=status, lag=lag(head, status.version),
+                                       last_seen_ms=row.last_seen_ms, lease_expires_at_ms=row.lease_expires_at_ms))
+        self.metrics.set_islands(run, counts)
+        return infos, head
+
+    async def ListIslands(self, request: pb.ListIslandsRequest, context) -> pb.ListIslandsResponse:
+        await self._run_and_state(request.run)
+        infos, head = await self.island_infos(request.run)
+        return pb.ListIslandsResponse(islands=infos, head=head)
+
+    # -- trajectories -----------------------------------------------------
+
+    async def ReportTrajectories(self, request: pb.ReportTrajectoriesRequest, context) -> pb.ReportTrajectoriesResponse:
+        records = request.records
+        if not records:
+            return pb.ReportTrajectoriesResponse(accepted=0)
+        if len(records) > MAX_TRAJECTORY_BATCH:
+            raise InvalidArgument(f"{len(records)} records in one call; at most {MAX_TRAJECTORY_BATCH}")
+        run = records[0].run
+        check_name("records[0].run", run)
+        islands: set[str] = set()
+        for i, rec in enumerate(records):
+            if rec.run != run:
+                raise InvalidArgument(f"records[{i}].run is {rec.run!r}; every record of one call must be of run {run!r}")
+            islands.add(rec.island_id)
+        for island in islands:
+            check_name("records[].island_id", island)
+        await self.store.get_run(run)
+        payloads = [rec.SerializeToString() for rec in records]
+        await self._traj(keys=[k_traj(run)], args=[self.trajectory_maxlen or 0, *payloads])
+        self.metrics.trajectories.labels(run).inc(len(payloads))
+        return pb.ReportTrajectoriesResponse(accepted=len(payloads))
+
+    async def ConsumeTrajectories(self, request: pb.ConsumeTrajectoriesRequest, context) -> pb.ConsumeTrajectoriesResponse:
+        check_name("run", request.run)
+        check_name("group", request.group)
+        check_name("consumer", request.consumer)
+        if request.max_records > MAX_TRAJECTORY_BATCH:
+            raise InvalidArgument(f"max_records {request.max_records} is too large; at most {MAX_TRAJECTORY_BATCH}")
+        if request.block_ms > MAX_BLOCK_MS:
+            raise InvalidArgument(f"block_ms {request.block_ms} is too long; at most {MAX_BLOCK_MS}")
+        count = request.max_records or 1000
+        await self.store.get_run(request.run)
+        await self.store.ensure_group(request.run, request.group)
+        entries: list[tuple[bytes, dict]] = []
+        if request.redeliver_after_ms:
+            entries = await self.store.autoclaim(request.run, request.group, request.consumer,
+                                                 request.redeliver_after_ms, count)
+        if len(entries) < count:
+            entries += await self.store.read_group(request.run, request.group, request.consumer,
+                                                   count - len(entries), None if entries else request.block_ms)
+        head = (await self.store.run_state(request.run)).head
+        out: list[pb.ConsumedTrajectory] = []
+        dropped: list[bytes] = []
+        bound = request.max_staleness if request.HasField("max_staleness") else None
+        for entry_id, fields in entries:
+            record = pb.TrajectoryRecord.FromString(fields[b"r"])
+            staleness = lag(head, record.version)
+            if bound is not None and staleness > bound:
+                dropped.append(entry_id)
+                continue
+            out.append(pb.ConsumedTrajectory(id=entry_id.decode(), record=record, staleness=staleness))
+        if dropped:
+            await self.store.ack(request.run, request.group, dropped)
+        return pb.ConsumeTrajectoriesResponse(records=out, dropped_stale=len(dropped), head=head)
+
+    async def AckTrajectories(self, request: pb.AckTrajectoriesRequest, context) -> pb.AckTrajectoriesResponse:
+        check_name("run", request.run)
+        check_name("group", request.group)
+        for i, entry_id in enumerate(request.ids):
+            if not _STREAM_ID.match(entry_id):
+                raise InvalidArgument(f"ids[{i}] {entry_id!r} is not a stream entry id from ConsumeTrajectories")
+        await self.store.get_run(request.run)
+        return pb.AckTrajectoriesResponse(acked=await self.store.ack(request.run, request.group, list(request.ids)))
+
+    # -- administration ---------------------------------------------------
+
+    async def CollectGarbage(self, request: pb.CollectGarbageRequest, context) -> pb.CollectGarbageResponse:
+        run = await self._run_and_state(request.run)
+        keep_anchors = request.keep_anchors or run.retention.keep_anchors or 2
+        keep_versions = run.retention.keep_versions or 64
+        oldest = max(run.oldest_available, 1)
+        records = await self.store.get_versions(request.run, list(range(oldest, run.head + 1))) if run.head else {}
+        now = now_ms()
+        rows = await self.store.islands(request.run)
+        live = [r.status.version for r in rows if r.lease_expires_at_ms >= now]
+        plan = gcmod.plan_gc(
+            {v: gcmod.version_blobs(r) for v, r in records.items()},
+            run.head,
+            run.oldest_available,
+            live,
+            keep_anchors,
+            keep_versions,
+        )
+        done = await gcmod.execute_gc(self.store, self.blobs, request.run, plan, dry_run=request.dry_run)
+        if not request.dry_run:
+            self.metrics.gc_freed_bytes.inc(done.freed_bytes)
+            log.info("garbage collected", deleted=len(done.delete), freed_bytes=done.freed_bytes,
+                     oldest_available=done.oldest_available)
+        return pb.CollectGarbageResponse(deleted_keys=[k for k, _ in done.delete], freed_bytes=done.freed_bytes,
+                                         oldest_available=done.oldest_available)
+
+    async def CreateToken(self, request: pb.CreateTokenRequest, context) -> pb.CreateTokenResponse:
+        token_id, token = await self.auth.create(request.name, request.role)
+        log.info("token created", token_id=token_id, role=request.role)
+        return pb.CreateTokenResponse(token_id=token_id, token=token)
+
+    async def RevokeToken(self, request: pb.RevokeTokenRequest, context) -> pb.RevokeTokenResponse:
+        if not request.token_id:
+            raise InvalidArgument("token_id is empty")
+        await self.auth.revoke(request.token_id)
+        log.info("token revoked", token_id=request.token_id)
+        return pb.RevokeTokenResponse()
+
+
+def _wrap_unary(servicer: BoardServicer, method: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    async def handler(request, context):
+        started = time.perf_counter()
+        code, message = grpc.StatusCode.OK, ""
+        with structlog.contextvars.bound_contextvars():
+            try:
+                await servicer._guard(method, request, context)
+                return await fn(request, context)
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except BaseException as exc:  # noqa: BLE001 - mapped to a status below
+                code, message = servicer._status_of(method, exc)
+            finally:
+                servicer.metrics.rpcs.labels(method, code.name).inc()
+                servicer.metrics.latency.labels(method).observe(time.perf_counter() - started)
+            if code not in (grpc.StatusCode.OK,):
+                log.info("rpc refused", code=code.name, detail=message)
+            await context.abort(code, message)
+
+    return handler
+
+
+def _wrap_stream(servicer: BoardServicer, method: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    async def handler(request, context):
+        started = time.perf_counter()
+        code, message = grpc.StatusCode.OK, ""
+        with structlog.contextvars.bound_contextvars():
+            try:
+                await servicer._guard(method, request, context)
+                async for item in fn(request, context):
+                    yield item
+            except (asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except BaseException as exc:  # noqa: BLE001
+                code, message = servicer._status_of(method, exc)
+            finally:
+                servicer.metrics.rpcs.labels(method, code.name).inc()
+                servicer.metrics.latency.labels(method).observe(time.perf_counter() - started)
+            if code != grpc.StatusCode.OK:
+                log.info("rpc refused", code=code.name, detail=message)
+                await context.abort(code, message)
+
+    return handler
+
+
+STREAMING = frozenset({"Watch"})
+
+
+def guarded(servicer: BoardServicer) -> pb_grpc.BoardServicer:
+    """A servicer object whose methods all pass through the one error/auth/metrics wrapper."""
+
+    class Guarded(pb_grpc.BoardServicer):
+        pass
+
+    guarded_obj = Guarded()
+    for name in pb.DESCRIPTOR.services_by_name["Board"].methods_by_name:
+        fn = getattr(servicer, name)
+        wrap = _wrap_stream if name in STREAMING else _wrap_unary
+        setattr(guarded_obj, name, wrap(servicer, name, fn))
+    return guarded_obj

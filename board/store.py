@@ -1,0 +1,433 @@
+"""The board's metadata in Redis: runs, versions, head, commit events, islands, trajectories, tokens.
+
+Key layout (every key of a run carries the hash tag ``{<run>}`` so a run lives in one
+Redis Cluster slot and the commit script touches one slot only):
+
+- ``wb:runs``                    sorted set of run names (score 0; lexicographic listing)
+- ``wb:{run}:run``               serialized ``Run`` (without head / oldest_available)
+- ``wb:{run}:state``             hash: head, committed_at_ms, oldest
+- ``wb:{run}:versions``          hash: version -> deterministic ``VersionRecord`` bytes, committed_at_ms = 0
+- ``wb:{run}:committed``         hash: version -> committed_at_ms
+- ``wb:{run}:events``            stream of commits; entry id ``<version>-1``, fields v, r (record bytes), t
+- ``wb:{run}:islands``           hash: island id -> serialized ``IslandStatus``
+- ``wb:{run}:seen``              hash: island id -> last_seen_ms
+- ``wb:{run}:leases``            sorted set: island id scored by lease expiry (ms)
+- ``wb:{run}:traj``              stream of trajectory records (field r), consumer groups on it
+- ``wb:token:<id>``              hash: name, role, hash (sha256 hex of the token)
+- ``wb:tokenhash:<sha256>``      token id, for lookup by the presented token
+
+Invariants:
+- A version is written only by ``COMMIT_LUA``, which checks idempotence, then the
+  compare-and-set (head == n-1), then writes record, head and the commit event in one
+  atomic step: a half-published version is never visible and an event exists for every
+  committed version.
+- Stream entry ids of the events stream are the version numbers, so a watcher resumes
+  with ``XRANGE (<after>-1 +`` and gaps are impossible to hide.
+- ``oldest`` only moves forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from weftboard.proto.errors import AlreadyExists, NotFound, Unavailable
+from weftboard.proto.v1 import board_pb2 as pb
+
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def k_run(run: str) -> str:
+    return f"wb:{{{run}}}:run"
+
+
+def k_state(run: str) -> str:
+    return f"wb:{{{run}}}:state"
+
+
+def k_versions(run: str) -> str:
+    return f"wb:{{{run}}}:versions"
+
+
+def k_committed(run: str) -> str:
+    return f"wb:{{{run}}}:committed"
+
+
+def k_events(run: str) -> str:
+    return f"wb:{{{run}}}:events"
+
+
+def k_islands(run: str) -> str:
+    return f"wb:{{{run}}}:islands"
+
+
+def k_seen(run: str) -> str:
+    return f"wb:{{{run}}}:seen"
+
+
+def k_leases(run: str) -> str:
+    return f"wb:{{{run}}}:leases"
+
+
+def k_traj(run: str) -> str:
+    return f"wb:{{{run}}}:traj"
+
+
+RUNS_KEY = "wb:runs"
+
+
+def token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def canonical_record(record: pb.VersionRecord) -> bytes:
+    """Deterministic bytes of a record with the board's field cleared: what a retry must repeat."""
+    copy = pb.VersionRecord()
+    copy.CopyFrom(record)
+    copy.committed_at_ms = 0
+    return copy.SerializeToString(deterministic=True)
+
+
+# Returns {status, head, committed_at_ms}: 0 committed, 1 identical record already
+# committed, 2 different record exists, 3 head is not n-1, 4 unknown run.
+COMMIT_LUA = """
+local n = tonumber(ARGV[1])
+if redis.call('EXISTS', KEYS[5]) == 0 then return {4, 0, 0} end
+local head = tonumber(redis.call('HGET', KEYS[1], 'head') or '0')
+local existing = redis.call('HGET', KEYS[2], ARGV[1])
+if existing then
+  if existing == ARGV[2] then
+    return {1, head, tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')}
+  end
+  return {2, head, 0}
+end
+if head ~= n - 1 then return {3, head, 0} end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[1], 'head', ARGV[1], 'committed_at_ms', ARGV[3])
+if not redis.call('HGET', KEYS[1], 'oldest') then
+  redis.call('HSET', KEYS[1], 'oldest', ARGV[1])
+end
+redis.call('XADD', KEYS[3], ARGV[1] .. '-1', 'v', ARGV[1], 'r', ARGV[2], 't', ARGV[3])
+return {0, n, tonumber(ARGV[3])}
+"""
+
+# Moves oldest forward (never back) and trims commit events below it. Returns the new oldest.
+ADVANCE_OLDEST_LUA = """
+local cur = tonumber(redis.call('HGET', KEYS[1], 'oldest') or '0')
+local want = tonumber(ARGV[1])
+if want > cur then
+  redis.call('HSET', KEYS[1], 'oldest', ARGV[1])
+  redis.call('XTRIM', KEYS[2], 'MINID', ARGV[1] .. '-1')
+  return want
+end
+return cur
+"""
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    status: str  # "committed" | "already_committed" | "exists_different" | "head_mismatch"
+    head: int
+    committed_at_ms: int
+
+
+@dataclass(frozen=True)
+class RunState:
+    head: int
+    committed_at_ms: int
+    oldest: int  # 0 when nothing is committed
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    token_id: str
+    name: str
+    role: int
+
+
+@dataclass(frozen=True)
+class IslandRow:
+    status: pb.IslandStatus
+    last_seen_ms: int
+    lease_expires_at_ms: int
+
+
+_COMMIT_STATUS = {0: "committed", 1: "already_committed", 2: "exists_different", 3: "head_mismatch"}
+
+
+class RedisStore:
+    """Async access to the board's Redis keys; raises ``Unavailable`` when Redis is unreachable.
+
+    Two connection pools: one for short commands, one for blocking reads (XREAD BLOCK,
+    XREADGROUP BLOCK) so that a long wait never starves ordinary requests.
+    """
+
+    def __init__(self, url: str, *, socket_timeout_s: float = 5.0, max_connections: int = 64) -> None:
+        self.url = url
+        self._socket_timeout_s = socket_timeout_s
+        self.redis = aioredis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            max_connections=max_connections,
+            decode_responses=False,
+        )
+        # No socket timeout: blocking commands carry their own BLOCK timeout.
+        self.blocking = aioredis.Redis.from_url(
+            url, socket_connect_timeout=socket_timeout_s, max_connections=max_connections, decode_responses=False
+        )
+        self._commit = self.redis.register_script(COMMIT_LUA)
+        self._advance = self.redis.register_script(ADVANCE_OLDEST_LUA)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+        await self.blocking.aclose()
+
+    async def ping(self) -> None:
+        try:
+            await self.redis.ping()
+        except REDIS_ERRORS as exc:
+            raise Unavailable(f"Redis at {self.url} is unreachable: {exc}") from None
+
+    # -- runs -------------------------------------------------------------
+
+    async def create_run(self, run: pb.Run) -> tuple[pb.Run, bool]:
+        """Store a run if absent. Returns (stored run, created)."""
+        stored = pb.Run()
+        stored.CopyFrom(run)
+        stored.head = 0
+        stored.oldest_available = 0
+        data = stored.SerializeToString(deterministic=True)
+        created = await self.redis.set(k_run(run.run), data, nx=True)
+        if created:
+            await self.redis.zadd(RUNS_KEY, {run.run: 0})
+            return stored, True
+        existing = await self.get_run(run.run)
+        return existing, False
+
+    async def get_run(self, run: str) -> pb.Run:
+        data, state = await self._pipeline(lambda p: (p.get(k_run(run)), p.hgetall(k_state(run))))
+        if data is None:
+            raise NotFound(f"run {run!r} does not exist; create it with CreateRun")
+        message = pb.Run.FromString(data)
+        st = _state(state)
+        message.head = st.head
+        message.oldest_available = st.oldest
+        return message
+
+    async def list_runs(self, after: str, limit: int) -> list[str]:
+        start = b"(" + after.encode() if after else b"-"
+        names = await self.redis.zrangebylex(RUNS_KEY, start, b"+", start=0, num=limit)
+        return [n.decode() for n in names]
+
+    async def run_state(self, run: str) -> RunState:
+        return _state(await self.redis.hgetall(k_state(run)))
+
+    # -- versions ---------------------------------------------------------
+
+    async def commit(self, record: pb.VersionRecord) -> CommitOutcome:
+        run = record.run
+        result = await self._commit(
+            keys=[k_state(run), k_versions(run), k_events(run), k_committed(run), k_run(run)],
+            args=[record.version, canonical_record(record), now_ms()],
+        )
+        code, head, at = (int(x) for x in result)
+        if code == 4:
+            raise NotFound(f"run {run!r} does not exist; create it with CreateRun")
+        return CommitOutcome(_COMMIT_STATUS[code], head, at)
+
+    async def existing_record(self, run: str, version: int) -> bytes | None:
+        return await self.redis.hget(k_versions(run), str(version))
+
+    async def get_versions(self, run: str, versions: Sequence[int]) -> dict[int, pb.VersionRecord]:
+        """Records of the given versions that exist, with committed_at_ms filled."""
+        if not versions:
+            return {}
+        fields = [str(v) for v in versions]
+        records, times = await self._pipeline(
+            lambda p: (p.hmget(k_versions(run), fields), p.hmget(k_committed(run), fields))
+        )
+        out: dict[int, pb.VersionRecord] = {}
+        for v, data, at in zip(versions, records, times):
+            if data is not None:
+                rec = pb.VersionRecord.FromString(data)
+                rec.committed_at_ms = int(at or 0)
+                out[v] = rec
+        return out
+
+    async def events_after(self, run: str, after: int, count: int | None = None) -> list[pb.VersionRecord]:
+        """Commit events of versions > ``after`` in order (XRANGE of the events stream)."""
+        entries = await self.redis.xrange(k_events(run), min=f"({after}-1", max="+", count=count)
+        return [event_record(fields) for _, fields in entries]
+
+    async def last_event_id(self, run: str) -> bytes:
+        entries = await self.redis.xrevrange(k_events(run), max="+", min="-", count=1)
+        return entries[0][0] if entries else b"0-0"
+
+    async def advance_oldest(self, run: str, oldest: int) -> int:
+        return int(await self._advance(keys=[k_state(run), k_events(run)], args=[oldest]))
+
+    # -- islands ----------------------------------------------------------
+
+    async def heartbeat(self, status: pb.IslandStatus, lease_s: int) -> int:
+        run = status.run
+        now = now_ms()
+        expires = now + lease_s * 1000
+        await self._pipeline(
+            lambda p: (
+                p.hset(k_islands(run), status.island_id, status.SerializeToString(deterministic=True)),
+                p.hset(k_seen(run), status.island_id, now),
+                p.zadd(k_leases(run), {status.island_id: expires}),
+            ),
+            transaction=True,
+        )
+        return expires
+
+    async def islands(self, run: str, forget_before_ms: int | None = None) -> list[IslandRow]:
+        """Every island of a run; those whose lease ended before ``forget_before_ms`` are deleted."""
+        if forget_before_ms is not None:
+            stale = await self.redis.zrangebyscore(k_leases(run), "-inf", f"({forget_before_ms}")
+            if stale:
+                await self._pipeline(
+                    lambda p: (
+                        p.hdel(k_islands(run), *stale),
+                        p.hdel(k_seen(run), *stale),
+                        p.zrem(k_leases(run), *stale),
+                    ),
+                    transaction=True,
+                )
+        statuses, seen, leases = await self._pipeline(
+            lambda p: (p.hgetall(k_islands(run)), p.hgetall(k_seen(run)), p.zrange(k_leases(run), 0, -1, withscores=True))
+        )
+        expiry = {name: int(score) for name, score in leases}
+        rows = [
+            IslandRow(pb.IslandStatus.FromString(data), int(seen.get(name, 0)), expiry.get(name, 0))
+            for name, data in statuses.items()
+        ]
+        rows.sort(key=lambda r: r.status.island_id)
+        return rows
+
+    # -- trajectories -----------------------------------------------------
+
+    async def add_trajectories(self, run: str, payloads: Sequence[bytes], maxlen: int | None) -> None:
+        """One pipelined round trip for the whole batch (no per-record round trips)."""
+        pipe = self.redis.pipeline(transaction=False)
+        key = k_traj(run)
+        for data in payloads:
+            pipe.xadd(key, {b"r": data}, maxlen=maxlen, approximate=True)
+        try:
+            await pipe.execute()
+        except REDIS_ERRORS as exc:
+            raise Unavailable(f"Redis at {self.url} is unreachable: {exc}") from None
+
+    async def ensure_group(self, run: str, group: str) -> None:
+        try:
+            await self.redis.xgroup_create(k_traj(run), group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def read_group(
+        self, run: str, group: str, consumer: str, count: int, block_ms: int | None
+    ) -> list[tuple[bytes, dict]]:
+        client = self.blocking if block_ms else self.redis
+        reply = await client.xreadgroup(group, consumer, {k_traj(run): ">"}, count=count, block=block_ms or None)
+        if not reply:
+            return []
+        # redis-py returns [[key, entries]] (RESP2) or {key: [entries]} (RESP3)
+        entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+        return [(eid, fields) for eid, fields in entries if fields]
+
+    async def autoclaim(self, run: str, group: str, consumer: str, min_idle_ms: int, count: int) -> list[tuple[bytes, dict]]:
+        """Claim entries pending longer than ``min_idle_ms``; entries trimmed meanwhile are acked away."""
+        reply = await self.redis.xautoclaim(k_traj(run), group, consumer, min_idle_ms, start_id="0-0", count=count)
+        entries = reply[1]
+        deleted = reply[2] if len(reply) > 2 else []
+        if deleted:
+            await self.redis.xack(k_traj(run), group, *deleted)
+        return [(eid, fields) for eid, fields in entries if fields]
+
+    async def ack(self, run: str, group: str, ids: Sequence[str | bytes]) -> int:
+        if not ids:
+            return 0
+        return int(await self.redis.xack(k_traj(run), group, *ids))
+
+    async def group_exists(self, run: str, group: str) -> bool:
+        try:
+            groups = await self.redis.xinfo_groups(k_traj(run))
+        except ResponseError:
+            return False
+        return any((g.get("name") or g.get(b"name")) in (group, group.encode()) for g in groups)
+
+    # -- tokens -----------------------------------------------------------
+
+    async def put_token(self, token_id: str, name: str, role: int, token: str) -> None:
+        digest = token_hash(token)
+        await self._pipeline(
+            lambda p: (
+                p.hset(f"wb:token:{token_id}", mapping={"name": name, "role": role, "hash": digest}),
+                p.set(f"wb:tokenhash:{digest}", token_id),
+            ),
+            transaction=True,
+        )
+
+    async def lookup_token(self, token: str) -> TokenInfo | None:
+        token_id = await self.redis.get(f"wb:tokenhash:{token_hash(token)}")
+        if token_id is None:
+            return None
+        info = await self.redis.hgetall(f"wb:token:{token_id.decode()}")
+        if not info:
+            return None
+        return TokenInfo(token_id.decode(), info[b"name"].decode(), int(info[b"role"]))
+
+    async def revoke_token(self, token_id: str) -> None:
+        info = await self.redis.hgetall(f"wb:token:{token_id}")
+        if not info:
+            raise NotFound(f"token id {token_id!r} does not exist (already revoked?)")
+        await self._pipeline(
+            lambda p: (p.delete(f"wb:token:{token_id}"), p.delete(f"wb:tokenhash:{info[b'hash'].decode()}")),
+            transaction=True,
+        )
+
+    async def token_exists(self, token_id: str) -> bool:
+        return bool(await self.redis.exists(f"wb:token:{token_id}"))
+
+    # -- helpers ----------------------------------------------------------
+
+    async def _pipeline(self, build, transaction: bool = False) -> list:
+        pipe = self.redis.pipeline(transaction=transaction)
+        build(pipe)
+        return await pipe.execute()
+
+
+def _state(raw: dict) -> RunState:
+    return RunState(
+        head=int(raw.get(b"head", 0)),
+        committed_at_ms=int(raw.get(b"committed_at_ms", 0)),
+        oldest=int(raw.get(b"oldest", 0)),
+    )
+
+
+def event_record(fields: dict) -> pb.VersionRecord:
+    record = pb.VersionRecord.FromString(fields[b"r"])
+    record.committed_at_ms = int(fields.get(b"t", 0))
+    return record
+
+
+def already_exists_message(run: str, version: int) -> AlreadyExists:
+    return AlreadyExists(
+        f"version {version} of run {run!r} is already committed with a different record; "
+        "versions are immutable: commit the next version instead"
+    )
