@@ -128,7 +128,7 @@ async def test_in_place_pause_changes_weights_between_tokens():
     await asyncio.sleep(0.08)
     await adapter.pause(ActivationMode.IN_PLACE)
     engine.copy_weights_(new)
-    adapter._set_version(1)
+    adapter.mark_served(1)
     await adapter.resume()
     await task
     assert versions[0] == 0 and versions[-1] == 1

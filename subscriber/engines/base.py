@@ -10,7 +10,8 @@ weights afterwards).
 Invariants:
 - ``served_version()`` changes only after a load/apply returned successfully; a failure
   raises ``ApplyError`` and leaves it where it was.
-- ``load_checkpoint``/``apply_patch`` are only called between ``pause`` and ``resume``.
+- ``load_checkpoint`` and in-place changes of ``live_tensors()`` happen only between
+  ``pause`` and ``resume``.
 - Every network call an adapter makes has an explicit timeout; an engine answering an
   error status or unreachable during a weight change raises ``ApplyError`` (the message
   carries the engine's answer) so the subscriber can report the island in error.
@@ -23,7 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
 
-from weftboard.proto.errors import FailedPrecondition, InvalidArgument
+from weftboard.proto.errors import InvalidArgument
 
 
 class ActivationMode(str, Enum):
@@ -35,7 +36,8 @@ class EngineAdapter(abc.ABC):
     """One engine's weight-update surface."""
 
     kind: str = "abstract"
-    #: True when ``apply_patch`` can patch the engine's live tensors in place.
+    #: True when ``live_tensors()`` returns the engine's own weights, which the subscriber
+    #: then patches in place (between ``pause`` and ``resume``).
     supports_patch: bool = False
 
     def __init__(self) -> None:
@@ -45,7 +47,8 @@ class EngineAdapter(abc.ABC):
         """The version the engine's weights hold now (0 before the first load)."""
         return self._version
 
-    def _set_version(self, version: int) -> None:
+    def mark_served(self, version: int) -> None:
+        """Record that the engine's weights now hold ``version`` (after a verified change)."""
         self._version = version
 
     @abc.abstractmethod
@@ -60,12 +63,11 @@ class EngineAdapter(abc.ABC):
     async def load_checkpoint(self, directory: Path, version: int) -> None:
         """Replace the weights by the HF safetensors checkpoint in ``directory``."""
 
-    async def apply_patch(self, data: bytes, version: int) -> Any:
-        """Apply a patch container to the live weights in place; returns an undo handle."""
-        raise FailedPrecondition(f"the {self.kind} engine cannot be patched in place; load checkpoints instead")
-
     def live_tensors(self) -> Mapping[str, Any] | None:
-        """The engine's own weight tensors when they live in this process, else None."""
+        """The engine's own weight tensors when they live in this process, else None.
+
+        This is the "apply a patch in place" path: the caller patches these tensors
+        between ``pause`` and ``resume`` and then calls ``mark_served``."""
         return None
 
     @abc.abstractmethod

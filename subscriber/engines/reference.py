@@ -16,7 +16,7 @@ import asyncio
 from pathlib import Path
 from typing import Any, Mapping
 
-from weftboard.proto.errors import ApplyError, CorruptData, WeftboardError
+from weftboard.proto.errors import ApplyError
 from weftboard.subscriber.engines.base import ActivationMode, EngineAdapter, require_mode
 from weftboard.subscriber.engines.http import HttpEngineAdapter
 from weftboard.subscriber.reference_model import ReferenceEngine
@@ -33,8 +33,8 @@ class ReferenceAdapter(EngineAdapter):
         self.engine = engine
         self._version = engine.version
 
-    def _set_version(self, version: int) -> None:
-        super()._set_version(version)
+    def mark_served(self, version: int) -> None:
+        super().mark_served(version)
         self.engine.version = version
 
     async def pause(self, mode: ActivationMode) -> None:
@@ -50,28 +50,7 @@ class ReferenceAdapter(EngineAdapter):
             await asyncio.to_thread(self.engine.load_checkpoint_dir, Path(directory))
         except OSError as exc:
             raise ApplyError(f"cannot read checkpoint {directory}: {exc}") from exc
-        self._set_version(version)
-
-    async def apply_patch(self, data: bytes, version: int) -> Any:
-        """Apply ``data`` (a patch container from ``version - 1``) to the live tensors."""
-        from weftboard.cuda.codec import apply_patch_
-
-        if not self.engine.paused:
-            raise ApplyError("pause the reference engine before patching its weights")
-        if self.served_version() != version - 1:
-            raise ApplyError(f"patch to version {version} needs version {version - 1}; the engine holds {self.served_version()}")
-        try:
-            handle = await asyncio.to_thread(apply_patch_, self.engine.tensors, data)
-        except WeftboardError:
-            raise
-        except (ValueError, RuntimeError, KeyError) as exc:
-            raise CorruptData(f"patch to version {version} does not apply to the engine's tensors: {exc}") from exc
-        self._set_version(version)
-        return handle
-
-    def rollback(self, version: int) -> None:
-        """Record that a reverted patch put the tensors back on ``version``."""
-        self._set_version(version)
+        self.mark_served(version)
 
     def live_tensors(self) -> Mapping[str, Any]:
         return self.engine.tensors
@@ -94,4 +73,4 @@ class ReferenceHttpAdapter(HttpEngineAdapter):
     async def load_checkpoint(self, directory: Path, version: int) -> None:
         await self.call("POST", "/admin/load_checkpoint", json={"path": str(directory), "version": version},
                         timeout_s=self.load_timeout_s)
-        self._set_version(version)
+        self.mark_served(version)

@@ -45,7 +45,7 @@ class SglangAdapter(HttpEngineAdapter):
         if isinstance(answer, dict) and answer.get("success") is False:
             raise ApplyError(f"sglang engine at {self.engine_url} refused the weights of version {version}: "
                              f"{answer.get('message', 'no message')}")
-        self._set_version(version)
+        self.mark_served(version)
 
     async def model_info(self) -> dict:
         return await self.call("GET", "/get_model_info")

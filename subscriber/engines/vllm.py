@@ -44,4 +44,4 @@ class VllmAdapter(HttpEngineAdapter):
             timeout_s=self.load_timeout_s,
         )
         await self.call("POST", "/reset_prefix_cache")
-        self._set_version(version)
+        self.mark_served(version)

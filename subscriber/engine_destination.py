@@ -1,0 +1,119 @@
+"""A Destination that drives an engine through its adapter, under the admission gate.
+
+The subscriber downloads and verifies blobs while the island keeps serving; only the
+activation (the moment weights change) goes through the gate and pauses the engine.
+Two shapes, picked from the adapter:
+- in-process engines (``adapter.live_tensors()``): ``inner`` is a live-tensor
+  destination over the engine's own tensors; the patch is applied to them in place,
+  between ``adapter.pause`` and ``adapter.resume``;
+- engines in their own process (vLLM, SGLang, the reference engine over HTTP): ``inner``
+  is a checkpoint-directory destination; the new checkpoint is written and verified
+  aside while serving, then the engine is paused and told to load it.
+
+Invariants:
+- ``held_version()`` is the version the engine serves (``adapter.served_version()``).
+- A failed activation raises (``ApplyError`` and friends), leaves the engine and
+  ``held_version()`` on the previous version, and marks the island state in error
+  (the sidecar's readiness and the subscriber's heartbeat report it); the next
+  success clears the error.
+- For checkpoint engines a checkpoint already written by an earlier attempt is not
+  rewritten: a retry only repeats the activation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import structlog
+
+from weftboard.proto.errors import WeftboardError
+from weftboard.subscriber.admission import AdmissionGate, VersionState
+from weftboard.subscriber.destination import Destination, VersionTarget
+from weftboard.subscriber.engines.base import EngineAdapter
+
+log = structlog.get_logger(__name__)
+
+
+class EngineDestination:
+    def __init__(
+        self,
+        adapter: EngineAdapter,
+        gate: AdmissionGate,
+        state: VersionState,
+        inner: Destination,
+        *,
+        checkpoint_dir: Path | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.gate = gate
+        self.state = state
+        self.inner = inner
+        self.in_process = adapter.live_tensors() is not None
+        if not self.in_process and checkpoint_dir is None:
+            raise ValueError("an engine in its own process needs the checkpoint directory the inner destination writes")
+        self.checkpoint_dir = checkpoint_dir
+        self.activations = 0
+        self.failures = 0
+
+    def held_version(self) -> int:
+        return self.adapter.served_version()
+
+    async def load_anchor(self, shards: Sequence[Path], target: VersionTarget) -> None:
+        if self.in_process:
+            await self._activate_in_process(target, lambda: self.inner.load_anchor(shards, target))
+        else:
+            if self.inner.held_version() != target.version:
+                await self.inner.load_anchor(shards, target)
+            await self._activate_checkpoint(target)
+
+    async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
+        if self.in_process:
+            await self._activate_in_process(target, lambda: self.inner.apply_patch(patch, target))
+        else:
+            if self.inner.held_version() != target.version:
+                await self.inner.apply_patch(patch, target)
+            await self._activate_checkpoint(target)
+
+    async def _activate_in_process(self, target: VersionTarget, change) -> None:
+        async with self.gate.activation():
+            try:
+                try:
+                    await self.adapter.pause(self.gate.mode)
+                    await change()
+                    self.adapter.mark_served(target.version)
+                    await self.state.set_held(target.version)
+                finally:
+                    await self.adapter.resume()
+            except (WeftboardError, OSError) as exc:
+                await self._failed(target, exc)
+                raise
+        await self._succeeded(target)
+
+    async def _activate_checkpoint(self, target: VersionTarget) -> None:
+        assert self.checkpoint_dir is not None
+        async with self.gate.activation():
+            try:
+                try:
+                    await self.adapter.pause(self.gate.mode)
+                    await self.adapter.load_checkpoint(self.checkpoint_dir, target.version)
+                    await self.state.set_held(target.version)
+                finally:
+                    await self.adapter.resume()
+            except (WeftboardError, OSError) as exc:
+                await self._failed(target, exc)
+                raise
+        await self._succeeded(target)
+
+    async def _failed(self, target: VersionTarget, exc: BaseException) -> None:
+        self.failures += 1
+        message = f"activation of version {target.version} failed on the {self.adapter.kind} engine: {exc}"
+        log.error("activation failed; still serving the previous version", version=target.version,
+                  serving=self.held_version(), error=str(exc))
+        await self.state.set_error(message)
+
+    async def _succeeded(self, target: VersionTarget) -> None:
+        self.activations += 1
+        if self.state.error is not None:
+            await self.state.set_error(None)
+        log.info("activated", version=target.version, engine=self.adapter.kind, mode=self.gate.mode.value)

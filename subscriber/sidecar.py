@@ -1,0 +1,409 @@
+"""The version-aware sidecar: an HTTP proxy in front of an OpenAI-compatible engine.
+
+A request may name the versions it accepts (header ``X-Weftboard-Version: exact=7`` /
+``min=5`` / ``max_staleness=2``, or body field ``weftboard_version: {"exact": 7}``) and a
+deadline (``X-Weftboard-Deadline-Ms`` or body ``weftboard_deadline_ms``). Then:
+- the engine holds an acceptable version: the request is admitted through the gate and
+  proxied (SSE streams pass through chunk by chunk);
+- the island is behind but catching up can satisfy it: it waits, up to its deadline;
+- otherwise: 409 at once, body ``{"error": "version_not_ready", "held", "head",
+  "constraint", "retry_after_s", "message"}`` and a ``Retry-After`` header.
+
+Invariants:
+- Every response of a proxied route carries ``X-Weftboard-Version-Start`` and
+  ``X-Weftboard-Version-End``; JSON bodies get a ``weftboard`` field
+  ``{version_start, version_end, request_id}``; an SSE stream gets a last event
+  ``{"weftboard": {...}}`` before ``[DONE]``. For a stream the End header is sent with
+  the headers, before generation, so it equals Start; the final event is authoritative.
+- ``version_start`` is read at admission (no activation can be in progress then) and
+  ``version_end`` when the response is complete: a request is attributed to the versions
+  it actually ran on. An exact-version request never spans an activation (the gate).
+- Reporting trajectory metadata never adds latency: it is queued for a background task.
+- ``/health/live`` is always 200; ``/health/ready`` is 200 only once the island has
+  caught up and activated, and not in error (503 with the reason otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from weftboard.proto.domain import VersionConstraint
+from weftboard.proto.errors import DeadlineExceeded, InvalidArgument
+from weftboard.subscriber.admission import AdmissionGate, Ticket, VersionState
+from weftboard.subscriber.trajectory_reporter import TrajectoryReporter, make_record
+
+log = structlog.get_logger(__name__)
+
+VERSION_HEADER = "X-Weftboard-Version"
+DEADLINE_HEADER = "X-Weftboard-Deadline-Ms"
+LABELS_HEADER = "X-Weftboard-Labels"
+START_HEADER = "X-Weftboard-Version-Start"
+END_HEADER = "X-Weftboard-Version-End"
+REQUEST_ID_HEADER = "X-Request-Id"
+PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class SidecarConfig:
+    engine_url: str
+    run: str
+    island_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    default_deadline_s: float = 30.0
+    engine_timeout_s: float = 600.0
+    retry_after_s: float = 1.0
+
+
+# ---------------------------------------------------------------------------
+# Parsing the request's weftboard fields
+# ---------------------------------------------------------------------------
+
+
+def constraint_from_body(value: Any) -> VersionConstraint:
+    if isinstance(value, str):
+        return VersionConstraint.parse(value)
+    if not isinstance(value, Mapping):
+        raise InvalidArgument('weftboard_version must be an object like {"exact": 7} or a string like "min=5"')
+    aliases = {"exact": "exact", "min": "minimum", "minimum": "minimum", "max_staleness": "max_staleness"}
+    fields: dict[str, int] = {}
+    for key, raw in value.items():
+        if key not in aliases:
+            raise InvalidArgument(f"unknown weftboard_version field {key!r}: use exact, min or max_staleness")
+        if not isinstance(raw, int) or isinstance(raw, bool):
+            raise InvalidArgument(f"weftboard_version.{key} must be an integer, got {raw!r}")
+        fields[aliases[key]] = raw
+    return VersionConstraint(**fields)
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``k=v,k2=v2`` or a JSON object."""
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InvalidArgument(f"{LABELS_HEADER} is not valid JSON: {exc}") from None
+        return {str(k): str(v) for k, v in parsed.items()}
+    labels = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise InvalidArgument(f"bad label {part!r} in {LABELS_HEADER}: use key=value, comma separated")
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+@dataclass
+class RequestPlan:
+    body: dict
+    constraint: VersionConstraint
+    deadline: float  # monotonic
+    labels: dict[str, str]
+    request_id: str
+    stream: bool
+
+
+def plan_request(request: web.Request, body: dict, default_deadline_s: float) -> RequestPlan:
+    constraint = VersionConstraint()
+    header = request.headers.get(VERSION_HEADER)
+    if header:
+        constraint = VersionConstraint.parse(header)
+    if "weftboard_version" in body:
+        constraint = constraint_from_body(body.pop("weftboard_version"))
+    deadline_ms: Any = request.headers.get(DEADLINE_HEADER, body.pop("weftboard_deadline_ms", None))
+    try:
+        deadline_s = default_deadline_s if deadline_ms is None else float(deadline_ms) / 1000.0
+    except ValueError:
+        raise InvalidArgument(f"{DEADLINE_HEADER} must be a number of milliseconds, got {deadline_ms!r}") from None
+    labels = parse_labels(request.headers.get(LABELS_HEADER, ""))
+    body_labels = body.pop("weftboard_labels", None)
+    if body_labels is not None:
+        if not isinstance(body_labels, Mapping):
+            raise InvalidArgument("weftboard_labels must be an object of string values")
+        labels.update({str(k): str(v) for k, v in body_labels.items()})
+    request_id = request.headers.get(REQUEST_ID_HEADER) or "req-" + uuid.uuid4().hex[:20]
+    return RequestPlan(body, constraint, time.monotonic() + max(deadline_s, 0.0), labels, request_id,
+                       bool(body.get("stream", False)))
+
+
+def constraint_json(c: VersionConstraint) -> dict[str, int]:
+    out = {}
+    if c.exact is not None:
+        out["exact"] = c.exact
+    if c.minimum is not None:
+        out["min"] = c.minimum
+    if c.max_staleness is not None:
+        out["max_staleness"] = c.max_staleness
+    return out
+
+
+def can_catch_up(c: VersionConstraint, held: int, head: int) -> bool:
+    """Whether a version the island has not reached yet (held < v <= head) satisfies ``c``."""
+    if head <= held:
+        return False
+    if c.exact is not None:
+        return held < c.exact <= head
+    return c.accepts(head, head)
+
+
+# ---------------------------------------------------------------------------
+# Metadata gathered from the engine's answer
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    version_end: int | None = None  # the End reported to the client
+
+    def absorb(self, payload: Mapping[str, Any]) -> None:
+        usage = payload.get("usage") or {}
+        self.prompt_tokens = int(usage.get("prompt_tokens", self.prompt_tokens) or self.prompt_tokens)
+        self.completion_tokens = int(usage.get("completion_tokens", self.completion_tokens) or self.completion_tokens)
+        for choice in payload.get("choices") or []:
+            lp = choice.get("logprobs") or {}
+            if isinstance(lp, Mapping):
+                if lp.get("token_logprobs"):
+                    self.logprobs.extend(float(x) for x in lp["token_logprobs"] if x is not None)
+                for item in lp.get("content") or []:
+                    if item.get("logprob") is not None:
+                        self.logprobs.append(float(item["logprob"]))
+
+
+# ---------------------------------------------------------------------------
+# The sidecar
+# ---------------------------------------------------------------------------
+
+
+class Sidecar:
+    def __init__(
+        self,
+        config: SidecarConfig,
+        state: VersionState,
+        gate: AdmissionGate,
+        reporter: TrajectoryReporter | None = None,
+    ) -> None:
+        self.config = config
+        self.state = state
+        self.gate = gate
+        self.reporter = reporter
+        self.url = ""
+        self.served = 0
+        self.rejected = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health/live", self._live)
+        app.router.add_get("/health/ready", self._ready)
+        app.router.add_get("/weftboard/status", self._status)
+        app.router.add_get("/v1/models", self._models)
+        for path in PROXIED_PATHS:
+            app.router.add_post(path, self._proxy)
+        return app
+
+    async def start(self) -> str:
+        self._session = aiohttp.ClientSession()
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://{self.config.host}:{port}"
+        if self.reporter is not None:
+            self.reporter.start()
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+        if self.reporter is not None:
+            await self.reporter.stop()
+
+    # -- health ------------------------------------------------------------
+
+    def _status_body(self) -> dict[str, Any]:
+        return {"island_id": self.config.island_id, "run": self.config.run, "held": self.state.held,
+                "head": self.state.head, "ready": self.state.ready, "error": self.state.error,
+                "activating": self.gate.activating, "inflight": self.gate.inflight, "mode": self.gate.mode.value,
+                "served": self.served, "rejected": self.rejected,
+                "trajectories": None if self.reporter is None else
+                {"sent": self.reporter.sent, "dropped": self.reporter.dropped, "failed": self.reporter.failed}}
+
+    async def _live(self, _: web.Request) -> web.Response:
+        return web.json_response({"live": True})
+
+    async def _ready(self, _: web.Request) -> web.Response:
+        body = self._status_body()
+        if self.state.ready:
+            return web.json_response(body)
+        if self.state.error:
+            body["reason"] = f"island in error: {self.state.error}"
+        elif self.state.held == 0:
+            body["reason"] = "no version loaded yet"
+        else:
+            body["reason"] = f"catching up: holds {self.state.held}, head {self.state.head}"
+        return web.json_response(body, status=503)
+
+    async def _status(self, _: web.Request) -> web.Response:
+        return web.json_response(self._status_body())
+
+    async def _models(self, _: web.Request) -> web.Response:
+        assert self._session is not None
+        try:
+            async with self._session.get(self.config.engine_url + "/v1/models",
+                                         timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                payload = await resp.read()
+                return web.Response(body=payload, status=resp.status, content_type="application/json",
+                                    headers=self._version_headers(self.state.held, self.state.held))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return web.json_response({"error": "engine_unavailable", "message": str(exc)}, status=502)
+
+    # -- admission ---------------------------------------------------------
+
+    def _not_ready(self, plan: RequestPlan, why: str) -> web.Response:
+        self.rejected += 1
+        retry = self.config.retry_after_s
+        body = {"error": "version_not_ready", "held": self.state.held, "head": self.state.head,
+                "constraint": constraint_json(plan.constraint), "retry_after_s": retry, "message": why,
+                "request_id": plan.request_id}
+        return web.json_response(body, status=409, headers={"Retry-After": str(max(1, math.ceil(retry))),
+                                                            **self._version_headers(self.state.held, self.state.held)})
+
+    async def _admit(self, plan: RequestPlan) -> Ticket | web.Response:
+        c = plan.constraint
+        while True:
+            held, head = self.state.held, self.state.head
+            remaining = plan.deadline - time.monotonic()
+            if c.accepts(held, head):
+                try:
+                    ticket = await self.gate.admit(exact=c.exact is not None, timeout_s=max(remaining, 0.0))
+                except DeadlineExceeded as exc:
+                    return self._not_ready(plan, str(exc))
+                if c.accepts(self.state.held, self.state.head):
+                    return ticket
+                ticket.release()  # the version moved while we waited for the gate; decide again
+                continue
+            if not can_catch_up(c, held, head):
+                if held == 0:
+                    why = "the island holds no version yet"
+                elif c.exact is not None and c.exact <= held:
+                    why = f"version {c.exact} is older than the held version {held}; the island does not go back"
+                else:
+                    why = f"no version up to the head ({head}) satisfies the constraint"
+                return self._not_ready(plan, why)
+            if remaining <= 0:
+                return self._not_ready(plan, f"catching up from {held} towards {head} did not finish within the deadline")
+            await self.state.wait_for(lambda: self.state.held != held or self.state.head != head, remaining)
+
+    # -- proxy -------------------------------------------------------------
+
+    @staticmethod
+    def _version_headers(start: int, end: int) -> dict[str, str]:
+        return {START_HEADER: str(start), END_HEADER: str(end)}
+
+    async def _proxy(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read() or b"{}")
+            if not isinstance(body, dict):
+                raise InvalidArgument("the request body must be a JSON object")
+            plan = plan_request(request, body, self.config.default_deadline_s)
+        except json.JSONDecodeError as exc:
+            return web.json_response({"error": "invalid_request", "message": f"body is not JSON: {exc}"}, status=400)
+        except InvalidArgument as exc:
+            return web.json_response({"error": "invalid_request", "message": str(exc)}, status=400)
+        admitted = await self._admit(plan)
+        if isinstance(admitted, web.Response):
+            return admitted
+        ticket = admitted
+        started = time.monotonic()
+        start_version = self.state.held
+        usage = Usage()
+        try:
+            response = await self._forward(request, plan, start_version, usage)
+        finally:
+            end_version = usage.version_end if usage.version_end is not None else self.state.held
+            ticket.release()
+        self.served += 1
+        if self.reporter is not None and response.status < 400:
+            self.reporter.submit(make_record(
+                run=self.config.run, island_id=self.config.island_id, version_start=start_version,
+                version_end=end_version, request_id=plan.request_id, prompt_tokens=usage.prompt_tokens,
+                completion_tokens=usage.completion_tokens, logprobs=usage.logprobs,
+                latency_ms=(time.monotonic() - started) * 1000.0, labels=plan.labels,
+            ))
+        return response
+
+    async def _forward(self, request: web.Request, plan: RequestPlan, start: int, usage: Usage) -> web.StreamResponse:
+        assert self._session is not None
+        url = self.config.engine_url + request.path
+        try:
+            async with self._session.post(url, json=plan.body, timeout=aiohttp.ClientTimeout(
+                    total=self.config.engine_timeout_s)) as upstream:
+                is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+                if is_sse:
+                    return await self._pass_stream(request, upstream, plan, start, usage)
+                payload = await upstream.read()
+                end = usage.version_end = self.state.held
+                headers = {**self._version_headers(start, end), REQUEST_ID_HEADER: plan.request_id}
+                try:
+                    parsed = json.loads(payload)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    return web.Response(body=payload, status=upstream.status, headers=headers,
+                                        content_type=upstream.content_type)
+                if isinstance(parsed, dict):
+                    usage.absorb(parsed)
+                    parsed["weftboard"] = {"version_start": start, "version_end": end, "request_id": plan.request_id}
+                return web.json_response(parsed, status=upstream.status, headers=headers)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("engine request failed", url=url, error=str(exc))
+            return web.json_response({"error": "engine_unavailable", "message": f"engine at {url}: {exc}"},
+                                     status=502, headers=self._version_headers(start, self.state.held))
+
+    async def _pass_stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, plan: RequestPlan, start: int, usage: Usage
+    ) -> web.StreamResponse:
+        out = web.StreamResponse(status=upstream.status, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            **self._version_headers(start, start), REQUEST_ID_HEADER: plan.request_id})
+        await out.prepare(request)
+        done_seen = False
+        async for raw in upstream.content:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if line.startswith("data:"):
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done_seen = True
+                    continue  # sent after our final event
+                try:
+                    usage.absorb(json.loads(data))
+                except (json.JSONDecodeError, AttributeError):
+                    pass
+            await out.write(raw)
+        end = usage.version_end = self.state.held
+        final = {"weftboard": {"version_start": start, "version_end": end, "request_id": plan.request_id}}
+        await out.write(f"data: {json.dumps(final)}\n\n".encode())
+        if done_seen:
+            await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out

@@ -1,0 +1,154 @@
+"""Batched, best-effort reporting of per-request metadata to the board's trajectory stream.
+
+Invariants:
+- ``submit`` never waits: the request path only appends to a bounded queue; a full queue
+  drops the record and counts it (``dropped``), it never slows a response.
+- One background task sends batches (up to ``batch_size`` records, or whatever arrived
+  within ``flush_interval_s``); a failed send is retried with backoff a few times, then
+  the batch is dropped and counted (``failed``), so a board outage cannot grow memory.
+- ``stop`` flushes what is queued, bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Mapping
+
+import structlog
+
+from weftboard.proto.errors import WeftboardError
+from weftboard.proto.v1 import board_pb2 as pb
+
+log = structlog.get_logger(__name__)
+
+MAX_RECORDS_PER_CALL = 10_000
+
+
+def make_record(
+    *,
+    run: str,
+    island_id: str,
+    version_start: int,
+    version_end: int,
+    request_id: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    logprobs: list[float] | None,
+    latency_ms: float,
+    labels: Mapping[str, str],
+    reward: float | None = None,
+    replay_ref: str = "",
+) -> pb.TrajectoryRecord:
+    record = pb.TrajectoryRecord(
+        run=run,
+        island_id=island_id,
+        version=version_start,
+        version_end=version_end,
+        request_id=request_id,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        logprob_sum=float(sum(logprobs)) if logprobs else 0.0,
+        logprob_min=float(min(logprobs)) if logprobs else 0.0,
+        latency_ms=latency_ms,
+        labels=dict(labels),
+        replay_ref=replay_ref,
+        created_at_ms=int(time.time() * 1000),
+    )
+    if reward is not None:
+        record.reward = reward
+    return record
+
+
+class TrajectoryReporter:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        max_queue: int = 10_000,
+        batch_size: int = 500,
+        flush_interval_s: float = 0.2,
+        retries: int = 3,
+    ) -> None:
+        self._client = client
+        self._queue: asyncio.Queue[pb.TrajectoryRecord] = asyncio.Queue(max_queue)
+        self.batch_size = min(batch_size, MAX_RECORDS_PER_CALL)
+        self.flush_interval_s = flush_interval_s
+        self.retries = retries
+        self.sent = 0
+        self.dropped = 0
+        self.failed = 0
+        self._task: asyncio.Task | None = None
+        self._pending: list[pb.TrajectoryRecord] = []  # the batch the task holds, resent by stop()
+
+    def submit(self, record: pb.TrajectoryRecord) -> bool:
+        """Queue one record without waiting; False (and counted) when the queue is full."""
+        try:
+            self._queue.put_nowait(record)
+        except asyncio.QueueFull:
+            self.dropped += 1
+            return False
+        return True
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="trajectory-reporter")
+
+    async def _next_batch(self) -> list[pb.TrajectoryRecord]:
+        batch = [await self._queue.get()]
+        deadline = time.monotonic() + self.flush_interval_s
+        while len(batch) < self.batch_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self._queue.get(), remaining))
+            except TimeoutError:
+                break
+        return batch
+
+    async def _send(self, batch: list[pb.TrajectoryRecord]) -> None:
+        delay = 0.2
+        for attempt in range(self.retries + 1):
+            try:
+                await self._client.report_trajectories(batch)
+                self.sent += len(batch)
+                return
+            except WeftboardError as exc:
+                if attempt == self.retries:
+                    self.failed += len(batch)
+                    log.warning("trajectory batch dropped after retries", records=len(batch), error=str(exc))
+                    return
+                await asyncio.sleep(delay)
+                delay *= 2
+
+    async def _run(self) -> None:
+        while True:
+            self._pending = await self._next_batch()
+            await self._send(self._pending)
+            self._pending = []
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Send everything queued now (used by ``stop`` and by tests)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._queue.empty() and time.monotonic() < deadline:
+            batch = []
+            while not self._queue.empty() and len(batch) < self.batch_size:
+                batch.append(self._queue.get_nowait())
+            await asyncio.wait_for(self._send(batch), max(deadline - time.monotonic(), 0.1))
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        try:
+            if self._pending:
+                batch, self._pending = self._pending, []
+                await asyncio.wait_for(self._send(batch), timeout_s)
+            await self.flush(timeout_s)
+        except (TimeoutError, WeftboardError) as exc:
+            log.warning("trajectory flush at stop incomplete", error=str(exc), queued=self._queue.qsize())

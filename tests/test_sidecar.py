@@ -1,0 +1,279 @@
+"""The sidecar in front of a real reference engine: constraints, waits, 409s, activations.
+
+These tests drive activations through ``EngineDestination`` with a small in-test inner
+destination (versions are tensor sets kept in memory), so they pin the sidecar's HTTP and
+admission behaviour on their own; tests/test_trajectory_loop.py runs the same sidecar
+under the real subscriber, board, Redis and blob store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from weftboard.cuda.digest import root_digest, tensor_digest
+from weftboard.proto.errors import ApplyError
+from weftboard.subscriber.admission import AdmissionGate, VersionState
+from weftboard.subscriber.destination import TensorEntry, VersionTarget
+from weftboard.subscriber.engine_destination import EngineDestination
+from weftboard.subscriber.engines import ActivationMode
+from weftboard.subscriber.engines.reference import ReferenceAdapter
+from weftboard.subscriber.reference_model import ReferenceEngine, init_parameters, model_config, serve_engine
+from weftboard.subscriber.sidecar import Sidecar, SidecarConfig
+
+SMALL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq": 96}
+
+
+def versions_of(n: int) -> dict[int, dict[str, torch.Tensor]]:
+    cfg = model_config(SMALL)
+    return {v: init_parameters(model_config({**SMALL, "seed": 100 + v}), torch.bfloat16) for v in range(1, n + 1)}
+
+
+def target_of(v: int, tensors: dict[str, torch.Tensor]) -> VersionTarget:
+    digests = {k: tensor_digest(t) for k, t in tensors.items()}
+    layout = [TensorEntry(k, "bfloat16", tuple(t.shape)) for k, t in tensors.items()]
+    root = root_digest([(e.name, e.dtype, e.shape, digests[e.name]) for e in layout])
+    return VersionTarget(v, root, digests, layout)
+
+
+def live_root(tensors: dict[str, torch.Tensor]) -> str:
+    return root_digest([(k, "bfloat16", tuple(t.shape), tensor_digest(t)) for k, t in tensors.items()])
+
+
+class CopyInto:
+    """In-test inner destination: 'applies' version n by copying its tensors in place."""
+
+    def __init__(self, live: dict[str, torch.Tensor], versions: dict[int, dict[str, torch.Tensor]]) -> None:
+        self.live, self.versions, self.version = live, versions, 0
+
+    def held_version(self) -> int:
+        return self.version
+
+    async def load_anchor(self, shards, target: VersionTarget) -> None:
+        await self.apply_patch(Path("unused"), target)
+
+    async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
+        for k, t in self.live.items():
+            t.copy_(self.versions[target.version][k])
+        assert live_root(self.live) == target.root_digest
+        self.version = target.version
+
+
+class Island:
+    def __init__(self, mode: ActivationMode, token_delay_s: float = 0.0, versions: int = 4) -> None:
+        self.engine = ReferenceEngine(SMALL, token_delay_s=token_delay_s)
+        self.adapter = ReferenceAdapter(self.engine)
+        self.state = VersionState()
+        self.gate = AdmissionGate(mode)
+        self.versions = versions_of(versions)
+        self.inner = CopyInto(self.engine.tensors, self.versions)
+        self.dest = EngineDestination(self.adapter, self.gate, self.state, self.inner)
+
+    async def start(self) -> "Island":
+        self.engine_server = await serve_engine(self.engine)
+        self.sidecar = Sidecar(SidecarConfig(self.engine_server.url, "run-a", "island-1", default_deadline_s=5),
+                               self.state, self.gate)
+        self.url = await self.sidecar.start()
+        return self
+
+    async def activate(self, v: int) -> None:
+        await self.state.set_head(v)
+        await self.dest.load_anchor([], target_of(v, self.versions[v]))
+
+    async def stop(self) -> None:
+        await self.sidecar.stop()
+        await self.engine_server.stop()
+
+
+@pytest.fixture
+async def island():
+    isl = await Island(ActivationMode.DRAIN).start()
+    yield isl
+    await isl.stop()
+
+
+async def call(url: str, body: dict, headers: dict | None = None, path: str = "/v1/completions"):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + path, json=body, headers=headers or {}, timeout=aiohttp.ClientTimeout(total=60)) as r:
+            return r.status, dict(r.headers), await r.json()
+
+
+async def stream(url: str, body: dict, headers: dict | None = None):
+    events = []
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/v1/completions", json={**body, "stream": True}, headers=headers or {},
+                          timeout=aiohttp.ClientTimeout(total=60)) as r:
+            hdrs = dict(r.headers)
+            async for line in r.content:
+                line = line.decode().strip()
+                if line.startswith("data: "):
+                    events.append(line[6:] if line[6:] == "[DONE]" else json.loads(line[6:]))
+    return hdrs, events
+
+
+async def get(url: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            return r.status, await r.json()
+
+
+PROMPT = {"prompt": "ab", "max_tokens": 4, "seed": 1, "logprobs": 1}
+
+
+async def test_ready_only_after_activation(island):
+    status, body = await get(island.url + "/health/ready")
+    assert status == 503 and "no version" in body["reason"]
+    assert (await get(island.url + "/health/live"))[0] == 200
+    await island.state.set_head(2)
+    await island.activate(1)
+    status, body = await get(island.url + "/health/ready")
+    assert status == 503 and "catching up" in body["reason"]  # holds 1, head 2: not in rotation yet
+    await island.activate(2)
+    assert (await get(island.url + "/health/ready"))[0] == 200
+
+
+async def test_constraints_accept_and_report_versions(island):
+    await island.activate(1)
+    await island.activate(2)
+    for header in ("exact=2", "min=2", "max_staleness=0", "min=1,max_staleness=3"):
+        status, headers, body = await call(island.url, PROMPT, {"X-Weftboard-Version": header})
+        assert status == 200, body
+        assert headers["X-Weftboard-Version-Start"] == "2" and headers["X-Weftboard-Version-End"] == "2"
+        assert body["weftboard"]["version_start"] == 2 and body["weftboard"]["version_end"] == 2
+        assert body["choices"][0]["logprobs"]["token_logprobs"]
+    status, _, body = await call(island.url, {**PROMPT, "weftboard_version": {"exact": 2}})
+    assert status == 200 and body["weftboard"]["version_start"] == 2
+    # weftboard_* fields are not forwarded to the engine (it would answer 400 on unknown types otherwise)
+    status, _, body = await call(island.url, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+                                              "weftboard_version": "min=1"}, path="/v1/chat/completions")
+    assert status == 200 and body["weftboard"]["version_end"] == 2
+
+
+async def test_unsatisfiable_constraints_get_409_at_once(island):
+    await island.activate(1)
+    await island.activate(2)
+    for header, why in (("exact=1", "older"), ("min=3", "no version up to the head")):
+        t0 = time.monotonic()
+        status, headers, body = await call(island.url, PROMPT, {"X-Weftboard-Version": header,
+                                                                "X-Weftboard-Deadline-Ms": "3000"})
+        assert time.monotonic() - t0 < 1.0  # at once, not after the deadline
+        assert status == 409 and headers["Retry-After"] == "1"
+        assert body["error"] == "version_not_ready" and body["held"] == 2 and body["head"] == 2
+        assert body["retry_after_s"] == 1.0 and why in body["message"]
+    status, _, body = await call(island.url, PROMPT, {"X-Weftboard-Version": "exact=nope"})
+    assert status == 400 and "not an integer" in body["message"]
+
+
+async def test_behind_waits_for_catch_up_within_deadline(island):
+    await island.activate(1)
+    await island.state.set_head(2)  # the board says 2 exists; the island still holds 1
+
+    async def later():
+        await asyncio.sleep(0.3)
+        await island.activate(2)
+
+    task = asyncio.create_task(later())
+    status, headers, body = await call(island.url, PROMPT, {"X-Weftboard-Version": "exact=2",
+                                                            "X-Weftboard-Deadline-Ms": "5000"})
+    await task
+    assert status == 200 and headers["X-Weftboard-Version-Start"] == "2"
+    # max_staleness=0 behind the head, with a deadline too short for the catch-up: 409 after the deadline
+    await island.state.set_head(3)
+    t0 = time.monotonic()
+    status, _, body = await call(island.url, PROMPT, {"X-Weftboard-Version": "max_staleness=0",
+                                                      "X-Weftboard-Deadline-Ms": "300"})
+    assert status == 409 and 0.25 < time.monotonic() - t0 < 2.0 and "deadline" in body["message"]
+    # a staleness bound the held version still meets is served at once
+    status, _, _ = await call(island.url, PROMPT, {"X-Weftboard-Version": "max_staleness=1"})
+    assert status == 200
+
+
+async def test_in_place_activation_spans_a_stream_but_not_an_exact_request():
+    isl = await Island(ActivationMode.IN_PLACE, token_delay_s=0.05).start()
+    try:
+        await isl.activate(1)
+        long_body = {"prompt": "a", "max_tokens": 30, "seed": 2, "temperature": 1.0}
+        task = asyncio.create_task(stream(isl.url, long_body, {"X-Weftboard-Version": "min=1"}))
+        await asyncio.sleep(0.3)
+        await isl.activate(2)  # in place: the stream keeps running
+        headers, events = await task
+        final = [e for e in events if isinstance(e, dict) and "weftboard" in e][0]["weftboard"]
+        assert headers["X-Weftboard-Version-Start"] == "1"
+        assert final["version_start"] == 1 and final["version_end"] == 2
+        engine_versions = [e["engine_version"] for e in events if isinstance(e, dict) and "engine_version" in e]
+        assert engine_versions[0] == 1 and engine_versions[-1] == 2  # tokens really ran on both
+        assert events[-1] == "[DONE]"
+
+        # An exact request is never crossed by an activation: the activation waits for it.
+        task = asyncio.create_task(stream(isl.url, long_body, {"X-Weftboard-Version": "exact=2"}))
+        await asyncio.sleep(0.3)
+        t0 = time.monotonic()
+        await isl.activate(3)
+        waited = time.monotonic() - t0
+        headers, events = await task
+        final = [e for e in events if isinstance(e, dict) and "weftboard" in e][0]["weftboard"]
+        assert final == {"version_start": 2, "version_end": 2, "request_id": final["request_id"]}
+        assert {e["engine_version"] for e in events if isinstance(e, dict) and "engine_version" in e} == {2}
+        assert waited > 0.5  # the activation waited for the exact request to finish
+    finally:
+        await isl.stop()
+
+
+async def test_drain_activation_waits_for_in_flight_requests():
+    isl = await Island(ActivationMode.DRAIN, token_delay_s=0.03).start()
+    try:
+        await isl.activate(1)
+        task = asyncio.create_task(stream(isl.url, {"prompt": "a", "max_tokens": 20, "seed": 3}))
+        await asyncio.sleep(0.2)
+        await isl.activate(2)
+        _, events = await task
+        final = [e for e in events if isinstance(e, dict) and "weftboard" in e][0]["weftboard"]
+        assert final["version_start"] == final["version_end"] == 1
+        assert {e["engine_version"] for e in events if isinstance(e, dict) and "engine_version" in e} == {1}
+    finally:
+        await isl.stop()
+
+
+class RefusingAdapter(ReferenceAdapter):
+    """An engine that refuses to pause for a weight change (e.g. stuck scheduler)."""
+
+    refuse = False
+
+    async def pause(self, mode):
+        if self.refuse:
+            raise ApplyError("engine did not acknowledge pause within 30s")
+        await super().pause(mode)
+
+
+async def test_adapter_failure_keeps_old_version_and_marks_error():
+    isl = Island(ActivationMode.DRAIN)
+    isl.adapter = RefusingAdapter(isl.engine)
+    isl.dest = EngineDestination(isl.adapter, isl.gate, isl.state, isl.inner)
+    await isl.start()
+    try:
+        await isl.activate(1)
+        before = live_root(isl.engine.tensors)
+        assert before == target_of(1, isl.versions[1]).root_digest
+        isl.adapter.refuse = True
+        with pytest.raises(ApplyError, match="pause"):
+            await isl.activate(2)
+        assert isl.dest.held_version() == 1 and isl.state.held == 1
+        assert live_root(isl.engine.tensors) == before  # old weights, bitwise; no mix
+        status, body = await get(isl.url + "/health/ready")
+        assert status == 503 and "error" in body["reason"]
+        status, headers, body = await call(isl.url, PROMPT, {"X-Weftboard-Version": "min=1"})
+        assert status == 200 and body["weftboard"]["version_start"] == 1
+        status, _, body = await call(isl.url, PROMPT, {"X-Weftboard-Version": "exact=2",
+                                                       "X-Weftboard-Deadline-Ms": "200"})
+        assert status == 409
+        isl.adapter.refuse = False
+        await isl.activate(2)
+        assert isl.state.error is None and (await get(isl.url + "/health/ready"))[0] == 200
+    finally:
+        await isl.stop()
