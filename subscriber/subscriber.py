@@ -184,7 +184,13 @@ class Subscriber:
             raise ApplyError(f"island {self.island_id} could not reach version {want or 'head'}: {message}")
 
     async def _execute(self, plan: pb.CatchUpPlan) -> None:
+        from weftboard.subscriber.fetch import cache_path
+
         steps = list(plan.steps)
+        if self.progress is not None:
+            for s in steps:
+                self.progress.begin(s.to_version, "anchor" if s.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
+                                    sum(b.size for b in s.blobs), [cache_path(self.fetcher.cache_dir, b) for b in s.blobs])
         targets = [asyncio.ensure_future(self._target(s.to_version)) for s in steps]
         downloads = [asyncio.ensure_future(asyncio.gather(*(self.fetcher.fetch(b) for b in s.blobs))) for s in steps]
         try:
@@ -196,6 +202,8 @@ class Subscriber:
                     )
                 try:
                     paths = await download
+                    if self.progress is not None:
+                        self.progress.applying(step.to_version)
                     t0 = time.perf_counter()
                     if step.kind == pb.ARTIFACT_KIND_ANCHOR:
                         await self.destination.load_anchor(paths, target)
@@ -210,8 +218,13 @@ class Subscriber:
                 log.info("version applied", island=self.island_id, run=self.run_name, version=step.to_version,
                          kind="anchor" if step.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
                          bytes=sum(b.size for b in step.blobs), apply_s=round(time.perf_counter() - t0, 3))
+                if self.progress is not None:
+                    self.progress.end(step.to_version)
                 await self._changed(step.to_version)
         finally:
+            if self.progress is not None:
+                for s in steps:
+                    self.progress.end(s.to_version)
             for f in (*targets, *downloads):
                 if not f.done():
                     f.cancel()

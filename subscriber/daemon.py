@@ -1,0 +1,123 @@
+"""The island daemon behind ``weftboard subscribe``: follow a run into a local destination.
+
+Invariants:
+- On start the destination re-verifies what it holds (the checkpoint directory re-hashes
+  ``current``), so a daemon restarted after a crash resumes only from verified bits.
+- SIGTERM and SIGINT end the follow loop cleanly: the current step either completes (its
+  swap is atomic) or leaves nothing behind, a last heartbeat says DRAINING, and the
+  process exits 0.
+- With ``events=True`` every verified version is printed to stdout as one JSON line
+  (``{"event": "applied", "version": N, "t": <unix time>, ...}``) for benchmarks and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+
+from weftboard.proto.v1 import board_pb2 as pb
+
+log = structlog.get_logger("weftboard.subscriber")
+
+
+@dataclass
+class DaemonConfig:
+    board: str
+    run: str
+    dir: Path
+    token: str | None = None
+    island_id: str = "island"
+    region: str = "local"
+    s3_endpoint: str | None = None
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    s3_bucket: str | None = None
+    s3_secure: bool = False
+    s3_prefix: str = ""
+    destination: str = "dir"  # "dir": checkpoint directory; "memory": live tensors in this process
+    heartbeat_s: float = 5.0
+    lease_s: int = 15
+    events: bool = False
+    exit_at_version: int = 0  # > 0: exit 0 once this version is held (benchmarks, tests)
+    progress: bool | None = None  # None: rich on a terminal
+
+
+def _emit(event: dict) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+async def run_daemon(cfg: DaemonConfig) -> int:
+    from weftboard.board.client import BoardClient
+    from weftboard.subscriber.progress import ProgressReporter
+    from weftboard.subscriber.subscriber import Subscriber
+
+    store = None
+    if cfg.s3_endpoint:
+        from weftboard.board.blobs import S3BlobStore
+
+        store = S3BlobStore(cfg.s3_endpoint, cfg.s3_access_key or "", cfg.s3_secret_key or "", cfg.s3_bucket or "",
+                            secure=cfg.s3_secure, region="us-east-1", prefix=cfg.s3_prefix)
+    cfg.dir.mkdir(parents=True, exist_ok=True)
+    client = BoardClient(cfg.board, cfg.token)
+    progress = ProgressReporter(rich=cfg.progress) if cfg.progress is not False else None
+    try:
+        if cfg.destination == "dir":
+            from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
+
+            dest = await asyncio.to_thread(CheckpointDirDestination, cfg.dir / "checkpoint")
+        elif cfg.destination == "memory":
+            import torch
+
+            from weftboard.subscriber.live_tensors import LiveTensorsDestination
+
+            run = await client.get_run(cfg.run)
+            dest = LiveTensorsDestination(
+                {t.name: torch.zeros(tuple(t.shape), dtype=getattr(torch, t.dtype)) for t in run.layout.tensors}
+            )
+        else:
+            raise ValueError(f"--destination must be 'dir' or 'memory', not {cfg.destination!r}")
+        sub = Subscriber(client, cfg.run, dest, island_id=cfg.island_id, region=cfg.region, blob_store=store,
+                         cache_dir=cfg.dir / "cache", heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s, progress=progress)
+        log.info("island starting", island=cfg.island_id, run=cfg.run, board=cfg.board, held=sub.held_version,
+                 destination=cfg.destination, blobs="s3" if store else "presigned")
+        if cfg.events:
+            _emit({"event": "started", "island": cfg.island_id, "held": sub.held_version, "t": time.time()})
+        done = asyncio.Event()
+
+        def on_version(version: int) -> None:
+            if cfg.events:
+                _emit({"event": "applied", "island": cfg.island_id, "version": version, "t": time.time()})
+            if cfg.exit_at_version and version >= cfg.exit_at_version:
+                done.set()
+
+        sub.add_listener(on_version)
+        if cfg.exit_at_version and sub.held_version >= cfg.exit_at_version:
+            done.set()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, done.set)
+        follow = asyncio.ensure_future(sub.run())
+        stop = asyncio.ensure_future(done.wait())
+        await asyncio.wait({follow, stop}, return_when=asyncio.FIRST_COMPLETED)
+        follow.cancel()
+        await asyncio.gather(follow, return_exceptions=True)
+        if follow.done() and not follow.cancelled() and follow.exception() is not None:
+            raise follow.exception()
+        sub.state = pb.ISLAND_STATE_DRAINING
+        await sub.heartbeat()
+        log.info("island stopped", island=cfg.island_id, held=sub.held_version)
+        return 0
+    finally:
+        if progress is not None:
+            progress.close()
+        await client.close()
+        if store is not None:
+            await store.close()
