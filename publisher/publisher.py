@@ -575,13 +575,13 @@ class Publisher:
                         f.set_result(record)
 
     async def _process(self, job: _Job) -> pb.VersionRecord:
-        from weftboard.cuda.codec import encode_deltas
-
         assert self._uploader is not None and self._client is not None
         artifacts: list[pb.Artifact] = []
         patch_bytes = anchor_bytes = 0
         uploads = []
         if job.deltas is not None and job.version > 1:
+            from weftboard.cuda.codec import encode_deltas
+
             deltas = job.deltas
             order = self._layout_names()
             encoded = await asyncio.to_thread(

@@ -1,0 +1,223 @@
+"""The publisher against a real board (real Redis, real blob store): records, anchors,
+backpressure (wait and skip), restart, presigned uploads, adapters, layout checks.
+
+The publisher is a synchronous API with its own background loop; the board runs on the
+test's loop, so every publisher call goes through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pubsubkit import Trainer, bits_equal, first_difference, zeros_like_layout
+from weftboard.board.blobs import LocalDirBlobStore
+from weftboard.board.client import BoardClient
+from weftboard.proto.errors import FailedPrecondition
+from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.publisher.publisher import Publisher
+from weftboard.subscriber.live_tensors import LiveTensorsDestination
+from weftboard.subscriber.subscriber import Subscriber
+
+
+async def _follow_each(client: BoardClient, run: str, store: Any, tmp: Path, views: dict[int, dict], *, presigned: bool = False) -> None:
+    """A subscriber steps through every version and must match the trainer's view at each."""
+    head = (await client.get_head(run)).version
+    dest = LiveTensorsDestination(zeros_like_layout(views[head]))
+    sub = Subscriber(client, run, dest, island_id="checker", blob_store=None if presigned else store,
+                     cache_dir=tmp / "checker-cache", heartbeat=False)
+    for v in range(1, head + 1):
+        assert await sub.sync_to(v) == v
+        assert bits_equal(dest.tensors, views[v]), f"version {v}: {first_difference(dest.tensors, views[v])}"
+
+
+async def _records(client: BoardClient, run: str) -> list[pb.VersionRecord]:
+    return [r async for r in client.iter_versions(run)]
+
+
+def _kinds(rec: pb.VersionRecord) -> set[str]:
+    return {"anchor" if a.kind == pb.ARTIFACT_KIND_ANCHOR else "patch" for a in rec.artifacts}
+
+
+async def test_publish_versions_anchors_and_patches_bitwise(board, local_store, tmp_path: Path) -> None:
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+
+    def train() -> list[float]:
+        with Publisher(board.address, "r1", token=board.admin_token, blob_store=local_store,
+                       anchor_every=3, anchor_patch_fraction=10.0) as pub:
+            for _ in range(7):
+                trainer.step()
+                h = pub.publish(trainer.model, step=trainer.step_no, labels={"note": "t"})
+                views[h.version] = trainer.served()
+            pub.flush()
+            return pub.blocked_s
+
+    blocked = await asyncio.to_thread(train)
+    assert len(blocked) == 7
+    async with BoardClient(board.address, board.admin_token) as client:
+        recs = await _records(client, "r1")
+        assert [r.version for r in recs] == list(range(1, 8))
+        assert [sorted(_kinds(r)) for r in recs] == [
+            ["anchor"], ["patch"], ["patch"], ["anchor", "patch"], ["patch"], ["patch"], ["anchor", "patch"]]
+        for r in recs[1:]:
+            assert 0 < r.stats.changed_elements < r.stats.total_elements
+            assert r.stats.patch_bytes > 0 and r.step == r.version and r.labels["note"] == "t"
+            assert abs(r.stats.density - r.stats.changed_elements / r.stats.total_elements) < 1e-12
+            assert sum(t.changed for t in r.stats.tensors) == r.stats.changed_elements
+        # Anchors are plain HF safetensors checkpoints.
+        anchor = next(a for a in recs[3].artifacts if a.kind == pb.ARTIFACT_KIND_ANCHOR)
+        assert [b.name for b in anchor.blobs] == ["model.safetensors"]
+        path = tmp_path / "anchor.safetensors"
+        path.write_bytes(await local_store.get_bytes(anchor.blobs[0].key))
+        assert bits_equal(load_file(path), views[4])
+        await _follow_each(client, "r1", local_store, tmp_path, views)
+
+
+async def test_patch_fraction_triggers_anchor_and_shards(board, local_store, tmp_path: Path) -> None:
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+
+    def train() -> None:
+        with Publisher(board.address, "r2", token=board.admin_token, blob_store=local_store,
+                       anchor_every=1000, anchor_patch_fraction=0.05, shard_bytes=400_000) as pub:
+            for _ in range(4):
+                trainer.step()
+                views[pub.publish(trainer.model, step=trainer.step_no).version] = trainer.served()
+
+    await asyncio.to_thread(train)
+    async with BoardClient(board.address, board.admin_token) as client:
+        recs = await _records(client, "r2")
+        anchors = [r.version for r in recs if "anchor" in _kinds(r)]
+        assert anchors[0] == 1 and len(anchors) >= 2  # patches add up past 5% of an anchor quickly
+        shard_names = [b.name for a in recs[0].artifacts for b in a.blobs]
+        assert len(shard_names) > 1 and shard_names[0].startswith("model-00001-of-")
+        await _follow_each(client, "r2", local_store, tmp_path, views)
+
+
+class SlowStore(LocalDirBlobStore):
+    """A real local blob store whose writes take a while: uploads fall behind the trainer."""
+
+    def __init__(self, root: Path, delay_s: float) -> None:
+        super().__init__(root)
+        self.delay_s = delay_s
+
+    async def put_bytes(self, key: str, data: bytes) -> int:
+        await asyncio.sleep(self.delay_s)
+        return await super().put_bytes(key, data)
+
+    async def put_file(self, key: str, path) -> int:
+        await asyncio.sleep(self.delay_s)
+        return await super().put_file(key, path)
+
+
+@pytest.mark.parametrize("mode", ["wait", "skip"])
+async def test_backpressure(board_factory, tmp_path: Path, mode: str) -> None:
+    store = SlowStore(tmp_path / "blobs", delay_s=0.4)
+    board = await board_factory(blobs=store)
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+    handles = []
+
+    def train() -> None:
+        with Publisher(board.address, f"bp-{mode}", token=board.admin_token, blob_store=store,
+                       max_pending=1, on_backpressure=mode, anchor_every=1000, anchor_patch_fraction=100.0) as pub:
+            for _ in range(6):
+                trainer.step()
+                h = pub.publish(trainer.model, step=trainer.step_no)
+                handles.append(h)
+                views[h.version] = trainer.served()  # the newest publish of a version wins
+            pub.flush()
+
+    await asyncio.to_thread(train)
+    versions = [h.version for h in handles]
+    records = [h.result(5) for h in handles]
+    assert all(r.version == h.version for r, h in zip(records, handles))
+    if mode == "wait":
+        assert versions == [1, 2, 3, 4, 5, 6]
+        assert max(h.blocked_s for h in handles[1:]) >= 0.2  # the trainer really waited for uploads
+    else:
+        assert versions[-1] < 6  # some publishes were coalesced into a spanning patch
+        assert versions == sorted(versions) and set(versions) == set(range(1, versions[-1] + 1))
+        assert any(records[i].step != handles[i].step for i in range(len(handles)))
+    async with BoardClient(board.address, board.admin_token) as client:
+        await _follow_each(client, f"bp-{mode}", store, tmp_path, views)
+
+
+async def test_restart_resumes_from_head(board, local_store, tmp_path: Path) -> None:
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+
+    def session(n: int, **kw: Any) -> None:
+        with Publisher(board.address, "rs", token=board.admin_token, blob_store=local_store, anchor_every=1000,
+                       anchor_patch_fraction=100.0, **kw) as pub:
+            for _ in range(n):
+                trainer.step()
+                views[pub.publish(trainer.model, step=trainer.step_no).version] = trainer.served()
+
+    await asyncio.to_thread(session, 3)
+    await asyncio.to_thread(session, 2)  # a new process: rebuilds its view from the board
+    snapshot = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    await asyncio.to_thread(session, 1, resume_state=snapshot)  # vouches for the head: verified, no anchor
+    await asyncio.to_thread(session, 1, resume_state={k: v + 1.0 for k, v in snapshot.items()})  # wrong: anchors
+    async with BoardClient(board.address, board.admin_token) as client:
+        recs = await _records(client, "rs")
+        assert [sorted(_kinds(r)) for r in recs] == [["anchor"], ["patch"], ["patch"], ["patch"], ["patch"], ["patch"], ["anchor"]]
+        await _follow_each(client, "rs", local_store, tmp_path, views)
+
+
+async def test_presigned_mode_without_credentials(board_factory, s3_store, tmp_path: Path) -> None:
+    board = await board_factory(blobs=s3_store)
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+
+    def train() -> None:
+        with Publisher(board.address, "ps", token=board.admin_token, blob_store=None) as pub:
+            for _ in range(3):
+                trainer.step()
+                views[pub.publish(trainer.model, step=trainer.step_no).version] = trainer.served()
+
+    await asyncio.to_thread(train)
+    async with BoardClient(board.address, board.admin_token) as client:
+        assert (await client.get_head("ps")).version == 3
+        await _follow_each(client, "ps", None, tmp_path, views, presigned=True)
+
+
+async def test_layout_mismatch_is_refused(board, local_store) -> None:
+    def go() -> None:
+        with Publisher(board.address, "lm", token=board.admin_token, blob_store=local_store) as pub:
+            pub.publish(Trainer().model, step=1)
+        with Publisher(board.address, "lm", token=board.admin_token, blob_store=local_store) as pub:
+            pub.publish(Trainer(d=64).model, step=2)
+
+    with pytest.raises(FailedPrecondition, match="layout differs"):
+        await asyncio.to_thread(go)
+
+
+async def test_lora_adapter_versions_are_whole(board, local_store, tmp_path: Path) -> None:
+    from weftboard.cuda.formats import ServedFormatSpec
+
+    g = torch.Generator().manual_seed(0)
+    adapters = [{"layers.0.q.lora_A": torch.randn(8, 64, generator=g), "layers.0.q.lora_B": torch.randn(64, 8, generator=g).bfloat16()}
+                for _ in range(3)]
+
+    def go() -> None:
+        with Publisher(board.address, "lora", token=board.admin_token, blob_store=local_store,
+                       served_format=ServedFormatSpec("raw")) as pub:
+            for i, a in enumerate(adapters):
+                assert pub.publish_adapter(a, step=i).version == i + 1
+
+    await asyncio.to_thread(go)
+    async with BoardClient(board.address, board.admin_token) as client:
+        run = await client.get_run("lora")
+        assert run.kind == pb.RUN_KIND_LORA_ADAPTER
+        recs = await _records(client, "lora")
+        assert [sorted(_kinds(r)) for r in recs] == [["anchor"]] * 3
+        views = {i + 1: {k: v.clone() for k, v in a.items()} for i, a in enumerate(adapters)}
+        await _follow_each(client, "lora", local_store, tmp_path, views)
