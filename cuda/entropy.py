@@ -1,0 +1,550 @@
+"""The entropy coder of the default patch encoding: Rice-coded position gaps, rANS-coded
+value differences, raw escapes; one independent stream per tile (numba, parallel over tiles).
+
+Per tensor (all integers little-endian; "varint" = LEB128, 7 bits per byte, at most 9 bytes):
+
+    table      varint nsym, then nsym x (varint symbol, varint freq); freqs sum to 2**SCALE_BITS,
+               symbols strictly ascending and < NSYM
+    directory  per tile t = 0 .. ceil(numel / tile) - 1:
+               varint n (changes in the tile); if n > 0: u8 k, varint rice_len, varint rans_len,
+               varint n_esc
+    payloads   per tile with n > 0, in tile order: rice_len bytes | rans_len bytes | n_esc * width bytes
+
+A tile's positions are gaps ``g_0 = p_0 - tile_start``, ``g_i = p_i - p_{i-1} - 1`` written as
+Rice(k): ``g >> k`` one-bits, a zero-bit, then the ``k`` low bits of ``g``; bits are packed
+LSB-first, the last byte padded with zero bits. Rice is the optimal prefix code for geometric
+gaps, i.e. for i.i.d. change positions, and k is chosen per tile by exact cost.
+
+Each value is the difference ``d = new_bits - old_bits`` modulo 2**(8*width) (an integer
+difference, not XOR: one ulp up is always +1 even when it carries through many bits). With
+``m = |d|`` as a signed number, symbol ``2*(m-1) + (d < 0)`` codes 1 <= m <= MAX_DELTA; any other
+difference (sign flips, far jumps, NaN payloads, the zero difference) is symbol ESC followed by
+``d`` raw in the tile's escape bytes. Symbols are coded by a byte-wise rANS (32-bit state,
+L = 2**23, SCALE_BITS = 14) with the tensor's frequency table; the encoder runs backwards, so the
+stream starts with the final state (4 bytes) and the decoder reads forward. A valid tile ends with
+the decoder back in state L having consumed exactly rans_len bytes, which doubles as a check.
+
+Decoders never trust a length: every read is bounds-checked and every violation returns an
+error code that the caller turns into ``CorruptData`` (see ``ERRORS``).
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+SCALE_BITS = 14
+SCALE = 1 << SCALE_BITS
+RANS_L = 1 << 23
+MAX_DELTA = 64
+ESC = 2 * MAX_DELTA
+NSYM = ESC + 1
+MAX_K = 24
+
+ERRORS = {
+    1: "a tile's Rice bits run past its recorded length",
+    2: "a decoded position falls outside its tile",
+    3: "a tile's Rice stream has leftover bytes or non-zero padding",
+    4: "a tile's rANS stream is shorter than its initial state",
+    5: "a tile's rANS state is out of range",
+    6: "a tile's rANS stream runs past its recorded length",
+    7: "a tile's rANS stream does not end in the initial state (corrupt or truncated)",
+    8: "a tile's number of escapes differs from its directory entry",
+    9: "a tile's Rice parameter is out of range",
+}
+
+DIR_ERRORS = {
+    1: "the frequency table is truncated or malformed",
+    2: "the frequency table does not sum to 2**14 or names an unknown symbol",
+    3: "the tile directory is truncated or malformed",
+    4: "a tile claims more changes than it has elements",
+    5: "the tile payloads do not add up to the stream length",
+    6: "the per-tile change counts do not add up to the declared number of changes",
+}
+
+
+# ---------------------------------------------------------------------------
+# symbols
+# ---------------------------------------------------------------------------
+
+
+@nb.njit(inline="always", cache=True)
+def _udiff(old, new, mask):
+    return (np.uint64(new) - np.uint64(old)) & mask
+
+
+@nb.njit(inline="always", cache=True)
+def _symbol(d, mask, top):
+    if d & top:
+        m = ((~d) + np.uint64(1)) & mask
+        sign = 1
+    else:
+        m = d
+        sign = 0
+    if m >= np.uint64(1) and m <= np.uint64(MAX_DELTA):
+        return np.int64(m - np.uint64(1)) * 2 + sign
+    return ESC
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def symbols(old, new, width):
+    """Symbol of every change (uint8) from the old and new bits (unsigned arrays of ``width``)."""
+    n = old.size
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
+    top = np.uint64(1) << np.uint64(8 * width - 1)
+    out = np.empty(n, np.uint8)
+    chunk = 1 << 16
+    for c in nb.prange((n + chunk - 1) // chunk):
+        for i in range(c * chunk, min(n, (c + 1) * chunk)):
+            out[i] = _symbol(_udiff(old[i], new[i], mask), mask, top)
+    return out
+
+
+def quantize_freqs(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to SCALE, >= 1 wherever a count is > 0, close to proportional."""
+    counts = np.asarray(counts, dtype=np.int64)
+    freqs = np.zeros(NSYM, np.int64)
+    total = int(counts.sum())
+    if total == 0:
+        return freqs
+    nz = counts > 0
+    freqs[nz] = np.maximum(1, (counts[nz] * SCALE) // total)
+    diff = SCALE - int(freqs.sum())
+    order = np.argsort(-counts, kind="stable")
+    if diff > 0:  # rounding down left a remainder: the most frequent symbol takes it (cheapest)
+        freqs[order[0]] += diff
+    else:  # forced minimum frequencies overshot: take back from the most frequent symbols
+        for s in order:
+            if diff == 0:
+                break
+            take = min(int(freqs[s]) - 1, -diff)
+            freqs[s] -= take
+            diff += take
+    return freqs
+
+
+# ---------------------------------------------------------------------------
+# encoder
+# ---------------------------------------------------------------------------
+
+
+@nb.njit(cache=True)
+def _best_k(pos, lo, hi, tile_start):
+    n = hi - lo
+    total = 0
+    prev = tile_start - 1
+    for i in range(lo, hi):
+        total += pos[i] - prev - 1
+        prev = pos[i]
+    mean = total // n
+    kest = 0
+    while (1 << (kest + 1)) <= mean:
+        kest += 1
+    best_k = 0
+    best = -1
+    for k in range(max(0, kest - 2), min(MAX_K, kest + 2) + 1):
+        cost = n * (k + 1)
+        prev = tile_start - 1
+        for i in range(lo, hi):
+            cost += (pos[i] - prev - 1) >> k
+            prev = pos[i]
+        if best < 0 or cost < best:
+            best = cost
+            best_k = k
+    return best_k, best
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def plan_tiles(pos, syms, tile_ptr, tile):
+    """Per tile: Rice parameter, exact Rice bytes, escape count (pass 1 of the encoder)."""
+    ntiles = tile_ptr.size - 1
+    ks = np.zeros(ntiles, np.int64)
+    rice_bytes = np.zeros(ntiles, np.int64)
+    n_esc = np.zeros(ntiles, np.int64)
+    for t in nb.prange(ntiles):
+        lo = tile_ptr[t]
+        hi = tile_ptr[t + 1]
+        if hi == lo:
+            continue
+        k, bits = _best_k(pos, lo, hi, t * tile)
+        ks[t] = k
+        rice_bytes[t] = (bits + 7) // 8
+        e = 0
+        for i in range(lo, hi):
+            e += 1 if syms[i] == ESC else 0
+        n_esc[t] = e
+    return ks, rice_bytes, n_esc
+
+
+@nb.njit(cache=True)
+def _put_bits(buf, p, acc, nbits, value, count):
+    acc |= value << nbits
+    nbits += count
+    while nbits >= 8:
+        buf[p] = acc & 0xFF
+        p += 1
+        acc >>= 8
+        nbits -= 8
+    return p, acc, nbits
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, freq, cum, scratch):
+    """Pass 2: write each tile's Rice | rANS | escapes at ``scratch_off[t]``; returns rans_len."""
+    ntiles = tile_ptr.size - 1
+    rans_len = np.zeros(ntiles, np.int64)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
+    for t in nb.prange(ntiles):
+        lo = tile_ptr[t]
+        hi = tile_ptr[t + 1]
+        if hi == lo:
+            continue
+        n = hi - lo
+        k = ks[t]
+        base = scratch_off[t]
+        # Rice
+        p = base
+        acc = 0
+        nbits = 0
+        prev = t * tile - 1
+        lowmask = (1 << k) - 1
+        for i in range(lo, hi):
+            g = pos[i] - prev - 1
+            prev = pos[i]
+            q = g >> k
+            while q >= 24:
+                p, acc, nbits = _put_bits(scratch, p, acc, nbits, (1 << 24) - 1, 24)
+                q -= 24
+            p, acc, nbits = _put_bits(scratch, p, acc, nbits, (1 << q) - 1, q + 1)  # q ones, a zero
+            if k > 0:
+                p, acc, nbits = _put_bits(scratch, p, acc, nbits, g & lowmask, k)
+        if nbits > 0:
+            scratch[p] = acc & 0xFF
+            p += 1
+        rice_end = p
+        # rANS, backwards from the end of this tile's scratch region
+        end = scratch_off[t + 1] - n_esc[t] * width
+        q = end
+        x = RANS_L
+        for i in range(hi - 1, lo - 1, -1):
+            s = syms[i]
+            f = freq[s]
+            x_max = ((RANS_L >> SCALE_BITS) << 8) * f
+            while x >= x_max:
+                q -= 1
+                scratch[q] = x & 0xFF
+                x >>= 8
+            x = ((x // f) << SCALE_BITS) + (x % f) + cum[s]
+        q -= 4
+        for b in range(4):  # the final state, little-endian, read first by the decoder
+            scratch[q + b] = (x >> (8 * b)) & 0xFF
+        # bytes were written at decreasing addresses, so [q, end) is already in decode order
+        m = end - q
+        for j in range(m):  # q >= rice_end: a forward copy never overwrites unread bytes
+            scratch[rice_end + j] = scratch[q + j]
+        rans_len[t] = m
+        # escapes: raw differences, little-endian, in change order
+        e = rice_end + m
+        for i in range(lo, hi):
+            if syms[i] == ESC:
+                d = (np.uint64(new[i]) - np.uint64(old[i])) & mask
+                for b in range(width):
+                    scratch[e] = np.uint8((d >> np.uint64(8 * b)) & np.uint64(0xFF))
+                    e += 1
+    return rans_len
+
+
+# ---------------------------------------------------------------------------
+# decoder
+# ---------------------------------------------------------------------------
+
+
+@nb.njit(cache=True)
+def _varint(buf, p, end):
+    """(value, new position) or (-1, -1) if truncated or longer than 9 bytes."""
+    v = 0
+    shift = 0
+    while True:
+        if p >= end or shift > 56:
+            return -1, -1
+        b = np.int64(buf[p])
+        p += 1
+        v |= (b & 0x7F) << shift
+        if b < 0x80:
+            return v, p
+        shift += 7
+
+
+@nb.njit(cache=True, nogil=True)
+def parse_table_and_directory(buf, numel, tile, width, changed):
+    """Parse the frequency table and tile directory; returns (err, freq, per-tile arrays, payload offsets)."""
+    end = buf.size
+    ntiles = (numel + tile - 1) // tile
+    freq = np.zeros(NSYM, np.int64)
+    ns = np.zeros(ntiles, np.int64)
+    ks = np.zeros(ntiles, np.int64)
+    rice = np.zeros(ntiles, np.int64)
+    rans = np.zeros(ntiles, np.int64)
+    esc = np.zeros(ntiles, np.int64)
+    offs = np.zeros(ntiles + 1, np.int64)
+    p = 0
+    nsym, p = _varint(buf, p, end)
+    if nsym < 0 or nsym > NSYM:
+        return 1, freq, ns, ks, rice, rans, esc, offs
+    last = -1
+    total = 0
+    for _ in range(nsym):
+        s, p = _varint(buf, p, end)
+        if s < 0:
+            return 1, freq, ns, ks, rice, rans, esc, offs
+        f, p = _varint(buf, p, end)
+        if f < 0:
+            return 1, freq, ns, ks, rice, rans, esc, offs
+        if s <= last or s >= NSYM or f < 1 or f > SCALE:
+            return 2, freq, ns, ks, rice, rans, esc, offs
+        freq[s] = f
+        total += f
+        last = s
+    if nsym > 0 and total != SCALE:
+        return 2, freq, ns, ks, rice, rans, esc, offs
+    count = 0
+    for t in range(ntiles):
+        n, p = _varint(buf, p, end)
+        if n < 0:
+            return 3, freq, ns, ks, rice, rans, esc, offs
+        tile_n = min(tile, numel - t * tile)
+        if n > tile_n:
+            return 4, freq, ns, ks, rice, rans, esc, offs
+        ns[t] = n
+        count += n
+        if n == 0:
+            continue
+        if p >= end:
+            return 3, freq, ns, ks, rice, rans, esc, offs
+        ks[t] = buf[p]
+        p += 1
+        r, p = _varint(buf, p, end)
+        if r < 0:
+            return 3, freq, ns, ks, rice, rans, esc, offs
+        a, p = _varint(buf, p, end)
+        if a < 0:
+            return 3, freq, ns, ks, rice, rans, esc, offs
+        e, p = _varint(buf, p, end)
+        if e < 0 or e > n:
+            return 3, freq, ns, ks, rice, rans, esc, offs
+        rice[t] = r
+        rans[t] = a
+        esc[t] = e
+    if count != changed:
+        return 6, freq, ns, ks, rice, rans, esc, offs
+    if count > 0 and nsym == 0:
+        return 2, freq, ns, ks, rice, rans, esc, offs
+    offs[0] = p
+    for t in range(ntiles):
+        offs[t + 1] = offs[t] + rice[t] + rans[t] + esc[t] * width
+        if offs[t + 1] > end:
+            return 5, freq, ns, ks, rice, rans, esc, offs
+    if offs[ntiles] != end:
+        return 5, freq, ns, ks, rice, rans, esc, offs
+    return 0, freq, ns, ks, rice, rans, esc, offs
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def decode_tiles(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, out_pos, out_diff):
+    """Decode every tile into positions and differences (at prefix-sum offsets of ``ns``)."""
+    ntiles = ns.size
+    errs = np.zeros(ntiles, np.int64)
+    starts = np.zeros(ntiles + 1, np.int64)
+    for t in range(ntiles):
+        starts[t + 1] = starts[t] + ns[t]
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
+    smask = SCALE - 1
+    for t in nb.prange(ntiles):
+        n = ns[t]
+        if n == 0:
+            continue
+        k = ks[t]
+        if k > MAX_K:
+            errs[t] = 9
+            continue
+        o = starts[t]
+        tile_start = t * tile
+        tile_end = min(tile_start + tile, numel)
+        # Rice
+        p = offs[t]
+        rend = p + rice[t]
+        acc = 0
+        nbits = 0
+        prev = tile_start - 1
+        err = 0
+        for i in range(n):
+            q = 0
+            while True:
+                if nbits == 0:
+                    if p >= rend:
+                        err = 1
+                        break
+                    acc = np.int64(buf[p])
+                    p += 1
+                    nbits = 8
+                if acc & 1:
+                    q += 1
+                    acc >>= 1
+                    nbits -= 1
+                    if q > tile:
+                        err = 2
+                        break
+                else:
+                    acc >>= 1
+                    nbits -= 1
+                    break
+            if err:
+                break
+            while nbits < k:
+                if p >= rend:
+                    err = 1
+                    break
+                acc |= np.int64(buf[p]) << nbits
+                p += 1
+                nbits += 8
+            if err:
+                break
+            low = acc & ((1 << k) - 1)
+            acc >>= k
+            nbits -= k
+            g = (q << k) | low
+            cur = prev + 1 + g
+            if cur >= tile_end:
+                err = 2
+                break
+            out_pos[o + i] = cur
+            prev = cur
+        if err == 0 and (p != rend or acc != 0):
+            err = 3
+        if err:
+            errs[t] = err
+            continue
+        # rANS
+        p = rend
+        aend = p + rans[t]
+        if aend - p < 4:
+            errs[t] = 4
+            continue
+        x = np.int64(buf[p]) | (np.int64(buf[p + 1]) << 8) | (np.int64(buf[p + 2]) << 16) | (np.int64(buf[p + 3]) << 24)
+        p += 4
+        if x < RANS_L or x >= (RANS_L << 8):
+            errs[t] = 5
+            continue
+        e = aend
+        eend = aend + esc[t] * width
+        n_esc = 0
+        for i in range(n):
+            slot = x & smask
+            s = slot2sym[slot]
+            x = freq[s] * (x >> SCALE_BITS) + slot - cum[s]
+            while x < RANS_L:
+                if p >= aend:
+                    err = 6
+                    break
+                x = (x << 8) | np.int64(buf[p])
+                p += 1
+            if err:
+                break
+            if s == ESC:
+                n_esc += 1
+                if e + width > eend:
+                    err = 8
+                    break
+                d = np.uint64(0)
+                for b in range(width):
+                    d |= np.uint64(buf[e]) << np.uint64(8 * b)
+                    e += 1
+            else:
+                m = np.uint64(s // 2 + 1)
+                if s & 1:
+                    d = ((~m) + np.uint64(1)) & mask
+                else:
+                    d = m
+            out_diff[o + i] = d
+        if err:
+            errs[t] = err
+            continue
+        if p != aend or x != RANS_L:
+            errs[t] = 7
+            continue
+        if n_esc != esc[t]:
+            errs[t] = 8
+    return errs
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def apply_diffs(target, pos, diff, old_out):
+    """target[pos] += diff (wrapping in the element width), keeping the old bits in old_out."""
+    n = pos.size
+    chunk = 1 << 16
+    for c in nb.prange((n + chunk - 1) // chunk):
+        for i in range(c * chunk, min(n, (c + 1) * chunk)):
+            j = pos[i]
+            old = target[j]
+            old_out[i] = old
+            target[j] = old + diff[i]
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def gather(target, pos, out):
+    n = pos.size
+    chunk = 1 << 16
+    for c in nb.prange((n + chunk - 1) // chunk):
+        for i in range(c * chunk, min(n, (c + 1) * chunk)):
+            out[i] = target[pos[i]]
+
+
+# ---------------------------------------------------------------------------
+# assembly of a tensor's default stream
+# ---------------------------------------------------------------------------
+
+
+@nb.njit(cache=True)
+def _write_varint(buf, p, v):
+    while v >= 0x80:
+        buf[p] = (v & 0x7F) | 0x80
+        p += 1
+        v >>= 7
+    buf[p] = v
+    return p + 1
+
+
+@nb.njit(cache=True, nogil=True)
+def assemble(freq, ns, ks, rice_bytes, rans_len, n_esc, width, scratch, scratch_off):
+    """Table + directory + compacted tile payloads as one uint8 array."""
+    ntiles = ns.size
+    cap = 10 + NSYM * 20 + ntiles * 40
+    for t in range(ntiles):
+        cap += rice_bytes[t] + rans_len[t] + n_esc[t] * width
+    out = np.empty(cap, np.uint8)
+    nsym = 0
+    for s in range(NSYM):
+        if freq[s] > 0:
+            nsym += 1
+    p = _write_varint(out, 0, nsym)
+    for s in range(NSYM):
+        if freq[s] > 0:
+            p = _write_varint(out, p, s)
+            p = _write_varint(out, p, freq[s])
+    for t in range(ntiles):
+        p = _write_varint(out, p, ns[t])
+        if ns[t] == 0:
+            continue
+        out[p] = ks[t]
+        p += 1
+        p = _write_varint(out, p, rice_bytes[t])
+        p = _write_varint(out, p, rans_len[t])
+        p = _write_varint(out, p, n_esc[t])
+    for t in range(ntiles):
+        if ns[t] == 0:
+            continue
+        src = scratch_off[t]
+        m = rice_bytes[t] + rans_len[t] + n_esc[t] * width  # Rice | rANS | escapes, contiguous
+        out[p : p + m] = scratch[src : src + m]
+        p += m
+    return out[:p]
