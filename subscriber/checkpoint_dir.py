@@ -193,7 +193,7 @@ class CheckpointDirDestination:
             return digests
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, (WeftboardError, KeyboardInterrupt, SystemExit)):
+            if isinstance(exc, WeftboardError) or not isinstance(exc, Exception):
                 raise
             raise ApplyError(f"applying the patch to version {target.version} in {self.root} failed: {exc}") from exc
 

@@ -101,6 +101,6 @@ class LiveTensorsDestination:
         except BaseException as exc:
             applied.revert()
             log.error("patch result rejected and reverted", version=target.version, error=str(exc))
-            if isinstance(exc, (CorruptData, ApplyError)):
+            if isinstance(exc, (CorruptData, ApplyError)) or not isinstance(exc, Exception):
                 raise
             raise ApplyError(f"applying the patch to version {target.version} failed: {exc}") from exc

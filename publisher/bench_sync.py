@@ -1,0 +1,431 @@
+"""``weftboard bench sync``: publish-to-applied on every island, delta patches vs full checkpoints.
+
+What it runs, all on this machine and one real S3 server (SeaweedFS started here):
+- a trainer with fp32 master weights of a transformer-shaped model (>= 100M parameters by
+  default) taking real AdamW steps (lr 3e-6, fused) on dense random gradients, the way an
+  RL step moves weights: about 1% of the bf16 served bits change per step;
+- the delta pipeline: a ``Publisher`` (bf16 served view, patches + an initial anchor) and
+  N island daemons (``weftboard subscribe`` child processes, verified apply);
+- the baseline: the same trainer steps shipped as a full safetensors checkpoint each time
+  (write + upload to the same S3, every island downloads it and loads it with
+  ``safetensors.torch.load_file``), N baseline island child processes.
+
+Spans are from the trainer's publish call to the last island's "applied" (delta: verified
+against the version's root digest) or "loaded" (baseline), using wall clocks of the same
+machine. The first version of the delta run (the anchor every island starts from) is not a
+measured version: the measured ones are the steady state of patches.
+
+Memory: ``publisher_extra_memory_ratio`` is (peak RSS of this process while publishing -
+RSS just before the publisher is created, with the model, its gradients and AdamW state
+already allocated and the optimizer fused so it makes no temporaries) / bytes of one
+served view; RSS is sampled every 5 ms from /proc. ``publisher_tensor_memory_ratio`` is
+the accounting view: (served view + the largest deltas + patch kept at once) / view.
+
+WAN hook: each island's command line is ``prefix + python -m weftboard.board.cli
+subscribe ...`` and its board and S3 addresses come from ``IslandNetwork``; the default is
+loopback with no prefix (``LoopbackNetwork``). A WAN topology provides the same three things.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from weftboard.publisher.islands import IslandProcess, IslandSpec
+
+RUN = "bench-sync"
+
+
+# ---------------------------------------------------------------------------
+# The model and the update
+# ---------------------------------------------------------------------------
+
+
+def model_shapes(params: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Llama-shaped tensors whose total is about ``params`` (at least one layer)."""
+    d, vocab = 768, 32000
+    if params < 20_000_000:  # small smoke sizes
+        d, vocab = 128, 1024
+    hidden = 4 * d
+    per_layer = 4 * d * d + 3 * d * hidden + 2 * d
+    fixed = 2 * vocab * d + d
+    layers = max(1, round((params - fixed) / per_layer))
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, d))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes += [
+            (p + "input_layernorm.weight", (d,)),
+            (p + "self_attn.q_proj.weight", (d, d)),
+            (p + "self_attn.k_proj.weight", (d, d)),
+            (p + "self_attn.v_proj.weight", (d, d)),
+            (p + "self_attn.o_proj.weight", (d, d)),
+            (p + "post_attention_layernorm.weight", (d,)),
+            (p + "mlp.gate_proj.weight", (hidden, d)),
+            (p + "mlp.up_proj.weight", (hidden, d)),
+            (p + "mlp.down_proj.weight", (d, hidden)),
+        ]
+    shapes += [("model.norm.weight", (d,)), ("lm_head.weight", (vocab, d))]
+    return shapes
+
+
+class BenchTrainer:
+    """fp32 master weights, fused AdamW at lr 3e-6, dense random gradients each step."""
+
+    def __init__(self, params: int, lr: float = 3e-6, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.params: dict[str, torch.nn.Parameter] = {}
+        for name, shape in model_shapes(params):
+            if len(shape) == 1:
+                t = 1.0 + 0.05 * torch.randn(shape, generator=g)
+            else:
+                t = 0.02 * torch.randn(shape, generator=g)
+            self.params[name] = torch.nn.Parameter(t)
+        for p in self.params.values():
+            p.grad = torch.zeros_like(p)
+        self.opt = torch.optim.AdamW(self.params.values(), lr=lr, fused=True)
+        self.gen = torch.Generator().manual_seed(seed + 1)
+        self.steps = 0
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params.values())
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for p in self.params.values():
+                p.grad.normal_(generator=self.gen)
+        self.opt.step()
+        self.steps += 1
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.params.items()}
+
+    def served(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to(torch.bfloat16) for k, v in self.params.items()}
+
+
+# ---------------------------------------------------------------------------
+# Island networking hook (loopback by default; the WAN simulation plugs in here)
+# ---------------------------------------------------------------------------
+
+
+class LoopbackNetwork:
+    """Islands on this host: no command prefix, the real addresses."""
+
+    def prefix(self, index: int) -> Sequence[str]:
+        return ()
+
+    def board_address(self, index: int, board: str) -> str:
+        return board
+
+    def s3_endpoint(self, index: int, endpoint: str) -> str:
+        return endpoint
+
+    def describe(self) -> dict[str, Any]:
+        return {"network": "loopback"}
+
+
+# ---------------------------------------------------------------------------
+# Memory sampling
+# ---------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class RssSampler:
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss_bytes())
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "RssSampler":
+        self.peak = _rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+
+# ---------------------------------------------------------------------------
+# Baseline islands: download the full checkpoint and load it
+# ---------------------------------------------------------------------------
+
+
+def full_island_main(argv: Sequence[str]) -> int:
+    """``python -m weftboard.publisher.bench_sync full-island ENDPOINT ACCESS SECRET BUCKET DIR``.
+
+    Reads one object key per stdin line; downloads it, loads it with safetensors and prints
+    ``{"event": "loaded", "key": ..., "t": ...}``.
+    """
+    from safetensors.torch import load_file
+
+    from weftboard.board.blobs import S3BlobStore
+
+    endpoint, access, secret, bucket, directory = argv
+    store = S3BlobStore(endpoint, access, secret, bucket, region="us-east-1")
+    work = Path(directory)
+    work.mkdir(parents=True, exist_ok=True)
+    print(json.dumps({"event": "started", "t": time.time()}), flush=True)
+
+    async def handle(key: str) -> None:
+        path = work / "model.safetensors"
+        path.unlink(missing_ok=True)
+        await store.download_to(key, path)
+        tensors = load_file(path)
+        n = sum(t.numel() for t in tensors.values())
+        del tensors
+        print(json.dumps({"event": "loaded", "key": key, "numel": n, "t": time.time()}), flush=True)
+
+    for line in sys.stdin:
+        key = line.strip()
+        if not key:
+            break
+        asyncio.run(handle(key))
+    return 0
+
+
+class FullIsland:
+    def __init__(self, index: int, prefix: Sequence[str], endpoint: str, server: Any, directory: Path) -> None:
+        self.cmd = [*prefix, sys.executable, "-m", "weftboard.publisher.bench_sync", "full-island",
+                    endpoint, server.access_key, server.secret_key, server.bucket, str(directory)]
+        self.proc: asyncio.subprocess.Process | None = None
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.log = directory.parent / f"full-{index}.log"
+
+    async def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(*self.cmd, stdin=asyncio.subprocess.PIPE,
+                                                             stdout=asyncio.subprocess.PIPE, stderr=log)
+        await self.next_event(120)
+
+    async def next_event(self, timeout_s: float) -> dict:
+        assert self.proc is not None and self.proc.stdout is not None
+        while True:
+            line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+            if not line:
+                raise RuntimeError(f"baseline island exited; log: {self.log.read_text()[-2000:]}")
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+
+    async def load(self, key: str) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((key + "\n").encode())
+        await self.proc.stdin.drain()
+
+    async def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            try:
+                self.proc.stdin.write(b"\n")
+                await self.proc.stdin.drain()
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except (OSError, asyncio.TimeoutError):
+                self.proc.kill()
+                await self.proc.wait()
+
+
+# ---------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class BenchConfig:
+    params: int = 110_000_000
+    islands: int = 3
+    versions: int = 5
+    lr: float = 3e-6
+    destination: str = "memory"
+    work_dir: Path | None = None
+    network: Any = None  # an IslandNetwork (LoopbackNetwork by default)
+    log: Any = None  # callable(str) for human-readable progress lines
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    from weftboard.board.blobs import S3BlobStore
+    from weftboard.board.server import BoardConfig, start_board
+    from weftboard.board.services import start_redis, start_seaweedfs
+    from weftboard.cuda.digest import root_digest, tensor_digest
+    from weftboard.publisher.anchors import write_checkpoint
+    from weftboard.publisher.publisher import Publisher
+
+    say = cfg.log or (lambda s: print(s, file=sys.stderr, flush=True))
+    net = cfg.network or LoopbackNetwork()
+    root = Path(cfg.work_dir or tempfile.mkdtemp(prefix="weftboard-bench-sync-"))
+    root.mkdir(parents=True, exist_ok=True)
+    say(f"work dir {root}; starting redis and SeaweedFS")
+    redis = await asyncio.to_thread(start_redis, root / "redis")
+    s3 = await asyncio.to_thread(start_seaweedfs, root / "s3")
+    store = S3BlobStore(s3.endpoint, s3.access_key, s3.secret_key, s3.bucket, region="us-east-1")
+    token = "bench-admin"
+    board = await start_board(BoardConfig(listen="127.0.0.1:0", redis_url=redis.url, admin_token=token,
+                                          watch_progress_s=1.0), blobs=store)
+    islands: list[IslandProcess] = []
+    fulls: list[FullIsland] = []
+    pub = None
+    try:
+        say(f"building a {cfg.params / 1e6:.0f}M-parameter fp32 model")
+        trainer = await asyncio.to_thread(BenchTrainer, cfg.params, cfg.lr)
+        await asyncio.to_thread(trainer.step)
+        view_bytes = trainer.numel * 2
+        say(f"model: {trainer.numel:,} parameters, served view {view_bytes / 1e6:.0f} MB (bf16)")
+
+        rss0 = _rss_bytes()
+        results: dict[int, dict[str, Any]] = {}
+        with RssSampler() as sampler:
+            pub = Publisher(board.address, RUN, token=token, blob_store=store, anchor_every=10_000,
+                            anchor_patch_fraction=0.5, max_pending=2, work_dir=root / "publisher")
+            t0 = time.time()
+            h1 = await asyncio.to_thread(pub.publish, trainer.state(), step=trainer.steps)
+            await asyncio.to_thread(h1.result, 300)
+            say(f"version 1 (anchor) committed in {time.time() - t0:.2f}s; starting {cfg.islands} islands")
+            for i in range(cfg.islands):
+                spec = IslandSpec(f"island-{i}", root / "islands" / f"island-{i}", net.board_address(i, board.address), RUN,
+                                  token=token, s3_endpoint=net.s3_endpoint(i, s3.endpoint), s3_access_key=s3.access_key,
+                                  s3_secret_key=s3.secret_key, s3_bucket=s3.bucket, destination=cfg.destination,
+                                  prefix=net.prefix(i))
+                islands.append(IslandProcess(spec))
+            await asyncio.gather(*(isl.start() for isl in islands))
+            await asyncio.gather(*(isl.wait_version(1, 300) for isl in islands))
+            say("islands hold version 1; measuring patch versions")
+            roots_ok = True
+            for _ in range(cfg.versions):
+                await asyncio.to_thread(trainer.step)
+                expected_root = await asyncio.to_thread(
+                    lambda: root_digest([(n, "bfloat16", list(t.shape), tensor_digest(t)) for n, t in trainer.served().items()])
+                )
+                t_pub = time.time()
+                handle = await asyncio.to_thread(pub.publish, trainer.state(), step=trainer.steps)
+                record = await asyncio.to_thread(handle.result, 300)
+                await asyncio.gather(*(isl.wait_version(handle.version, 300) for isl in islands))
+                done = max(isl.applied()[handle.version] for isl in islands)
+                roots_ok &= record.root_digest == expected_root
+                results[handle.version] = {
+                    "sync_s": done - t_pub, "blocked_s": handle.blocked_s, "patch_bytes": record.stats.patch_bytes,
+                    "density": record.stats.density, "changed": record.stats.changed_elements,
+                }
+                say(f"v{handle.version}: patch {record.stats.patch_bytes / 1e6:.2f} MB, density {record.stats.density:.4%}, "
+                    f"blocked {handle.blocked_s:.3f}s, synced on {cfg.islands} islands in {done - t_pub:.2f}s")
+            await asyncio.to_thread(pub.close)
+        peak_extra = sampler.peak - rss0
+        all_applied = all(all(v in isl.applied() for v in results) for isl in islands)
+        for isl in islands:
+            await isl.stop()
+
+        # Baseline: full checkpoint every version, same S3, N islands download + load.
+        say("baseline: full checkpoints")
+        for i in range(cfg.islands):
+            fulls.append(FullIsland(i, net.prefix(i), net.s3_endpoint(i, s3.endpoint), s3, root / "full" / f"island-{i}"))
+        await asyncio.gather(*(f.start() for f in fulls))
+        full_sync: list[float] = []
+        full_upload: list[float] = []
+        full_bytes = 0
+        for v in range(cfg.versions):
+            await asyncio.to_thread(trainer.step)
+            t_pub = time.time()
+            served = trainer.served()
+            files = await asyncio.to_thread(write_checkpoint, root / "full-ckpt" / f"v{v}", list(served.items()),
+                                            shard_bytes=1 << 40)
+            del served
+            key = f"{RUN}-full/v{v}.safetensors"
+            t_up = time.time()
+            await store.put_file(key, files[0].path)
+            full_upload.append(time.time() - t_up)
+            full_bytes = files[0].size
+            await asyncio.gather(*(f.load(key) for f in fulls))
+            events = await asyncio.gather(*(f.next_event(600) for f in fulls))
+            done = max(e["t"] for e in events)
+            full_sync.append(done - t_pub)
+            files[0].path.unlink()
+            say(f"full v{v}: {full_bytes / 1e6:.0f} MB, upload {full_upload[-1]:.2f}s, synced in {full_sync[-1]:.2f}s")
+    finally:
+        for f in fulls:
+            await f.stop()
+        for isl in islands:
+            await isl.stop()
+        if pub is not None:
+            await asyncio.to_thread(pub.close, False)
+        await board.stop()
+        await store.close()
+        s3.stop()
+        redis.stop()
+
+    delta_sync = [r["sync_s"] for r in results.values()]
+    blocked = [r["blocked_s"] for r in results.values()]
+    patch_bytes = [r["patch_bytes"] for r in results.values()]
+    delta_p50 = _pct(delta_sync, 0.5)
+    full_p50 = _pct(full_sync, 0.5)
+    upload_p50 = _pct(full_upload, 0.5)
+    blocked_mean = statistics.fmean(blocked) if blocked else float("nan")
+    return {
+        "params": trainer.numel,
+        "islands": cfg.islands,
+        "versions": len(results),
+        "island_destination": cfg.destination,
+        **net.describe(),
+        "density": statistics.fmean(r["density"] for r in results.values()) if results else 0.0,
+        "delta_bytes_per_version": int(statistics.fmean(patch_bytes)) if patch_bytes else 0,
+        "full_bytes_per_version": full_bytes,
+        "delta_sync_p50_s": round(delta_p50, 4),
+        "delta_sync_p99_s": round(_pct(delta_sync, 0.99), 4),
+        "full_sync_p50_s": round(full_p50, 4),
+        "full_upload_p50_s": round(upload_p50, 4),
+        "speedup_p50": round(full_p50 / delta_p50, 2) if delta_p50 > 0 else None,
+        "trainer_blocked_s_per_version": round(blocked_mean, 4),
+        "blocked_over_full_upload": round(blocked_mean / upload_p50, 4) if upload_p50 > 0 else None,
+        "publisher_extra_memory_ratio": round(peak_extra / view_bytes, 3),
+        "memory_method": "peak RSS while publishing minus RSS before the publisher (model, grads, fused AdamW state allocated), over one bf16 view",
+        "bitwise_ok": bool(roots_ok and all_applied and results),
+    }
+
+
+def main_cli(params: int, islands: int, versions: int, destination: str, json_out: bool, work_dir: Path | None) -> dict:
+    cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir)
+    result = asyncio.run(run_bench(cfg))
+    if not json_out:
+        for k, v in result.items():
+            print(f"{k:32s} {v}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "full-island":
+        raise SystemExit(full_island_main(sys.argv[2:]))
+    raise SystemExit("usage: python -m weftboard.publisher.bench_sync full-island ENDPOINT ACCESS SECRET BUCKET DIR")

@@ -1,0 +1,26 @@
+"""``weftboard bench sync``: delta sync vs full checkpoints, islands on this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer, bench: typer.Typer) -> None:
+    @bench.command("sync")
+    def bench_sync(
+        params: int = typer.Option(110_000_000, help="Model parameters (fp32 master, bf16 served)."),
+        islands: int = typer.Option(3, help="Island daemons (child processes)."),
+        versions: int = typer.Option(5, help="Measured patch versions (after the initial anchor)."),
+        destination: str = typer.Option("memory", help="Island destination: memory (live tensors) or dir (checkpoint)."),
+        json_out: bool = typer.Option(False, "--json", help="Only the JSON line on stdout."),
+        work_dir: Optional[Path] = typer.Option(None, help="Where servers and islands keep their files."),
+    ) -> None:
+        """Publish-to-applied on every island for patches vs full checkpoints; last line JSON."""
+        from weftboard.board.logs import configure
+        from weftboard.publisher.bench_sync import main_cli
+
+        configure(json=True, level="WARNING")
+        main_cli(params, islands, versions, destination, json_out, work_dir)

@@ -1,0 +1,150 @@
+"""Assembling one island: engine + adapter + subscriber + admission gate + sidecar.
+
+``start_island`` is what ``weftboard sidecar`` and ``weftboard demo`` run. With
+``engine="reference"`` and no ``engine_url`` the reference engine runs in this process
+and the subscriber patches its tensors in place; otherwise the engine runs elsewhere and
+the subscriber keeps a verified checkpoint directory that the adapter makes the engine
+load.
+
+Invariants:
+- The sidecar's ``VersionState.held`` is only moved by the engine destination, after an
+  activation succeeded; ``head`` follows what the subscriber learns from the board.
+- ``stop()`` ends every task this island started and closes its servers and client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from weftboard.proto.errors import InvalidArgument, NotFound
+from weftboard.subscriber.admission import AdmissionGate, VersionState
+from weftboard.subscriber.engine_destination import EngineDestination
+from weftboard.subscriber.engines import ActivationMode, make_adapter
+from weftboard.subscriber.sidecar import Sidecar, SidecarConfig
+from weftboard.subscriber.trajectory_reporter import TrajectoryReporter
+
+log = structlog.get_logger(__name__)
+
+REFERENCE_CONFIG_LABEL = "weftboard.reference_config"
+
+
+@dataclass
+class RunningIsland:
+    island_id: str
+    url: str
+    sidecar: Sidecar
+    subscriber: Any
+    state: VersionState
+    gate: AdmissionGate
+    adapter: Any
+    destination: EngineDestination
+    engine: Any = None  # the in-process ReferenceEngine, when there is one
+    _closers: list[Any] = field(default_factory=list)
+    _tasks: list[asyncio.Task] = field(default_factory=list)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.sidecar.stop()
+        for close in reversed(self._closers):
+            try:
+                await close()
+            except Exception as exc:  # keep closing the rest; report what failed
+                log.warning("island shutdown step failed", island=self.island_id, error=str(exc))
+
+
+async def reference_config_of_run(client: Any, run: str, timeout_s: float = 60.0) -> dict[str, Any] | None:
+    """The reference model config a publisher stored in the run's labels (waits for the run)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            info = await client.get_run(run)
+            raw = info.labels.get(REFERENCE_CONFIG_LABEL)
+            return json.loads(raw) if raw else None
+        except NotFound:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+async def _follow_head(subscriber: Any, state: VersionState, every_s: float = 0.05) -> None:
+    while True:
+        if subscriber.head > state.head:
+            await state.set_head(subscriber.head)
+        await asyncio.sleep(every_s)
+
+
+async def start_island(
+    *,
+    board: str,
+    token: str | None,
+    run: str,
+    island_id: str,
+    engine: str = "reference",
+    engine_url: str | None = None,
+    reference_config: dict[str, Any] | None = None,
+    token_delay_s: float = 0.0,
+    checkpoint_dir: Path | str | None = None,
+    cache_dir: Path | str,
+    mode: ActivationMode | str = ActivationMode.DRAIN,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    blob_store: Any = None,
+    heartbeat_s: float = 2.0,
+    default_deadline_s: float = 30.0,
+    report_trajectories: bool = True,
+) -> RunningIsland:
+    from weftboard.board.client import BoardClient
+    from weftboard.subscriber.subscriber import Subscriber
+
+    client = BoardClient(board, token)
+    closers: list[Any] = [client.close]
+    try:
+        state = VersionState()
+        gate = AdmissionGate(mode)
+        in_process = None
+        if engine == "reference" and not engine_url:
+            from weftboard.subscriber.live_tensors import LiveTensorsDestination
+            from weftboard.subscriber.reference_model import ReferenceEngine, serve_engine
+
+            config = reference_config if reference_config is not None else await reference_config_of_run(client, run)
+            in_process = ReferenceEngine(config, token_delay_s=token_delay_s)
+            server = await serve_engine(in_process, "127.0.0.1", 0)
+            closers.append(server.stop)
+            engine_url = server.url
+            adapter = make_adapter("reference", engine=in_process)
+            inner: Any = LiveTensorsDestination(in_process.tensors)
+            destination = EngineDestination(adapter, gate, state, inner)
+        else:
+            from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
+
+            if checkpoint_dir is None:
+                raise InvalidArgument(f"--engine {engine} at {engine_url} needs --dir for the checkpoint it loads")
+            adapter = make_adapter(engine, engine_url)
+            closers.append(adapter.close)
+            inner = CheckpointDirDestination(checkpoint_dir)
+            destination = EngineDestination(adapter, gate, state, inner, checkpoint_dir=inner.current)
+        subscriber = Subscriber(client, run, destination, island_id=island_id, blob_store=blob_store,
+                                cache_dir=cache_dir, heartbeat_s=heartbeat_s)
+        reporter = TrajectoryReporter(client) if report_trajectories else None
+        sidecar = Sidecar(SidecarConfig(engine_url, run, island_id, host=host, port=port,
+                                        default_deadline_s=default_deadline_s), state, gate, reporter)
+        url = await sidecar.start()
+        island = RunningIsland(island_id, url, sidecar, subscriber, state, gate, adapter, destination, in_process,
+                               closers)
+        island._tasks.append(asyncio.create_task(subscriber.run(), name=f"subscriber-{island_id}"))
+        island._tasks.append(asyncio.create_task(_follow_head(subscriber, state), name=f"head-{island_id}"))
+        log.info("island started", island=island_id, url=url, engine=engine, engine_url=engine_url,
+                 mode=gate.mode.value)
+        return island
+    except BaseException:
+        for close in reversed(closers):
+            await close()
+        raise
