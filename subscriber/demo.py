@@ -118,7 +118,7 @@ class Trainer:
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()
-        return float(loss)
+        return float(loss.detach())
 
 
 async def _ready(session: aiohttp.ClientSession, url: str) -> bool:
