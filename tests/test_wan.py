@@ -385,3 +385,44 @@ async def test_island_reads_real_s3_through_the_link_signed_and_presigned(
     floor_s = size * 8 / (rate_mbit * 1e6)
     assert result["signed_s"] >= floor_s and result["presigned_s"] >= floor_s
     assert wan.bytes_forwarded(0) >= 2 * size
+
+
+# ---- the bench hook --------------------------------------------------------------------------------
+
+
+def test_wan_network_only_relays_loopback_endpoints() -> None:
+    from weftboard.publisher.wan.bench import _loopback_port
+
+    assert _loopback_port("127.0.0.1:9000") == 9000
+    assert _loopback_port("http://localhost:8333/") == 8333
+    for other in ("10.1.2.3:9000", "[::1]:50051"):
+        with pytest.raises(ValueError, match="loopback"):
+            _loopback_port(other)
+
+
+def test_skipped_line_is_json_with_the_reason() -> None:
+    from weftboard.publisher.wan.bench import skipped_line
+
+    line = json.loads(skipped_line(WanUnavailable("needs root (running as uid 1000)")))
+    assert line == {"skipped": "--wan unavailable: needs root (running as uid 1000)"}
+
+
+@needs_netns
+async def test_wan_network_gives_islands_relay_endpoints_on_their_own_links() -> None:
+    from weftboard.publisher.wan.bench import WanNetwork
+
+    server = await _echo_server()
+    port = server.sockets[0].getsockname()[1]
+    net = WanNetwork(2, rate_mbit=100, rtt_ms=20)
+    async with server:
+        await net.start([f"127.0.0.1:{port}", f"http://127.0.0.1:{port}"])
+        try:
+            relays = [net.board_address(i, f"127.0.0.1:{port}") for i in range(2)]
+            assert net.s3_endpoint(0, f"http://127.0.0.1:{port}") == "http://" + relays[0]
+            hosts = {r.rsplit(":", 1)[0] for r in relays}
+            assert len(hosts) == 2 and all(h.startswith("10.203.") for h in hosts)
+            assert list(net.prefix(1))[:3] == ["ip", "netns", "exec"]
+            assert net.describe() == {"network": "wan", "wan": {"rate_mbit": 100, "rtt_ms": 20}}
+        finally:
+            await net.close()
+    assert _our_objects(os.getpid()) == []
