@@ -254,6 +254,14 @@ class Publisher:
             job.est_patch_bytes = int(changed * self._bytes_per_change) + 64 * len(deltas)
         else:
             job.touched = set(self._view)
+        with self._cond:  # policy bookkeeping at decision time (commits correct the estimate)
+            if target is not None and not target.anchor:
+                self._patch_bytes_since_anchor -= target.est_patch_bytes
+            if job.anchor:
+                self._last_anchor, self._patch_bytes_since_anchor = version, 0
+            else:
+                self._patch_bytes_since_anchor += job.est_patch_bytes
+                self._last_patch_bytes = job.est_patch_bytes
         self._has_base = True
         handle = PublishHandle(version, step, fut)
         self._submit_snapshot(job)
@@ -441,11 +449,13 @@ class Publisher:
                 pending = len(self._queue) + self._snapshotting + (1 if self._inflight else 0)
                 if pending < self.max_pending:
                     return None
-                if allow_skip and self.on_backpressure == "skip" and self._queue and not self._snapshotting:
-                    job = self._queue.pop()
-                    if not job.started and job.adapter_tensors is None:
-                        return job
-                    self._queue.append(job)
+                if allow_skip and self.on_backpressure == "skip" and not self._snapshotting:
+                    # Never wait on an upload: merge into the queued version, or queue behind
+                    # the one uploading (at most one queued at a time).
+                    if self._queue and not self._queue[-1].started:
+                        return self._queue.pop()
+                    if not self._queue:
+                        return None
                 self._cond.wait(1.0)
 
     def _decide(self, version: int, target: _Job | None) -> AnchorReason:
@@ -622,16 +632,15 @@ class Publisher:
         response = await with_retries(f"commit of version {job.version}", lambda: self._client.commit_version(record))
         if job.anchor_dir is not None:
             shutil.rmtree(job.anchor_dir, ignore_errors=True)
-        # Policy bookkeeping: real patch sizes replace the estimates.
-        if job.anchor:
-            self._last_anchor = job.version
-            self._patch_bytes_since_anchor = 0
-        else:
-            self._patch_bytes_since_anchor += patch_bytes
-        self._last_patch_bytes = patch_bytes
-        changed = record.stats.changed_elements
-        if changed and patch_bytes:
-            self._bytes_per_change = max(patch_bytes / changed, 0.1)
+        # Policy bookkeeping: the real patch size replaces the estimate made at publish.
+        with self._cond:
+            if not job.anchor and job.version > self._last_anchor:
+                self._patch_bytes_since_anchor += patch_bytes - job.est_patch_bytes
+            if patch_bytes:
+                self._last_patch_bytes = patch_bytes
+            changed = record.stats.changed_elements
+            if changed and patch_bytes:
+                self._bytes_per_change = max(patch_bytes / changed, 0.1)
         self.committed.append(response.record)
         self.commit_latency_s.append(time.perf_counter() - job.t_publish)
         log.info("committed", run=self.run, version=job.version, patch_bytes=patch_bytes, anchor_bytes=anchor_bytes,
