@@ -300,6 +300,9 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     fulls: list[FullIsland] = []
     pub = None
     try:
+        if hasattr(net, "start"):  # --wan: the topology relays to ports that exist only now
+            await net.start([board.address, s3.endpoint])
+            say(f"islands behind simulated WAN links: {net.describe()}")
         say(f"building a {cfg.params / 1e6:.0f}M-parameter fp32 model")
         trainer = await asyncio.to_thread(BenchTrainer, cfg.params, cfg.lr)
         await asyncio.to_thread(trainer.step)
@@ -381,6 +384,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             await isl.stop()
         if pub is not None:
             await asyncio.to_thread(pub.close, False)
+        if hasattr(net, "close"):  # --wan: remove namespaces and relays
+            await net.close()
         await board.stop()
         await store.close()
         s3.stop()
@@ -415,8 +420,20 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     }
 
 
-def main_cli(params: int, islands: int, versions: int, destination: str, json_out: bool, work_dir: Path | None) -> dict:
+def main_cli(params: int, islands: int, versions: int, destination: str, json_out: bool, work_dir: Path | None,
+             wan: bool = False, wan_rate_mbit: float = 100.0, wan_rtt_ms: float = 40.0) -> dict:
     cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir)
+    if wan:  # islands in network namespaces behind simulated WAN links (publisher/wan)
+        from weftboard.publisher.wan import WanUnavailable
+        from weftboard.publisher.wan.bench import WanNetwork, skipped_line
+
+        try:
+            WanNetwork.check()
+        except WanUnavailable as exc:
+            print(f"skipping bench sync --wan: {exc}", file=sys.stderr)
+            print(skipped_line(exc))
+            return {"skipped": str(exc)}
+        cfg.network = WanNetwork(islands, wan_rate_mbit, wan_rtt_ms)
     result = asyncio.run(run_bench(cfg))
     if not json_out:
         for k, v in result.items():
