@@ -406,7 +406,7 @@ class BoardServicer(pb_grpc.BoardServicer):
                     continue
                 if isinstance(item, BaseException):
                     raise Unavailable(f"the board lost its Redis feed for run {request.run!r}; reconnect and resume")
-                version = item.version.version
+                version = item.version  # the feed carries VersionRecords
                 if version <= last:
                     continue
                 if version > last + 1:  # fill a hole from the durable log
@@ -414,7 +414,7 @@ class BoardServicer(pb_grpc.BoardServicer):
                         yield pb.WatchEvent(version=record)
                         last = record.version
                     continue
-                yield item
+                yield pb.WatchEvent(version=item)
                 last = version
         finally:
             self.metrics.watch_streams.dec()
