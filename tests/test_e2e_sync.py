@@ -139,7 +139,8 @@ async def test_three_islands_follow_bitwise_with_crash_and_late_joiner(board_fac
             assert records[v].root_digest == _root_of(views[v])  # what B verified is the trainer's view
         assert bits_equal(_checkpoint(spec_b.dir), views[8]), first_difference(_checkpoint(spec_b.dir), views[8])
 
-        fleet = await client.list_islands(run)
+        async with BoardClient(board.address, board.admin_token) as reader:
+            fleet = await reader.list_islands(run)
         states = {i.status.island_id: (i.status.version, i.status.state) for i in fleet.islands}
         assert states["island-a"] == (8, pb.ISLAND_STATE_READY)
         assert states["island-c"] == (8, pb.ISLAND_STATE_READY)
