@@ -168,7 +168,7 @@ class Subscriber:
                 try:
                     await self._execute(plan)
                 except _RECOVERABLE as exc:
-                    errors.append(f"attempt {attempt}: {exc}")
+                    errors.append(f"attempt {attempt}: {type(exc).__name__}: {exc}")
                     log.error(
                         "catch-up step failed; nothing of it is served",
                         island=self.island_id, run=self.run_name, attempt=attempt,

@@ -1,0 +1,154 @@
+"""The subscriber against a real board: following, corrupted blobs (refetch, then anchor
+fallback, ERROR heartbeats), resumable verified downloads."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pubsubkit import Trainer, bits_equal, zeros_like_layout
+from weftboard.board.client import BoardClient
+from weftboard.proto.errors import ApplyError, DigestMismatch
+from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.publisher.publisher import Publisher
+from weftboard.subscriber.fetch import Fetcher, cache_path
+from weftboard.subscriber.live_tensors import LiveTensorsDestination
+from weftboard.subscriber.subscriber import Subscriber
+
+
+async def _publish(board, store, run: str, n: int, **kw) -> dict[int, dict]:
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+
+    def go() -> None:
+        with Publisher(board.address, run, token=board.admin_token, blob_store=store, **kw) as pub:
+            for _ in range(n):
+                trainer.step()
+                views[pub.publish(trainer.model, step=trainer.step_no).version] = trainer.served()
+
+    await asyncio.to_thread(go)
+    return views
+
+
+class StateLog:
+    def __init__(self, sub: Subscriber) -> None:
+        self.states: list[tuple[int, str]] = []
+        original = sub._set_state
+
+        async def record(state: int, message: str = "") -> None:
+            self.states.append((state, message))
+            await original(state, message)
+
+        sub._set_state = record  # observe the states the subscriber heartbeats
+
+
+async def _corrupt(store, ref: pb.BlobRef) -> None:
+    data = bytearray(await store.get_bytes(ref.key))
+    data[len(data) // 2] ^= 0x5A
+    await store.put_bytes(ref.key, bytes(data))
+
+
+def _artifact(rec: pb.VersionRecord, kind: int) -> pb.Artifact:
+    return next(a for a in rec.artifacts if a.kind == kind)
+
+
+async def test_corrupted_patches_refetch_then_anchor_fallback(board, local_store, tmp_path: Path) -> None:
+    views = await _publish(board, local_store, "cx", 3, anchor_every=2, anchor_patch_fraction=100.0)
+    async with BoardClient(board.address, board.admin_token) as client:
+        dest = LiveTensorsDestination(zeros_like_layout(views[1]))
+        sub = Subscriber(client, "cx", dest, island_id="isl", blob_store=local_store, cache_dir=tmp_path / "c")
+        log = StateLog(sub)
+        assert await sub.sync_to(1) == 1
+        for v in (2, 3):
+            await _corrupt(local_store, _artifact(await client.get_version("cx", v), pb.ARTIFACT_KIND_PATCH).blobs[0])
+        plan = await client.plan_catch_up("cx", have_version=1, want_version=3)
+        assert [s.kind for s in plan.steps] == [pb.ARTIFACT_KIND_PATCH, pb.ARTIFACT_KIND_PATCH]
+        assert await sub.sync_to(3) == 3
+        assert bits_equal(dest.tensors, views[3])  # reached through the version-3 anchor
+        errors = [m for s, m in log.states if s == pb.ISLAND_STATE_ERROR]
+        assert len(errors) == 2 and all("DigestMismatch" in m for m in errors)
+        assert log.states[-1][0] == pb.ISLAND_STATE_READY
+        islands = {i.status.island_id: i.status for i in (await client.list_islands("cx")).islands}
+        assert islands["isl"].state == pb.ISLAND_STATE_READY and islands["isl"].version == 3
+
+
+async def test_everything_corrupted_keeps_old_version_and_reports_error(board, local_store, tmp_path: Path) -> None:
+    views = await _publish(board, local_store, "cy", 2, anchor_every=1000, anchor_patch_fraction=100.0)
+    async with BoardClient(board.address, board.admin_token) as client:
+        dest = LiveTensorsDestination(zeros_like_layout(views[1]))
+        sub = Subscriber(client, "cy", dest, island_id="isl", blob_store=local_store, cache_dir=tmp_path / "c")
+        assert await sub.sync_to(1) == 1
+        await _corrupt(local_store, _artifact(await client.get_version("cy", 2), pb.ARTIFACT_KIND_PATCH).blobs[0])
+        await _corrupt(local_store, _artifact(await client.get_version("cy", 1), pb.ARTIFACT_KIND_ANCHOR).blobs[0])
+        with pytest.raises(ApplyError, match="could not reach"):
+            await sub.sync_to(2)
+        assert sub.held_version == 1 and bits_equal(dest.tensors, views[1])
+        status = {i.status.island_id: i.status for i in (await client.list_islands("cy")).islands}["isl"]
+        assert status.state == pb.ISLAND_STATE_ERROR and status.version == 1 and "DigestMismatch" in status.message
+
+
+async def test_run_follows_new_versions_and_signals(board, local_store, tmp_path: Path) -> None:
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+    pub = Publisher(board.address, "fo", token=board.admin_token, blob_store=local_store)
+
+    async def publish() -> int:
+        def go() -> int:
+            trainer.step()
+            h = pub.publish(trainer.model, step=trainer.step_no)
+            views[h.version] = trainer.served()
+            h.result(30)
+            return h.version
+        return await asyncio.to_thread(go)
+
+    try:
+        await publish()
+        async with BoardClient(board.address, board.admin_token) as client:
+            dest = LiveTensorsDestination(zeros_like_layout(views[1]))
+            sub = Subscriber(client, "fo", dest, island_id="f", blob_store=local_store, cache_dir=tmp_path / "c", heartbeat_s=0.5)
+            seen: list[int] = []
+            sub.add_listener(seen.append)
+            task = asyncio.ensure_future(sub.run())
+            try:
+                assert await sub.wait_for_version(1, 20) == 1
+                assert sub.version_changed.is_set()
+                sub.version_changed.clear()
+                for v in (2, 3, 4):
+                    assert await publish() == v
+                assert await sub.wait_for_version(4, 20) == 4
+                assert sub.version_changed.is_set()
+                assert seen == [1, 2, 3, 4] and sub.head == 4 and sub.state == pb.ISLAND_STATE_READY
+                assert bits_equal(dest.tensors, views[4])
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    finally:
+        await asyncio.to_thread(pub.close, False)
+
+
+async def test_fetch_resumes_partial_download_and_rejects_bad_bytes(local_store, tmp_path: Path) -> None:
+    import xxhash
+
+    from weftboard.proto.domain import blob_key, format_digest
+
+    data = bytes(range(256)) * 4000
+    digest = format_digest(xxhash.xxh3_128(data).digest())
+    key = blob_key("r", digest)
+    await local_store.put_bytes(key, data)
+    ref = pb.BlobRef(key=key, digest=digest, size=len(data))
+    fetcher = Fetcher(tmp_path / "cache", local_store)
+    part = cache_path(fetcher.cache_dir, ref).with_name(cache_path(fetcher.cache_dir, ref).name + ".part")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    part.write_bytes(data[:300_000])  # an interrupted earlier download
+    path = await fetcher.fetch(ref)
+    assert path.read_bytes() == data
+    assert fetcher.bytes_downloaded == len(data)
+    fetcher.forget(ref)
+
+    part.write_bytes(b"\0" * 300_000)  # a partial file with wrong bytes: caught by the digest
+    with pytest.raises(DigestMismatch):
+        await fetcher.fetch(ref)
+    assert not part.exists() and not path.exists()
+    assert (await fetcher.fetch(ref)).read_bytes() == data  # the next attempt starts clean
