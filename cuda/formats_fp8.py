@@ -3,16 +3,16 @@
 A scale here is always the *dequantization multiplier* (what serving engines store as
 ``weight_scale`` / DeepSeek-V3's ``weight_scale_inv``): ``value ~= fp8 * scale``.
 Quantization is ``(x / scale).clamp(-max, max).to(fp8)`` in float32, i.e. torch's own
-round-to-nearest-even cast after a saturating clamp (torch's cast alone would turn
-out-of-range values into NaN for e4m3fn and Inf for e5m2).
+round-to-nearest-even cast after a saturating clamp (torch's cast alone saturates e4m3fn
+but turns e5m2 overflow into Inf; the clamp makes both saturate, on every torch version).
 
 Invariants:
 - Fresh scales are ``max(amax / fp8_max, 2^-126)`` over the *finite* values of the tensor or
   block, so an all-zero block gets a defined, finite scale (2^-126) and quantizes to zeros.
 - NaN elements stay NaN (fp8 has NaN codes); +-Inf saturates to +-max. Neither moves a scale.
 - A scale "overflows" only when some value divided by it would round past the format's
-  largest finite value (464 for e4m3fn, 61440 for e5m2), not merely exceed it: a value
-  that rounds down to the max loses nothing a fresh scale would keep.
+  largest finite value (above 464 for e4m3fn, at or above 61440 for e5m2), not merely
+  exceed it: a value that rounds down to the max loses nothing a fresh scale would keep.
 - 128x128 blocks tile the matrix from the top left; edge blocks are partial and their scale
   covers only the elements that exist (the DeepSeek-V3 layout, shape ceil(rows/128) x
   ceil(cols/128)).
@@ -29,16 +29,19 @@ from weftboard.cuda.formats_fp4 import pow2_ceil
 BLOCK = 128
 SCALE_MIN = 2.0**-126
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-# max + half an ulp at the top of the range: the smallest magnitude RNE carries past max.
-_OVERFLOW = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0}
+# max + half an ulp at the top of the range, and whether a tie there rounds past max: RNE
+# sends a tie to the even mantissa, which is 448 (1.110b) for e4m3fn but 65536 (Inf) for e5m2.
+_OVERFLOW = {torch.float8_e4m3fn: (464.0, False), torch.float8_e5m2: (61440.0, True)}
 
 
 def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
-def fp8_overflow_bound(dtype: torch.dtype) -> float:
-    return _OVERFLOW[dtype]
+def fp8_overflows(scaled_magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where round-to-nearest-even of a scaled magnitude would leave the format's range."""
+    bound, tie_overflows = _OVERFLOW[dtype]
+    return scaled_magnitude >= bound if tie_overflows else scaled_magnitude > bound
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +92,7 @@ def fp8_scales(
         return fresh
     kept = kept.to(device=x.device, dtype=torch.float32)
     usable = (kept > 0) & torch.isfinite(kept)
-    overflow = current / kept >= fp8_overflow_bound(dtype)
+    overflow = fp8_overflows(current / kept, dtype)
     return torch.where(overflow | ~usable, fresh, kept)
 
 

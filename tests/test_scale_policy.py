@@ -234,3 +234,24 @@ def test_pow2_fp8_scale_is_the_next_power_of_two_above_the_fresh_scale():
     fresh = float(x.abs().max()) / 448.0
     assert served["w.weight_scale"].item() == 2.0 ** math.ceil(math.log2(fresh))
     assert served["w.weight"].float().abs().max().item() <= 448.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_overflow_margin_is_where_round_to_nearest_even_leaves_the_range(dtype):
+    """The "fixed" policy's overflow test agrees with RNE in an unbounded exponent range.
+
+    e5m2: torch's own cast turns exactly those values into Inf. e4m3fn: torch saturates them
+    at 448, so the reference rounds to e4m3's spacing at the top binade (32) half-to-even.
+    """
+    from weftboard.cuda.formats_fp8 import fp8_overflows
+
+    fmax = torch.finfo(dtype).max
+    probe = torch.linspace(fmax, fmax * 1.2, 4097, dtype=torch.float32)
+    midpoint = fmax * (1 + 2.0 ** -(4 if dtype == torch.float8_e4m3fn else 3))
+    probe = torch.cat([probe, torch.tensor([midpoint, midpoint * (1 + 2.0**-20), midpoint * (1 - 2.0**-20)])])
+    if dtype == torch.float8_e5m2:
+        leaves_range = torch.isinf(probe.to(dtype).float())
+    else:
+        leaves_range = torch.round(probe / 32.0) * 32.0 > fmax  # torch.round is half-to-even
+    assert leaves_range.any() and not leaves_range.all()
+    assert torch.equal(fp8_overflows(probe, dtype), leaves_range)
