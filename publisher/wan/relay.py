@@ -32,6 +32,10 @@ SocketFactory = Callable[[], Awaitable[socket.socket]]
 
 CHUNK_BYTES = 64 * 1024
 
+# Prefix of the relay process's protocol lines on stdout (see relayd). It lives here, not in
+# relayd, so the owner never imports the module it runs with ``python -m``.
+MARKER = "WANRELAY"
+
 
 class DelayRelay:
     """Forward every accepted connection to ``target``, adding ``delay_s`` each way.

@@ -26,9 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from weftboard.publisher.wan.netns import namespace_executor
-from weftboard.publisher.wan.relay import DelayRelay
-
-MARKER = "WANRELAY"
+from weftboard.publisher.wan.relay import MARKER, DelayRelay
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

@@ -39,7 +39,7 @@ import structlog
 
 from weftboard.publisher.wan import netns
 from weftboard.publisher.wan.netns import IslandNet
-from weftboard.publisher.wan.relayd import MARKER
+from weftboard.publisher.wan.relay import MARKER
 
 log = structlog.get_logger(__name__)
 
