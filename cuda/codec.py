@@ -125,19 +125,17 @@ def _delta_arrays(delta: TensorDelta) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 def _encode_sparse(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: int, tile: int) -> np.ndarray:
     width = old.itemsize
-    syms = entropy.symbols(old, new, width)
-    freq = entropy.quantize_freqs(np.bincount(syms, minlength=entropy.NSYM))
-    cum = np.zeros(entropy.NSYM, np.int64)
-    cum[1:] = np.cumsum(freq)[:-1]
     ntiles = (numel + tile - 1) // tile
     tile_ptr = np.searchsorted(pos, np.arange(ntiles + 1, dtype=np.int64) * tile).astype(np.int64)
-    ks, rice_bytes, n_esc = entropy.plan_tiles(pos, syms, tile_ptr, tile)
+    syms, counts, ks, rice_bytes, n_esc = entropy.plan_tiles(pos, old, new, width, tile_ptr, tile)
+    freq = entropy.quantize_freqs(counts)
     ns = np.diff(tile_ptr)
     bounds = np.where(ns > 0, rice_bytes + 2 * ns + 4 + n_esc * width, 0)
     scratch_off = np.zeros(ntiles + 1, np.int64)
     np.cumsum(bounds, out=scratch_off[1:])
     scratch = np.empty(int(scratch_off[-1]), np.uint8)
-    rans_len = entropy.encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, freq, cum, scratch)
+    rtab = entropy.rans_encoder_tables(freq)
+    rans_len = entropy.encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, rtab, scratch)
     return entropy.assemble(freq, ns, ks, rice_bytes, rans_len, n_esc, width, scratch, scratch_off)
 
 

@@ -137,7 +137,12 @@ def _count_tiles(aw, bw, a, b, tile, width):
 
 @nb.njit(parallel=True, cache=True, nogil=True)
 def _compact_tiles(aw, bw, a, b, tile, width, offsets, pos, olds, news, update):
-    """Write each tile's changes at its offset; equal 64-bit words are skipped whole."""
+    """Write each tile's changes at its offset.
+
+    Sparse tiles skip equal 64-bit words whole; dense tiles use a branch-free scan (the index
+    is always written, the cursor advances only on a change), whose cost does not depend on
+    the density, so no tile pays for branch mispredictions.
+    """
     n = a.size
     per = 8 // width
     tilew = tile // per
@@ -145,17 +150,34 @@ def _compact_tiles(aw, bw, a, b, tile, width, offsets, pos, olds, news, update):
     ntiles = offsets.size - 1
     for t in nb.prange(ntiles):
         o = offsets[t]
-        if offsets[t + 1] == o:
+        cnt = offsets[t + 1] - o
+        if cnt == 0:
             continue
         s = t * tile
         e = min(s + tile, n)
+        if cnt * 32 > e - s:
+            x = a[s:e]
+            y = b[s:e]
+            idx = np.empty(x.size + 1, np.int32)
+            m = 0
+            for j in range(x.size):
+                idx[m] = j
+                m += 1 if x[j] != y[j] else 0
+            for q in range(m):
+                j = idx[q]
+                pos[o + q] = s + j
+                olds[o + q] = x[j]
+                news[o + q] = y[j]
+                if update:
+                    x[j] = y[j]
+            continue
         ws = t * tilew
         we = min(ws + tilew, aw.size)
         if we > ws:
-            x = aw[ws:we]
-            y = bw[ws:we]
-            for j in range(x.size):
-                if x[j] != y[j]:
+            xw = aw[ws:we]
+            yw = bw[ws:we]
+            for j in range(xw.size):
+                if xw[j] != yw[j]:
                     base = (ws + j) * per
                     for i in range(base, base + per):
                         av = a[i]

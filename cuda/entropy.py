@@ -41,6 +41,8 @@ ESC = 2 * MAX_DELTA
 NSYM = ESC + 1
 MAX_K = 24
 
+_TRAILING_ONES = np.array([(~b & (b + 1)).bit_length() - 1 for b in range(256)], dtype=np.int64)
+
 ERRORS = {
     1: "a tile's Rice bits run past its recorded length",
     2: "a decoded position falls outside its tile",
@@ -53,7 +55,9 @@ ERRORS = {
     9: "a tile's Rice parameter is out of range",
 }
 
-DIR_ERRORS = {
+DIR__TRAILING_ONES = np.array([(~b & (b + 1)).bit_length() - 1 for b in range(256)], dtype=np.int64)
+
+ERRORS = {
     1: "the frequency table is truncated or malformed",
     2: "the frequency table does not sum to 2**14 or names an unknown symbol",
     3: "the tile directory is truncated or malformed",
@@ -128,68 +132,100 @@ def quantize_freqs(counts: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 
-@nb.njit(cache=True)
-def _best_k(pos, lo, hi, tile_start):
-    n = hi - lo
-    total = 0
-    prev = tile_start - 1
-    for i in range(lo, hi):
-        total += pos[i] - prev - 1
-        prev = pos[i]
-    mean = total // n
-    kest = 0
-    while (1 << (kest + 1)) <= mean:
-        kest += 1
-    best_k = 0
-    best = -1
-    for k in range(max(0, kest - 2), min(MAX_K, kest + 2) + 1):
-        cost = n * (k + 1)
-        prev = tile_start - 1
-        for i in range(lo, hi):
-            cost += (pos[i] - prev - 1) >> k
-            prev = pos[i]
-        if best < 0 or cost < best:
-            best = cost
-            best_k = k
-    return best_k, best
-
-
 @nb.njit(parallel=True, cache=True, nogil=True)
-def plan_tiles(pos, syms, tile_ptr, tile):
-    """Per tile: Rice parameter, exact Rice bytes, escape count (pass 1 of the encoder)."""
+def plan_tiles(pos, old, new, width, tile_ptr, tile):
+    """Pass 1 of the encoder, one read of the changes: symbols, per-tile symbol histograms,
+    Rice parameter and exact Rice bytes, escape counts.
+
+    k is chosen among the three values around log2(mean gap) by exact cost (the optimum for
+    geometric gaps is log2(mean * ln 2), i.e. one of them); the mean comes from the tile's
+    span in O(1).
+    """
     ntiles = tile_ptr.size - 1
+    n_all = pos.size
+    syms = np.empty(n_all, np.uint8)
+    hist = np.zeros((ntiles, NSYM), np.int64)
     ks = np.zeros(ntiles, np.int64)
     rice_bytes = np.zeros(ntiles, np.int64)
     n_esc = np.zeros(ntiles, np.int64)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
+    top = np.uint64(1) << np.uint64(8 * width - 1)
     for t in nb.prange(ntiles):
         lo = tile_ptr[t]
         hi = tile_ptr[t + 1]
         if hi == lo:
             continue
-        k, bits = _best_k(pos, lo, hi, t * tile)
-        ks[t] = k
-        rice_bytes[t] = (bits + 7) // 8
+        n = hi - lo
+        tile_start = t * tile
+        total_gap = (pos[hi - 1] - tile_start + 1) - n
+        mean = total_gap // n
+        k0 = 0
+        while (2 << k0) <= mean:
+            k0 += 1
+        k1 = max(0, k0 - 1)
+        k2 = min(MAX_K, k0 + 1)
+        c0 = 0
+        c1 = 0
+        c2 = 0
         e = 0
+        prev = tile_start - 1
+        h = hist[t]
         for i in range(lo, hi):
-            e += 1 if syms[i] == ESC else 0
+            g = pos[i] - prev - 1
+            prev = pos[i]
+            c0 += g >> k0
+            c1 += g >> k1
+            c2 += g >> k2
+            sym = _symbol(_udiff(old[i], new[i], mask), mask, top)
+            syms[i] = sym
+            h[sym] += 1
+            e += 1 if sym == ESC else 0
+        c0 += n * (k0 + 1)
+        c1 += n * (k1 + 1)
+        c2 += n * (k2 + 1)
+        best_k = k0
+        best = c0
+        if c1 < best:
+            best_k = k1
+            best = c1
+        if c2 < best:
+            best_k = k2
+            best = c2
+        ks[t] = best_k
+        rice_bytes[t] = (best + 7) // 8
         n_esc[t] = e
-    return ks, rice_bytes, n_esc
+    return syms, hist.sum(axis=0), ks, rice_bytes, n_esc
 
 
-@nb.njit(cache=True)
-def _put_bits(buf, p, acc, nbits, value, count):
-    acc |= value << nbits
-    nbits += count
-    while nbits >= 8:
-        buf[p] = acc & 0xFF
-        p += 1
-        acc >>= 8
-        nbits -= 8
-    return p, acc, nbits
+def rans_encoder_tables(freq: np.ndarray) -> np.ndarray:
+    """Per symbol (x_max, rcp, shift, bias, cmpl): division-free rANS encoding.
+
+    ``x // f`` becomes ``((x * rcp) >> 32) >> shift`` with an exact 32-bit reciprocal
+    (x < 2**31), as in F. Giesen's rans_byte; frequency 1 uses rcp = 2**32 - 1, shift 0 and a
+    bias of start + SCALE - 1, which gives the same state.
+    """
+    cum = np.zeros(NSYM, np.int64)
+    cum[1:] = np.cumsum(freq)[:-1]
+    tab = np.zeros((NSYM, 5), np.int64)
+    for s in np.flatnonzero(freq):
+        f = int(freq[s])
+        c = int(cum[s])
+        tab[s, 0] = ((RANS_L >> SCALE_BITS) << 8) * f
+        tab[s, 4] = SCALE - f
+        if f < 2:
+            tab[s, 1] = (1 << 32) - 1
+            tab[s, 2] = 0
+            tab[s, 3] = c + SCALE - 1
+        else:
+            shift = (f - 1).bit_length()  # ceil(log2 f)
+            tab[s, 1] = ((1 << (shift + 31)) + f - 1) // f
+            tab[s, 2] = shift - 1
+            tab[s, 3] = c
+    return tab
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, freq, cum, scratch):
+def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, rtab, scratch):
     """Pass 2: write each tile's Rice | rANS | escapes at ``scratch_off[t]``; returns rans_len."""
     ntiles = tile_ptr.size - 1
     rans_len = np.zeros(ntiles, np.int64)
@@ -199,42 +235,67 @@ def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_
         hi = tile_ptr[t + 1]
         if hi == lo:
             continue
-        n = hi - lo
         k = ks[t]
         base = scratch_off[t]
-        # Rice
+        # Rice runs forward from the region start while rANS runs backward from the region
+        # end (before the escapes), in one loop: two independent dependency chains. The
+        # bound on the region (exact Rice bytes + 2 bytes per symbol + 4) keeps them apart.
+        # Rice's acc holds < 32 pending bits between codes (62 at most inside one).
         p = base
         acc = 0
         nbits = 0
-        prev = t * tile - 1
         lowmask = (1 << k) - 1
-        for i in range(lo, hi):
-            g = pos[i] - prev - 1
-            prev = pos[i]
-            q = g >> k
-            while q >= 24:
-                p, acc, nbits = _put_bits(scratch, p, acc, nbits, (1 << 24) - 1, 24)
-                q -= 24
-            p, acc, nbits = _put_bits(scratch, p, acc, nbits, (1 << q) - 1, q + 1)  # q ones, a zero
-            if k > 0:
-                p, acc, nbits = _put_bits(scratch, p, acc, nbits, g & lowmask, k)
-        if nbits > 0:
-            scratch[p] = acc & 0xFF
-            p += 1
-        rice_end = p
-        # rANS, backwards from the end of this tile's scratch region
         end = scratch_off[t + 1] - n_esc[t] * width
         q = end
         x = RANS_L
-        for i in range(hi - 1, lo - 1, -1):
-            s = syms[i]
-            f = freq[s]
-            x_max = ((RANS_L >> SCALE_BITS) << 8) * f
-            while x >= x_max:
+        n = hi - lo
+        tile_start = t * tile
+        for j in range(n):
+            i = lo + j
+            g = pos[i] - (pos[i - 1] + 1 if j > 0 else tile_start)
+            u = g >> k
+            while u >= 24:
+                acc |= ((1 << 24) - 1) << nbits
+                nbits += 24
+                while nbits >= 8:
+                    scratch[p] = acc & 0xFF
+                    p += 1
+                    acc >>= 8
+                    nbits -= 8
+                u -= 24
+            ln = u + 1 + k
+            if nbits + ln > 62:  # rare (long codes): make room so acc never reaches the sign bit
+                while nbits >= 8:
+                    scratch[p] = acc & 0xFF
+                    p += 1
+                    acc >>= 8
+                    nbits -= 8
+            acc |= (((1 << u) - 1) | ((g & lowmask) << (u + 1))) << nbits  # u ones, a zero, k low bits
+            nbits += ln
+            if nbits >= 32:
+                scratch[p] = acc & 0xFF
+                scratch[p + 1] = (acc >> 8) & 0xFF
+                scratch[p + 2] = (acc >> 16) & 0xFF
+                scratch[p + 3] = (acc >> 24) & 0xFF
+                p += 4
+                acc >>= 32
+                nbits -= 32
+            s = syms[hi - 1 - j]
+            if x >= rtab[s, 0]:
                 q -= 1
                 scratch[q] = x & 0xFF
                 x >>= 8
-            x = ((x // f) << SCALE_BITS) + (x % f) + cum[s]
+                if x >= rtab[s, 0]:
+                    q -= 1
+                    scratch[q] = x & 0xFF
+                    x >>= 8
+            x = x + rtab[s, 3] + (((x * rtab[s, 1]) >> 32) >> rtab[s, 2]) * rtab[s, 4]
+        while nbits > 0:
+            scratch[p] = acc & 0xFF
+            p += 1
+            acc >>= 8
+            nbits -= 8
+        rice_end = p
         q -= 4
         for b in range(4):  # the final state, little-endian, read first by the decoder
             scratch[q + b] = (x >> (8 * b)) & 0xFF
@@ -245,12 +306,13 @@ def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_
         rans_len[t] = m
         # escapes: raw differences, little-endian, in change order
         e = rice_end + m
-        for i in range(lo, hi):
-            if syms[i] == ESC:
-                d = (np.uint64(new[i]) - np.uint64(old[i])) & mask
-                for b in range(width):
-                    scratch[e] = np.uint8((d >> np.uint64(8 * b)) & np.uint64(0xFF))
-                    e += 1
+        if n_esc[t]:
+            for i in range(lo, hi):
+                if syms[i] == ESC:
+                    d = (np.uint64(new[i]) - np.uint64(old[i])) & mask
+                    for b in range(width):
+                        scratch[e] = np.uint8((d >> np.uint64(8 * b)) & np.uint64(0xFF))
+                        e += 1
     return rans_len
 
 
@@ -359,6 +421,10 @@ def decode_tiles(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, c
         starts[t + 1] = starts[t] + ns[t]
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
     smask = SCALE - 1
+    sym2diff = np.zeros(NSYM, np.uint64)
+    for s in range(ESC):
+        m = np.uint64(s // 2 + 1)
+        sym2diff[s] = (((~m) + np.uint64(1)) & mask) if s & 1 else m
     for t in nb.prange(ntiles):
         n = ns[t]
         if n == 0:
@@ -370,84 +436,39 @@ def decode_tiles(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, c
         o = starts[t]
         tile_start = t * tile
         tile_end = min(tile_start + tile, numel)
-        # Rice
+        # Rice (cursor p) and rANS (cursor pa) are decoded in one loop: two independent
+        # dependency chains that the CPU overlaps.
         p = offs[t]
         rend = p + rice[t]
-        acc = 0
-        nbits = 0
-        prev = tile_start - 1
-        err = 0
-        for i in range(n):
-            q = 0
-            while True:
-                if nbits == 0:
-                    if p >= rend:
-                        err = 1
-                        break
-                    acc = np.int64(buf[p])
-                    p += 1
-                    nbits = 8
-                if acc & 1:
-                    q += 1
-                    acc >>= 1
-                    nbits -= 1
-                    if q > tile:
-                        err = 2
-                        break
-                else:
-                    acc >>= 1
-                    nbits -= 1
-                    break
-            if err:
-                break
-            while nbits < k:
-                if p >= rend:
-                    err = 1
-                    break
-                acc |= np.int64(buf[p]) << nbits
-                p += 1
-                nbits += 8
-            if err:
-                break
-            low = acc & ((1 << k) - 1)
-            acc >>= k
-            nbits -= k
-            g = (q << k) | low
-            cur = prev + 1 + g
-            if cur >= tile_end:
-                err = 2
-                break
-            out_pos[o + i] = cur
-            prev = cur
-        if err == 0 and (p != rend or acc != 0):
-            err = 3
-        if err:
-            errs[t] = err
-            continue
-        # rANS
-        p = rend
-        aend = p + rans[t]
-        if aend - p < 4:
+        pa = rend
+        aend = pa + rans[t]
+        if aend - pa < 4:
             errs[t] = 4
             continue
-        x = np.int64(buf[p]) | (np.int64(buf[p + 1]) << 8) | (np.int64(buf[p + 2]) << 16) | (np.int64(buf[p + 3]) << 24)
-        p += 4
+        x = np.int64(buf[pa]) | (np.int64(buf[pa + 1]) << 8) | (np.int64(buf[pa + 2]) << 16) | (np.int64(buf[pa + 3]) << 24)
+        pa += 4
         if x < RANS_L or x >= (RANS_L << 8):
             errs[t] = 5
             continue
         e = aend
         eend = aend + esc[t] * width
         n_esc = 0
+        acc = 0
+        nbits = 0
+        prev = tile_start - 1
+        err = 0
+        lowmask = (1 << k) - 1
         for i in range(n):
+            # --- symbol
             slot = x & smask
             s = slot2sym[slot]
             x = freq[s] * (x >> SCALE_BITS) + slot - cum[s]
             while x < RANS_L:
-                if p >= aend:
+                if pa >= aend:
                     err = 6
                     break
-                x = (x << 8) | np.int64(buf[p])
-                p += 1
+                x = (x << 8) | np.int64(buf[pa])
+                pa += 1
             if err:
                 break
             if s == ESC:
@@ -459,21 +480,61 @@ def decode_tiles(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, c
                 for b in range(width):
                     d |= np.uint64(buf[e]) << np.uint64(8 * b)
                     e += 1
+                out_diff[o + i] = d
             else:
-                m = np.uint64(s // 2 + 1)
-                if s & 1:
-                    d = ((~m) + np.uint64(1)) & mask
-                else:
-                    d = m
-            out_diff[o + i] = d
-        if err:
-            errs[t] = err
-            continue
-        if p != aend or x != RANS_L:
-            errs[t] = 7
-            continue
-        if n_esc != esc[t]:
-            errs[t] = 8
+                out_diff[o + i] = sym2diff[s]
+            # --- gap
+            while nbits <= 48 and p < rend:
+                acc |= np.int64(buf[p]) << nbits
+                p += 1
+                nbits += 8
+            q = 0
+            while True:  # unary part: count one-bits a byte at a time
+                t1 = _TRAILING_ONES[acc & 0xFF]
+                if t1 < nbits and t1 < 8:
+                    q += t1
+                    acc >>= t1 + 1
+                    nbits -= t1 + 1
+                    break
+                take = min(t1, nbits)
+                if take == 0:
+                    err = 1
+                    break
+                q += take
+                acc >>= take
+                nbits -= take
+                if q > tile:
+                    err = 2
+                    break
+                while nbits <= 48 and p < rend:
+                    acc |= np.int64(buf[p]) << nbits
+                    p += 1
+                    nbits += 8
+            if err:
+                break
+            if nbits < k:
+                while nbits <= 48 and p < rend:
+                    acc |= np.int64(buf[p]) << nbits
+                    p += 1
+                    nbits += 8
+                if nbits < k:
+                    err = 1
+                    break
+            cur = prev + 1 + ((q << k) | (acc & lowmask))
+            acc >>= k
+            nbits -= k
+            if cur >= tile_end:
+                err = 2
+                break
+            out_pos[o + i] = cur
+            prev = cur
+        if err == 0 and (p != rend or nbits >= 8 or acc != 0):
+            err = 3
+        if err == 0 and (pa != aend or x != RANS_L):
+            err = 7
+        if err == 0 and n_esc != esc[t]:
+            err = 8
+        errs[t] = err
     return errs
 
 

@@ -1,0 +1,26 @@
+"""``weftboard bench codec``: registered on the ``bench`` group (see weftboard.board.cli)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer, bench: typer.Typer) -> None:
+    @bench.command("codec")
+    def bench_codec(
+        format: str = typer.Option("bf16", "--format", help="served format: bf16, fp16, fp8, fp8_e5m2, mxfp4 or nvfp4"),
+        params: int = typer.Option(55_000_000, "--params", help="approximate fp32 parameters of the test model"),
+        repeat: int = typer.Option(3, "--repeat", min=1, help="timed repetitions; the best is reported"),
+        as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object on the last line"),
+    ) -> None:
+        """Patch size against the entropy bound and the int32+raw baseline, and CPU speed against a copy."""
+        from weftboard.cuda import bench_codec as bc
+
+        if format not in bc.FORMAT_KINDS:
+            raise typer.BadParameter(f"choose one of {', '.join(bc.FORMAT_KINDS)}", param_hint="--format")
+        bc.main(format, params, repeat, as_json)
+
+    # `bench formats` lives with the projections it measures (weftboard.cuda.formats_bench).
+    from weftboard.cuda.formats_bench import register as register_formats_bench
+
+    register_formats_bench(bench)
