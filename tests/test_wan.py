@@ -426,3 +426,43 @@ async def test_wan_network_gives_islands_relay_endpoints_on_their_own_links() ->
         finally:
             await net.close()
     assert _our_objects(os.getpid()) == []
+
+
+# ---- weftboard bench sync --wan --------------------------------------------------------------------
+
+
+def test_bench_sync_wan_skips_cleanly_where_unavailable(tmp_path) -> None:
+    """No iproute2 on PATH (or not root): exit 0, a message, and a JSON line saying why."""
+    env = {**os.environ, "PATH": str(tmp_path)}
+    result = subprocess.run(
+        [sys.executable, "-m", "weftboard.board.cli", "bench", "sync", "--wan", "--json"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    last = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(last) == {"skipped"} and "--wan unavailable" in last["skipped"]
+    assert "skipping bench sync --wan" in result.stderr
+
+
+@needs_netns
+@pytest.mark.slow
+def test_bench_sync_wan_small_model_end_to_end(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "weftboard.board.cli", "bench", "sync", "--wan", "--json",
+         "--params", "2000000", "--islands", "1", "--versions", "1",
+         "--wan-rate-mbit", "200", "--wan-rtt-ms", "10", "--work-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["network"] == "wan" and out["wan"] == {"rate_mbit": 200.0, "rtt_ms": 10.0}
+    for key in ("params", "islands", "versions", "delta_bytes_per_version", "full_bytes_per_version",
+                "delta_sync_p50_s", "delta_sync_p99_s", "full_sync_p50_s", "speedup_p50",
+                "trainer_blocked_s_per_version", "publisher_extra_memory_ratio"):
+        assert key in out, key
+    assert out["bitwise_ok"] is True
+    # Every island sat behind its link: a full checkpoint cannot arrive faster than the rate.
+    assert out["full_sync_p50_s"] >= out["full_bytes_per_version"] * 8 / 200e6
+    # The bench has exited: no namespace of a dead process may be left behind.
+    left = [n for n in netns.list_namespaces() if n.startswith(netns.NS_PREFIX)]
+    assert all(netns._pid_alive(int(n.split("-")[2])) for n in left), left
