@@ -120,15 +120,13 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
     """Per-block max |x| over finite values; NaN for a block that holds a NaN."""
-    magnitude = blocks.abs()
-    magnitude = torch.where(torch.isinf(magnitude), torch.zeros_like(magnitude), magnitude)
+    magnitude = torch.nan_to_num_(blocks.abs(), nan=float("nan"), posinf=0.0)
     return magnitude.amax(dim=-1)
 
 
 def finite_amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| over the finite values of x, as a 0-d float32 tensor (0 when none)."""
-    x = x.float()
-    magnitude = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), device=x.device))
+    magnitude = torch.nan_to_num_(x.float().abs(), nan=0.0, posinf=0.0)
     if magnitude.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return magnitude.amax()

@@ -45,7 +45,7 @@ def fp8_overflows(scaled_magnitude: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 
 def _finite_abs(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x.abs(), torch.zeros((), device=x.device))
+    return torch.nan_to_num_(x.abs(), nan=0.0, posinf=0.0)
 
 
 def _padded_blocks(x: torch.Tensor) -> torch.Tensor:
