@@ -5,7 +5,8 @@ Layout (format ``weftboard-patch``, format_version 1). The file is a valid safet
     u64 little-endian header length | JSON header (space padded to a multiple of 8) | data
 
 The safetensors header maps each tensor that changed to a uint8 ("U8") 1-D stream and holds
-``__metadata__ = {"weftboard": <JSON text>}``; that JSON is the patch header::
+``__metadata__ = {"weftboard": <JSON text>, "weftboard_xxh3_64": <hex of that text>}``; the
+JSON text is the patch header::
 
     {"format": "weftboard-patch", "format_version": 1, "encoding": "default" | "baseline",
      "base_version": int, "target_version": int, "target_root": "xxh3-128:<hex>",
@@ -238,7 +239,10 @@ def encode_patch(
 
 
 def _write_container(header: dict[str, Any], streams: list[tuple[str, bytes]]) -> bytes:
-    st_header: dict[str, Any] = {"__metadata__": {"weftboard": json.dumps(header, separators=(",", ":"))}}
+    text_header = json.dumps(header, separators=(",", ":"))
+    st_header: dict[str, Any] = {
+        "__metadata__": {"weftboard": text_header, "weftboard_xxh3_64": xxhash.xxh3_64_hexdigest(text_header.encode("utf-8"))}
+    }
     offset = 0
     for name, raw in streams:
         st_header[name] = {"dtype": "U8", "shape": [len(raw)], "data_offsets": [offset, offset + len(raw)]}
@@ -288,7 +292,12 @@ def _read_container(data: bytes | bytearray | memoryview) -> _Container:
     try:
         st_header = json.loads(bytes(view[8 : 8 + hlen]).decode("utf-8"))
         meta = st_header["__metadata__"]["weftboard"]
+        check = st_header["__metadata__"]["weftboard_xxh3_64"]
+        if not isinstance(meta, str) or xxhash.xxh3_64_hexdigest(meta.encode("utf-8")) != check:
+            raise CorruptData("patch header fails its xxh3-64 check: corrupted in storage or transit")
         header = json.loads(meta)
+    except CorruptData:
+        raise
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise CorruptData(f"patch header is not a weftboard-patch safetensors header: {exc}") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
