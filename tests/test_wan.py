@@ -286,6 +286,33 @@ def test_cleanup_after_an_error_and_keyboard_interrupt() -> None:
         assert _our_objects(os.getpid()) == []
 
 
+@needs_netns
+def test_sigterm_removes_the_namespaces_and_the_relay_process() -> None:
+    code = (
+        "import time\n"
+        "from weftboard.publisher.wan import WanTopology\n"
+        "with WanTopology(2, [1]):\n"
+        "    print('up', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        while (line := proc.stdout.readline()) and line.strip() != "up":
+            pass
+        assert line.strip() == "up"
+        assert len(_our_objects(proc.pid)) == 4
+        relay_processes = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert _our_objects(proc.pid) == []
+    assert relay_processes and not any(_alive(pid) for pid in relay_processes)
+
+
 def _children(pid: int) -> list[int]:
     children = []
     for entry in os.listdir("/proc"):

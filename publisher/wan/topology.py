@@ -14,8 +14,9 @@ For each island ``i`` and each loopback target port ``P`` (the board's gRPC port
 
 Invariants:
 - Only loopback targets are relayed, and only namespaces/links this process created are touched.
-- Everything is torn down on exit, on error during setup, and on KeyboardInterrupt; an ``atexit``
-  hook covers an interpreter exit without ``__exit__``; ``remove_stale()`` at start removes what a
+- Everything is torn down on exit, on error during setup, on KeyboardInterrupt and on SIGTERM
+  (turned into SystemExit when no other handler is set); an ``atexit`` hook covers an
+  interpreter exit without ``__exit__``; ``remove_stale()`` at start removes what a
   killed run left behind.
 - Relays run in a child process (``relayd``) tethered to this one by its stdin, so they keep
   flowing while the caller blocks or computes (no GIL contention), and exit when we do.
@@ -28,6 +29,7 @@ import atexit
 import ipaddress
 import json
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -136,12 +138,14 @@ class WanTopology:
             log.info("wan_down", islands=[n.namespace for n in self.nets])
 
     def __enter__(self) -> WanTopology:
+        _exit_on_sigterm()
         return self.open()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     async def __aenter__(self) -> WanTopology:
+        _exit_on_sigterm()
         return await asyncio.to_thread(self.open)
 
     async def __aexit__(self, *exc: object) -> None:
@@ -213,6 +217,20 @@ class WanTopology:
         if self._bytes_forwarded is None:
             raise RuntimeError("bytes_forwarded is known once the topology is closed")
         return self._bytes_forwarded[island]
+
+
+def _exit_on_sigterm() -> None:
+    """Turn a default SIGTERM into SystemExit, so ``finally`` blocks and the atexit hook remove
+    the namespaces (a default SIGTERM kills without either). Only from the main thread, and
+    never over a handler someone else installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_system_exit)
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _pump_lines(stream: IO[str] | None, lines: queue.Queue[str | None]) -> None:
