@@ -272,8 +272,9 @@ class Projector:
         else:
             block_scale, tensor_scale = fp4.nvfp4_scales(x, policy, kept)
             values = (fp4.nvfp4_encode(x, block_scale, tensor_scale), block_scale.contiguous(), tensor_scale)
+        kept_now = tuple(v.detach().clone() for v in values[1:])  # the caller may patch its view in place
         with self._lock:
-            self._kept[name] = tuple(v.detach() for v in values[1:])
+            self._kept[name] = kept_now
         return {stored_name: v for (stored_name, _, _), v in zip(plan.stored, values)}
 
     def project(self, master: Mapping[str, torch.Tensor], *, anchor: bool) -> dict[str, torch.Tensor]:

@@ -255,3 +255,18 @@ def test_overflow_margin_is_where_round_to_nearest_even_leaves_the_range(dtype):
         leaves_range = torch.round(probe / 32.0) * 32.0 > fmax  # torch.round is half-to-even
     assert leaves_range.any() and not leaves_range.all()
     assert torch.equal(fp8_overflows(probe, dtype), leaves_range)
+
+
+def test_kept_scales_do_not_alias_the_returned_view():
+    """A publisher or engine may patch its served view in place; the kept state must not move."""
+    x = torch.randn(32, 64)
+    projector = Projector(ServedFormatSpec("nvfp4", scale_policy="fixed"))
+    first = projector.project({"w.weight": x}, anchor=True)
+    expected = Projector(ServedFormatSpec("nvfp4", scale_policy="fixed"))
+    expected.resume_from({n: t.clone() for n, t in first.items()})
+    first["w.weight_scale"].view(torch.uint8).fill_(0x38)  # scribble over the returned scales
+    first["w.weight_scale_2"].fill_(123.0)
+    got = projector.project({"w.weight": x}, anchor=False)
+    want = expected.project({"w.weight": x}, anchor=False)
+    for name in want:
+        assert same_bits(got[name], want[name]), name
