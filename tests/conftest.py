@@ -23,6 +23,7 @@ Fixtures
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import itertools
 import secrets
@@ -131,10 +132,14 @@ class RunningBoard:
     _restart: Callable[[], Awaitable[Any]]
     _stopped: bool = field(default=False)
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float = 20.0) -> None:
+        """Stop the board; a stop that hangs fails the test instead of stalling the suite."""
         if not self._stopped:
             self._stopped = True
-            await _stop_handle(self.handle)
+            try:
+                await asyncio.wait_for(_stop_handle(self.handle), timeout_s)
+            except asyncio.TimeoutError:
+                raise AssertionError(f"board at {self.address} did not stop within {timeout_s:.0f}s") from None
 
     async def restart(self) -> None:
         """Stop the board and start a new one on the same port, Redis and blob store."""
