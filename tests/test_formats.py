@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from weftboard.cuda import formats_fp4 as fp4
@@ -114,7 +116,7 @@ def brute_force_nearest_even(x: torch.Tensor, grid: torch.Tensor, even_code: tor
     best = distance.min(dim=-1, keepdim=True).values
     tied = distance == best
     # among tied candidates prefer an even code, then the smaller index
-    preference = torch.where(tied, (~even_code).long() * 2 + 0, torch.full_like(distance, 10, dtype=torch.long))
+    preference = torch.where(tied, (~even_code).long(), torch.full_like(distance, 10, dtype=torch.long))
     return (preference * len(grid) + torch.arange(len(grid))).argmin(dim=-1)
 
 
@@ -139,6 +141,16 @@ def test_e2m1_encode_is_nearest_even_and_saturating():
     assert torch.equal(codes, expected)
     # the ties explicitly: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4
     assert fp4.e2m1_decode(fp4.e2m1_encode(midpoints)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64))
+def test_e2m1_encode_matches_brute_force_on_any_float(values):
+    x = torch.tensor(values, dtype=torch.float32)
+    grid = torch.tensor(fp4.E2M1_VALUES)
+    expected = brute_force_nearest_even(x.clamp(-6, 6), grid, torch.arange(8) % 2 == 0).to(torch.uint8)
+    expected |= torch.signbit(x).to(torch.uint8) << 3
+    assert torch.equal(fp4.e2m1_encode(x), expected)
 
 
 def test_e2m1_nan_and_sign_of_zero():
@@ -298,6 +310,20 @@ def test_mxfp4_projection_is_idempotent_on_its_own_output():
     assert list(again) == list(first)
     for name in first:
         assert_bitwise(again[name], first[name], name)
+
+
+_magnitudes = st.one_of(st.just(0.0), st.floats(min_value=2.0**-100, max_value=2.0**120, width=32))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(_magnitudes, st.booleans()), min_size=64, max_size=64))
+def test_mxfp4_bytes_survive_dequantize_and_reproject_for_any_values(pairs):
+    """Any finite block above E8M0's clamped bottom (2^-124) round-trips bitwise."""
+    x = torch.tensor([-m if negative else m for m, negative in pairs], dtype=torch.float32).reshape(2, 32)
+    data, scale = fp4.mxfp4_quantize(x)
+    data2, scale2 = fp4.mxfp4_quantize(fp4.mxfp4_dequantize(data, scale))
+    assert torch.equal(scale2, scale)
+    assert torch.equal(data2, data)
 
 
 @pytest.mark.parametrize(
@@ -527,11 +553,9 @@ def test_cuda_projection_matches_cpu_bytes(kind, granularity, policy):
     master = make_test_master(layers=1, hidden=256, intermediate=512, vocab=512, seed=11)
     spec = ServedFormatSpec(kind, granularity, policy)
     cpu, gpu = Projector(spec), Projector(spec)
-    views = []
     for step, m in enumerate([master, {n: t * 1.01 for n, t in master.items()}]):
         c = cpu.project(m, anchor=step == 0)
         g = gpu.project({n: t.cuda() for n, t in m.items()}, anchor=step == 0)
         for name in c:
             assert g[name].device.type == "cuda"
             assert_bitwise(g[name].cpu(), c[name], f"step {step} {name}")
-        views.append(c)
