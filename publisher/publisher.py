@@ -92,6 +92,7 @@ class _Job:
     anchor_dir: Path | None = None
     started: bool = False
     est_patch_bytes: int = 0
+    handles: list[PublishHandle] = field(default_factory=list)
 
 
 def _state_dict(model_or_state: Any) -> dict[str, torch.Tensor]:
@@ -173,8 +174,9 @@ class Publisher:
         self._queue: deque[_Job] = deque()
         self._snapshotting = 0
         self._inflight: _Job | None = None
-        self._view_free = threading.Event()
-        self._view_free.set()
+        self._last_read: tuple[threading.Event | None, PublishHandle | None] = (None, None)
+        self._async_read = False
+        self._hooks: list[Any] = []
         self._failure: BaseException | None = None
         self._closed = False
         self.blocked_s: list[float] = []
@@ -214,26 +216,93 @@ class Publisher:
         master = _state_dict(model_or_state) if model_or_state is not None else None
         self._call(self._connect(master, kind))
 
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Let ``publish`` return before the weights are read.
+
+        With an optimizer attached, projection and diff run in the background while the
+        trainer computes its next forward and backward pass (which do not change the
+        weights); a pre-step hook makes the optimizer's next ``step()`` wait until that
+        read is done, and that wait counts as blocked time. Only attach when nothing but
+        this optimizer changes the weights between publishes.
+        """
+        def wait_for_read(*_: Any) -> None:
+            event, handle = self._last_read
+            if event is not None and not event.is_set():
+                t = time.perf_counter()
+                event.wait()
+                waited = time.perf_counter() - t
+                if handle is not None:
+                    handle.blocked_s += waited
+                    self.blocked_s[-1] += waited
+            self._raise_if_failed()
+
+        self._hooks.append(optimizer.register_step_pre_hook(wait_for_read))
+        self._async_read = True
+
     def publish(self, model_or_state: Any, *, step: int = 0, labels: Mapping[str, str] | None = None) -> PublishHandle:
-        """Publish the model's current weights as the next version; returns at once after the diff."""
+        """Publish the model's current weights as the next version.
+
+        Returns once the weights have been read into the served view (projection and a
+        fused diff), or at once when an optimizer is attached (see ``attach``); encoding,
+        hashing, uploads and the commit always happen in the background.
+        """
         t0 = time.perf_counter()
         self._raise_if_failed()
+        self.wait_read()
         master = _state_dict(model_or_state)
         if self._kind == pb.RUN_KIND_UNSPECIFIED:
             self._call(self._connect(master, pb.RUN_KIND_WEIGHTS))
         if self._kind != pb.RUN_KIND_WEIGHTS:
-            raise FailedPrecondition(f"run {self.run} is a LoRA adapter run: use publish_adapter()")
-        t_setup = time.perf_counter()
+            raise FailedPrecondition(f"run {self.run} is a LoRA adapter run: use publish()")
         target = self._reserve_slot()
-        self._view_free.wait()
         self._raise_if_failed()
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if target is not None:
             version = target.version
         else:
             version = self._next_version
-        reason = self._decide(version, target)
-        deltas = self._project_and_diff(master, anchor=bool(reason))
+            self._next_version += 1
+        handle = PublishHandle(version, step, fut, coalesced=False)
+        if target is not None:
+            for h in target.handles:
+                h.coalesced = True
+        read_done = threading.Event()
+        with self._cond:
+            self._snapshotting += 1
+        self._last_read = (read_done, handle)
+        self._snapshot_pool.submit(self._read_and_snapshot, master, version, step, dict(labels or {}), target, fut, handle, t0, read_done)
+        self.blocked_s.append(0.0)
+        if not self._async_read:
+            read_done.wait()
+            self._raise_if_failed()
+        blocked = time.perf_counter() - t0
+        handle.blocked_s += blocked
+        self.blocked_s[-1] += blocked
+        return handle
+
+    def wait_read(self) -> None:
+        """Wait until the last published weights have been read (they may change after)."""
+        event, _ = self._last_read
+        if event is not None:
+            event.wait()
+
+    def _read_and_snapshot(self, master: dict[str, torch.Tensor], version: int, step: int, labels: dict[str, str],
+                           target: "_Job | None", fut: concurrent.futures.Future, handle: PublishHandle, t0: float,
+                           read_done: threading.Event) -> None:
+        """Background, in publish order: read the weights into the view, then snapshot the job."""
+        try:
+            reason = self._decide(version, target)
+            deltas = self._project_and_diff(master, anchor=bool(reason))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+            read_done.set()
+            self._fail(exc, [_Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0)]
+                       + ([target] if target is not None else []))
+            with self._cond:
+                self._snapshotting -= 1
+                self._cond.notify_all()
+            return
+        read_done.set()
+        del master
         if target is not None:
             from weftboard.publisher.deltas import merge_deltas
 
@@ -243,17 +312,20 @@ class Publisher:
                 deltas = None
             if target.anchor and not reason:
                 reason = target.reason
-            job = _Job(version, step, dict(labels or {}), bool(reason), reason, deltas, target.futures + [fut], target.t_publish)
+            if target.anchor_dir is not None:
+                shutil.rmtree(target.anchor_dir, ignore_errors=True)
+            job = _Job(version, step, labels, bool(reason), reason, deltas, target.futures + [fut], target.t_publish)
+            job.handles = target.handles + [handle]
             job.touched = set(target.touched)
         else:
-            self._next_version += 1
-            job = _Job(version, step, dict(labels or {}), bool(reason), reason, deltas, [fut], t0)
+            job = _Job(version, step, labels, bool(reason), reason, deltas, [fut], t0)
+            job.handles = [handle]
         if deltas is not None:
             changed = sum(int(d.positions.numel()) for d in deltas.values())
             job.touched |= {n for n, d in deltas.items() if d.positions.numel()}
             job.est_patch_bytes = int(changed * self._bytes_per_change) + 64 * len(deltas)
         else:
-            job.touched = set(self._view)
+            job.touched = set(self._view or ())
         with self._cond:  # policy bookkeeping at decision time (commits correct the estimate)
             if target is not None and not target.anchor:
                 self._patch_bytes_since_anchor -= target.est_patch_bytes
@@ -263,14 +335,9 @@ class Publisher:
                 self._patch_bytes_since_anchor += job.est_patch_bytes
                 self._last_patch_bytes = job.est_patch_bytes
         self._has_base = True
-        handle = PublishHandle(version, step, fut)
-        self._submit_snapshot(job)
-        blocked = time.perf_counter() - t0
-        handle.blocked_s = blocked
-        self.blocked_s.append(blocked)
-        log.debug("published", run=self.run, version=version, blocked_s=round(blocked, 4), setup_s=round(t_setup - t0, 4),
-                  anchor=job.anchor, coalesced=target is not None)
-        return handle
+        log.debug("read", run=self.run, version=version, anchor=job.anchor, coalesced=target is not None,
+                  read_s=round(time.perf_counter() - t0, 4))
+        self._snapshot(job)
 
     def publish_adapter(self, state_dict: Mapping[str, torch.Tensor], *, step: int = 0, labels: Mapping[str, str] | None = None) -> PublishHandle:
         """Publish a LoRA adapter whole (a run of kind RUN_KIND_LORA_ADAPTER: anchors only)."""
@@ -290,7 +357,9 @@ class Publisher:
         tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in stored.items()}
         job = _Job(version, step, dict(labels or {}), True, AnchorReason.ADAPTER, None, [fut], t0, adapter_tensors=tensors)
         job.touched = set(tensors)
-        self._submit_snapshot(job)
+        with self._cond:
+            self._snapshotting += 1
+        self._snapshot_pool.submit(self._snapshot, job)
         handle = PublishHandle(version, step, fut, blocked_s=time.perf_counter() - t0)
         self.blocked_s.append(handle.blocked_s)
         return handle
@@ -314,6 +383,8 @@ class Publisher:
                 self.flush()
         finally:
             self._closed = True
+            for hook in self._hooks:
+                hook.remove()
             if self._worker is not None:
                 self._worker.cancel()
             if self._client is not None:
@@ -502,12 +573,6 @@ class Publisher:
             raise FailedPrecondition(f"the model no longer produces served tensors {missing} of run {self.run}")
         return deltas
 
-    def _submit_snapshot(self, job: _Job) -> None:
-        with self._cond:
-            self._snapshotting += 1
-        self._view_free.clear()
-        self._snapshot_pool.submit(self._snapshot, job)
-
     # -- background: snapshot stage (reads the view) -----------------------------------------
 
     def _snapshot(self, job: _Job) -> None:
@@ -537,7 +602,6 @@ class Publisher:
             with self._cond:
                 self._snapshotting -= 1
                 self._cond.notify_all()
-            self._view_free.set()
             return
         with self._cond:
             self._snapshotting -= 1
@@ -545,7 +609,6 @@ class Publisher:
             if job.deltas is not None and not job.anchor:
                 pass
             self._cond.notify_all()
-        self._view_free.set()
         if self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 

@@ -221,3 +221,27 @@ async def test_lora_adapter_versions_are_whole(board, local_store, tmp_path: Pat
         assert [sorted(_kinds(r)) for r in recs] == [["anchor"]] * 3
         views = {i + 1: {k: v.clone() for k, v in a.items()} for i, a in enumerate(adapters)}
         await _follow_each(client, "lora", local_store, tmp_path, views)
+
+
+async def test_attached_optimizer_reads_in_background_bitwise(board, local_store, tmp_path: Path) -> None:
+    """publish() returns before the weights are read; the optimizer's next step waits for the read."""
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+
+    def train() -> list:
+        with Publisher(board.address, "att", token=board.admin_token, blob_store=local_store) as pub:
+            pub.attach(trainer.opt)
+            handles = []
+            for _ in range(5):
+                trainer.step()  # the pre-step hook waits for the previous read
+                h = pub.publish(trainer.model, step=trainer.step_no)
+                views[h.version] = trainer.served()
+                handles.append(h)
+            pub.flush()
+            return handles
+
+    handles = await asyncio.to_thread(train)
+    assert [h.version for h in handles] == [1, 2, 3, 4, 5]
+    assert all(h.blocked_s >= 0 for h in handles)
+    async with BoardClient(board.address, board.admin_token) as client:
+        await _follow_each(client, "att", local_store, tmp_path, views)

@@ -1,0 +1,36 @@
+"""Smoke run of ``weftboard bench sync`` on a tiny model: the JSON keys and bitwise_ok.
+
+Timings are not asserted here (they belong to the benchmark's own ratios).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+KEYS = {
+    "params", "islands", "versions", "delta_bytes_per_version", "full_bytes_per_version",
+    "delta_sync_p50_s", "delta_sync_p99_s", "full_sync_p50_s", "speedup_p50",
+    "trainer_blocked_s_per_version", "publisher_extra_memory_ratio", "bitwise_ok",
+}
+
+
+def test_bench_sync_smoke(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "weftboard.board.cli", "bench", "sync", "--params", "1000000", "--islands", "2",
+         "--versions", "2", "--json", "--work-dir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert KEYS <= set(result)
+    assert result["bitwise_ok"] is True
+    assert result["islands"] == 2 and result["versions"] == 2
+    assert result["params"] >= 1_000_000 * 0.8
+    assert 0 < result["delta_bytes_per_version"] < result["full_bytes_per_version"]
