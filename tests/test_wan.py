@@ -114,6 +114,66 @@ async def test_relay_pipelines_chunks_instead_of_one_per_delay() -> None:
     assert elapsed < 0.3 * (size / 65536) * delay, f"{elapsed:.2f}s looks serialised per chunk"
 
 
+def test_slow_start_window_doubles_per_round_trip_and_restarts_after_idle() -> None:
+    from weftboard.publisher.wan.window import SlowStartWindow
+
+    rtt, iw = 0.04, 14480
+    w = SlowStartWindow(rtt, initial_bytes=iw)
+    assert w.grant(0.0, 10**9) == (0.0, iw)  # the first round trip carries the initial window
+    assert w.grant(0.01, 10**9) == (rtt, 0)  # used up: nothing until the next round trip
+    assert w.grant(rtt, 10**9) == (rtt, 2 * iw)  # doubled, because the window was used up
+    assert w.grant(2 * rtt, 10**9) == (2 * rtt, 4 * iw)
+    # Application-limited rounds do not grow the window.
+    assert w.grant(3 * rtt, 100) == (3 * rtt, 100)
+    assert w.grant(4 * rtt, 10**9) == (4 * rtt, 8 * iw)
+    # Idle for several RTOs: back to the initial window (halved once per RTO).
+    idle_from = 4 * rtt
+    assert w.grant(idle_from + 10 * w.rto_s, 10**9) == (idle_from + 10 * w.rto_s, iw)
+
+
+def test_slow_start_window_total_after_k_round_trips_is_geometric() -> None:
+    from weftboard.publisher.wan.window import SlowStartWindow
+
+    rtt, iw = 0.04, 14480
+    w = SlowStartWindow(rtt, initial_bytes=iw)
+    sent, now = 0, 0.0
+    while now < 5 * rtt - 1e-9:
+        at, n = w.grant(now, 10**9)
+        sent += n
+        now = at if n == 0 else now
+    assert sent == iw * (2**5 - 1)
+
+
+async def test_relay_slow_start_makes_a_fresh_transfer_ramp_over_round_trips() -> None:
+    """1 MB after idle needs 7 rounds of a doubling 14480-byte window (6 full round trips);
+    with the window off the same relay delivers it in about one one-way delay."""
+    size, delay = 1_000_000, 0.02
+
+    async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(1):
+            writer.write(b"\0" * size)
+            await writer.drain()
+
+    server = await asyncio.start_server(sink, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    timings = {}
+    async with server:
+        for slow_start in (True, False):
+            relay = DelayRelay(("127.0.0.1", port), delay, listen=("127.0.0.1", 0), slow_start=slow_start)
+            async with relay:
+                reader, writer = await asyncio.open_connection(*relay.address)
+                for attempt in ("fresh", "warm"):
+                    start = time.perf_counter()
+                    writer.write(b"g")
+                    await reader.readexactly(size)
+                    timings[(slow_start, attempt)] = time.perf_counter() - start
+                writer.close()
+    assert timings[(True, "fresh")] >= 6 * 2 * delay
+    assert timings[(False, "fresh")] < 3 * 2 * delay
+    # Right after a transfer the window is open: the next one does not ramp again.
+    assert timings[(True, "warm")] < timings[(True, "fresh")] / 2
+
+
 async def test_relay_to_a_closed_port_ends_the_client_connection() -> None:
     probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
     dead_port = probe.sockets[0].getsockname()[1]
@@ -449,7 +509,9 @@ async def test_wan_network_gives_islands_relay_endpoints_on_their_own_links() ->
             hosts = {r.rsplit(":", 1)[0] for r in relays}
             assert len(hosts) == 2 and all(h.startswith("10.203.") for h in hosts)
             assert list(net.prefix(1))[:3] == ["ip", "netns", "exec"]
-            assert net.describe() == {"network": "wan", "wan": {"rate_mbit": 100, "rtt_ms": 20}}
+            assert net.describe() == {
+                "network": "wan", "wan": {"rate_mbit": 100, "rtt_ms": 20, "tcp_slow_start": True}
+            }
         finally:
             await net.close()
     assert _our_objects(os.getpid()) == []
@@ -482,7 +544,8 @@ def test_bench_sync_wan_small_model_end_to_end(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
-    assert out["network"] == "wan" and out["wan"] == {"rate_mbit": 200.0, "rtt_ms": 10.0}
+    assert out["network"] == "wan"
+    assert out["wan"] == {"rate_mbit": 200.0, "rtt_ms": 10.0, "tcp_slow_start": True}
     for key in ("params", "islands", "versions", "delta_bytes_per_version", "full_bytes_per_version",
                 "delta_sync_p50_s", "delta_sync_p99_s", "full_sync_p50_s", "speedup_p50",
                 "trainer_blocked_s_per_version", "publisher_extra_memory_ratio"):

@@ -34,10 +34,13 @@ def _loopback_port(endpoint: str) -> int:
 class WanNetwork:
     """Islands in network namespaces behind ``rate_mbit`` and ``rtt_ms`` links."""
 
-    def __init__(self, islands: int, rate_mbit: float = 100.0, rtt_ms: float = 40.0) -> None:
+    def __init__(
+        self, islands: int, rate_mbit: float = 100.0, rtt_ms: float = 40.0, slow_start: bool = True
+    ) -> None:
         self.islands = islands
         self.rate_mbit = rate_mbit
         self.rtt_ms = rtt_ms
+        self.slow_start = slow_start
         self.topology: WanTopology | None = None
 
     @staticmethod
@@ -48,7 +51,8 @@ class WanNetwork:
     async def start(self, endpoints: Sequence[str]) -> None:
         ports = [_loopback_port(e) for e in endpoints]
         self.topology = WanTopology(
-            self.islands, ports, rate_mbit=self.rate_mbit, rtt_ms=self.rtt_ms
+            self.islands, ports, rate_mbit=self.rate_mbit, rtt_ms=self.rtt_ms,
+            slow_start=self.slow_start,
         )
         await self.topology.__aenter__()
 
@@ -74,7 +78,10 @@ class WanNetwork:
         return self._relay(index, endpoint)
 
     def describe(self) -> dict[str, Any]:
-        return {"network": "wan", "wan": {"rate_mbit": self.rate_mbit, "rtt_ms": self.rtt_ms}}
+        return {
+            "network": "wan",
+            "wan": {"rate_mbit": self.rate_mbit, "rtt_ms": self.rtt_ms, "tcp_slow_start": self.slow_start},
+        }
 
 
 def skipped_line(exc: WanUnavailable) -> str:

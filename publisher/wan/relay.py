@@ -12,6 +12,9 @@ Invariants:
   serialised to one chunk per delay.
 - Memory is bounded: each direction holds at most ``max_chunks_in_flight`` chunks; a full queue
   stops the reader, which is TCP backpressure towards the sender.
+- With ``slow_start``, each direction also obeys a TCP congestion window over the simulated
+  round trip (``window.SlowStartWindow``): the relay terminates TCP, so the real connections
+  would otherwise never feel the round trip in their ramp-up.
 - Half-close is propagated (EOF in one direction becomes ``write_eof`` on the other); an error in
   either direction aborts both sides.
 - ``close()`` stops listening and ends every live connection, so the relay never outlives its owner.
@@ -25,6 +28,8 @@ import socket
 from collections.abc import Awaitable, Callable
 
 import structlog
+
+from weftboard.publisher.wan.window import SlowStartWindow
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +61,7 @@ class DelayRelay:
         connect_timeout_s: float = 10.0,
         max_chunks_in_flight: int = 256,
         chunk_bytes: int = CHUNK_BYTES,
+        slow_start: bool = False,
     ) -> None:
         if (listen is None) == (listen_sock is None):
             raise ValueError("give exactly one of listen=(host, port) or listen_sock=")
@@ -69,6 +75,7 @@ class DelayRelay:
         self._connect_timeout_s = connect_timeout_s
         self._max_chunks = max_chunks_in_flight
         self._chunk_bytes = chunk_bytes
+        self.slow_start = slow_start and delay_s > 0
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self.bytes_forwarded = 0
@@ -179,6 +186,8 @@ class DelayRelay:
                 if not data:
                     return
 
+        window = SlowStartWindow(2 * self.delay_s) if self.slow_start else None
+
         async def send() -> None:
             while True:
                 release_at, data = await queue.get()
@@ -189,7 +198,16 @@ class DelayRelay:
                     if dst.can_write_eof() and not dst.is_closing():
                         dst.write_eof()
                     return
-                dst.write(data)
+                view = memoryview(data)
+                while view:
+                    n = len(view)
+                    if window is not None:
+                        at, n = window.grant(loop.time(), n)
+                        if n == 0:
+                            await asyncio.sleep(max(0.0, at - loop.time()))
+                            continue
+                    dst.write(view[:n])
+                    view = view[n:]
                 await dst.drain()
                 self.bytes_forwarded += len(data)
 

@@ -5,8 +5,8 @@ cannot starve them of the GIL, which would add delay and cap throughput and so d
 figure measured through the link.
 
 Protocol (stdout lines starting with ``MARKER``; anything else is log output):
-- stdin, first line: the JSON config ``{"delay_s", "target_host", "loopback_forwarders",
-  "islands": [{"namespace", "host_ip", "ports": [...]}]}``;
+- stdin, first line: the JSON config ``{"delay_s", "slow_start", "target_host",
+  "loopback_forwarders", "islands": [{"namespace", "host_ip", "ports": [...]}]}``;
 - stdout: ``MARKER {"relays": [[island, port, host, relay_port], ...]}`` once listening;
 - stdin EOF (the owner closed it, or died): close every relay, print
   ``MARKER {"bytes_forwarded": [per island]}`` and exit. The process never outlives its owner.
@@ -62,7 +62,10 @@ async def serve(config: dict[str, Any]) -> None:
             executor = namespace_executor(island["namespace"])
             executors.append(executor)
             for port in island["ports"]:
-                relay = DelayRelay((target_host, port), delay_s, listen=(island["host_ip"], 0))
+                relay = DelayRelay(
+                    (target_host, port), delay_s, listen=(island["host_ip"], 0),
+                    slow_start=bool(config.get("slow_start", False)),
+                )
                 relays.append((i, port, await relay.start()))
                 if not config.get("loopback_forwarders", True):
                     continue

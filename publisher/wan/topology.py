@@ -6,6 +6,8 @@ For each island ``i`` and each loopback target port ``P`` (the board's gRPC port
     127.0.0.1:P ──forwarder──► veth (tbf) ──► relay on <host veth ip>:Q ──(+delay)──► 127.0.0.1:P
 
 - the relay on the host side adds ``rtt/2`` in each direction and forwards to the loopback target;
+  by default it also applies TCP slow start over the simulated round trip (``window.py``), since
+  the real connections it terminates would otherwise skip it;
 - the veth carries a ``tbf`` limit on both ends, so all island traffic is rate limited;
 - inside the namespace a plain forwarder listens on 127.0.0.1:P, so an island process started
   with ``prefix(i)`` reaches the same addresses as on loopback, unchanged: presigned URLs and
@@ -64,6 +66,7 @@ class WanTopology:
         rtt_ms: float = 40.0,
         target_host: str = "127.0.0.1",
         loopback_forwarders: bool = True,
+        slow_start: bool = True,
     ) -> None:
         if islands < 1:
             raise ValueError(f"islands must be >= 1, got {islands}")
@@ -77,6 +80,7 @@ class WanTopology:
         self.rtt_ms = rtt_ms
         self.target_host = target_host
         self.loopback_forwarders = loopback_forwarders
+        self.slow_start = slow_start
         self.nets: list[IslandNet] = []
         self._relays: dict[tuple[int, int], tuple[str, int]] = {}
         self._proc: subprocess.Popen[str] | None = None
@@ -100,8 +104,8 @@ class WanTopology:
         host, relay_port = self.address(island, port)
         return f"{host}:{relay_port}"
 
-    def describe(self) -> dict[str, float]:
-        return {"rate_mbit": self.rate_mbit, "rtt_ms": self.rtt_ms}
+    def describe(self) -> dict[str, Any]:
+        return {"rate_mbit": self.rate_mbit, "rtt_ms": self.rtt_ms, "tcp_slow_start": self.slow_start}
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -156,6 +160,7 @@ class WanTopology:
     def _start_relays(self) -> None:
         config = {
             "delay_s": self.rtt_ms / 2000.0,
+            "slow_start": self.slow_start,
             "target_host": self.target_host,
             "loopback_forwarders": self.loopback_forwarders,
             "islands": [

@@ -1,0 +1,69 @@
+"""A TCP sender's congestion window over the simulated path, for the delaying relay.
+
+The relay terminates TCP on both sides, so the real connections see a sub-millisecond round
+trip and open their windows at once: without this model a fresh (or idle) transfer over the
+simulated 40 ms link would start at full rate, which no real 40 ms path does. The model is the
+part of Linux TCP that matters for a few-MB transfer across a WAN:
+
+- slow start: ``initial_bytes`` (10 segments, RFC 6928) may leave in the first round trip, and
+  the window doubles after every round trip in which it was used up (a sender that was not
+  window-limited does not grow it, like Linux's ``tcp_is_cwnd_limited``);
+- restart after idle (``tcp_slow_start_after_idle``): each RTO of silence halves the window,
+  down to the initial window; the RTO is ``rtt + 200 ms`` (Linux's minimum RTO term);
+- no losses are modelled; the window stops growing at ``max_bytes`` and the link rate (tbf)
+  limits throughput long before that.
+
+Invariant: ``grant`` never allows more than the current window per round trip, and is pure
+bookkeeping on the times it is given (no clock of its own), so it is tested without sleeping.
+"""
+
+from __future__ import annotations
+
+SEGMENT_BYTES = 1448
+INITIAL_SEGMENTS = 10
+MIN_RTO_S = 0.2
+_EPSILON_S = 1e-6
+
+
+class SlowStartWindow:
+    def __init__(
+        self,
+        rtt_s: float,
+        *,
+        initial_bytes: int = INITIAL_SEGMENTS * SEGMENT_BYTES,
+        max_bytes: int = 16 * 1024 * 1024,
+    ) -> None:
+        if rtt_s <= 0:
+            raise ValueError(f"rtt_s must be > 0, got {rtt_s}")
+        self.rtt_s = rtt_s
+        self.rto_s = rtt_s + MIN_RTO_S
+        self.initial_bytes = initial_bytes
+        self.max_bytes = max_bytes
+        self.cwnd = initial_bytes
+        self._round_start: float | None = None
+        self._used = 0
+        self._last_send: float | None = None
+
+    def grant(self, now: float, wanted: int) -> tuple[float, int]:
+        """``(at, n)``: ``n > 0`` bytes of ``wanted`` may be sent now, or none until ``at``."""
+        if self._last_send is not None and now - self._last_send > self.rto_s:
+            idle = now - self._last_send
+            while idle > self.rto_s and self.cwnd > self.initial_bytes:
+                self.cwnd = max(self.initial_bytes, self.cwnd // 2)
+                idle -= self.rto_s
+            self._round_start, self._used = now, 0
+        if self._round_start is None:
+            self._round_start = now
+        # A tolerance of a microsecond: timers wake a hair early and float sums drift.
+        rounds = int((now - self._round_start + _EPSILON_S) // self.rtt_s)
+        if rounds >= 1:
+            if self._used >= self.cwnd:
+                self.cwnd = min(self.max_bytes, self.cwnd * 2)
+            self._round_start += rounds * self.rtt_s
+            self._used = 0
+        if self._used >= self.cwnd:
+            return self._round_start + self.rtt_s, 0
+        n = min(wanted, self.cwnd - self._used)
+        self._used += n
+        self._last_send = now
+        return now, n
