@@ -421,7 +421,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
 
 def main_cli(params: int, islands: int, versions: int, destination: str, json_out: bool, work_dir: Path | None,
-             wan: bool = False, wan_rate_mbit: float = 100.0, wan_rtt_ms: float = 40.0) -> dict:
+             wan: bool = False, wan_rate_mbit: float = 100.0, wan_rtt_ms: float = 40.0,
+             wan_slow_start: bool = True) -> dict:
     cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir)
     if wan:  # islands in network namespaces behind simulated WAN links (publisher/wan)
         from weftboard.publisher.wan import WanUnavailable
@@ -433,7 +434,7 @@ def main_cli(params: int, islands: int, versions: int, destination: str, json_ou
             print(f"skipping bench sync --wan: {exc}", file=sys.stderr)
             print(skipped_line(exc))
             return {"skipped": str(exc)}
-        cfg.network = WanNetwork(islands, wan_rate_mbit, wan_rtt_ms)
+        cfg.network = WanNetwork(islands, wan_rate_mbit, wan_rtt_ms, wan_slow_start)
     result = asyncio.run(run_bench(cfg))
     if not json_out:
         for k, v in result.items():

@@ -20,10 +20,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         wan: bool = typer.Option(False, "--wan", help="Islands in network namespaces behind simulated WAN links (root + iproute2; skipped otherwise)."),
         wan_rate_mbit: float = typer.Option(100.0, help="--wan: link rate per island, each direction (tbf)."),
         wan_rtt_ms: float = typer.Option(40.0, help="--wan: round-trip time per island (delaying relay)."),
+        wan_slow_start: bool = typer.Option(True, "--wan-slow-start/--wan-no-slow-start",
+                                            help="--wan: TCP slow start over the simulated round trip (restarts after idle)."),
     ) -> None:
         """Publish-to-applied on every island for patches vs full checkpoints; last line JSON."""
         from weftboard.board.logs import configure
         from weftboard.publisher.bench_sync import main_cli
 
         configure(json=True, level="WARNING")
-        main_cli(params, islands, versions, destination, json_out, work_dir, wan, wan_rate_mbit, wan_rtt_ms)
+        main_cli(params, islands, versions, destination, json_out, work_dir,
+                 wan=wan, wan_rate_mbit=wan_rate_mbit, wan_rtt_ms=wan_rtt_ms, wan_slow_start=wan_slow_start)
