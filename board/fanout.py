@@ -103,15 +103,12 @@ class FanOut:
             feed.task.cancel()
             self._feeds.pop(run, None)
 
-    async def close(self) -> None:
+    def cancel_all(self) -> list[asyncio.Task]:
+        """Cancel every feed; returns their tasks. A feed blocked in XREAD may only notice
+        once its connection is closed, so the caller closes the store before awaiting them."""
         feeds = list(self._feeds.values())
         self._feeds.clear()
-        for feed in feeds:
-            if feed.task is not None:
-                feed.task.cancel()
-        for feed in feeds:
-            if feed.task is not None:
-                try:
-                    await feed.task
-                except (asyncio.CancelledError, Exception):
-                    pass
+        tasks = [f.task for f in feeds if f.task is not None]
+        for task in tasks:
+            task.cancel()
+        return tasks

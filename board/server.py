@@ -86,14 +86,12 @@ class RunningBoard:
         await self.health.enter_graceful_shutdown()
         for task in self._tasks:
             task.cancel()
-        await self.fanout.close()
+        feeds = self.fanout.cancel_all()
         await self.server.stop(grace)
-        for task in self._tasks:
-            try:
-                await task
-            except (asyncio.CancelledError, Exception):
-                pass
-        await self.store.close()
+        await self.store.close()  # closes the sockets a cancelled XREAD may still wait on
+        pending = [t for t in (*self._tasks, *feeds) if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=5)
         await asyncio.to_thread(self.metrics.stop)
         log.info("board stopped", address=self.address)
 
@@ -153,6 +151,7 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
             ("grpc.max_concurrent_streams", 100_000),
+            ("grpc.so_reuseport", 0),  # a second board on a busy port must fail, not share it
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ]

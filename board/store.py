@@ -42,6 +42,7 @@ from weftboard.proto.errors import AlreadyExists, NotFound, Unavailable
 from weftboard.proto.v1 import board_pb2 as pb
 
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+BLOCKING_LIMIT_S = 60.0  # longest BLOCK any caller may ask for
 
 
 def now_ms() -> int:
@@ -184,9 +185,13 @@ class RedisStore:
             max_connections=max_connections,
             decode_responses=False,
         )
-        # No socket timeout: blocking commands carry their own BLOCK timeout.
+        # Blocking commands wait up to their BLOCK time (at most BLOCKING_LIMIT_S) before answering.
         self.blocking = aioredis.Redis.from_url(
-            url, socket_connect_timeout=socket_timeout_s, max_connections=max_connections, decode_responses=False
+            url,
+            socket_timeout=BLOCKING_LIMIT_S + socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            max_connections=max_connections,
+            decode_responses=False,
         )
         self._commit = self.redis.register_script(COMMIT_LUA)
         self._advance = self.redis.register_script(ADVANCE_OLDEST_LUA)

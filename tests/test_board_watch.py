@@ -1,0 +1,130 @@
+"""Watch: history then live, progress on idle streams, resume after disconnects and board restarts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from boardkit import make_run, publish
+from weftboard.board.client import BoardClient
+from weftboard.proto import errors
+from weftboard.proto.v1 import board_pb2 as pb
+
+
+async def collect(iterator, n: int, timeout: float = 10.0) -> list[pb.WatchEvent]:
+    out: list[pb.WatchEvent] = []
+
+    async def run():
+        async for event in iterator:
+            out.append(event)
+            if len(out) >= n:
+                return
+
+    await asyncio.wait_for(run(), timeout)
+    return out
+
+
+def versions(events) -> list[int]:
+    return [e.version.version for e in events if e.WhichOneof("event") == "version"]
+
+
+async def test_history_then_live_then_progress(board, local_store):
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run("r"))
+        await publish(client, local_store, "r", [1, 2, 3])
+        stream = client.watch("r", after_version=1, progress_interval_ms=200).__aiter__()
+        first = await collect(stream, 2)
+        assert versions(first) == [2, 3]
+        await publish(client, local_store, "r", [4, 5])
+        live = await collect(stream, 2)
+        assert versions(live) == [4, 5]
+        assert live[0].version.committed_at_ms > 0
+        idle = await collect(stream, 1, timeout=3)
+        assert idle[0].WhichOneof("event") == "progress"
+        assert idle[0].progress.head == 5 and idle[0].progress.server_time_ms > 0
+        await stream.aclose()
+
+
+async def test_after_zero_streams_from_oldest(board, local_store):
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run("r"))
+        await publish(client, local_store, "r", [1, 2])
+        stream = client.watch("r").__aiter__()
+        assert versions(await collect(stream, 2)) == [1, 2]
+        await stream.aclose()
+
+
+async def test_resume_after_client_disconnect(board, local_store):
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run("r"))
+        await publish(client, local_store, "r", [1, 2])
+        stream = client.watch("r").__aiter__()
+        got = versions(await collect(stream, 2))
+        await stream.aclose()  # disconnect
+        await publish(client, local_store, "r", [3, 4, 5])
+    async with BoardClient(board.address, board.admin_token) as client:
+        stream = client.watch("r", after_version=got[-1]).__aiter__()
+        got += versions(await collect(stream, 3))
+        await stream.aclose()
+    assert got == [1, 2, 3, 4, 5]
+
+
+async def test_resume_across_board_restart(board, local_store):
+    """The client's watch iterator survives a stop/start of the board on the same Redis."""
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run("r"))
+        await publish(client, local_store, "r", [1, 2])
+        stream = client.watch("r", progress_interval_ms=200).__aiter__()
+        got = versions(await collect(stream, 2))
+        await board.stop()
+
+        async def publish_after_restart():
+            await asyncio.sleep(0.3)
+            board.handle = await board._restart()  # same port, same Redis, same blobs
+            board._stopped = False
+            async with BoardClient(board.address, board.admin_token) as other:
+                await other.wait_ready()  # the process-wide subchannel may still be in backoff
+                await publish(other, local_store, "r", [3, 4])
+
+        task = asyncio.create_task(publish_after_restart())
+        events = []
+        while versions(events) != [3, 4]:
+            events += await collect(stream, 1, timeout=15)
+            assert len(events) < 200
+            if task.done():
+                task.result()  # surface a failed publish
+        await task
+        got += versions(events)
+        await stream.aclose()
+    assert got == [1, 2, 3, 4]
+
+
+async def test_many_watchers_each_get_every_commit_once(board, local_store):
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run("r"))
+        await publish(client, local_store, "r", [1])
+        streams = [client.watch("r", after_version=1).__aiter__() for _ in range(50)]
+        tasks = [asyncio.create_task(collect(s, 3)) for s in streams]
+        await asyncio.sleep(0.5)  # let every stream open
+        await publish(client, local_store, "r", [2, 3, 4])
+        results = await asyncio.gather(*tasks)
+        assert all(versions(r) == [2, 3, 4] for r in results)
+        assert board.handle.fanout._feeds["r"].queues  # one shared feed served them all
+        assert len(board.handle.fanout._feeds) == 1
+        for s in streams:
+            await s.aclose()
+
+
+async def test_watch_errors(board, local_store):
+    async with BoardClient(board.address, board.admin_token) as client:
+        with pytest.raises(errors.NotFound):
+            await collect(client.watch("missing"), 1)
+        await client.create_run(make_run("r"))
+        await publish(client, local_store, "r", [1])
+        with pytest.raises(errors.InvalidArgument, match="progress_interval_ms"):
+            await collect(client.watch("r", progress_interval_ms=50), 1)
+        with pytest.raises(errors.OutOfRange, match="beyond the head"):
+            await collect(client.watch("r", after_version=7), 1)
+        with pytest.raises(errors.InvalidArgument, match="run"):
+            await collect(client.watch("bad run"), 1)
