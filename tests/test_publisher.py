@@ -245,3 +245,30 @@ async def test_attached_optimizer_reads_in_background_bitwise(board, local_store
     assert all(h.blocked_s >= 0 for h in handles)
     async with BoardClient(board.address, board.admin_token) as client:
         await _follow_each(client, "att", local_store, tmp_path, views)
+
+
+async def test_fp8_served_format_with_fixed_scales(board, local_store, tmp_path: Path) -> None:
+    """An fp8 run: the islands' bits equal an independent projection with the same anchors."""
+    from weftboard.cuda.formats import Projector, ServedFormatSpec, is_scale_tensor
+
+    spec = ServedFormatSpec("fp8_e4m3", scale_granularity="block128", scale_policy="fixed")
+    trainer = Trainer(lr=1e-4, d=128, hidden=256)
+    reference = Projector(spec)
+    views: dict[int, dict] = {}
+
+    def train() -> None:
+        with Publisher(board.address, "f8", token=board.admin_token, blob_store=local_store, served_format=spec,
+                       anchor_every=3, anchor_patch_fraction=100.0) as pub:
+            for _ in range(4):
+                trainer.step()
+                h = pub.publish(trainer.model, step=trainer.step_no)
+                state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+                views[h.version] = reference.project(state, anchor=h.version in (1, 4))
+            pub.flush()
+
+    await asyncio.to_thread(train)
+    async with BoardClient(board.address, board.admin_token) as client:
+        run = await client.get_run("f8")
+        assert any(t.dtype == "float8_e4m3fn" for t in run.layout.tensors)
+        assert any(is_scale_tensor(t.name) for t in run.layout.tensors)
+        await _follow_each(client, "f8", local_store, tmp_path, views)
