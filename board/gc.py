@@ -79,9 +79,15 @@ def plan_gc(
         keep_patch = v > new_oldest
         keep_anchor = v >= new_oldest
         for key, size in blobs.patch:
-            (kept.add(key) if keep_patch else dropped.__setitem__(key, size))
+            if keep_patch:
+                kept.add(key)
+            elif v > oldest_available:  # the oldest's own patch went when it became the oldest
+                dropped[key] = size
         for key, size in blobs.anchor:
-            (kept.add(key) if keep_anchor else dropped.__setitem__(key, size))
+            if keep_anchor:
+                kept.add(key)
+            else:
+                dropped[key] = size
     delete = tuple(sorted((k, s) for k, s in dropped.items() if k not in kept))
     return GcPlan(new_oldest, delete)
 

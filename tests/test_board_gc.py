@@ -1,0 +1,158 @@
+"""Retention: the pure GC planner (properties against brute force) and CollectGarbage end to end."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from boardkit import make_run, publish
+from weftboard.board.client import BoardClient
+from weftboard.board.gc import VersionBlobs, plan_gc
+from weftboard.proto import errors
+from weftboard.proto.domain import VersionArtifacts, plan_catch_up
+from weftboard.proto.v1 import board_pb2 as pb
+
+
+def history(anchor_every: set[int], head: int) -> dict[int, VersionBlobs]:
+    out = {}
+    for v in range(1, head + 1):
+        patch = ((f"p{v}", 10),) if v > 1 else ()
+        anchor = ((f"a{v}", 100),) if v == 1 or v in anchor_every else ()
+        out[v] = VersionBlobs(v, patch, anchor)
+    return out
+
+
+def reachable(versions, deleted: set[str], v: int, oldest: int, head: int) -> bool:
+    """Whether version v can be reached from some retained anchor with retained patches."""
+    arts = {
+        n: VersionArtifacts(
+            n,
+            None if not b.patch or any(k in deleted for k, _ in b.patch) else sum(s for _, s in b.patch),
+            None if not b.anchor or any(k in deleted for k, _ in b.anchor) else sum(s for _, s in b.anchor),
+        )
+        for n, b in versions.items()
+    }
+    try:
+        plan_catch_up(0, v, head, oldest, arts)
+        return True
+    except errors.FailedPrecondition:
+        return False
+
+
+def test_plan_keeps_newest_versions_and_anchors():
+    versions = history({5, 10, 15}, 20)
+    plan = plan_gc(versions, 20, 1, [], keep_anchors=2, keep_versions=4)
+    deleted = {k for k, _ in plan.delete}
+    # newest 4 versions: 17..20 -> floor 17; newest 2 anchors: 10, 15 -> floor 10 -> oldest 10
+    assert plan.oldest_available == 10
+    assert deleted == {"a1", "a5"} | {f"p{v}" for v in range(2, 11)}
+    assert plan.freed_bytes == 200 + 9 * 10
+
+
+def test_plan_never_drops_a_live_islands_chain():
+    versions = history({5, 10, 15}, 20)
+    plan = plan_gc(versions, 20, 1, [7], keep_anchors=1, keep_versions=1)
+    assert plan.oldest_available == 5  # newest anchor at or below the island's version 7
+    deleted = {k for k, _ in plan.delete}
+    assert not any(f"p{v}" in deleted for v in range(8, 21))
+
+
+def test_plan_is_monotonic_and_shared_keys_survive():
+    versions = history({5}, 8)
+    versions[7] = VersionBlobs(7, (("shared", 10),), ())
+    versions[3] = VersionBlobs(3, (("shared", 10),), ())
+    plan = plan_gc(versions, 8, 6, [], keep_anchors=1, keep_versions=1)
+    assert plan.oldest_available == 6  # never moves back below the current oldest
+    assert "shared" not in {k for k, _ in plan.delete}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    head=st.integers(1, 30),
+    anchors=st.sets(st.integers(2, 30), max_size=6),
+    islands=st.lists(st.integers(0, 30), max_size=4),
+    keep_anchors=st.integers(1, 4),
+    keep_versions=st.integers(1, 10),
+    oldest_seed=st.integers(0, 30),
+)
+def test_plan_properties(head, anchors, islands, keep_anchors, keep_versions, oldest_seed):
+    versions = history(anchors, head)
+    all_anchors = sorted({1} | {a for a in anchors if a <= head})
+    oldest = max(a for a in all_anchors if a <= max(1, min(oldest_seed, head)))
+    plan = plan_gc(versions, head, oldest, islands, keep_anchors, keep_versions)
+    deleted = {k for k, _ in plan.delete}
+    assert oldest <= plan.oldest_available <= head
+    for v in range(plan.oldest_available, head + 1):
+        assert reachable(versions, deleted, v, plan.oldest_available, head), v
+    for v in range(max(head - keep_versions + 1, oldest), head + 1):
+        assert v >= plan.oldest_available
+    for a in all_anchors[-keep_anchors:]:
+        assert f"a{a}" not in deleted or a < oldest
+    for u in islands:
+        if oldest <= u <= head:  # an island below the current oldest lost its chain earlier
+            assert all(f"p{v}" not in deleted for v in range(u + 1, head + 1))
+    # nothing below the current oldest is deleted again, and deletions are real keys
+    assert all(int(k[1:]) >= oldest for k in deleted)
+
+
+async def test_collect_garbage_end_to_end(board, local_store):
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run("g", keep_anchors=1, keep_versions=2))
+        await publish(client, local_store, "g", range(1, 5))
+        await publish(client, local_store, "g", [5], anchor=True)
+        await publish(client, local_store, "g", range(6, 9))
+        before = set(await local_store.list_keys("g/"))
+        dry = await client.collect_garbage("g", dry_run=True)
+        assert dry.oldest_available == 5 and dry.deleted_keys
+        assert set(await local_store.list_keys("g/")) == before  # dry run deletes nothing
+        assert (await client.get_head("g")).oldest_available == 1
+        done = await client.collect_garbage("g")
+        assert done.deleted_keys == dry.deleted_keys and done.freed_bytes == dry.freed_bytes > 0
+        after = set(await local_store.list_keys("g/"))
+        assert after == before - set(done.deleted_keys)
+        head = await client.get_head("g")
+        assert (head.version, head.oldest_available) == (8, 5)
+        # below retained history: precise errors naming the oldest available version
+        with pytest.raises(errors.OutOfRange, match="oldest available version is 5"):
+            await client.get_version("g", 3)
+        with pytest.raises(errors.OutOfRange, match="oldest available version is 5"):
+            async for _ in client.watch("g", after_version=2):
+                pass
+        with pytest.raises(errors.OutOfRange, match="garbage collected"):
+            await client.plan_catch_up("g", want_version=4)
+        with pytest.raises(errors.OutOfRange):
+            await client.list_versions("g", from_version=2)
+        # watch from 4 (= oldest - 1) and from 0 still work and start at the oldest
+        events = []
+        async for event in client.watch("g", after_version=0):
+            events.append(event.version.version)
+            if len(events) == 4:
+                break
+        assert events == [5, 6, 7, 8]
+        plan = await client.plan_catch_up("g", have_version=0)
+        assert [s.to_version for s in plan.steps] == [5, 6, 7, 8]
+        again = await client.collect_garbage("g")
+        assert list(again.deleted_keys) == [] and again.oldest_available == 5
+
+
+async def test_gc_spares_live_island(board, local_store):
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run("g", keep_anchors=1, keep_versions=1))
+        await publish(client, local_store, "g", range(1, 4))
+        await publish(client, local_store, "g", [4], anchor=True)
+        await publish(client, local_store, "g", range(5, 7))
+        await client.heartbeat(pb.IslandStatus(island_id="slow", run="g", version=2, state=pb.ISLAND_STATE_READY), lease_s=60)
+        done = await client.collect_garbage("g")
+        assert done.oldest_available == 1 and list(done.deleted_keys) == []
+        plan = await client.plan_catch_up("g", have_version=2)
+        assert [s.from_version for s in plan.steps] == [2, 3, 4, 5]
+        # the island's lease runs out: now its chain may go
+        await client.heartbeat(pb.IslandStatus(island_id="slow", run="g", version=2, state=pb.ISLAND_STATE_READY), lease_s=1)
+        await asyncio.sleep(1.1)
+        done = await client.collect_garbage("g")
+        assert done.oldest_available == 4
+        with pytest.raises(errors.NotFound):
+            await client.collect_garbage("missing")
