@@ -1,0 +1,538 @@
+"""Board commands of the ``weftboard`` CLI: serve, history, status, token, gc, bench board.
+
+``serve`` runs one board process. With no Redis URL it starts the embedded default (a
+bundled ``redis-server`` with an append-only file under the data dir) and with no S3
+endpoint a local-directory blob store (or SeaweedFS with ``--embedded-s3``); it prints
+everything it started and stops it all on SIGINT/SIGTERM, board first.
+
+The other commands are clients: ``--board`` and ``--token`` (``WEFTBOARD_BOARD``,
+``WEFTBOARD_TOKEN``). Without a token they use the admin token that an embedded board
+stored in the data dir, so the quick start needs no copy-and-paste.
+
+Errors from the board print as one line naming the gRPC status and exit with code 1.
+Heavy imports (grpc, the server) happen inside command bodies so ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from datetime import datetime, timezone
+from enum import Enum
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_data_dir
+
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
+
+BOARD_OPTION = typer.Option(DEFAULT_LISTEN, "--board", envvar="WEFTBOARD_BOARD", help="Board address host:port.")
+TOKEN_OPTION = typer.Option(
+    None, "--token", envvar="WEFTBOARD_TOKEN",
+    help="Bearer token. Default: the admin token an embedded board stored in the data dir.",
+)
+TLS_CA_OPTION = typer.Option(None, "--tls-ca", envvar="WEFTBOARD_TLS_CA", help="CA certificate of a TLS board.")
+TLS_CERT_OPTION = typer.Option(None, "--tls-cert", envvar="WEFTBOARD_TLS_CLIENT_CERT", help="Client certificate (mutual TLS).")
+TLS_KEY_OPTION = typer.Option(None, "--tls-key", envvar="WEFTBOARD_TLS_CLIENT_KEY", help="Client key (mutual TLS).")
+
+
+class RoleName(str, Enum):
+    publisher = "publisher"
+    island = "island"
+    reader = "reader"
+    admin = "admin"
+
+
+# ---------------------------------------------------------------------------
+# Formatting helpers
+# ---------------------------------------------------------------------------
+
+
+def human_bytes(n: int) -> str:
+    if n <= 0:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def when(ms: int) -> str:
+    if ms <= 0:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def ago(ms: int, now_ms: int | None = None) -> str:
+    if ms <= 0:
+        return "-"
+    now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
+    seconds = (now_ms - ms) / 1000
+    if seconds < 0:
+        return f"in {-seconds:.0f}s"
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def version_row(record: Any) -> list[str]:
+    """One history table row: version, step, parent, artifacts, bytes, density, committed."""
+    from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
+
+    kinds = []
+    patch_bytes = record.stats.patch_bytes
+    anchor_bytes = record.stats.anchor_bytes
+    for artifact in record.artifacts:
+        size = sum(b.size for b in artifact.blobs)
+        if artifact.kind == pb.ARTIFACT_KIND_PATCH:
+            kinds.append("patch")
+            patch_bytes = patch_bytes or size
+        elif artifact.kind == pb.ARTIFACT_KIND_ANCHOR:
+            kinds.append(f"anchor({len(artifact.blobs)})" if len(artifact.blobs) > 1 else "anchor")
+            anchor_bytes = anchor_bytes or size
+    stats = record.stats
+    density = f"{stats.density * 100:.3f}%" if stats.total_elements else "-"
+    return [
+        str(record.version),
+        str(record.step),
+        str(record.parent) if record.parent else "-",
+        "+".join(kinds) or "-",
+        human_bytes(patch_bytes),
+        human_bytes(anchor_bytes),
+        density,
+        f"{stats.changed_elements:,}" if stats.total_elements else "-",
+        when(record.committed_at_ms),
+    ]
+
+
+def history_table(run: str, records: list[Any]) -> Table:
+    table = Table(title=f"history of {run}", title_justify="left")
+    for name, justify in (
+        ("version", "right"), ("step", "right"), ("parent", "right"), ("artifacts", "left"),
+        ("patch", "right"), ("anchor", "right"), ("density", "right"), ("changed", "right"),
+        ("committed (UTC)", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for record in records:
+        table.add_row(*version_row(record))
+    return table
+
+
+def islands_table(run: str, response: Any, now_ms: int | None = None) -> Table:
+    from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
+
+    table = Table(title=f"fleet of {run} (head {response.head})", title_justify="left")
+    for name, justify in (
+        ("island", "left"), ("region", "left"), ("version", "right"), ("lag", "right"), ("state", "left"),
+        ("capacity", "right"), ("last seen", "right"), ("lease", "right"), ("message", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for info in sorted(response.islands, key=lambda i: (-i.lag, i.status.island_id)):
+        s = info.status
+        state = pb.IslandState.Name(s.state).removeprefix("ISLAND_STATE_").lower()
+        style = {"ready": "green", "expired": "dim", "error": "red"}.get(state, "yellow")
+        table.add_row(
+            s.island_id, s.region or "-", str(s.version) if s.version else "-", str(info.lag),
+            f"[{style}]{state}[/{style}]", str(s.capacity), ago(info.last_seen_ms, now_ms),
+            ago(info.lease_expires_at_ms, now_ms), s.message or "",
+        )
+    return table
+
+
+def runs_table(runs: list[Any]) -> Table:
+    from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
+
+    table = Table(title="runs", title_justify="left")
+    for name, justify in (
+        ("run", "left"), ("kind", "left"), ("format", "left"), ("tensors", "right"), ("head", "right"),
+        ("oldest", "right"), ("created (UTC)", "left"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for run in runs:
+        table.add_row(
+            run.run,
+            pb.RunKind.Name(run.kind).removeprefix("RUN_KIND_").lower(),
+            pb.FormatKind.Name(run.served_format.kind).removeprefix("FORMAT_KIND_").lower(),
+            str(len(run.layout.tensors)),
+            str(run.head),
+            str(run.oldest_available or "-"),
+            when(run.created_at_ms),
+        )
+    return table
+
+
+# ---------------------------------------------------------------------------
+# Client plumbing
+# ---------------------------------------------------------------------------
+
+
+def resolve_token(token: str | None) -> str | None:
+    """An explicit token, else the embedded board's admin token from the data dir."""
+    if token:
+        return token
+    path = default_data_dir() / ADMIN_TOKEN_FILE
+    if path.is_file():
+        try:
+            return path.read_text().strip() or None
+        except OSError:
+            return None
+    return None
+
+
+def run_client(
+    board: str,
+    token: str | None,
+    body: Callable[[Any], Awaitable[int | None]],
+    tls_ca: Path | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+) -> None:
+    """Open a BoardClient, run ``body(client)``, map weftboard errors to exit code 1."""
+    from weftboard.board.client import BoardClient, TlsConfig  # noqa: PLC0415
+    from weftboard.proto.errors import WeftboardError  # noqa: PLC0415
+
+    tls = TlsConfig.from_files(tls_ca, tls_cert, tls_key) if (tls_ca or tls_cert) else None
+
+    async def main() -> int | None:
+        async with BoardClient(board, resolve_token(token), tls=tls) as client:
+            return await body(client)
+
+    try:
+        code = asyncio.run(main())
+    except WeftboardError as exc:
+        err.print(f"[red]error[/red] ({exc.grpc_code_name}) from board {board}: {exc}", markup=True, highlight=False)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code or 0)
+
+
+# ---------------------------------------------------------------------------
+# serve
+# ---------------------------------------------------------------------------
+
+
+async def serve_async(settings: Any, *, ready: Callable[[dict[str, Any]], None] | None = None,
+                      stop_event: asyncio.Event | None = None) -> None:
+    """Start what the settings ask for, serve until a signal (or ``stop_event``), stop all."""
+    from weftboard.board import services  # noqa: PLC0415
+    from weftboard.board.config import (  # noqa: PLC0415
+        external_blob_store,
+        load_or_create_admin_token,
+        load_or_create_s3_credentials,
+        local_blob_store,
+    )
+    from weftboard.board.blobs import S3BlobStore  # noqa: PLC0415
+    from weftboard.board.server import BoardConfig, start_board  # noqa: PLC0415
+
+    started: list[services.ManagedProcess] = []
+    lines: list[tuple[str, str]] = []
+    info: dict[str, Any] = {}
+    data_dir = Path(settings.data_dir).expanduser().resolve()
+    blobs = None
+    board = None
+    try:
+        redis_url = settings.redis_url
+        if redis_url is None:
+            redis = await asyncio.to_thread(services.start_redis, data_dir / "redis", persistent=True)
+            started.append(redis)
+            redis_url = redis.url
+            lines.append(("redis", f"embedded redis-server at {redis.url} (append-only file in {redis.dir}, log {redis.log_path})"))
+        else:
+            lines.append(("redis", redis_url.split("@")[-1]))
+        info["redis_url"] = redis_url
+
+        blobs = external_blob_store(settings)
+        if blobs is not None:
+            lines.append(("blobs", blobs.describe()))
+        elif settings.embedded_s3:
+            weed_dir = data_dir / "seaweedfs"
+            access, secret = load_or_create_s3_credentials(weed_dir)
+            weed = await asyncio.to_thread(
+                services.start_seaweedfs, weed_dir, access_key=access, secret_key=secret, bucket=settings.s3_bucket
+            )
+            started.append(weed)
+            blobs = S3BlobStore(weed.endpoint, access, secret, settings.s3_bucket, region="us-east-1")
+            lines.append(("blobs", f"embedded SeaweedFS S3 at {weed.url}, bucket {settings.s3_bucket!r} "
+                                   f"(credentials in {weed_dir / 'credentials.json'}, log {weed.log_path})"))
+            info["s3_endpoint"] = weed.url
+        else:
+            blobs = local_blob_store(settings)
+            lines.append(("blobs", f"local directory {blobs.describe()} (islands must share this filesystem; "
+                                   "use --s3-endpoint or --embedded-s3 for remote islands)"))
+        info["blobs"] = blobs.describe()
+
+        admin_token = settings.secret("admin_token")
+        token_note = "given by --admin-token / WEFTBOARD_ADMIN_TOKEN"
+        if settings.auth and not admin_token:
+            admin_token, token_path, created = load_or_create_admin_token(data_dir)
+            token_note = f"{'generated and stored' if created else 'read from'} {token_path}"
+        config = BoardConfig(
+            listen=settings.listen,
+            redis_url=redis_url,
+            admin_token=admin_token if settings.auth else None,
+            auth=settings.auth,
+            metrics_port=settings.metrics_port,
+            metrics_host=settings.metrics_host,
+            tls_cert=settings.tls_cert,
+            tls_key=settings.tls_key,
+            tls_client_ca=settings.tls_client_ca,
+            watch_progress_s=settings.watch_progress_s,
+        )
+        board = await start_board(config, blobs=blobs)
+        info.update(address=board.address, metrics_port=board.metrics_port, admin_token=admin_token)
+        lines.insert(0, ("board", f"listening on {board.address}" + (" (TLS)" if settings.tls_cert else "")))
+        if board.metrics_port is not None:
+            lines.append(("metrics", f"http://{settings.metrics_host}:{board.metrics_port}/metrics"))
+        if settings.auth:
+            lines.append(("admin token", f"{admin_token}  ({token_note})"))
+        else:
+            lines.append(("auth", "OFF: every caller is admin (--no-auth)"))
+        lines.append(("data dir", str(data_dir)))
+        _print_banner(lines)
+        if ready is not None:
+            ready(info)
+
+        stop = stop_event or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread
+                pass
+        await stop.wait()
+        out.print("stopping ...")
+    finally:
+        if board is not None:
+            await board.stop()
+        if blobs is not None:
+            await blobs.close()
+        for proc in reversed(started):
+            await asyncio.to_thread(proc.stop)
+    out.print("stopped")
+
+
+def _print_banner(lines: list[tuple[str, str]]) -> None:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in lines:
+        table.add_row(key, value)
+    out.print("[bold]weftboard board is serving[/bold] (Ctrl-C to stop)")
+    out.print(table)
+    sys.stdout.flush()
+
+
+def serve(
+    listen: Optional[str] = typer.Option(None, help=f"host:port to bind (env WEFTBOARD_LISTEN; default {DEFAULT_LISTEN})"),
+    redis_url: Optional[str] = typer.Option(None, help="Redis URL (env WEFTBOARD_REDIS_URL); unset starts an embedded redis-server"),
+    s3_endpoint: Optional[str] = typer.Option(None, help="S3 endpoint host:port or URL (env WEFTBOARD_S3_ENDPOINT)"),
+    s3_access_key: Optional[str] = typer.Option(None, help="(env WEFTBOARD_S3_ACCESS_KEY)"),
+    s3_secret_key: Optional[str] = typer.Option(None, help="(env WEFTBOARD_S3_SECRET_KEY)"),
+    s3_bucket: Optional[str] = typer.Option(None, help="(env WEFTBOARD_S3_BUCKET; default weftboard)"),
+    s3_secure: Optional[bool] = typer.Option(None, "--s3-secure/--s3-insecure", help="HTTPS to S3 (env WEFTBOARD_S3_SECURE)"),
+    s3_region: Optional[str] = typer.Option(None, help="(env WEFTBOARD_S3_REGION)"),
+    s3_prefix: Optional[str] = typer.Option(None, help="key prefix inside the bucket (env WEFTBOARD_S3_PREFIX)"),
+    embedded_s3: Optional[bool] = typer.Option(None, "--embedded-s3/--no-embedded-s3",
+                                               help="start a local SeaweedFS S3 server (env WEFTBOARD_EMBEDDED_S3)"),
+    blob_dir: Optional[Path] = typer.Option(None, help="local blob store root (env WEFTBOARD_BLOB_DIR)"),
+    data_dir: Optional[Path] = typer.Option(None, help="embedded Redis/S3 data and admin token (env WEFTBOARD_DATA_DIR)"),
+    admin_token: Optional[str] = typer.Option(None, help="admin token (env WEFTBOARD_ADMIN_TOKEN); unset: generated and stored in the data dir"),
+    auth: Optional[bool] = typer.Option(None, "--auth/--no-auth", help="bearer-token auth (env WEFTBOARD_AUTH; default on)"),
+    metrics_port: Optional[int] = typer.Option(None, help="Prometheus port, 0 picks one (env WEFTBOARD_METRICS_PORT)"),
+    metrics_host: Optional[str] = typer.Option(None, help="(env WEFTBOARD_METRICS_HOST; default 127.0.0.1)"),
+    tls_cert: Optional[Path] = typer.Option(None, help="server certificate (env WEFTBOARD_TLS_CERT)"),
+    tls_key: Optional[Path] = typer.Option(None, help="server key (env WEFTBOARD_TLS_KEY)"),
+    tls_client_ca: Optional[Path] = typer.Option(None, help="CA for client certs: mutual TLS (env WEFTBOARD_TLS_CLIENT_CA)"),
+    log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console", help="(env WEFTBOARD_LOG_JSON)"),
+    log_level: Optional[str] = typer.Option(None, help="(env WEFTBOARD_LOG_LEVEL; default INFO)"),
+) -> None:
+    """Run a board. With no Redis or S3 given it starts the embedded default and says so."""
+    flags = {k: v for k, v in locals().items() if v is not None}  # flags win over WEFTBOARD_* env
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    from weftboard.board.config import BoardSettings  # noqa: PLC0415
+    from weftboard.board.logs import configure  # noqa: PLC0415
+    from weftboard.proto.errors import WeftboardError  # noqa: PLC0415
+
+    try:
+        settings = BoardSettings(**flags)
+    except ValidationError as exc:
+        for e in exc.errors():
+            err.print(f"[red]invalid setting[/red] {'.'.join(map(str, e['loc']))}: {e['msg']}")
+        raise typer.Exit(2) from None
+    configure(json=settings.log_json, level=settings.log_level)
+    try:
+        asyncio.run(serve_async(settings))
+    except WeftboardError as exc:
+        err.print(f"[red]cannot serve[/red] ({exc.grpc_code_name}): {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        pass
+
+
+# ---------------------------------------------------------------------------
+# client commands
+# ---------------------------------------------------------------------------
+
+
+def history(
+    run: str = typer.Argument(..., help="Run name."),
+    from_version: int = typer.Option(0, "--from", help="First version (0: oldest available)."),
+    to_version: int = typer.Option(0, "--to", help="Last version (0: head)."),
+    last: int = typer.Option(0, help="Only the newest N versions."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per version instead of a table."),
+    board: str = BOARD_OPTION,
+    token: Optional[str] = TOKEN_OPTION,
+    tls_ca: Optional[Path] = TLS_CA_OPTION,
+    tls_cert: Optional[Path] = TLS_CERT_OPTION,
+    tls_key: Optional[Path] = TLS_KEY_OPTION,
+) -> None:
+    """The versions of a run: step, parent, artifacts, patch/anchor bytes, density."""
+
+    async def body(client: Any) -> None:
+        start = from_version
+        if last and not from_version:
+            head = await client.get_head(run)
+            start = max(1, head.version - last + 1, head.oldest_available)
+        records = [r async for r in client.iter_versions(run, start, to_version)]
+        if as_json:
+            from google.protobuf.json_format import MessageToDict  # noqa: PLC0415
+
+            for record in records:
+                print(json.dumps(MessageToDict(record, preserving_proto_field_name=True)))
+            return
+        out.print(history_table(run, records))
+        if not records:
+            out.print("(no versions in that range)")
+
+    run_client(board, token, body, tls_ca, tls_cert, tls_key)
+
+
+def status(
+    run: Optional[str] = typer.Argument(None, help="Run name; without it, every run's head."),
+    board: str = BOARD_OPTION,
+    token: Optional[str] = TOKEN_OPTION,
+    tls_ca: Optional[Path] = TLS_CA_OPTION,
+    tls_cert: Optional[Path] = TLS_CERT_OPTION,
+    tls_key: Optional[Path] = TLS_KEY_OPTION,
+) -> None:
+    """Head and fleet: each island's version, lag behind the head, state and lease."""
+
+    async def body(client: Any) -> None:
+        if run is None:
+            out.print(runs_table(await client.all_runs()))
+            return
+        head = await client.get_head(run)
+        out.print(
+            f"[bold]{run}[/bold]: head {head.version} (committed {when(head.committed_at_ms)} UTC), "
+            f"oldest available {head.oldest_available or '-'}"
+        )
+        out.print(islands_table(run, await client.list_islands(run)))
+
+    run_client(board, token, body, tls_ca, tls_cert, tls_key)
+
+
+def gc(
+    run: str = typer.Argument(..., help="Run name."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only show what would be deleted."),
+    keep_anchors: int = typer.Option(0, help="Newest anchors to keep (0: the run's retention policy)."),
+    board: str = BOARD_OPTION,
+    token: Optional[str] = TOKEN_OPTION,
+    tls_ca: Optional[Path] = TLS_CA_OPTION,
+    tls_cert: Optional[Path] = TLS_CERT_OPTION,
+    tls_key: Optional[Path] = TLS_KEY_OPTION,
+) -> None:
+    """Delete blobs no live island and no kept anchor needs (admin)."""
+
+    async def body(client: Any) -> None:
+        response = await client.collect_garbage(run, dry_run=dry_run, keep_anchors=keep_anchors)
+        verb = "would delete" if dry_run else "deleted"
+        out.print(
+            f"{verb} {len(response.deleted_keys)} blobs, {human_bytes(response.freed_bytes)} "
+            f"({response.freed_bytes} bytes); oldest available version {'would be' if dry_run else 'is'} "
+            f"{response.oldest_available}"
+        )
+        for key in response.deleted_keys:
+            out.print(f"  {key}", highlight=False)
+
+    run_client(board, token, body, tls_ca, tls_cert, tls_key)
+
+
+def token_create(
+    name: str = typer.Argument(..., help="A label for the token (who holds it)."),
+    role: RoleName = typer.Option(..., help="publisher, island, reader or admin."),
+    board: str = BOARD_OPTION,
+    token: Optional[str] = TOKEN_OPTION,
+    tls_ca: Optional[Path] = TLS_CA_OPTION,
+    tls_cert: Optional[Path] = TLS_CERT_OPTION,
+    tls_key: Optional[Path] = TLS_KEY_OPTION,
+) -> None:
+    """Create a token (admin). The token is printed once; the board keeps only its hash."""
+    from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
+
+    async def body(client: Any) -> None:
+        response = await client.create_token(name, pb.Role.Value(f"ROLE_{role.value.upper()}"))
+        out.print(f"token id: {response.token_id}", highlight=False)
+        out.print(f"token:    {response.token}", highlight=False)
+        out.print("(shown once; revoke with: weftboard token revoke " + response.token_id + ")", highlight=False)
+
+    run_client(board, token, body, tls_ca, tls_cert, tls_key)
+
+
+def token_revoke(
+    token_id: str = typer.Argument(..., help="The token id printed by 'token create'."),
+    board: str = BOARD_OPTION,
+    token: Optional[str] = TOKEN_OPTION,
+    tls_ca: Optional[Path] = TLS_CA_OPTION,
+    tls_cert: Optional[Path] = TLS_CERT_OPTION,
+    tls_key: Optional[Path] = TLS_KEY_OPTION,
+) -> None:
+    """Revoke a token (admin); it stops working at once on this board, within seconds on others."""
+
+    async def body(client: Any) -> None:
+        await client.revoke_token(token_id)
+        out.print(f"revoked {token_id}", highlight=False)
+
+    run_client(board, token, body, tls_ca, tls_cert, tls_key)
+
+
+def bench_board(
+    watchers: int = typer.Option(1000, help="Concurrent Watch streams."),
+    commits: int = typer.Option(30, help="Versions committed while everyone watches."),
+    channels: int = typer.Option(8, help="gRPC channels the watch streams share."),
+    reporters: int = typer.Option(8, help="Concurrent trajectory reporters."),
+    traj_seconds: float = typer.Option(5.0, help="How long the trajectory reporters run."),
+    batch: int = typer.Option(500, help="Trajectory records per ReportTrajectories call."),
+    as_json: bool = typer.Option(False, "--json", help="End with one JSON line (always printed last)."),
+) -> None:
+    """Board fan-out and ingest: 1,000 watchers, commit-to-delivery p50/p99, trajectories/s."""
+    from weftboard.board.bench_board import BenchParams, run_bench  # noqa: PLC0415
+
+    params = BenchParams(watchers=watchers, commits=commits, channels=channels, reporters=reporters,
+                         traj_seconds=traj_seconds, batch=batch)
+    result = run_bench(params, log=lambda line: print(line, flush=True))
+    if as_json:
+        print(json.dumps(result), flush=True)
+
+
+def register(app: typer.Typer, bench: typer.Typer) -> None:
+    app.command()(serve)
+    app.command()(history)
+    app.command()(status)
+    app.command()(gc)
+    tokens = typer.Typer(help="Create and revoke bearer tokens (admin).", no_args_is_help=True)
+    tokens.command("create")(token_create)
+    tokens.command("revoke")(token_revoke)
+    app.add_typer(tokens, name="token")
+    bench.command("board")(bench_board)

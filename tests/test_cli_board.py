@@ -1,0 +1,224 @@
+"""The board CLI end to end: ``weftboard serve`` on the embedded default, then the client
+commands against it, as a person would type them (real subprocesses, real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from boardkit import make_run, publish
+from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
+from weftboard.board.cli import build_app
+from weftboard.board.client import BoardClient
+from weftboard.board.config import BoardSettings, load_or_create_admin_token
+from weftboard.board.services import free_port
+from weftboard.proto.v1 import board_pb2 as pb
+
+WEFTBOARD = [sys.executable, "-m", "weftboard.board.cli"]
+
+
+def _env(data_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEFTBOARD_")}
+    env.update(WEFTBOARD_DATA_DIR=str(data_dir), COLUMNS="200", NO_COLOR="1", **extra)
+    return env
+
+
+class Served:
+    """A ``weftboard serve`` subprocess and the banner it printed."""
+
+    def __init__(self, data_dir: Path, *args: str, timeout_s: float = 60.0):
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.env = _env(data_dir)
+        self.proc = subprocess.Popen(
+            [*WEFTBOARD, "serve", "--listen", self.address, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
+        )
+        self.banner = self._read_banner(timeout_s)
+
+    def _read_banner(self, timeout_s: float) -> str:
+        lines: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise AssertionError(f"serve exited early ({self.proc.wait()}):\n{''.join(lines)}\n{self.proc.stderr.read()}")
+            lines.append(line)
+            if line.startswith("data dir"):
+                return "".join(lines)
+        raise AssertionError(f"no banner within {timeout_s}s:\n{''.join(lines)}")
+
+    def cli(self, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
+        env = dict(self.env, WEFTBOARD_BOARD=self.address)
+        if token:
+            env["WEFTBOARD_TOKEN"] = token
+        return subprocess.run([*WEFTBOARD, *args], capture_output=True, text=True, env=env, timeout=60)
+
+    def stop(self) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rest, _ = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        return self.proc.returncode, rest
+
+
+def _port_closed(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+async def _publish_and_heartbeat(address: str, token: str, blobs: LocalDirBlobStore | S3BlobStore, n: int) -> None:
+    async with BoardClient(address, token) as client:
+        await client.create_run(make_run("demo"))
+        await publish(client, blobs, "demo", range(1, n + 1))
+        await client.heartbeat(pb.IslandStatus(island_id="isl-1", run="demo", region="eu", version=n - 2,
+                                               state=pb.ISLAND_STATE_CATCHING_UP, capacity=4), lease_s=60)
+
+
+@pytest.mark.slow
+def test_serve_embedded_then_client_commands(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data"
+    board = Served(data_dir)
+    try:
+        banner = board.banner
+        redis_port = int(re.search(r"redis://127\.0\.0\.1:(\d+)", banner).group(1))
+        assert f"listening on {board.address}" in banner
+        assert "embedded redis-server" in banner and "local directory" in banner
+        admin = (data_dir / "admin-token").read_text().strip()
+        assert admin in banner and "generated and stored" in banner
+        assert oct((data_dir / "admin-token").stat().st_mode & 0o777) == "0o600"
+
+        asyncio.run(_publish_and_heartbeat(board.address, admin, LocalDirBlobStore(data_dir / "blobs"), 4))
+
+        # history: no --token needed, the embedded admin token is found in the data dir
+        hist = board.cli("history", "demo")
+        assert hist.returncode == 0, hist.stderr
+        rows = [l for l in hist.stdout.splitlines() if re.match(r"^\s*│?\s*\d+\s", l)]
+        assert [int(re.findall(r"\d+", r)[0]) for r in rows] == [1, 2, 3, 4]
+        assert "anchor" in hist.stdout and "patch" in hist.stdout and "7.500%" in hist.stdout
+        last2 = board.cli("history", "demo", "--last", "2", "--json")
+        assert [int(__import__("json").loads(l)["version"]) for l in last2.stdout.splitlines()] == [3, 4]
+
+        status = board.cli("status", "demo")
+        assert status.returncode == 0, status.stderr
+        assert "head 4" in status.stdout
+        island_line = next(l for l in status.stdout.splitlines() if "isl-1" in l)
+        assert re.search(r"isl-1\s+│?\s*eu\s+│?\s*2\s+│?\s*2\s+│?\s*catching_up", island_line), island_line
+        runs = board.cli("status")
+        assert "demo" in runs.stdout and runs.returncode == 0
+
+        # tokens: a reader can read history but not collect garbage
+        created = board.cli("token", "create", "ci-reader", "--role", "reader")
+        assert created.returncode == 0, created.stderr
+        reader = re.search(r"token:\s+(\S+)", created.stdout).group(1)
+        token_id = re.search(r"token id:\s+(\S+)", created.stdout).group(1)
+        assert board.cli("history", "demo", "--token", reader).returncode == 0
+        denied = board.cli("gc", "demo", "--dry-run", token=reader)
+        assert denied.returncode == 1 and "PERMISSION_DENIED" in denied.stderr
+        dry = board.cli("gc", "demo", "--dry-run")
+        assert dry.returncode == 0 and "would delete" in dry.stdout
+        assert board.cli("token", "revoke", token_id).returncode == 0
+        revoked = board.cli("history", "demo", "--token", reader)
+        assert revoked.returncode == 1 and "UNAUTHENTICATED" in revoked.stderr
+        missing = board.cli("history", "no-such-run")
+        assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+    finally:
+        code, rest = board.stop()
+    assert code == 0, rest
+    assert "stopped" in rest
+    assert _port_closed(board.port) and _port_closed(redis_port)
+
+    # A restart on the same data dir keeps history (append-only Redis) and the admin token.
+    again = Served(data_dir)
+    try:
+        assert "read from" in again.banner and admin in again.banner
+        hist = again.cli("history", "demo")
+        assert hist.returncode == 0 and "4" in hist.stdout
+        assert "head 4" in again.cli("status", "demo").stdout
+    finally:
+        code, _ = again.stop()
+    assert code == 0
+
+
+@pytest.mark.slow
+def test_serve_with_embedded_s3_presigns(tmp_path: Path) -> None:
+    board = Served(tmp_path / "data", "--embedded-s3", "--s3-bucket", "cli-test", timeout_s=90)
+    try:
+        assert "embedded SeaweedFS S3" in board.banner and "cli-test" in board.banner
+        admin = (tmp_path / "data" / "admin-token").read_text().strip()
+
+        async def check() -> None:
+            async with BoardClient(board.address, admin) as client:
+                await client.create_run(make_run("s3run"))
+                presigned = await client.presign_upload("s3run", "xxh3-128:" + "0" * 32, 10)
+                assert presigned.url.startswith("http://127.0.0.1:")
+
+        asyncio.run(check())
+    finally:
+        code, rest = board.stop()
+    assert code == 0, rest
+
+
+def test_serve_connects_to_given_redis(redis_url: str, tmp_path: Path) -> None:
+    board = Served(tmp_path / "data", "--redis-url", redis_url, "--blob-dir", str(tmp_path / "b"), "--no-auth")
+    try:
+        assert "embedded redis-server" not in board.banner
+        assert "auth" in board.banner and "OFF" in board.banner
+        assert board.cli("status").returncode == 0
+    finally:
+        code, _ = board.stop()
+    assert code == 0
+    assert not (tmp_path / "data" / "redis").exists()
+
+
+def test_invalid_settings_exit_2_with_a_message(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(build_app(), ["serve", "--listen", "nonsense"], env=_env(tmp_path))
+    assert result.exit_code == 2
+    assert "listen" in result.output and "host:port" in result.output
+
+
+def test_unreachable_board_is_a_one_line_error(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(build_app(), ["status", "--board", f"127.0.0.1:{free_port()}", "--token", "x" * 20],
+                           env=_env(tmp_path))
+    assert result.exit_code == 1
+    assert "UNAVAILABLE" in result.output
+
+
+def test_settings_env_and_flag_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("WEFTBOARD_LISTEN", "0.0.0.0:9000")
+    monkeypatch.setenv("WEFTBOARD_REDIS_URL", "redis://10.0.0.1:6379/2")
+    monkeypatch.setenv("WEFTBOARD_S3_SECRET_KEY", "very-secret")
+    monkeypatch.setenv("WEFTBOARD_AUTH", "false")
+    monkeypatch.setenv("WEFTBOARD_METRICS_PORT", "9100")
+    monkeypatch.setenv("WEFTBOARD_DATA_DIR", str(tmp_path))
+    settings = BoardSettings()
+    assert settings.listen == "0.0.0.0:9000" and settings.redis_url == "redis://10.0.0.1:6379/2"
+    assert settings.auth is False and settings.metrics_port == 9100 and settings.data_dir == tmp_path
+    assert "very-secret" not in repr(settings) and settings.secret("s3_secret_key") == "very-secret"
+    flagged = BoardSettings(listen="127.0.0.1:1234")
+    assert flagged.listen == "127.0.0.1:1234" and flagged.redis_url == "redis://10.0.0.1:6379/2"
+    monkeypatch.setenv("WEFTBOARD_REDIS_URL", "")
+    assert BoardSettings().redis_url is None  # empty means "embedded"
+    with pytest.raises(ValueError, match="redis://"):
+        BoardSettings(redis_url="localhost:6379")
+
+
+def test_admin_token_file_is_reused(tmp_path: Path) -> None:
+    token, path, created = load_or_create_admin_token(tmp_path)
+    assert created and len(token) >= 32
+    again, _, created_again = load_or_create_admin_token(tmp_path)
+    assert again == token and not created_again
