@@ -414,3 +414,24 @@ async def test_tokens_create_and_revoke(board, admin):
         await admin.create_token("x", pb.ROLE_UNSPECIFIED)
     with pytest.raises(errors.InvalidArgument, match="name"):
         await admin.create_token("", pb.ROLE_READER)
+
+
+async def test_redis_outage_is_unavailable(tmp_path, local_store):
+    """A board whose Redis goes away answers UNAVAILABLE (safe to retry), not INTERNAL."""
+    from weftboard.board.server import BoardConfig, start_board
+    from weftboard.board.services import start_redis
+
+    proc = start_redis(tmp_path / "own-redis")
+    running = None
+    try:
+        config = BoardConfig(redis_url=f"redis://127.0.0.1:{proc.port}/0", admin_token="a" * 32)
+        running = await start_board(config, blobs=local_store)
+        async with BoardClient(running.address, "a" * 32) as client:
+            await client.create_run(make_run("r"))
+            proc.stop()
+            with pytest.raises(errors.Unavailable, match="Redis"):
+                await client.get_head("r")
+    finally:
+        if running is not None:
+            await running.stop()
+        proc.stop()
