@@ -178,27 +178,34 @@ class RedisStore:
     def __init__(self, url: str, *, socket_timeout_s: float = 5.0, max_connections: int = 64) -> None:
         self.url = url
         self._socket_timeout_s = socket_timeout_s
-        self.redis = aioredis.Redis.from_url(
-            url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-            max_connections=max_connections,
-            decode_responses=False,
+        # Blocking pools: a burst of requests (1,000 watchers reconnecting) waits for a free
+        # connection instead of failing with "Too many connections".
+        self.redis = aioredis.Redis(
+            connection_pool=aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=max_connections,
+                timeout=socket_timeout_s,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+            )
         )
         # Blocking commands wait up to their BLOCK time (at most BLOCKING_LIMIT_S) before answering.
-        self.blocking = aioredis.Redis.from_url(
-            url,
-            socket_timeout=BLOCKING_LIMIT_S + socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-            max_connections=max_connections,
-            decode_responses=False,
+        self.blocking = aioredis.Redis(
+            connection_pool=aioredis.BlockingConnectionPool.from_url(
+                url,
+                max_connections=max_connections,
+                timeout=socket_timeout_s,
+                socket_timeout=BLOCKING_LIMIT_S + socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+            )
         )
         self._commit = self.redis.register_script(COMMIT_LUA)
         self._advance = self.redis.register_script(ADVANCE_OLDEST_LUA)
 
     async def close(self) -> None:
-        await self.redis.aclose()
-        await self.blocking.aclose()
+        for client in (self.redis, self.blocking):
+            await client.aclose()
+            await client.connection_pool.disconnect()
 
     async def ping(self) -> None:
         try:
