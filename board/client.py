@@ -28,9 +28,10 @@ from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 
-# Status codes after which a watch stream is re-opened. CANCELLED and INTERNAL appear
-# when the server is stopped while the stream is open (the client did not cancel).
-_RECONNECT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL})
+# Status codes after which a watch stream is re-opened. A board that stops while the
+# stream is open ends it with UNAVAILABLE (or CANCELLED: the client itself never cancels
+# through an AioRpcError, it gets asyncio.CancelledError).
+_RECONNECT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,8 @@ class BoardClient:
     """Typed async methods per RPC of ``weftboard.v1.Board``; use ``async with``.
 
     ``address`` is ``host:port``. ``token`` is sent as ``authorization: Bearer <token>``.
+    ``wait_for_ready=True`` makes unary calls wait (up to their timeout) for a board that
+    is restarting instead of failing at once with ``Unavailable``.
     """
 
     def __init__(
@@ -73,10 +76,12 @@ class BoardClient:
         *,
         tls: TlsConfig | None = None,
         timeout_s: float = 10.0,
+        wait_for_ready: bool = False,
         options: Sequence[tuple[str, object]] = (),
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.wait_for_ready = wait_for_ready
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
@@ -111,7 +116,10 @@ class BoardClient:
     async def _call(self, method: str, request: object, timeout_s: float | None = None) -> object:
         try:
             return await getattr(self._stub, method)(
-                request, metadata=self._metadata, timeout=timeout_s or self.timeout_s
+                request,
+                metadata=self._metadata,
+                timeout=timeout_s or self.timeout_s,
+                wait_for_ready=self.wait_for_ready,
             )
         except grpc.aio.AioRpcError as exc:
             raise _convert(exc) from None

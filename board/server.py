@@ -56,6 +56,7 @@ class BoardConfig:
     trajectory_maxlen: int = 1_000_000  # approximate cap of each run's trajectory stream; 0: no cap
     redis_max_connections: int = 128
     islands_refresh_s: float = 15.0  # how often the islands-by-state gauge is refreshed
+    health_check_s: float = 5.0  # how often Redis is pinged to keep the health status true
 
     def all_admin_tokens(self) -> tuple[str, ...]:
         return tuple(self.admin_tokens) + ((self.admin_token,) if self.admin_token else ())
@@ -120,6 +121,24 @@ async def _refresh_islands(servicer: BoardServicer, every_s: float) -> None:
                 log.warning("islands gauge refresh failed", run=run, error=str(exc))
 
 
+async def _watch_redis(store: RedisStore, health_servicer: Any, every_s: float) -> None:
+    """Health follows Redis: NOT_SERVING while it does not answer, SERVING again once it does."""
+    serving = True
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            await asyncio.wait_for(store.ping(), every_s)
+            ok = True
+        except (Unavailable, asyncio.TimeoutError):
+            ok = False
+        if ok != serving:
+            serving = ok
+            status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", SERVICE_NAME):
+                await health_servicer.set(name, status)
+            log.warning("health changed", serving=ok, redis=store.url)
+
+
 async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard:
     blob_store = blobs if blobs is not None else config.blob_store
     if blob_store is None:
@@ -179,6 +198,7 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
     metrics_port = metrics.serve(config.metrics_port, config.metrics_host) if config.metrics_port is not None else None
     running = RunningBoard(address, metrics_port, config, server, store, metrics, fanout, health_servicer)
     running._tasks.append(asyncio.create_task(_refresh_islands(servicer, config.islands_refresh_s)))
+    running._tasks.append(asyncio.create_task(_watch_redis(store, health_servicer, config.health_check_s)))
     log.info(
         "board serving",
         address=address,

@@ -70,7 +70,7 @@ return #ARGV - 1
 
 
 def _request_run(request: Any) -> str | None:
-    for path in (("run",), ("record", "run"), ("status", "run")):
+    for path in (("run",), ("run", "run"), ("record", "run"), ("status", "run")):
         obj = request
         try:
             for attr in path:

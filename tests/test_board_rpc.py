@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from boardkit import make_record, make_run, publish, upload
 from weftboard.board.client import BoardClient
@@ -424,13 +425,20 @@ async def test_redis_outage_is_unavailable(tmp_path, local_store):
     proc = start_redis(tmp_path / "own-redis")
     running = None
     try:
-        config = BoardConfig(redis_url=f"redis://127.0.0.1:{proc.port}/0", admin_token="a" * 32)
+        config = BoardConfig(redis_url=f"redis://127.0.0.1:{proc.port}/0", admin_token="a" * 32, health_check_s=0.2)
         running = await start_board(config, blobs=local_store)
         async with BoardClient(running.address, "a" * 32) as client:
             await client.create_run(make_run("r"))
             proc.stop()
             with pytest.raises(errors.Unavailable, match="Redis"):
                 await client.get_head("r")
+            health = health_pb2_grpc.HealthStub(client.channel)
+            for _ in range(50):
+                resp = await health.Check(health_pb2.HealthCheckRequest(service="weftboard.v1.Board"), timeout=5)
+                if resp.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.1)
+            assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         if running is not None:
             await running.stop()
