@@ -402,6 +402,10 @@ class BoardServicer(pb_grpc.BoardServicer):
                     item = await asyncio.wait_for(queue.get(), timeout)
                 except asyncio.TimeoutError:
                     state = await self.store.run_state(request.run)
+                    if state.head > last:  # defence in depth: never sit idle behind the head
+                        for record in await self.store.events_after(request.run, last, count=state.head - last):
+                            yield pb.WatchEvent(version=record)
+                            last = record.version
                     yield pb.WatchEvent(progress=pb.Progress(head=state.head, server_time_ms=now_ms()))
                     continue
                 if isinstance(item, BaseException):

@@ -87,6 +87,13 @@ async def test_stream_is_trimmed_to_maxlen(board_factory, local_store):
         assert 100 <= len(got.records) < 1000  # approximate trim keeps at least maxlen
 
 
+async def test_largest_batch_in_one_call(client):
+    assert (await client.report_trajectories(records(10_000))).accepted == 10_000
+    got = await client.consume_trajectories("t", "g", "c", max_records=10_000)
+    assert len(got.records) == 10_000
+    assert got.records[-1].record.request_id == "req-9999"
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
