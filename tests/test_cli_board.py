@@ -222,3 +222,22 @@ def test_admin_token_file_is_reused(tmp_path: Path) -> None:
     assert created and len(token) >= 32
     again, _, created_again = load_or_create_admin_token(tmp_path)
     assert again == token and not created_again
+
+
+@pytest.mark.slow
+def test_bench_board_smoke_prints_json_last(tmp_path: Path) -> None:
+    """Small numbers; the real figures come from `weftboard bench board --json` (1,000 watchers)."""
+    result = subprocess.run(
+        [*WEFTBOARD, "bench", "board", "--json", "--watchers", "20", "--commits", "3", "--channels", "2",
+         "--reporters", "2", "--traj-seconds", "0.5", "--batch", "100"],
+        capture_output=True, text=True, env=_env(tmp_path), timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) > 3 and "fan-out" in result.stdout
+    report = __import__("json").loads(lines[-1])
+    for key in ("watchers", "fanout_p50_ms", "fanout_p99_ms", "commits_per_s", "traj_records_per_s", "history_p99_ms"):
+        assert isinstance(report[key], (int, float)), key
+    assert report["watchers"] == 20 and report["fanout_missed"] == 0
+    assert 0 < report["fanout_p50_ms"] <= report["fanout_p99_ms"]
+    assert report["commits_per_s"] > 0 and report["traj_records_per_s"] > 0 and report["history_p99_ms"] > 0
