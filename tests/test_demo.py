@@ -41,3 +41,23 @@ async def test_demo_runs_a_real_loop(tmp_path):
     assert all("island-a" in v.sync_s for v in result.versions)
     summary = json.loads(result.summary_path.read_text())
     assert summary["bitwise"] == result.bitwise and len(summary["steps"]) == 4
+
+
+def test_live_view_and_summary_render():
+    from weftboard.subscriber.demo_view import DemoStep, DemoView, IslandRow, VersionRow, render, summary_table
+
+    steps = [DemoStep(1, 1, 0.1, 8, 8, 0, 0.5, "abab"), DemoStep(2, 2, 0.6, 8, 7, 1, 0.4, "abab")]
+    islands = [IslandRow("island-a", 3, 0, "ready", 10, 0), IslandRow("island-b", 1, 2, "catching up", 0, 1)]
+    versions = [VersionRow(1, 0, 1000, 1.0, 50, {"island-a": 0.2}), VersionRow(2, 300, 0, 0.05, 3, {})]
+    out = io.StringIO()
+    console = Console(file=out, width=120, force_terminal=False)
+    console.print(render(3, steps, islands, versions, total_steps=5))
+    console.print(summary_table(steps, versions, ["island-a", "island-b"]))
+    text = out.getvalue()
+    assert "head v3" in text and "island-b" in text and "catching up" in text
+    assert "300 B" in text and "5.00%" in text and "200" in text  # patch size, density, sync ms
+    plain = io.StringIO()
+    view = DemoView(False, 5, Console(file=plain, width=200))
+    with view:
+        view.update(3, steps, islands, versions)
+    assert "step   2 head v3 reward 0.600" in plain.getvalue()

@@ -277,3 +277,14 @@ async def test_adapter_failure_keeps_old_version_and_marks_error():
         assert isl.state.error is None and (await get(isl.url + "/health/ready"))[0] == 200
     finally:
         await isl.stop()
+
+
+def test_trajectory_queue_full_drops_and_counts():
+    from weftboard.subscriber.trajectory_reporter import TrajectoryReporter, make_record
+
+    reporter = TrajectoryReporter(client=None, max_queue=2)
+    record = make_record(run="r", island_id="i", version_start=1, version_end=1, request_id="x", prompt_tokens=1,
+                         completion_tokens=1, logprobs=[-0.5, -1.5], latency_ms=1.0, labels={})
+    assert [reporter.submit(record) for _ in range(5)] == [True, True, False, False, False]
+    assert reporter.dropped == 3
+    assert record.logprob_sum == -2.0 and record.logprob_min == -1.5 and not record.HasField("reward")

@@ -276,3 +276,27 @@ async def test_sync_consumer_and_sidecar_cli(board, local_store, training, tmp_p
             await proc.wait()
     output = (await proc.stdout.read()).decode() if proc.stdout else ""
     assert proc.returncode == 0, output[-2000:]
+
+
+async def test_engine_in_its_own_server_loads_verified_checkpoints(board, local_store, training, tmp_path):
+    """The checkpoint path (as for vLLM/SGLang): subscriber writes a verified checkpoint
+    directory while serving; activation makes the engine load it over its admin HTTP API."""
+    from weftboard.subscriber.reference_model import ReferenceEngine, serve_engine
+
+    engine = ReferenceEngine(MODEL)
+    server = await serve_engine(engine)
+    await training.publish()
+    island = await island_of(board, local_store, tmp_path, "http-engine", engine="reference",
+                             engine_url=server.url, checkpoint_dir=tmp_path / "ckpt", mode="drain")
+    try:
+        await island.subscriber.wait_for_version(1, timeout_s=30)
+        assert engine.version == 1 and bits_equal(engine.tensors, training.views[1])
+        for _ in range(2):
+            await training.publish()
+        await island.subscriber.wait_for_version(3, timeout_s=30)
+        assert engine.version == 3 and bits_equal(engine.tensors, training.views[3])
+        status, body = await complete(island.url, "exact=3")
+        assert status == 200 and body["weftboard"]["version_end"] == 3
+    finally:
+        await island.stop()
+        await server.stop()
