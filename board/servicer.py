@@ -1,46 +1,42 @@
-"""The ``weftboard.v1.Board`` gRPC servicer (grpc.aio).
+"""The ``weftboard.v1.Board`` gRPC servicer (grpc.aio): what each RPC does.
+
+Auth, error-to-status mapping, metrics and log context are not here: ``rpc.guarded``
+wraps every method (the one place for them). Methods raise ``weftboard.proto.errors``.
 
 Invariants:
-- Every method goes through ``_unary`` / ``_stream``, the ONE place where weftboard
-  errors become gRPC status codes, Redis outages become UNAVAILABLE, unexpected
-  exceptions become INTERNAL (logged with a traceback), auth is enforced, metrics are
-  counted and run / method / peer are bound to the structlog context.
-- CommitVersion checks the record and every blob it names *before* the Lua
-  compare-and-set; the blob store is not in Redis, and the CAS is the only writer.
+- CommitVersion checks the record (``validate``) and every blob it names *before* the
+  Lua compare-and-set; the blob store is not in Redis, and the CAS is the only writer.
   A different record for version n is ABORTED while n is the head (the caller lost a
   race and must re-read the head) and ALREADY_EXISTS once n is older (history is
   immutable); an identical record always succeeds with already_committed.
 - Watch sends history from XRANGE, then live events from the run's shared feed, never
   a version twice and never with a gap (see fanout.py).
+- Nothing here blocks the event loop: Redis and the blob store are awaited.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import math
 import re
-import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator
 
-import grpc
 import structlog
 
 from weftboard.board import gc as gcmod
+from weftboard.board import validate
 from weftboard.board.auth import Authenticator
 from weftboard.board.fanout import FanOut
 from weftboard.board.metrics import BoardMetrics
-from weftboard.board.store import REDIS_ERRORS, RedisStore, already_exists_message, canonical_record, k_traj, now_ms
-from weftboard.proto.domain import VersionArtifacts, StepKind, blob_key, check_digest, check_name, lag, plan_catch_up
+from weftboard.board.store import RedisStore, already_exists_message, canonical_record, now_ms
+from weftboard.proto.domain import StepKind, VersionArtifacts, blob_key, check_digest, check_name, lag, plan_catch_up
 from weftboard.proto.errors import (
-    AlreadyExists,
     Aborted,
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     OutOfRange,
     Unavailable,
-    WeftboardError,
 )
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
@@ -53,37 +49,7 @@ MAX_PRESIGN_S = 3600
 DEFAULT_PRESIGN_S = 900
 MAX_BLOCK_MS = 60_000
 EXPIRED_VISIBLE_MS = 3_600_000
-_DTYPE = re.compile(r"^[a-z][a-z0-9_]*$")
 _STREAM_ID = re.compile(r"^\d+-\d+$")
-
-_TRAJ_LUA = """
-local maxlen = ARGV[1]
-for i = 2, #ARGV do
-  if maxlen == '0' then
-    redis.call('XADD', KEYS[1], '*', 'r', ARGV[i])
-  else
-    redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', 'r', ARGV[i])
-  end
-end
-return #ARGV - 1
-"""
-
-
-def _request_run(request: Any) -> str | None:
-    for path in (("run",), ("run", "run"), ("record", "run"), ("status", "run")):
-        obj = request
-        try:
-            for attr in path:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            continue
-        if isinstance(obj, str) and obj:
-            return obj
-    records = getattr(request, "records", None)
-    if records:
-        return records[0].run
-    return None
-
 
 def _page_size(value: int) -> int:
     if value > MAX_PAGE:
@@ -111,58 +77,17 @@ class BoardServicer(pb_grpc.BoardServicer):
         self.trajectory_maxlen = trajectory_maxlen
         self.default_progress_ms = default_progress_ms
         self.heartbeat_runs: set[str] = set()
-        self._traj = store.redis.register_script(_TRAJ_LUA)
-
-    # -- the one error/auth/metrics wrapper ------------------------------
-
-    async def _guard(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
-        run = _request_run(request)
-        structlog.contextvars.bind_contextvars(method=method, peer=context.peer(), run=run)
-        await self.auth.authorize(method, context.invocation_metadata())
-
-    def _status_of(self, method: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
-        if isinstance(exc, WeftboardError):
-            code = getattr(grpc.StatusCode, exc.grpc_code_name, grpc.StatusCode.INTERNAL)
-            return code, str(exc)
-        if isinstance(exc, REDIS_ERRORS):
-            return grpc.StatusCode.UNAVAILABLE, f"Redis at {self.store.url} is unreachable ({exc}); retry"
-        log.exception("unexpected error", exc_info=exc)
-        return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
 
     # -- runs -------------------------------------------------------------
 
     async def CreateRun(self, request: pb.CreateRunRequest, context) -> pb.Run:
         run = pb.Run()
         run.CopyFrom(request.run)
-        check_name("run.run", run.run)
-        if run.kind == pb.RUN_KIND_UNSPECIFIED:
-            raise InvalidArgument("run.kind must be RUN_KIND_WEIGHTS or RUN_KIND_LORA_ADAPTER")
-        if run.served_format.kind == pb.FORMAT_KIND_UNSPECIFIED:
-            raise InvalidArgument("run.served_format.kind must be set (e.g. FORMAT_KIND_BF16)")
-        if not run.layout.tensors:
-            raise InvalidArgument("run.layout.tensors is empty; a run fixes its tensor layout")
-        seen: set[str] = set()
-        for i, spec in enumerate(run.layout.tensors):
-            if not spec.name:
-                raise InvalidArgument(f"run.layout.tensors[{i}].name is empty")
-            if spec.name in seen:
-                raise InvalidArgument(f"run.layout.tensors[{i}].name {spec.name!r} appears twice")
-            seen.add(spec.name)
-            if not _DTYPE.match(spec.dtype):
-                raise InvalidArgument(
-                    f"run.layout.tensors[{i}].dtype {spec.dtype!r} is not a torch dtype name (e.g. 'bfloat16')"
-                )
-            if any(d < 0 for d in spec.shape):
-                raise InvalidArgument(f"run.layout.tensors[{i}].shape {list(spec.shape)} has a negative dimension")
+        validate.check_run(run)
         run.created_at_ms = now_ms()
         stored, created = await self.store.create_run(run)
         if not created:
-            same = (
-                stored.kind == run.kind
-                and stored.served_format == run.served_format
-                and stored.layout == run.layout
-            )
-            if not same:
+            if not validate.same_definition(stored, run):
                 raise AlreadyExists(
                     f"run {run.run!r} exists with a different kind, served format or layout; "
                     "pick another run name"
@@ -202,62 +127,6 @@ class BoardServicer(pb_grpc.BoardServicer):
             )
         return pb.PresignUploadResponse(key=key, url=url, expires_at_ms=now_ms() + expires * 1000)
 
-    def _check_record(self, record: pb.VersionRecord, run: pb.Run) -> None:
-        n = record.version
-        if n < 1:
-            raise InvalidArgument("record.version must be >= 1")
-        if record.parent != n - 1:
-            raise InvalidArgument(f"record.parent is {record.parent}; version {n} must name parent {n - 1}")
-        check_digest("record.root_digest", record.root_digest)
-        for i, td in enumerate(record.tensor_digests):
-            check_digest(f"record.tensor_digests[{i}].digest ({td.name})", td.digest)
-        if not record.artifacts:
-            raise InvalidArgument("record.artifacts is empty; a version needs a PATCH from its parent or an ANCHOR")
-        kinds = [a.kind for a in record.artifacts]
-        for i, artifact in enumerate(record.artifacts):
-            where = f"record.artifacts[{i}]"
-            if artifact.kind == pb.ARTIFACT_KIND_PATCH:
-                if n == 1:
-                    raise InvalidArgument(f"{where}: version 1 has no parent to patch; give an ANCHOR only")
-                if artifact.base_version != n - 1:
-                    raise InvalidArgument(f"{where}.base_version is {artifact.base_version}; a patch of {n} applies to {n - 1}")
-                if len(artifact.blobs) != 1:
-                    raise InvalidArgument(f"{where}: a PATCH has exactly one blob, got {len(artifact.blobs)}")
-            elif artifact.kind == pb.ARTIFACT_KIND_ANCHOR:
-                if artifact.base_version != 0:
-                    raise InvalidArgument(f"{where}.base_version must be 0 for an ANCHOR")
-                if not artifact.blobs:
-                    raise InvalidArgument(f"{where}: an ANCHOR needs at least one shard blob")
-            else:
-                raise InvalidArgument(f"{where}.kind must be ARTIFACT_KIND_PATCH or ARTIFACT_KIND_ANCHOR")
-            for j, blob in enumerate(artifact.blobs):
-                check_digest(f"{where}.blobs[{j}].digest", blob.digest)
-                expected = blob_key(record.run, blob.digest)
-                if blob.key != expected:
-                    raise InvalidArgument(f"{where}.blobs[{j}].key is {blob.key!r}; content-addressed key is {expected!r}")
-        if kinds.count(pb.ARTIFACT_KIND_PATCH) > 1 or kinds.count(pb.ARTIFACT_KIND_ANCHOR) > 1:
-            raise InvalidArgument("record.artifacts holds at most one PATCH and one ANCHOR")
-        if n == 1 and pb.ARTIFACT_KIND_ANCHOR not in kinds:
-            raise FailedPrecondition("the run has no version yet: version 1 must carry an ANCHOR artifact")
-        # Layout: every tensor of the run, in order.
-        want = [t.name for t in run.layout.tensors]
-        got = [t.name for t in record.tensor_digests]
-        if got != want:
-            missing = [x for x in want if x not in set(got)]
-            extra = [x for x in got if x not in set(want)]
-            detail = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra else "out of order"
-            raise FailedPrecondition(
-                f"record.tensor_digests do not match the layout of run {run.run!r} ({len(got)} vs {len(want)} tensors; {detail})"
-            )
-        numel = {t.name: math.prod(t.shape) for t in run.layout.tensors}
-        for ts in record.stats.tensors:
-            if ts.name not in numel:
-                raise FailedPrecondition(f"record.stats.tensors names {ts.name!r}, which is not in the run's layout")
-            if ts.numel and ts.numel != numel[ts.name]:
-                raise FailedPrecondition(
-                    f"record.stats for {ts.name!r} says numel {ts.numel}; the layout's shape has {numel[ts.name]}"
-                )
-
     async def _check_blobs(self, record: pb.VersionRecord) -> None:
         refs = [b for a in record.artifacts for b in a.blobs]
         sizes = await asyncio.gather(*(self.blobs.stat(b.key) for b in refs))
@@ -283,7 +152,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         check_name("record.run", record.run)
         structlog.contextvars.bind_contextvars(version=record.version)
         run = await self.store.get_run(record.run)
-        self._check_record(record, run)
+        validate.check_record(record, run)
         # Cheap checks first: a retry or a lost race needs no blob-store round trips.
         existing = await self.store.existing_record(record.run, record.version)
         if existing is not None:
@@ -523,7 +392,7 @@ class BoardServicer(pb_grpc.BoardServicer):
             check_name("records[].island_id", island)
         await self.store.get_run(run)
         payloads = [rec.SerializeToString() for rec in records]
-        await self._traj(keys=[k_traj(run)], args=[self.trajectory_maxlen or 0, *payloads])
+        await self.store.add_trajectories(run, payloads, self.trajectory_maxlen)
         self.metrics.trajectories.labels(run).inc(len(payloads))
         return pb.ReportTrajectoriesResponse(accepted=len(payloads))
 
@@ -607,69 +476,3 @@ class BoardServicer(pb_grpc.BoardServicer):
         await self.auth.revoke(request.token_id)
         log.info("token revoked", token_id=request.token_id)
         return pb.RevokeTokenResponse()
-
-
-def _wrap_unary(servicer: BoardServicer, method: str, fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    async def handler(request, context):
-        started = time.perf_counter()
-        code, message = grpc.StatusCode.OK, ""
-        with structlog.contextvars.bound_contextvars():
-            try:
-                await servicer._guard(method, request, context)
-                return await fn(request, context)
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except BaseException as exc:  # noqa: BLE001 - mapped to a status below
-                code, message = servicer._status_of(method, exc)
-            finally:
-                servicer.metrics.rpcs.labels(method, code.name).inc()
-                servicer.metrics.latency.labels(method).observe(time.perf_counter() - started)
-            if code not in (grpc.StatusCode.OK,):
-                log.info("rpc refused", code=code.name, detail=message)
-            await context.abort(code, message)
-
-    return handler
-
-
-def _wrap_stream(servicer: BoardServicer, method: str, fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    async def handler(request, context):
-        started = time.perf_counter()
-        code, message = grpc.StatusCode.OK, ""
-        with structlog.contextvars.bound_contextvars():
-            try:
-                await servicer._guard(method, request, context)
-                async for item in fn(request, context):
-                    yield item
-            except (asyncio.CancelledError, GeneratorExit):
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except BaseException as exc:  # noqa: BLE001
-                code, message = servicer._status_of(method, exc)
-            finally:
-                servicer.metrics.rpcs.labels(method, code.name).inc()
-                servicer.metrics.latency.labels(method).observe(time.perf_counter() - started)
-            if code != grpc.StatusCode.OK:
-                log.info("rpc refused", code=code.name, detail=message)
-                await context.abort(code, message)
-
-    return handler
-
-
-STREAMING = frozenset({"Watch"})
-
-
-def guarded(servicer: BoardServicer) -> pb_grpc.BoardServicer:
-    """A servicer object whose methods all pass through the one error/auth/metrics wrapper."""
-
-    class Guarded(pb_grpc.BoardServicer):
-        pass
-
-    guarded_obj = Guarded()
-    for name in pb.DESCRIPTOR.services_by_name["Board"].methods_by_name:
-        fn = getattr(servicer, name)
-        wrap = _wrap_stream if name in STREAMING else _wrap_unary
-        setattr(guarded_obj, name, wrap(servicer, name, fn))
-    return guarded_obj
