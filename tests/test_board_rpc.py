@@ -443,3 +443,27 @@ async def test_redis_outage_is_unavailable(tmp_path, local_store):
         if running is not None:
             await running.stop()
         proc.stop()
+
+
+async def test_logs_bind_run_version_peer_and_method(board, local_store):
+    import structlog
+    from structlog.testing import LogCapture
+
+    capture = LogCapture()
+    structlog.configure(processors=[structlog.contextvars.merge_contextvars, capture], cache_logger_on_first_use=False)
+    try:
+        async with BoardClient(board.address, board.admin_token) as client:
+            await client.create_run(make_run("logged"))
+            await publish(client, local_store, "logged", [1])
+            with pytest.raises(errors.NotFound):
+                await client.get_version("logged", 9)
+    finally:
+        structlog.reset_defaults()
+    committed = [e for e in capture.entries if e["event"] == "version committed"]
+    assert len(committed) == 1
+    assert committed[0]["run"] == "logged" and committed[0]["version"] == 1
+    assert committed[0]["method"] == "CommitVersion" and committed[0]["peer"].startswith("ipv4:127.0.0.1:")
+    refused = [e for e in capture.entries if e["event"] == "rpc refused"]
+    assert refused and refused[-1]["code"] == "NOT_FOUND" and refused[-1]["version"] == 9
+    created = [e for e in capture.entries if e["event"] == "run created"]
+    assert created[0]["run"] == "logged"
