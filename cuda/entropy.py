@@ -55,9 +55,7 @@ ERRORS = {
     9: "a tile's Rice parameter is out of range",
 }
 
-DIR__TRAILING_ONES = np.array([(~b & (b + 1)).bit_length() - 1 for b in range(256)], dtype=np.int64)
-
-ERRORS = {
+DIR_ERRORS = {
     1: "the frequency table is truncated or malformed",
     2: "the frequency table does not sum to 2**14 or names an unknown symbol",
     3: "the tile directory is truncated or malformed",
