@@ -175,6 +175,7 @@ class Publisher:
         self._snapshotting = 0
         self._inflight: _Job | None = None
         self._last_read: tuple[threading.Event | None, PublishHandle | None] = (None, None)
+        self._scratch: dict = {}
         self._async_read = False
         self._hooks: list[Any] = []
         self._failure: BaseException | None = None
@@ -560,6 +561,10 @@ class Publisher:
             return None
         deltas: dict[str, Any] = {}
         for name, t in master.items():
+            prev = self._view.get(name)
+            if self._is_elementwise(name, t, prev):
+                deltas[name] = _chunked_cast_diff_update_(prev, t, self._scratch)
+                continue
             for sname, st in self.projector.project_tensor(name, t, anchor=anchor).items():
                 prev = self._view.get(sname)
                 if prev is None or prev.shape != st.shape or prev.dtype != st.dtype:
@@ -568,10 +573,21 @@ class Publisher:
                         f"{None if prev is None else (tuple(prev.shape), prev.dtype)}"
                     )
                 deltas[sname] = diff_and_update_(prev, st)
+        self._scratch.clear()
+        _release_free_memory()
         if len(deltas) != len(self._view):
             missing = sorted(set(self._view) - set(deltas))[:3]
             raise FailedPrecondition(f"the model no longer produces served tensors {missing} of run {self.run}")
         return deltas
+
+    def _is_elementwise(self, name: str, master: torch.Tensor, prev: torch.Tensor | None) -> bool:
+        """Whether this tensor's stored form is a plain elementwise cast of the master (so it can
+        be projected in chunks without a full-size temporary)."""
+        if prev is None or not master.is_contiguous() or master.device != prev.device:
+            return False
+        plan = self.projector.plan(name, tuple(master.shape), master.dtype)
+        return (len(plan) == 1 and plan[0][0] == name and tuple(plan[0][2]) == tuple(master.shape)
+                and plan[0][1] == str(prev.dtype).removeprefix("torch.") and prev.is_contiguous())
 
     # -- background: snapshot stage (reads the view) -----------------------------------------
 
@@ -704,6 +720,8 @@ class Publisher:
             changed = record.stats.changed_elements
             if changed and patch_bytes:
                 self._bytes_per_change = max(patch_bytes / changed, 0.1)
+        job.deltas = None  # the patch is committed: its deltas are garbage now
+        _release_free_memory()
         self.committed.append(response.record)
         self.commit_latency_s.append(time.perf_counter() - job.t_publish)
         log.info("committed", run=self.run, version=job.version, patch_bytes=patch_bytes, anchor_bytes=anchor_bytes,
@@ -753,6 +771,62 @@ class Publisher:
             for f in job.futures:
                 if not f.done():
                     f.set_exception(wrapped)
+
+
+_CAST_CHUNK = 1 << 22  # elements; a multiple of torch's parallel grain, so casts are identical to whole-tensor casts
+
+
+def _release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise, and the trainer
+    process would carry the publisher's transient buffers as resident memory)."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+        except OSError:
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC: Any = None
+
+
+def _chunked_cast_diff_update_(prev: torch.Tensor, master: torch.Tensor, scratch: dict | None = None) -> Any:
+    """Cast ``master`` to ``prev``'s dtype chunk by chunk, folding each chunk into ``prev``.
+
+    Peak extra memory is one chunk instead of a full projected tensor (embeddings and LM
+    heads are a quarter of a small model each).
+    """
+    from weftboard.cuda.diff import TensorDelta, diff_and_update_
+
+    flat_m = master.detach().reshape(-1)
+    flat_p = prev.reshape(-1)
+    n = flat_m.numel()
+    if n <= _CAST_CHUNK:
+        return diff_and_update_(prev, master.to(dtype=prev.dtype, memory_format=torch.contiguous_format, copy=True))
+    parts = []
+    key = (prev.dtype, prev.device)
+    buf = None if scratch is None else scratch.get(key)
+    if buf is None:
+        buf = torch.empty(_CAST_CHUNK, dtype=prev.dtype, device=prev.device)
+        if scratch is not None:
+            scratch[key] = buf
+    for start in range(0, n, _CAST_CHUNK):
+        end = min(start + _CAST_CHUNK, n)
+        chunk = buf[: end - start]
+        chunk.copy_(flat_m[start:end])  # the same cast kernel as .to(), into a reused buffer
+        d = diff_and_update_(flat_p[start:end], chunk)
+        parts.append((start, d))
+    return TensorDelta(
+        positions=torch.cat([d.positions + start for start, d in parts]),
+        old_bits=torch.cat([d.old_bits for _, d in parts]),
+        new_bits=torch.cat([d.new_bits for _, d in parts]),
+        numel=n,
+        dtype=prev.dtype,
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

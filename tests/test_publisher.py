@@ -272,3 +272,40 @@ async def test_fp8_served_format_with_fixed_scales(board, local_store, tmp_path:
         assert any(t.dtype == "float8_e4m3fn" for t in run.layout.tensors)
         assert any(is_scale_tensor(t.name) for t in run.layout.tensors)
         await _follow_each(client, "f8", local_store, tmp_path, views)
+
+
+def test_chunked_cast_diff_equals_whole_tensor_path() -> None:
+    """Large tensors are cast in chunks into a reused buffer: same view, same delta."""
+    from weftboard.cuda.diff import diff_and_update_
+    from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_diff_update_
+
+    g = torch.Generator().manual_seed(3)
+    n = _CAST_CHUNK + 12_345  # two chunks, the second one ragged
+    master = torch.randn(n, generator=g) * 0.02
+    master[:4] = torch.tensor([float("inf"), -float("inf"), -0.0, 1e-40])
+    prev = (master + torch.randn(n, generator=g) * 1e-4).to(torch.bfloat16)
+    a, b = prev.clone(), prev.clone()
+    scratch: dict = {}
+    d1 = _chunked_cast_diff_update_(a, master, scratch)
+    d2 = diff_and_update_(b, master.to(torch.bfloat16))
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert torch.equal(d1.positions, d2.positions)
+    assert torch.equal(d1.old_bits, d2.old_bits) and torch.equal(d1.new_bits, d2.new_bits)
+    assert d1.numel == d2.numel and d1.dtype == d2.dtype and scratch
+
+
+def test_merge_deltas_spans_two_transitions() -> None:
+    from weftboard.cuda.diff import diff_tensor
+    from weftboard.publisher.deltas import merge_deltas
+
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(10_000, generator=g).bfloat16()
+    b = a.clone()
+    b[::7] = torch.randn(b[::7].shape, generator=g).bfloat16()
+    c = b.clone()
+    c[::11] = torch.randn(c[::11].shape, generator=g).bfloat16()
+    c[::77] = a[::77]  # some positions go back to A's bits: they must drop out
+    merged = merge_deltas(diff_tensor(a, b), diff_tensor(b, c))
+    direct = diff_tensor(a, c)
+    assert torch.equal(merged.positions, direct.positions)
+    assert torch.equal(merged.old_bits, direct.old_bits) and torch.equal(merged.new_bits, direct.new_bits)
