@@ -467,3 +467,32 @@ async def test_logs_bind_run_version_peer_and_method(board, local_store):
     assert refused and refused[-1]["code"] == "NOT_FOUND" and refused[-1]["version"] == 9
     created = [e for e in capture.entries if e["event"] == "run created"]
     assert created[0]["run"] == "logged"
+
+
+@pytest.mark.parametrize(
+    "method, request_",
+    [
+        ("GetRun", pb.GetRunRequest(run="bad run")),
+        ("GetVersion", pb.GetVersionRequest(run="", version=1)),
+        ("GetHead", pb.GetHeadRequest(run="x" * 65)),
+        ("ListVersions", pb.ListVersionsRequest(run="a/b")),
+        ("PlanCatchUp", pb.PlanCatchUpRequest(run=".hidden")),
+        ("ListIslands", pb.ListIslandsRequest(run="sp ace")),
+        ("PresignUpload", pb.PresignUploadRequest(run="bad run", digest="xxh3-128:" + "0" * 32)),
+        ("CollectGarbage", pb.CollectGarbageRequest(run="bad run")),
+        ("ConsumeTrajectories", pb.ConsumeTrajectoriesRequest(run="bad run", group="g", consumer="c")),
+        ("AckTrajectories", pb.AckTrajectoriesRequest(run="bad run", group="g")),
+        ("ReportTrajectories", pb.ReportTrajectoriesRequest(records=[pb.TrajectoryRecord(run="bad run", island_id="i")])),
+    ],
+)
+async def test_bad_run_names_are_invalid_argument(board, method, request_):
+    import grpc
+
+    from weftboard.proto.v1 import board_pb2_grpc
+
+    async with grpc.aio.insecure_channel(board.address) as channel:
+        stub = board_pb2_grpc.BoardStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await getattr(stub, method)(request_, metadata=(("authorization", f"Bearer {board.admin_token}"),), timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "run" in info.value.details() and "not a valid name" in info.value.details()
