@@ -379,12 +379,14 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     say(f"v{handle.version} (warm-up): synced on {cfg.islands} islands in {warmup_s:.2f}s")
                     continue
                 results[handle.version] = {
-                    "sync_s": done - t_pub, "blocked_s": handle.blocked_s, "patch_bytes": record.stats.patch_bytes,
+                    "sync_s": done - t_pub, "blocked_s": handle.blocked_s, "read_s": handle.read_s,
+                    "patch_bytes": record.stats.patch_bytes,
                     "density": record.stats.density, "changed": record.stats.changed_elements,
                 }
                 say(f"v{handle.version}: patch {record.stats.patch_bytes / 1e6:.2f} MB, density {record.stats.density:.4%}, "
                     f"blocked {handle.blocked_s:.3f}s, synced on {cfg.islands} islands in {done - t_pub:.2f}s")
             await asyncio.to_thread(pub.close)
+            stages = [t for t in pub.timings if t.get("version") in results]
         peak_extra = sampler.peak - rss0
         all_applied = all(all(v in isl.applied() for v in results) for isl in islands)
         for isl in islands:
@@ -457,6 +459,9 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "warmup_sync_s": round(warmup_s, 4) if warmup_s is not None else None,
         "trainer_blocked_s_per_version": round(blocked_mean, 4),
         "blocked_over_full_upload": round(blocked_mean / upload_p50, 4) if upload_p50 > 0 else None,
+        "publisher_stage_s": {k: round(statistics.fmean(t.get(k, 0.0) for t in stages), 4)
+                              for k in ("read_s", "digest_s", "encode_s", "upload_s", "commit_s")} if stages else {},
+        "publisher_read_s_per_version": round(statistics.fmean(r["read_s"] for r in results.values()), 4) if results else None,
         "publisher_extra_memory_ratio": round(peak_extra / view_bytes, 3),
         "memory_method": "peak RSS while publishing minus RSS before the publisher (model, grads, fused AdamW state allocated), over one bf16 view",
         "bitwise_ok": bool(roots_ok and all_applied and results),

@@ -65,6 +65,7 @@ class PublishHandle:
     step: int
     _future: concurrent.futures.Future = field(repr=False)
     blocked_s: float = 0.0
+    read_s: float = 0.0  # how long the projection + diff took (in the background when attached)
     coalesced: bool = False  # replaced by a newer publish under "skip" (same version number)
 
     def result(self, timeout: float | None = None) -> pb.VersionRecord:
@@ -93,6 +94,7 @@ class _Job:
     started: bool = False
     est_patch_bytes: int = 0
     handles: list[PublishHandle] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def _state_dict(model_or_state: Any) -> dict[str, torch.Tensor]:
@@ -183,11 +185,13 @@ class Publisher:
         self.blocked_s: list[float] = []
         self.committed: list[pb.VersionRecord] = []
         self.commit_latency_s: list[float] = []
+        self.timings: list[dict[str, float]] = []  # per committed version: read, digest, encode, upload, commit seconds
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"weftboard-publisher-{run}", daemon=True)
         self._thread.start()
         self._snapshot_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weftboard-snapshot")
+        self._hash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="weftboard-hash")
         self._wake: asyncio.Event | None = None
         self._client = None
         self._uploader: Uploader | None = None
@@ -291,6 +295,7 @@ class Publisher:
                            target: "_Job | None", fut: concurrent.futures.Future, handle: PublishHandle, t0: float,
                            read_done: threading.Event) -> None:
         """Background, in publish order: read the weights into the view, then snapshot the job."""
+        t_read = time.perf_counter()
         try:
             reason = self._decide(version, target)
             deltas = self._project_and_diff(master, anchor=bool(reason))
@@ -302,6 +307,8 @@ class Publisher:
                 self._snapshotting -= 1
                 self._cond.notify_all()
             return
+        handle.read_s = time.perf_counter() - t_read
+        read_s = handle.read_s
         read_done.set()
         del master
         if target is not None:
@@ -321,6 +328,7 @@ class Publisher:
         else:
             job = _Job(version, step, labels, bool(reason), reason, deltas, [fut], t0)
             job.handles = [handle]
+        job.timings["read_s"] = read_s
         if deltas is not None:
             changed = sum(int(d.positions.numel()) for d in deltas.values())
             job.touched |= {n for n, d in deltas.items() if d.positions.numel()}
@@ -396,6 +404,7 @@ class Publisher:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
             self._snapshot_pool.shutdown(wait=True)
+            self._hash_pool.shutdown(wait=True)
             if self._own_work_dir:
                 shutil.rmtree(self.work_dir, ignore_errors=True)
 
@@ -598,9 +607,12 @@ class Publisher:
             tensors = job.adapter_tensors if job.adapter_tensors is not None else self._view
             assert tensors is not None
             cache = {} if job.adapter_tensors is not None else self._digest_cache
-            for name in self._layout_names():
-                if name in job.touched or name not in cache:
-                    cache[name] = tensor_digest(tensors[name])
+            t_snap = time.perf_counter()
+            todo = [n for n in self._layout_names() if n in job.touched or n not in cache]
+            # xxh3 releases the GIL: hash the touched tensors on two threads.
+            for name, digest in zip(todo, self._hash_pool.map(lambda n: tensor_digest(tensors[n]), todo)):
+                cache[name] = digest
+            job.timings["digest_s"] = time.perf_counter() - t_snap
             job.digests = {n: cache[n] for n in self._layout_names()}
             job.root = root_digest([(n, d, list(s), job.digests[n]) for n, d, s in self._layout])
             if job.anchor:
@@ -673,11 +685,13 @@ class Publisher:
 
             deltas = job.deltas
             order = self._layout_names()
+            t_enc = time.perf_counter()
             encoded = await asyncio.to_thread(
                 encode_deltas, [(n, deltas[n]) for n in order],
                 base_version=job.version - 1, target_version=job.version, target_root=job.root, encoding=self.encoding,
             )
             data = encoded.data
+            job.timings["encode_s"] = time.perf_counter() - t_enc
             digest = format_digest(xxhash.xxh3_128(data).digest())
             patch_bytes = len(data)
             uploads.append(self._uploader.upload(digest, patch_bytes, data=data))
@@ -687,7 +701,9 @@ class Publisher:
         for wf in job.anchor_files:
             uploads.append(self._uploader.upload(wf.digest, wf.size, path=wf.path))
             anchor_bytes += wf.size
+        t_up = time.perf_counter()
         keys = await asyncio.gather(*uploads)
+        job.timings["upload_s"] = time.perf_counter() - t_up
         if patch_ref is not None:
             patch_ref.key = keys[0]
             artifacts.append(pb.Artifact(kind=pb.ARTIFACT_KIND_PATCH, base_version=job.version - 1, blobs=[patch_ref]))
@@ -708,7 +724,9 @@ class Publisher:
             labels=job.labels,
             created_at_ms=int(time.time() * 1000),
         )
+        t_commit = time.perf_counter()
         response = await with_retries(f"commit of version {job.version}", lambda: self._client.commit_version(record))
+        job.timings["commit_s"] = time.perf_counter() - t_commit
         if job.anchor_dir is not None:
             shutil.rmtree(job.anchor_dir, ignore_errors=True)
         # Policy bookkeeping: the real patch size replaces the estimate made at publish.
@@ -726,7 +744,9 @@ class Publisher:
         self.commit_latency_s.append(time.perf_counter() - job.t_publish)
         log.info("committed", run=self.run, version=job.version, patch_bytes=patch_bytes, anchor_bytes=anchor_bytes,
                  density=round(record.stats.density, 6), anchor=job.anchor, reason=job.reason.value,
-                 latency_s=round(time.perf_counter() - job.t_publish, 3))
+                 latency_s=round(time.perf_counter() - job.t_publish, 3),
+                 **{k: round(v, 4) for k, v in job.timings.items()})
+        self.timings.append(dict(job.timings, version=job.version))
         return response.record
 
     def _stats(self, job: _Job, patch_bytes: int, anchor_bytes: int) -> pb.VersionStats:
