@@ -216,7 +216,7 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResul
         for line in started:
             console.print(f"[bold]started[/bold] {line}")
 
-        trainer = Trainer(cfg.model, cfg.lr)
+        trainer = Trainer({**cfg.model, "seed": cfg.seed}, cfg.lr)
         publisher = Publisher(board.address, RUN, token=token, blob_store=store, anchor_every=cfg.anchor_every,
                               work_dir=out / "publisher",
                               run_labels={REFERENCE_CONFIG_LABEL: json.dumps(trainer.config)})

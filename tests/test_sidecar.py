@@ -288,3 +288,16 @@ def test_trajectory_queue_full_drops_and_counts():
     assert [reporter.submit(record) for _ in range(5)] == [True, True, False, False, False]
     assert reporter.dropped == 3
     assert record.logprob_sum == -2.0 and record.logprob_min == -1.5 and not record.HasField("reward")
+
+
+async def test_models_proxied_and_engine_down_is_502(island):
+    await island.activate(1)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(island.url + "/v1/models") as r:
+            assert r.status == 200 and r.headers["X-Weftboard-Version-Start"] == "1"
+            assert (await r.json())["data"][0]["id"] == "weftboard-reference"
+    await island.engine_server.stop()
+    status, headers, body = await call(island.url, PROMPT)
+    assert status == 502 and body["error"] == "engine_unavailable"
+    assert headers["X-Weftboard-Version-Start"] == "1"
+    assert island.gate.inflight == 0  # the ticket was released
