@@ -1,0 +1,252 @@
+"""GPU benchmark of the patch engine: ``python -m weftboard.cuda.gpu_bench``.
+
+One command that builds, checks and times everything on an NVIDIA GPU in a few minutes:
+
+1. builds a 7B-shaped bf16 tensor set on the device (32 Llama layers, 4096 hidden, 11008
+   intermediate, 32000 vocabulary: about 6.7e9 elements, 13.5 GB) and one simulated update at
+   about 1% clustered density (changed elements sit in hot 256-element segments, each moved by
+   +-1 unit in the last place, a few by far jumps);
+2. times, with CUDA events, the device copy (``tensor.copy_``, the yardstick), the Triton diff
+   (staged in-block compaction, one host sync per batch), the torch-native diff baseline
+   (``ne`` + ``nonzero`` + gather, one sync per tensor), the Triton in-place apply and the
+   torch-native apply (``index_copy_``);
+3. encodes the deltas into a patch (entropy coding on CPU threads, documented in codec.py)
+   and decodes + applies it end to end with ``apply_patch_`` into a copy of the old set;
+4. checks that every applied tensor equals the new set bit for bit (and the torch baseline's
+   result too), and prints a short table with GB/s of served bytes and % of copy bandwidth.
+
+Without a CUDA device it exits with status 2 and says so. For a dry run of the same code path
+on a CPU, ``TRITON_INTERPRET=1 python -m weftboard.cuda.gpu_bench --device cpu --tiny`` runs the
+Triton kernels in the interpreter on a tiny set (timings there mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Row:
+    name: str
+    seconds: float
+    note: str = ""
+
+
+class _Timer:
+    """Wall time of a block on the device: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+
+    def __enter__(self) -> "_Timer":
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self._end.record()
+            self._end.synchronize()
+            self.seconds = self._start.elapsed_time(self._end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self._t0
+
+
+def llama_shapes(layers: int, hidden: int, inter: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.append((p + "input_layernorm.weight", (hidden,)))
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes.append((p + f"self_attn.{proj}.weight", (hidden, hidden)))
+        shapes.append((p + "post_attention_layernorm.weight", (hidden,)))
+        shapes.append((p + "mlp.gate_proj.weight", (inter, hidden)))
+        shapes.append((p + "mlp.up_proj.weight", (inter, hidden)))
+        shapes.append((p + "mlp.down_proj.weight", (hidden, inter)))
+    shapes.append(("model.norm.weight", (hidden,)))
+    shapes.append(("lm_head.weight", (vocab, hidden)))
+    return shapes
+
+
+def make_update(old: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
+    """``old`` with about ``density`` of its elements changed, clustered in hot segments."""
+    seg = 256
+    n = old.numel()
+    nseg = (n + seg - 1) // seg
+    hot_fraction = 0.05
+    hot = torch.rand(nseg, device=old.device, generator=gen) < hot_fraction
+    mask = hot.repeat_interleave(seg)[:n] & (torch.rand(n, device=old.device, generator=gen) < density / hot_fraction)
+    step = torch.where(torch.rand(n, device=old.device, generator=gen) < 0.5, 1, -1).to(torch.int16)
+    far = torch.rand(n, device=old.device, generator=gen) < 0.001
+    step = torch.where(far, torch.full_like(step, 4097), step)
+    new = old.clone()
+    bits = new.view(-1).view(torch.int16)
+    bits.add_(step * mask.to(torch.int16))
+    return new
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (needs TRITON_INTERPRET=1; use with --tiny)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=11008)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--tiny", action="store_true", help="2 layers of 256/512, vocab 1000: a functional dry run")
+    ap.add_argument("--skip-codec", action="store_true", help="time only the device kernels, not the CPU entropy coder")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.layers, args.hidden, args.intermediate, args.vocab = 2, 256, 512, 1000
+
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("gpu_bench: no CUDA device is visible (torch.cuda.is_available() is False); "
+                  "run it on a machine with an NVIDIA GPU, or dry-run it with "
+                  "TRITON_INTERPRET=1 python -m weftboard.cuda.gpu_bench --device cpu --tiny", file=sys.stderr)
+            return 2
+        device = torch.device("cuda")
+        print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
+    elif args.device == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            print("gpu_bench: --device cpu needs TRITON_INTERPRET=1 in the environment", file=sys.stderr)
+            return 2
+        device = torch.device("cpu")
+    else:
+        print(f"gpu_bench: unknown --device {args.device!r}", file=sys.stderr)
+        return 2
+
+    from weftboard.cuda import triton_kernels as tk
+    from weftboard.cuda.codec import apply_patch_, encode_deltas
+    from weftboard.cuda.diff import bits_view
+
+    shapes = llama_shapes(args.layers, args.hidden, args.intermediate, args.vocab)
+    gen = torch.Generator(device=device).manual_seed(0)
+    t0 = time.perf_counter()
+    old = {n: (torch.randn(s, device=device, generator=gen) * 0.02).to(torch.bfloat16) for n, s in shapes}
+    new = {n: make_update(t, args.density, gen) for n, t in old.items()}
+    names = list(old)
+    nbytes = sum(t.numel() * t.element_size() for t in old.values())
+    numel = sum(t.numel() for t in old.values())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"tensor set: {len(names)} bf16 tensors, {numel / 1e9:.2f}e9 elements, {nbytes / 1e9:.2f} GB "
+          f"(built in {time.perf_counter() - t0:.1f}s)")
+
+    rows: list[Row] = []
+    dst = {n: torch.empty_like(t) for n, t in old.items()}
+    for _ in range(2):  # the first round warms up (Triton JIT, allocator); the second is timed
+        with _Timer(device) as t_copy:
+            for n in names:
+                dst[n].copy_(new[n])
+    rows.append(Row("copy_ (device yardstick)", t_copy.seconds))
+    del dst
+
+    # Triton diff: all tensors of a layer in one batch (one host sync per batch)
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(n.split(".")[2] if n.startswith("model.layers.") else n, []).append(n)
+    batches = list(groups.values())
+    deltas = {}
+    for rnd in range(2):
+        deltas = {}
+        with _Timer(device) as t_diff:
+            for batch in batches:
+                for n, d in zip(batch, tk.diff_many_cuda([(old[n], new[n]) for n in batch])):
+                    deltas[n] = d
+    rows.append(Row("diff, Triton (staged compaction)", t_diff.seconds, f"{len(batches)} host syncs"))
+    changed = sum(d.changed for d in deltas.values())
+
+    for rnd in range(2):
+        with _Timer(device) as t_ref:
+            ref = {}
+            for n in names:
+                a, b = bits_view(old[n]), bits_view(new[n])
+                idx = torch.ne(a, b).nonzero().squeeze(1)
+                ref[n] = (idx, b[idx])
+    rows.append(Row("diff, torch ne+nonzero (baseline)", t_ref.seconds, f"{len(names)} host syncs"))
+    diff_ok = all(torch.equal(deltas[n].positions, ref[n][0]) and torch.equal(deltas[n].new_bits, ref[n][1]) for n in names)
+
+    # apply kernels on device, from device-resident (position, bits) arrays
+    target = {n: t.clone() for n, t in old.items()}
+    diffs = {n: (d.new_bits.to(torch.int32) - d.old_bits.to(torch.int32)).to(torch.int16) for n, d in deltas.items()}
+    saved = {n: torch.empty_like(d.old_bits) for n, d in deltas.items()}
+    for rnd in range(2):
+        if rnd:
+            for n in names:
+                tk.scatter_cuda_(bits_view(target[n]), deltas[n].positions, deltas[n].old_bits)  # back to old, untimed
+        with _Timer(device) as t_apply:
+            for n in names:
+                tk.apply_diff_cuda_(bits_view(target[n]), deltas[n].positions, diffs[n], saved[n])
+    rows.append(Row("apply, Triton (in place, +diff)", t_apply.seconds))
+    apply_ok = all(torch.equal(bits_view(target[n]), bits_view(new[n])) for n in names)
+    del target, diffs, saved
+
+    target = {n: t.clone() for n, t in old.items()}
+    for rnd in range(2):
+        if rnd:
+            for n in names:
+                target[n].copy_(old[n])
+        with _Timer(device) as t_ref_apply:
+            for n in names:
+                bits_view(target[n]).index_copy_(0, ref[n][0], ref[n][1])
+    rows.append(Row("apply, torch index_copy_ (baseline)", t_ref_apply.seconds))
+    ref_ok = all(torch.equal(bits_view(target[n]), bits_view(new[n])) for n in names)
+    del target, ref
+
+    codec_ok = True
+    patch_bytes = 0
+    if not args.skip_codec:
+        t1 = time.perf_counter()
+        patch = encode_deltas(((n, deltas[n]) for n in names), base_version=1, target_version=2,
+                              target_root="xxh3-128:" + "0" * 32)
+        rows.append(Row("encode (D2H + CPU entropy coder)", time.perf_counter() - t1, f"{len(patch.data) / 1e6:.1f} MB patch"))
+        patch_bytes = len(patch.data)
+        del deltas
+        target = {n: t.clone() for n, t in old.items()}
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        applied = apply_patch_(target, patch.data)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rows.append(Row("decode (CPU) + H2D + apply (Triton)", time.perf_counter() - t2))
+        codec_ok = all(torch.equal(bits_view(target[n]), bits_view(new[n])) for n in names)
+        applied.revert()
+        codec_ok &= all(torch.equal(bits_view(target[n]), bits_view(old[n])) for n in names)
+        del target
+
+    copy_gbps = _gbps(nbytes, t_copy.seconds)
+    print(f"update: {changed} of {numel} elements changed ({changed / numel:.3%})"
+          + (f"; patch {patch_bytes} bytes = {patch_bytes / max(changed, 1):.3f} B/change" if patch_bytes else ""))
+    print()
+    print(f"{'step':40s} {'ms':>10s} {'GB/s':>9s} {'% copy':>7s}  note")
+    for r in rows:
+        g = _gbps(nbytes, r.seconds)
+        print(f"{r.name:40s} {r.seconds * 1e3:10.2f} {g:9.1f} {100 * g / copy_gbps:6.0f}%  {r.note}")
+    checks = {"triton diff == torch diff": diff_ok, "triton apply bitwise": apply_ok,
+              "torch apply bitwise": ref_ok, "patch round trip + revert bitwise": codec_ok}
+    print()
+    for k, v in checks.items():
+        print(f"check {k}: {'OK' if v else 'FAILED'}")
+    return 0 if all(checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
