@@ -225,6 +225,56 @@ class Watchers:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
+async def _open(watchers: Watchers, count: int, timeout_s: float = 60.0) -> None:
+    """Start the streams; they are open once each has replayed version 1 from history."""
+    ready = watchers.expect(1)
+    watchers.start()
+    try:
+        await asyncio.wait_for(ready.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        got = len(watchers.arrivals.get(1, []))
+        raise RuntimeError(
+            f"only {got} of {count} watch streams opened in {timeout_s:.0f} s; errors: {watchers.errors[:3]}"
+        ) from None
+
+
+async def _fanout(control, publisher: Publisher, watchers: Watchers, version: int, commits: int,
+                  params: BenchParams) -> tuple[list[float], list[float], int, int]:
+    """Commit one version at a time; delay from commit start to arrival on every watcher."""
+    latencies_ms: list[float] = []
+    per_commit_max: list[float] = []
+    misses = 0
+    for _ in range(commits):
+        version += 1
+        record = await publisher.record(version)
+        done = watchers.expect(version)
+        await asyncio.sleep(0.05)  # let the previous fan-out settle completely
+        start = time.perf_counter()
+        await control.commit_version(record)
+        try:
+            await asyncio.wait_for(done.wait(), params.delivery_timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        arrivals = watchers.arrivals[version]
+        misses += watchers.count - len(arrivals)
+        samples = [(t - start) * 1000 for t in arrivals]
+        latencies_ms += samples
+        per_commit_max.append(max(samples) if samples else float("inf"))
+    return latencies_ms, per_commit_max, misses, version
+
+
+async def _commit_rate(control, publisher: Publisher, watchers: Watchers, version: int, commits: int) -> tuple[float, int]:
+    """Back-to-back commits; returns (commits per second, new head). Waits for the fan-out to drain."""
+    records = [await publisher.record(v) for v in range(version + 1, version + 1 + commits)]
+    last_done = watchers.expect(records[-1].version)
+    start = time.perf_counter()
+    for record in records:
+        await control.commit_version(record)
+    rate = len(records) / (time.perf_counter() - start)
+    await asyncio.wait_for(last_done.wait(), 60)
+    return rate, records[-1].version
+
+
 def _cpu_line(phase: str, board_pid: int, before: tuple[float, float, float]) -> str:
     wall = time.perf_counter() - before[2]
     board_cpu = cpu_seconds(board_pid) - before[0]
@@ -253,63 +303,42 @@ async def _bench(params: BenchParams, log: Callable[[str], None], workdir: Path)
         publisher = Publisher(blob_dir, run)
         await control.create_run(publisher.run_message())
         await control.commit_version(await publisher.record(1))
-
-        # -- 1. fan-out ---------------------------------------------------------
         watch_clients = [BoardClient(board.address, admin, timeout_s=30) for _ in range(max(1, params.channels))]
         clients += watch_clients
-        watchers = Watchers(watch_clients, run, params.watchers)
-        ready = watchers.expect(1)
-        t0 = time.perf_counter()
-        watchers.start()
-        try:
-            await asyncio.wait_for(ready.wait(), 60)
-        except asyncio.TimeoutError:
-            got = len(watchers.arrivals.get(1, []))
-            raise RuntimeError(f"only {got} of {params.watchers} watch streams opened in 60 s; errors: {watchers.errors[:3]}") from None
-        log(f"{params.watchers} watch streams open over {len(watch_clients)} channels in {time.perf_counter() - t0:.1f} s")
 
+        # -- 0. baseline: the same measurements with a single watcher -------------
+        base_pub = Publisher(blob_dir, "bench-baseline")
+        await control.create_run(base_pub.run_message())
+        await control.commit_version(await base_pub.record(1))
+        lone = Watchers(watch_clients[:1], "bench-baseline", 1)
+        await _open(lone, 1)
+        base_lat, _, _, base_version = await _fanout(control, base_pub, lone, 1, max(5, params.commits // 2), params)
+        base_rate, _ = await _commit_rate(control, base_pub, lone, base_version, max(10, params.rate_commits // 2))
+        await lone.stop()
+        base_p50, base_p99 = percentile(base_lat, 50), percentile(base_lat, 99)
+        log(f"baseline, 1 watcher: commit-to-delivery p50 {base_p50:.1f} ms, p99 {base_p99:.1f} ms; "
+            f"{base_rate:.0f} commits/s back to back")
+
+        # -- 1. fan-out ---------------------------------------------------------
+        watchers = Watchers(watch_clients, run, params.watchers)
+        t0 = time.perf_counter()
+        await _open(watchers, params.watchers)
+        log(f"{params.watchers} watch streams open over {len(watch_clients)} channels in {time.perf_counter() - t0:.1f} s")
         cpu0 = (cpu_seconds(board.proc.pid), cpu_seconds(os.getpid()), time.perf_counter())
-        latencies_ms: list[float] = []
-        per_commit_max: list[float] = []
-        misses = 0
-        version = 1
-        for _ in range(params.commits):
-            version += 1
-            record = await publisher.record(version)
-            done = watchers.expect(version)
-            await asyncio.sleep(0.05)  # let the previous fan-out settle completely
-            start = time.perf_counter()
-            await control.commit_version(record)
-            try:
-                await asyncio.wait_for(done.wait(), params.delivery_timeout_s)
-            except asyncio.TimeoutError:
-                pass
-            arrivals = watchers.arrivals[version]
-            misses += params.watchers - len(arrivals)
-            samples = [(t - start) * 1000 for t in arrivals]
-            latencies_ms += samples
-            per_commit_max.append(max(samples) if samples else float("inf"))
+        latencies_ms, per_commit_max, misses, version = await _fanout(
+            control, publisher, watchers, 1, params.commits, params)
         fanout_p50 = percentile(latencies_ms, 50)
         fanout_p99 = percentile(latencies_ms, 99)
         log(f"fan-out over {params.commits} commits x {params.watchers} watchers: p50 {fanout_p50:.1f} ms, "
             f"p99 {fanout_p99:.1f} ms, last watcher (median over commits) {statistics.median(per_commit_max):.1f} ms, "
-            f"missed {misses}")
+            f"missed {misses}; p99 is {fanout_p99 / base_p99:.1f}x the single-watcher p99")
         log(_cpu_line("fan-out", board.proc.pid, cpu0))
 
         # -- 2. commit rate (watchers still attached) ---------------------------
-        records = [await publisher.record(v) for v in range(version + 1, version + 1 + params.rate_commits)]
-        last_done = watchers.expect(records[-1].version)
         cpu0 = (cpu_seconds(board.proc.pid), cpu_seconds(os.getpid()), time.perf_counter())
-        start = time.perf_counter()
-        for record in records:
-            await control.commit_version(record)
-        commit_s = time.perf_counter() - start
-        commits_per_s = len(records) / commit_s
-        await asyncio.wait_for(last_done.wait(), 60)
-        drained_s = time.perf_counter() - start
-        version = records[-1].version
-        log(f"commit rate: {len(records)} back-to-back commits in {commit_s:.2f} s = {commits_per_s:.0f}/s "
-            f"(all {params.watchers} watchers had all of them after {drained_s:.2f} s)")
+        commits_per_s, version = await _commit_rate(control, publisher, watchers, version, params.rate_commits)
+        log(f"commit rate: {params.rate_commits} back-to-back commits = {commits_per_s:.0f}/s with "
+            f"{params.watchers} watchers attached ({commits_per_s / base_rate:.2f}x the single-watcher rate)")
         log(_cpu_line("commit rate", board.proc.pid, cpu0))
 
         # -- 3. trajectory ingest ----------------------------------------------
@@ -370,6 +399,10 @@ async def _bench(params: BenchParams, log: Callable[[str], None], workdir: Path)
             "fanout_p99_target_ms": TARGET_FANOUT_P99_MS,
             "traj_target_per_s": TARGET_TRAJ_PER_S,
             "fanout_p99_vs_target": round(fanout_p99 / TARGET_FANOUT_P99_MS, 3),
+            "baseline_fanout_p99_ms": round(base_p99, 2),
+            "fanout_p99_vs_baseline": round(fanout_p99 / base_p99, 2),
+            "baseline_commits_per_s": round(base_rate, 1),
+            "commits_vs_baseline": round(commits_per_s / base_rate, 3),
             "traj_vs_target": round(traj_per_s / TARGET_TRAJ_PER_S, 3),
             "board_processes": 1,
             "cpus": os.cpu_count(),
