@@ -103,6 +103,7 @@ class AdmissionGate:
         self._activating = False
         self._lock = asyncio.Lock()  # serializes activations
         self._cond = asyncio.Condition()
+        self._wakers: set[asyncio.Task] = set()
 
     @property
     def activating(self) -> bool:
@@ -129,7 +130,9 @@ class AdmissionGate:
         self.inflight -= 1
         if ticket.exact:
             self.inflight_exact -= 1
-        asyncio.get_running_loop().create_task(self._wake())
+        task = asyncio.get_running_loop().create_task(self._wake())
+        self._wakers.add(task)  # keep a reference until it ran (the loop holds tasks weakly)
+        task.add_done_callback(self._wakers.discard)
 
     async def _wake(self) -> None:
         async with self._cond:

@@ -15,7 +15,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-_BARS = " ▁▂▃▄▅▆▇█"
+_BARS = "▁▂▃▄▅▆▇█"
 
 
 @dataclass
@@ -63,6 +63,20 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def artifact_kind(v: VersionRow) -> str:
+    if v.patch_bytes and v.anchor_bytes:
+        return "patch+anchor"
+    return "patch" if v.patch_bytes or not v.anchor_bytes else "anchor"
+
+
+def artifact_text(v: VersionRow) -> str:
+    if v.patch_bytes and v.anchor_bytes:
+        return f"patch {human_bytes(v.patch_bytes)} (+ anchor {human_bytes(v.anchor_bytes)})"
+    if v.anchor_bytes and not v.patch_bytes:
+        return f"anchor {human_bytes(v.anchor_bytes)}"
+    return f"patch {human_bytes(v.patch_bytes)}"
+
+
 def render(head: int, steps: list[DemoStep], islands: list[IslandRow], versions: list[VersionRow],
            total_steps: int) -> Group:
     top = Table(title=f"weftboard demo — head v{head}, step {len(steps)}/{total_steps}", expand=False)
@@ -80,9 +94,7 @@ def render(head: int, steps: list[DemoStep], islands: list[IslandRow], versions:
     lines = [Text(f"reward  {sparkline(rewards)}  last {rewards[-1]:.3f}" if rewards else "reward  (no step yet)")]
     if versions:
         last = versions[-1]
-        kind = "anchor" if last.anchor_bytes else "patch"
-        lines.append(Text(f"v{last.version}: {kind} {human_bytes(last.patch_bytes or last.anchor_bytes)}, "
-                          f"density {last.density:.2%}"))
+        lines.append(Text(f"v{last.version}: {artifact_text(last)}, density {last.density:.2%}"))
     if steps and steps[-1].sample:
         lines.append(Text(f"sample completion: {steps[-1].sample!r}"))
     return Group(top, *lines)
@@ -119,11 +131,11 @@ class DemoView:
 
 def summary_table(steps: list[DemoStep], versions: list[VersionRow], islands: list[str]) -> Table:
     table = Table(title="weftboard demo — per version")
-    for col in ("version", "artifact", "bytes", "density", *[f"sync {i} (ms)" for i in islands], "reward"):
+    for col in ("version", "artifact", "patch or anchor bytes", "density", *[f"sync {i} (ms)" for i in islands], "reward"):
         table.add_column(col, justify="right")
     reward_at = {s.version: s.reward for s in steps}
     for v in versions:
-        kind = "anchor" if v.anchor_bytes and not v.patch_bytes else "patch"
+        kind = artifact_kind(v)
         size = v.patch_bytes or v.anchor_bytes
         syncs = [f"{v.sync_s[i] * 1000:.0f}" if i in v.sync_s else "-" for i in islands]
         reward = reward_at.get(v.version)
