@@ -241,3 +241,46 @@ def test_bench_board_smoke_prints_json_last(tmp_path: Path) -> None:
     assert report["watchers"] == 20 and report["fanout_missed"] == 0
     assert 0 < report["fanout_p50_ms"] <= report["fanout_p99_ms"]
     assert report["commits_per_s"] > 0 and report["traj_records_per_s"] > 0 and report["history_p99_ms"] > 0
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (IP SAN), made with the cryptography package."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "weftboard-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp_path / "board.crt", tmp_path / "board.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_serve_with_tls_and_client_ca_flag(redis_url: str, tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    board = Served(tmp_path / "data", "--redis-url", redis_url, "--blob-dir", str(tmp_path / "b"),
+                   "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        assert "(TLS)" in board.banner
+        ok = board.cli("status", "--tls-ca", str(cert))
+        assert ok.returncode == 0, ok.stderr
+        plain = board.cli("status")  # a plaintext client cannot talk to a TLS board
+        assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
+    finally:
+        code, _ = board.stop()
+    assert code == 0
