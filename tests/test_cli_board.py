@@ -284,3 +284,17 @@ def test_serve_with_tls_and_client_ca_flag(redis_url: str, tmp_path: Path) -> No
     finally:
         code, _ = board.stop()
     assert code == 0
+
+
+def test_serve_with_unreachable_redis_fails_fast(tmp_path: Path) -> None:
+    runner = CliRunner()
+    start = time.monotonic()
+    result = runner.invoke(
+        build_app(),
+        ["serve", "--listen", f"127.0.0.1:{free_port()}", "--redis-url", f"redis://127.0.0.1:{free_port()}/0",
+         "--blob-dir", str(tmp_path / "b"), "--admin-token", "a" * 20],
+        env=_env(tmp_path),
+    )
+    assert result.exit_code == 1, result.output
+    assert "UNAVAILABLE" in result.output and "Redis" in result.output
+    assert time.monotonic() - start < 30
