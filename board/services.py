@@ -398,6 +398,12 @@ def start_seaweedfs(
         ]
         for component, http_port in ports.items():
             argv += [f"-{component}.port={http_port}", f"-{component}.port.grpc={http_port + 10000}"]
+        # Unix sockets default to /tmp/seaweedfs-*-<port>.sock and outlive the process; keep
+        # them beside the data when the path fits a socket address (108 bytes).
+        for component in ("filer", "s3"):
+            sock = dir / f"{component}.sock"
+            if len(str(sock)) < 100:
+                argv.append(f"-{component}.localSocket={sock}")
         env = {
             "AWS_ACCESS_KEY_ID": access_key,
             "AWS_SECRET_ACCESS_KEY": secret_key,
