@@ -288,7 +288,7 @@ class BenchConfig:
     islands: int = 3
     versions: int = 5
     lr: float = 3e-6
-    warm_steps: int = 10
+    warm_steps: int = 30
     destination: str = "memory"
     work_dir: Path | None = None
     network: Any = None  # an IslandNetwork (LoopbackNetwork by default)
@@ -470,8 +470,9 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
 def main_cli(params: int, islands: int, versions: int, destination: str, json_out: bool, work_dir: Path | None,
              wan: bool = False, wan_rate_mbit: float = 100.0, wan_rtt_ms: float = 40.0,
-             wan_slow_start: bool = True) -> dict:
-    cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir)
+             wan_slow_start: bool = True, warm_steps: int = 30) -> dict:
+    cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir,
+                      warm_steps=warm_steps)
     if wan:  # islands in network namespaces behind simulated WAN links (publisher/wan)
         from weftboard.publisher.wan import WanUnavailable
         from weftboard.publisher.wan.bench import WanNetwork, skipped_line

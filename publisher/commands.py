@@ -17,7 +17,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         destination: str = typer.Option("memory", help="Island destination: memory (live tensors) or dir (checkpoint)."),
         json_out: bool = typer.Option(False, "--json", help="Only the JSON line on stdout."),
         work_dir: Optional[Path] = typer.Option(None, help="Where servers and islands keep their files."),
-        warm_steps: int = typer.Option(10, help="AdamW steps before the first publish."),
+        warm_steps: int = typer.Option(30, help="AdamW steps before the first publish (Adam past its first steps)."),
         wan: bool = typer.Option(False, "--wan", help="Islands in network namespaces behind simulated WAN links (root + iproute2; skipped otherwise)."),
         wan_rate_mbit: float = typer.Option(100.0, help="--wan: link rate per island, each direction (tbf)."),
         wan_rtt_ms: float = typer.Option(40.0, help="--wan: round-trip time per island (delaying relay)."),
@@ -30,4 +30,5 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         configure(json=True, level="WARNING")
         main_cli(params, islands, versions, destination, json_out, work_dir,
-                 wan=wan, wan_rate_mbit=wan_rate_mbit, wan_rtt_ms=wan_rtt_ms, wan_slow_start=wan_slow_start)
+                 wan=wan, wan_rate_mbit=wan_rate_mbit, wan_rtt_ms=wan_rtt_ms, wan_slow_start=wan_slow_start,
+                 warm_steps=warm_steps)

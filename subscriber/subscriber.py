@@ -78,6 +78,7 @@ class Subscriber:
         self._layout: list[TensorEntry] | None = None
         self._sync_lock = asyncio.Lock()
         self.applied_at: dict[int, float] = {}  # version -> time.time() when verified and held
+        self._records: dict[int, pb.VersionRecord] = {}  # records already received (watch events)
 
     # -- observation ------------------------------------------------------------------
 
@@ -141,7 +142,7 @@ class Subscriber:
         return self._layout
 
     async def _target(self, version: int) -> VersionTarget:
-        record = await self.client.get_version(self.run_name, version)
+        record = self._records.pop(version, None) or await self.client.get_version(self.run_name, version)
         return VersionTarget(
             version=version,
             root_digest=record.root_digest,
@@ -150,15 +151,35 @@ class Subscriber:
             labels=dict(record.labels),
         )
 
-    async def sync_to(self, want: int = 0) -> int:
-        """Catch up to ``want`` (0: the head); returns the verified version held after."""
+    def _direct_plan(self, record: pb.VersionRecord) -> pb.CatchUpPlan | None:
+        """The one-patch plan a watch event already describes (no PlanCatchUp round trip),
+        when the island holds the parent and reads blobs with its own credentials."""
+        held = self.held_version
+        if self.blob_store is None or held == 0 or record.version != held + 1:
+            return None
+        for a in record.artifacts:
+            if a.kind == pb.ARTIFACT_KIND_PATCH and a.base_version == held and len(a.blobs) == 1:
+                self._records[record.version] = record
+                return pb.CatchUpPlan(run=self.run_name, from_version=held, to_version=record.version, steps=[
+                    pb.PlanStep(kind=pb.ARTIFACT_KIND_PATCH, from_version=held, to_version=record.version,
+                                blobs=a.blobs, root_digest=record.root_digest)], total_bytes=a.blobs[0].size)
+        return None
+
+    async def sync_to(self, want: int = 0, *, record: pb.VersionRecord | None = None) -> int:
+        """Catch up to ``want`` (0: the head); returns the verified version held after.
+
+        ``record``: the record of ``want`` when the caller has it (a watch event), so the
+        common one-patch step needs no planning round trip.
+        """
         async with self._sync_lock:
             errors: list[str] = []
             for attempt, from_nothing in ((1, False), (2, False), (3, True)):
                 have = 0 if from_nothing else self.held_version
-                plan = await self.client.plan_catch_up(
-                    self.run_name, have_version=have, want_version=want, presign=self.blob_store is None
-                )
+                plan = self._direct_plan(record) if attempt == 1 and record is not None else None
+                if plan is None:
+                    plan = await self.client.plan_catch_up(
+                        self.run_name, have_version=have, want_version=want, presign=self.blob_store is None
+                    )
                 self.head = max(self.head, plan.to_version)
                 if not plan.steps or (plan.to_version <= self.held_version and not from_nothing):
                     if self.state != pb.ISLAND_STATE_READY and self.held_version:
@@ -263,7 +284,7 @@ class Subscriber:
                 v = event.version.version
                 self.head = max(self.head, v)
                 if v > self.held_version:
-                    await self.sync_to(v)
+                    await self.sync_to(v, record=event.version)
             elif kind == "progress":
                 self.head = max(self.head, event.progress.head)
                 if self.head > self.held_version:
