@@ -13,11 +13,15 @@ Invariants (what makes Watch gap-free and duplicate-free):
 - A feed stops when its last subscriber leaves; a new subscriber starts a fresh one.
 - If the feed's Redis read fails, every subscriber receives the exception and its stream
   ends with UNAVAILABLE; clients reconnect and resume by version.
+- Each commit is serialized once (a ``WatchEvent`` as bytes) and the same bytes are
+  written to every stream: a record of a large model is tens of kilobytes, and
+  serializing it once per watcher would dominate the fan-out.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 from typing import Union
 
 import structlog
@@ -27,21 +31,78 @@ from weftboard.proto.v1 import board_pb2 as pb
 
 log = structlog.get_logger(__name__)
 
-FeedItem = Union[pb.VersionRecord, BaseException]
+
+
+@dataclass(frozen=True)
+class FeedEvent:
+    version: int
+    payload: bytes  # a serialized WatchEvent carrying the VersionRecord
+
+
+FeedItem = Union[FeedEvent, "_Tick", BaseException]
+
+
+class _Tick:
+    """Queue marker: this subscription has been idle for its progress interval."""
+
+
+TICK = _Tick()
+
+
+@dataclass(eq=False)
+class Subscription:
+    feed: "RunFeed"
+    interval_s: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_write: float = 0.0  # loop time of the last message written to the stream
+    tick_pending: bool = False
+
+    @property
+    def head(self) -> int:
+        return self.feed.head
+
+    def wrote(self) -> None:
+        self.last_write = asyncio.get_running_loop().time()
 
 
 class RunFeed:
-    def __init__(self, store: RedisStore, run: str, block_ms: int) -> None:
+    """One run's reader of the events stream and its subscribers.
+
+    ``head`` is the newest version this feed has seen; Progress messages use it, so an
+    idle stream costs no Redis round trip. Idle detection is one ticker per feed rather
+    than a timer per stream re-armed on every event (a thousand streams)."""
+
+    def __init__(self, store: RedisStore, run: str, block_ms: int, tick_s: float) -> None:
         self.store = store
         self.run = run
         self.block_ms = block_ms
-        self.queues: set[asyncio.Queue[FeedItem]] = set()
+        self.tick_s = tick_s
+        self.head = 0
+        self.subs: set[Subscription] = set()
         self.started = asyncio.Event()
         self.start_error: BaseException | None = None
         self.task: asyncio.Task | None = None
+        self.ticker: asyncio.Task | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name=f"weftboard-feed-{self.run}")
+        self.ticker = asyncio.create_task(self._tick(), name=f"weftboard-ticker-{self.run}")
+
+    def cancel(self) -> list[asyncio.Task]:
+        tasks = [t for t in (self.task, self.ticker) if t is not None]
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.tick_s)
+            now = loop.time()
+            for sub in tuple(self.subs):
+                if not sub.tick_pending and now - sub.last_write >= sub.interval_s:
+                    sub.tick_pending = True
+                    sub.queue.put_nowait(TICK)
 
     async def _run(self) -> None:
         try:
@@ -50,6 +111,7 @@ class RunFeed:
             self.start_error = exc
             self.started.set()
             return
+        self.head = int(cursor.split(b"-", 1)[0])  # event ids are "<version>-1"
         self.started.set()
         key = k_events(self.run)
         try:
@@ -61,54 +123,55 @@ class RunFeed:
                 for entry_id, fields in entries:
                     cursor = entry_id
                     record = event_record(fields)
-                    for q in tuple(self.queues):
-                        q.put_nowait(record)
+                    self.head = max(self.head, record.version)
+                    event = FeedEvent(record.version, pb.WatchEvent(version=record).SerializeToString())
+                    for sub in tuple(self.subs):
+                        sub.queue.put_nowait(event)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001
             log.warning("watch feed failed", run=self.run, error=str(exc))
-            for q in tuple(self.queues):
-                q.put_nowait(exc)
+            for sub in tuple(self.subs):
+                sub.queue.put_nowait(exc)
 
 
 class FanOut:
     """Per-run feeds shared by every Watch stream of this board process."""
 
-    def __init__(self, store: RedisStore, block_ms: int = 5000) -> None:
+    def __init__(self, store: RedisStore, block_ms: int = 5000, tick_s: float = 0.05) -> None:
         self.store = store
         self.block_ms = block_ms
+        self.tick_s = tick_s
         self._feeds: dict[str, RunFeed] = {}
 
-    async def subscribe(self, run: str) -> asyncio.Queue[FeedItem]:
+    async def subscribe(self, run: str, interval_s: float) -> Subscription:
         feed = self._feeds.get(run)
         if feed is None or feed.task is None or feed.task.done():
-            feed = RunFeed(self.store, run, self.block_ms)
+            if feed is not None:
+                feed.cancel()
+            feed = RunFeed(self.store, run, self.block_ms, self.tick_s)
             self._feeds[run] = feed
             feed.start()
-        queue: asyncio.Queue[FeedItem] = asyncio.Queue()
-        feed.queues.add(queue)
+        sub = Subscription(feed, interval_s)
+        sub.wrote()
+        feed.subs.add(sub)
         await feed.started.wait()
         if feed.start_error is not None:
-            feed.queues.discard(queue)
-            self._feeds.pop(run, None)
+            self.unsubscribe(sub)
             raise feed.start_error
-        return queue
+        return sub
 
-    def unsubscribe(self, run: str, queue: asyncio.Queue[FeedItem]) -> None:
-        feed = self._feeds.get(run)
-        if feed is None:
-            return
-        feed.queues.discard(queue)
-        if not feed.queues and feed.task is not None:
-            feed.task.cancel()
-            self._feeds.pop(run, None)
+    def unsubscribe(self, sub: Subscription) -> None:
+        feed = sub.feed
+        feed.subs.discard(sub)
+        if not feed.subs:
+            feed.cancel()
+            if self._feeds.get(feed.run) is feed:
+                del self._feeds[feed.run]
 
     def cancel_all(self) -> list[asyncio.Task]:
         """Cancel every feed; returns their tasks. A feed blocked in XREAD may only notice
         once its connection is closed, so the caller closes the store before awaiting them."""
         feeds = list(self._feeds.values())
         self._feeds.clear()
-        tasks = [f.task for f in feeds if f.task is not None]
-        for task in tasks:
-            task.cancel()
-        return tasks
+        return [task for feed in feeds for task in feed.cancel()]

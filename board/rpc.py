@@ -1,6 +1,6 @@
 """The ONE place where board RPCs meet auth, error mapping, metrics and log context.
 
-``guarded(servicer)`` wraps every method of ``weftboard.v1.Board`` so that:
+``add_board_to_server`` wraps every method of ``weftboard.v1.Board`` so that:
 - the caller's token is checked against ``auth.METHOD_ROLES`` before the method runs;
 - run, method and peer are bound to structlog's context for the request (the servicer
   binds the version where it has one);
@@ -25,12 +25,8 @@ from weftboard.board.metrics import BoardMetrics
 from weftboard.board.store import REDIS_ERRORS
 from weftboard.proto.errors import WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
-from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
-
-STREAMING = frozenset({"Watch"})
-
 
 def request_run(request: Any) -> str | None:
     """The run a request is about, for the log context."""
@@ -94,6 +90,8 @@ class _Guard:
         return handler
 
     def stream(self, method: str, fn: Callable) -> Callable:
+        """Server streaming: ``fn`` is a coroutine that writes with ``context.write``."""
+
         @functools.wraps(fn)
         async def handler(request, context):
             started = time.perf_counter()
@@ -101,28 +99,52 @@ class _Guard:
             with structlog.contextvars.bound_contextvars():
                 try:
                     await self.enter(method, request, context)
-                    async for item in fn(request, context):
-                        yield item
-                except (asyncio.CancelledError, GeneratorExit):
+                    await fn(request, context)
+                    return
+                except asyncio.CancelledError:
                     code = grpc.StatusCode.CANCELLED
                     raise
                 except Exception as exc:  # noqa: BLE001
                     code, message = status_of(method, exc, self.redis_url)
                 finally:
                     self.done(method, code, started)
-                if code != grpc.StatusCode.OK:
-                    log.info("rpc refused", code=code.name, detail=message)
-            if code != grpc.StatusCode.OK:
-                await context.abort(code, message)
+                log.info("rpc refused", code=code.name, detail=message)
+            await context.abort(code, message)
 
         return handler
 
 
-def guarded(servicer: Any, auth: Authenticator, metrics: BoardMetrics, redis_url: str) -> pb_grpc.BoardServicer:
-    """A servicer whose every method passes through the guard above."""
+def _message_or_bytes(message: Any) -> bytes:
+    """Stream serializer: bytes pass through (a WatchEvent serialized once for all watchers)."""
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def add_board_to_server(
+    servicer: Any, auth: Authenticator, metrics: BoardMetrics, redis_url: str, server: grpc.aio.Server
+) -> None:
+    """Register every method of ``weftboard.v1.Board``, each behind the guard above.
+
+    Built from the service descriptor rather than the generated ``add_BoardServicer_to_server``
+    so that server-streaming methods get the pass-through serializer.
+    """
     guard = _Guard(auth, metrics, redis_url)
-    wrapped = pb_grpc.BoardServicer()
-    for name in pb.DESCRIPTOR.services_by_name["Board"].methods_by_name:
-        wrap = guard.stream if name in STREAMING else guard.unary
-        setattr(wrapped, name, wrap(name, getattr(servicer, name)))
-    return wrapped
+    service = pb.DESCRIPTOR.services_by_name["Board"]
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        fn = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                guard.stream(method.name, fn),
+                request_deserializer=request_type.FromString,
+                response_serializer=_message_or_bytes,
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                guard.unary(method.name, fn),
+                request_deserializer=request_type.FromString,
+                response_serializer=response_type.SerializeToString,
+            )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

@@ -26,12 +26,11 @@ from grpc_reflection.v1alpha import reflection
 from weftboard.board.auth import Authenticator
 from weftboard.board.fanout import FanOut
 from weftboard.board.metrics import BoardMetrics
-from weftboard.board.rpc import guarded
+from weftboard.board.rpc import add_board_to_server
 from weftboard.board.servicer import BoardServicer
 from weftboard.board.store import RedisStore
 from weftboard.proto.errors import InvalidArgument, Unavailable
 from weftboard.proto.v1 import board_pb2 as pb
-from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -176,7 +175,7 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ]
     )
-    pb_grpc.add_BoardServicer_to_server(guarded(servicer, auth, metrics, config.redis_url), server)
+    add_board_to_server(servicer, auth, metrics, config.redis_url, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, AsyncIterator
+from typing import Any
 
 import structlog
 
 from weftboard.board import gc as gcmod
 from weftboard.board import validate
 from weftboard.board.auth import Authenticator
-from weftboard.board.fanout import FanOut
+from weftboard.board.fanout import TICK, FanOut
 from weftboard.board.metrics import BoardMetrics
 from weftboard.board.store import RedisStore, already_exists_message, canonical_record, now_ms
 from weftboard.proto.domain import StepKind, VersionArtifacts, blob_key, check_digest, check_name, lag, plan_catch_up
@@ -237,7 +237,13 @@ class BoardServicer(pb_grpc.BoardServicer):
         versions = [found[v] for v in range(first, upto + 1) if v in found]
         return pb.ListVersionsResponse(versions=versions, next_page_token=str(upto + 1) if upto < last else "")
 
-    async def Watch(self, request: pb.WatchRequest, context) -> AsyncIterator[pb.WatchEvent]:
+    async def Watch(self, request: pb.WatchRequest, context) -> None:
+        """Writes WatchEvent messages, or the feed's pre-serialized WatchEvent bytes
+        (rpc.add_board_to_server registers a serializer that passes bytes through).
+
+        A coroutine that calls ``context.write`` rather than an async generator: with a
+        thousand streams, every layer of generator resumption per event shows up."""
+        write = context.write
         run = await self._run_and_state(request.run)
         interval_ms = request.progress_interval_ms or self.default_progress_ms
         if request.progress_interval_ms and request.progress_interval_ms < 100:
@@ -253,45 +259,46 @@ class BoardServicer(pb_grpc.BoardServicer):
             )
         if after > run.head:
             raise OutOfRange(f"after_version {after} is beyond the head ({run.head}) of run {request.run!r}")
-        queue = await self.fanout.subscribe(request.run)
+        sub = await self.fanout.subscribe(request.run, interval_ms / 1000.0)
         self.metrics.watch_streams.inc()
         last = after
         try:
             # History first (everything up to the feed's cursor is visible to XRANGE now).
+            last = await self._replay(request.run, last, None, write)
+            sub.wrote()
             while True:
-                batch = await self.store.events_after(request.run, last, count=500)
-                for record in batch:
-                    yield pb.WatchEvent(version=record)
-                    last = record.version
-                if len(batch) < 500:
-                    break
-            timeout = interval_ms / 1000.0
-            while True:
-                try:
-                    item = await asyncio.wait_for(queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    state = await self.store.run_state(request.run)
-                    if state.head > last:  # defence in depth: never sit idle behind the head
-                        for record in await self.store.events_after(request.run, last, count=state.head - last):
-                            yield pb.WatchEvent(version=record)
-                            last = record.version
-                    yield pb.WatchEvent(progress=pb.Progress(head=state.head, server_time_ms=now_ms()))
-                    continue
-                if isinstance(item, BaseException):
+                item = await sub.queue.get()
+                if item is TICK:
+                    sub.tick_pending = False
+                    if sub.head > last:  # defence in depth: never sit idle behind the head
+                        last = await self._replay(request.run, last, sub.head, write)
+                    progress = pb.Progress(head=max(sub.head, last), server_time_ms=now_ms())
+                    await write(pb.WatchEvent(progress=progress))
+                elif isinstance(item, BaseException):
                     raise Unavailable(f"the board lost its Redis feed for run {request.run!r}; reconnect and resume")
-                version = item.version  # the feed carries VersionRecords
-                if version <= last:
+                elif item.version <= last:
                     continue
-                if version > last + 1:  # fill a hole from the durable log
-                    for record in await self.store.events_after(request.run, last, count=version - last):
-                        yield pb.WatchEvent(version=record)
-                        last = record.version
-                    continue
-                yield pb.WatchEvent(version=item)
-                last = version
+                elif item.version > last + 1:  # fill a hole from the durable log
+                    last = await self._replay(request.run, last, item.version, write)
+                else:
+                    await write(item.payload)  # serialized once by the feed for every watcher
+                    last = item.version
+                sub.wrote()
         finally:
             self.metrics.watch_streams.dec()
-            self.fanout.unsubscribe(request.run, queue)
+            self.fanout.unsubscribe(sub)
+
+    async def _replay(self, run: str, last: int, upto: int | None, write) -> int:
+        """Write versions after ``last`` (up to ``upto``, or all) from the durable log."""
+        while upto is None or last < upto:
+            count = 500 if upto is None else min(500, upto - last)
+            batch = await self.store.events_after(run, last, count=count)
+            for record in batch:
+                await write(pb.WatchEvent(version=record))
+                last = record.version
+            if len(batch) < count:
+                break
+        return last
 
     # -- catch-up ---------------------------------------------------------
 
