@@ -165,6 +165,7 @@ class Publisher:
         self._has_base = False
         self._kind = pb.RUN_KIND_UNSPECIFIED
         self._next_version = 0
+        self._resumed_head = 0
         self._last_anchor = 0
         self._patch_bytes_since_anchor = 0  # committed or estimated patch bytes after _last_anchor
         self._last_patch_bytes = 0
@@ -207,8 +208,8 @@ class Publisher:
 
     @property
     def head(self) -> int:
-        """The newest version this publisher has committed (or found at resume)."""
-        return self.committed[-1].version if self.committed else self._next_version - 1 - self.pending()
+        """The newest version committed by this publisher, or the head it resumed from."""
+        return self.committed[-1].version if self.committed else self._resumed_head
 
     def pending(self) -> int:
         with self._cond:
@@ -443,6 +444,7 @@ class Publisher:
         self._anchor_bytes = sum(_nbytes(d, s) for _, d, s in self._layout)
         head = await self._client.get_head(self.run)
         self._next_version = head.version + 1
+        self._resumed_head = head.version
         self._kind = kind
         if head.version > 0 and kind == pb.RUN_KIND_WEIGHTS:
             await self._resume(head.version, master)

@@ -24,7 +24,7 @@ KEYS = {
 def test_bench_sync_smoke(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "weftboard.board.cli", "bench", "sync", "--params", "1000000", "--islands", "2",
-         "--versions", "2", "--json", "--work-dir", str(tmp_path / "work")],
+         "--versions", "2", "--warm-steps", "2", "--json", "--work-dir", str(tmp_path / "work")],
         capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
