@@ -575,6 +575,8 @@ class Publisher:
             prev = self._view.get(name)
             if self._is_elementwise(name, t, prev):
                 deltas[name] = _chunked_cast_diff_update_(prev, t, self._scratch)
+                if t.numel() > _CAST_CHUNK:
+                    _release_free_memory()  # the chunk deltas were just concatenated and freed
                 continue
             for sname, st in self.projector.project_tensor(name, t, anchor=anchor).items():
                 prev = self._view.get(sname)
