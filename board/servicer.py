@@ -311,7 +311,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         target = request.want_version or run.head
         records = {}
         if run.head and oldest <= target <= run.head:
-            records = await self.store.get_versions(request.run, list(range(oldest, target + 1)))
+            records = await self.store.get_index(request.run, oldest, target)
         artifacts: dict[int, VersionArtifacts] = {}
         for v, rec in records.items():
             patch = anchor = None
@@ -452,7 +452,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         keep_anchors = request.keep_anchors or run.retention.keep_anchors or 2
         keep_versions = run.retention.keep_versions or 64
         oldest = max(run.oldest_available, 1)
-        records = await self.store.get_versions(request.run, list(range(oldest, run.head + 1))) if run.head else {}
+        records = await self.store.get_index(request.run, oldest, run.head)
         now = now_ms()
         rows = await self.store.islands(request.run)
         live = [r.status.version for r in rows if r.lease_expires_at_ms >= now]

@@ -8,6 +8,9 @@ Redis Cluster slot and the commit script touches one slot only):
 - ``wb:{run}:state``             hash: head, committed_at_ms, oldest
 - ``wb:{run}:versions``          hash: version -> deterministic ``VersionRecord`` bytes, committed_at_ms = 0
 - ``wb:{run}:committed``         hash: version -> committed_at_ms
+- ``wb:{run}:index``             hash: version -> compact ``VersionRecord`` (version, root digest,
+                                 artifacts only): what catch-up planning and GC read, so they
+                                 never parse hundreds of tensor digests per version
 - ``wb:{run}:events``            stream of commits; entry id ``<version>-1``, fields v, r (record bytes), t
 - ``wb:{run}:islands``           hash: island id -> serialized ``IslandStatus``
 - ``wb:{run}:seen``              hash: island id -> last_seen_ms
@@ -65,6 +68,10 @@ def k_committed(run: str) -> str:
     return f"wb:{{{run}}}:committed"
 
 
+def k_index(run: str) -> str:
+    return f"wb:{{{run}}}:index"
+
+
 def k_events(run: str) -> str:
     return f"wb:{{{run}}}:events"
 
@@ -100,6 +107,13 @@ def canonical_record(record: pb.VersionRecord) -> bytes:
     return copy.SerializeToString(deterministic=True)
 
 
+def compact_record(record: pb.VersionRecord) -> bytes:
+    """The part of a record that planning and GC need: version, root digest, artifacts."""
+    return pb.VersionRecord(
+        run=record.run, version=record.version, root_digest=record.root_digest, artifacts=record.artifacts
+    ).SerializeToString(deterministic=True)
+
+
 # Returns {status, head, committed_at_ms}: 0 committed, 1 identical record already
 # committed, 2 different record exists, 3 head is not n-1, 4 unknown run.
 COMMIT_LUA = """
@@ -116,6 +130,7 @@ end
 if head ~= n - 1 then return {3, head, 0} end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[6], ARGV[1], ARGV[4])
 redis.call('HSET', KEYS[1], 'head', ARGV[1], 'committed_at_ms', ARGV[3])
 if not redis.call('HGET', KEYS[1], 'oldest') then
   redis.call('HSET', KEYS[1], 'oldest', ARGV[1])
@@ -267,8 +282,8 @@ class RedisStore:
     async def commit(self, record: pb.VersionRecord) -> CommitOutcome:
         run = record.run
         result = await self._commit(
-            keys=[k_state(run), k_versions(run), k_events(run), k_committed(run), k_run(run)],
-            args=[record.version, canonical_record(record), now_ms()],
+            keys=[k_state(run), k_versions(run), k_events(run), k_committed(run), k_run(run), k_index(run)],
+            args=[record.version, canonical_record(record), now_ms(), compact_record(record)],
         )
         code, head, at = (int(x) for x in result)
         if code == 4:
@@ -293,6 +308,14 @@ class RedisStore:
                 rec.committed_at_ms = int(at or 0)
                 out[v] = rec
         return out
+
+    async def get_index(self, run: str, first: int, last: int) -> dict[int, pb.VersionRecord]:
+        """Compact records (version, root digest, artifacts) of versions first..last that exist."""
+        if last < first:
+            return {}
+        versions = range(first, last + 1)
+        rows = await self.redis.hmget(k_index(run), [str(v) for v in versions])
+        return {v: pb.VersionRecord.FromString(data) for v, data in zip(versions, rows) if data is not None}
 
     async def events_after(self, run: str, after: int, count: int | None = None) -> list[pb.VersionRecord]:
         """Commit events of versions > ``after`` in order (XRANGE of the events stream)."""

@@ -94,3 +94,15 @@ async def test_unreachable_redis_is_unavailable():
             await s.ping()
     finally:
         await s.close()
+
+
+async def test_compact_index_for_planning(store, local_store):
+    await store.create_run(make_run("r"))
+    record = await make_record(local_store, "r", 1)
+    await store.commit(record)
+    index = await store.get_index("r", 1, 3)
+    assert list(index) == [1]
+    compact = index[1]
+    assert compact.root_digest == record.root_digest and compact.artifacts == record.artifacts
+    assert len(compact.tensor_digests) == 0 and len(record.tensor_digests) > 0
+    assert await store.get_index("r", 2, 1) == {}
