@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import sys
 import time
 from datetime import datetime, timezone
 from enum import Enum
@@ -222,117 +220,6 @@ def run_client(
 # ---------------------------------------------------------------------------
 
 
-async def serve_async(settings: Any, *, ready: Callable[[dict[str, Any]], None] | None = None,
-                      stop_event: asyncio.Event | None = None) -> None:
-    """Start what the settings ask for, serve until a signal (or ``stop_event``), stop all."""
-    from weftboard.board import services  # noqa: PLC0415
-    from weftboard.board.config import (  # noqa: PLC0415
-        external_blob_store,
-        load_or_create_admin_token,
-        load_or_create_s3_credentials,
-        local_blob_store,
-    )
-    from weftboard.board.blobs import S3BlobStore  # noqa: PLC0415
-    from weftboard.board.server import BoardConfig, start_board  # noqa: PLC0415
-
-    started: list[services.ManagedProcess] = []
-    lines: list[tuple[str, str]] = []
-    info: dict[str, Any] = {}
-    data_dir = Path(settings.data_dir).expanduser().resolve()
-    blobs = None
-    board = None
-    try:
-        redis_url = settings.redis_url
-        if redis_url is None:
-            redis = await asyncio.to_thread(services.start_redis, data_dir / "redis", persistent=True)
-            started.append(redis)
-            redis_url = redis.url
-            lines.append(("redis", f"embedded redis-server at {redis.url} (append-only file in {redis.dir}, log {redis.log_path})"))
-        else:
-            lines.append(("redis", redis_url.split("@")[-1]))
-        info["redis_url"] = redis_url
-
-        blobs = external_blob_store(settings)
-        if blobs is not None:
-            lines.append(("blobs", blobs.describe()))
-        elif settings.embedded_s3:
-            weed_dir = data_dir / "seaweedfs"
-            access, secret = load_or_create_s3_credentials(weed_dir)
-            weed = await asyncio.to_thread(
-                services.start_seaweedfs, weed_dir, access_key=access, secret_key=secret, bucket=settings.s3_bucket
-            )
-            started.append(weed)
-            blobs = S3BlobStore(weed.endpoint, access, secret, settings.s3_bucket, region="us-east-1")
-            lines.append(("blobs", f"embedded SeaweedFS S3 at {weed.url}, bucket {settings.s3_bucket!r} "
-                                   f"(credentials in {weed_dir / 'credentials.json'}, log {weed.log_path})"))
-            info["s3_endpoint"] = weed.url
-        else:
-            blobs = local_blob_store(settings)
-            lines.append(("blobs", f"local directory {blobs.describe()} (islands must share this filesystem; "
-                                   "use --s3-endpoint or --embedded-s3 for remote islands)"))
-        info["blobs"] = blobs.describe()
-
-        admin_token = settings.secret("admin_token")
-        token_note = "given by --admin-token / WEFTBOARD_ADMIN_TOKEN"
-        if settings.auth and not admin_token:
-            admin_token, token_path, created = load_or_create_admin_token(data_dir)
-            token_note = f"{'generated and stored' if created else 'read from'} {token_path}"
-        config = BoardConfig(
-            listen=settings.listen,
-            redis_url=redis_url,
-            admin_token=admin_token if settings.auth else None,
-            auth=settings.auth,
-            metrics_port=settings.metrics_port,
-            metrics_host=settings.metrics_host,
-            tls_cert=settings.tls_cert,
-            tls_key=settings.tls_key,
-            tls_client_ca=settings.tls_client_ca,
-            watch_progress_s=settings.watch_progress_s,
-        )
-        board = await start_board(config, blobs=blobs)
-        info.update(address=board.address, metrics_port=board.metrics_port, admin_token=admin_token)
-        lines.insert(0, ("board", f"listening on {board.address}" + (" (TLS)" if settings.tls_cert else "")))
-        if board.metrics_port is not None:
-            lines.append(("metrics", f"http://{settings.metrics_host}:{board.metrics_port}/metrics"))
-        if settings.auth:
-            lines.append(("admin token", f"{admin_token}  ({token_note})"))
-        else:
-            lines.append(("auth", "OFF: every caller is admin (--no-auth)"))
-        lines.append(("data dir", str(data_dir)))
-        _print_banner(lines)
-        if ready is not None:
-            ready(info)
-
-        stop = stop_event or asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError):  # not the main thread
-                pass
-        await stop.wait()
-        out.print("stopping ...")
-    finally:
-        if board is not None:
-            await board.stop()
-        if blobs is not None:
-            await blobs.close()
-        for proc in reversed(started):
-            await asyncio.to_thread(proc.stop)
-    out.print("stopped")
-
-
-def _print_banner(lines: list[tuple[str, str]]) -> None:
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for key, value in lines:
-        table.add_row(key, value)
-    out.print("[bold]weftboard board is serving[/bold] (Ctrl-C to stop)")
-    out.print(table)
-    sys.stdout.flush()
-
-
 def serve(
     listen: Optional[str] = typer.Option(None, help=f"host:port to bind (env WEFTBOARD_LISTEN; default {DEFAULT_LISTEN})"),
     redis_url: Optional[str] = typer.Option(None, help="Redis URL (env WEFTBOARD_REDIS_URL); unset starts an embedded redis-server"),
@@ -372,8 +259,10 @@ def serve(
             err.print(f"[red]invalid setting[/red] {'.'.join(map(str, e['loc']))}: {e['msg']}")
         raise typer.Exit(2) from None
     configure(json=settings.log_json, level=settings.log_level)
+    from weftboard.board.serving import serve_until_signal  # noqa: PLC0415
+
     try:
-        asyncio.run(serve_async(settings))
+        serve_until_signal(settings)
     except WeftboardError as exc:
         err.print(f"[red]cannot serve[/red] ({exc.grpc_code_name}): {exc}", highlight=False)
         raise typer.Exit(1) from None

@@ -287,14 +287,13 @@ def test_serve_with_tls_and_client_ca_flag(redis_url: str, tmp_path: Path) -> No
 
 
 def test_serve_with_unreachable_redis_fails_fast(tmp_path: Path) -> None:
-    runner = CliRunner()
+    # A subprocess: serve configures process-wide logging, which must not leak into pytest.
     start = time.monotonic()
-    result = runner.invoke(
-        build_app(),
-        ["serve", "--listen", f"127.0.0.1:{free_port()}", "--redis-url", f"redis://127.0.0.1:{free_port()}/0",
-         "--blob-dir", str(tmp_path / "b"), "--admin-token", "a" * 20],
-        env=_env(tmp_path),
+    result = subprocess.run(
+        [*WEFTBOARD, "serve", "--listen", f"127.0.0.1:{free_port()}", "--redis-url",
+         f"redis://127.0.0.1:{free_port()}/0", "--blob-dir", str(tmp_path / "b"), "--admin-token", "a" * 20],
+        capture_output=True, text=True, env=_env(tmp_path), timeout=60,
     )
-    assert result.exit_code == 1, result.output
-    assert "UNAVAILABLE" in result.output and "Redis" in result.output
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "UNAVAILABLE" in result.stderr and "Redis" in result.stderr
     assert time.monotonic() - start < 30
