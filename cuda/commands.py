@@ -11,6 +11,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         format: str = typer.Option("bf16", "--format", help="served format: bf16, fp16, fp8, fp8_e5m2, mxfp4 or nvfp4"),
         params: int = typer.Option(55_000_000, "--params", help="approximate fp32 parameters of the test model"),
         repeat: int = typer.Option(3, "--repeat", min=1, help="timed repetitions; the best is reported"),
+        adam_steps: int = typer.Option(1, "--adam-steps", min=1, help="measure the transition of this AdamW step (1: the first)"),
         as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object on the last line"),
     ) -> None:
         """Patch size against the entropy bound and the int32+raw baseline, and CPU speed against a copy."""
@@ -18,7 +19,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         if format not in bc.FORMAT_KINDS:
             raise typer.BadParameter(f"choose one of {', '.join(bc.FORMAT_KINDS)}", param_hint="--format")
-        bc.main(format, params, repeat, as_json)
+        bc.main(format, params, repeat, as_json, adam_steps)
 
     # `bench formats` lives with the projections it measures (weftboard.cuda.formats_bench).
     from weftboard.cuda.formats_bench import register as register_formats_bench
