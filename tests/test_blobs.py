@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from conftest import make_s3_store
