@@ -64,6 +64,29 @@ async def test_put_file_and_download(store: BlobStore, tmp_path: Path) -> None:
     assert dest.read_bytes() == data
 
 
+async def test_s3_multipart_upload(s3_server, tmp_path: Path) -> None:
+    """A file larger than one part goes up as an S3 multipart upload and comes back intact."""
+    store = S3BlobStore(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, s3_server.bucket,
+                        region="us-east-1", prefix=f"mp-{tmp_path.name}", part_size=5 << 20)
+    try:
+        src = tmp_path / "big.bin"
+        data = _payload(11 * (1 << 20) + 17, seed=5)  # three parts: 5 + 5 + 1 MiB
+        src.write_bytes(data)
+        assert await store.put_file("r/blobs/big", src) == len(data)
+        assert await store.stat("r/blobs/big") == len(data)
+        # S3 gives a multipart object an ETag ending in "-<parts>"
+        etag = store._client.stat_object(store.bucket, store.prefix + "r/blobs/big").etag
+        assert etag.strip('"').endswith("-3"), etag
+        dest = tmp_path / "big.out"
+        dest.write_bytes(data[: 7 << 20])
+        assert await store.download_to("r/blobs/big", dest, offset=7 << 20) == len(data)
+        assert dest.read_bytes() == data
+    finally:
+        await store.close()
+    with pytest.raises(InvalidArgument, match="5 MiB"):
+        S3BlobStore("127.0.0.1:9", "k", "secret-key", "bucket", part_size=1 << 20)
+
+
 async def test_download_resumes_from_offset(store: BlobStore, tmp_path: Path) -> None:
     data = _payload(200_000, seed=3)
     await store.put_bytes("r/blobs/resume", data)

@@ -65,7 +65,11 @@ class S3BlobStore(BlobStore):
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 60.0,
         retries: int = 3,
+        part_size: int = PART_SIZE,
     ):
+        if part_size < 5 << 20:
+            raise InvalidArgument(f"S3 multipart parts must be at least 5 MiB, got {part_size}")
+        self.part_size = part_size
         host, self.secure = _split_endpoint(endpoint, secure)
         try:
             check_bucket_name(bucket)
@@ -158,7 +162,7 @@ class S3BlobStore(BlobStore):
         name = self._name(key)
         if not Path(path).is_file():
             raise NotFound(f"cannot upload {path}: no such file")
-        await self._run(key, self._client.fput_object, self.bucket, name, str(path), part_size=PART_SIZE)
+        await self._run(key, self._client.fput_object, self.bucket, name, str(path), part_size=self.part_size)
         return os.path.getsize(path)
 
     async def get_bytes(self, key: str) -> bytes:
