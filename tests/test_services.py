@@ -152,3 +152,30 @@ def test_second_seaweedfs_beside_the_session_one(s3_server, tmp_path: Path) -> N
         pid = other.pid
     assert _pid_gone(pid)
     assert (tmp_path / "weed.log").exists()
+
+
+def test_servers_stop_at_interpreter_exit(tmp_path: Path) -> None:
+    """A process that forgets stop() still leaves no server behind (atexit)."""
+    script = textwrap.dedent(
+        f"""
+        import threading
+        from pathlib import Path
+        from weftboard.board.services import start_redis
+        holder = {{}}
+        # started from a worker thread: no parent-death signal, only atexit cleans up
+        t = threading.Thread(target=lambda: holder.update(p=start_redis(Path({str(tmp_path)!r}))))
+        t.start(); t.join()
+        print(holder["p"].pid, flush=True)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert _pid_gone(int(result.stdout.strip())), "redis-server outlived an interpreter that exited normally"
+
+
+def test_missing_binary_is_a_clear_error() -> None:
+    from weftboard.board import services
+    from weftboard.proto.errors import FailedPrecondition
+
+    with pytest.raises(FailedPrecondition, match="cannot find the 'no-such-server-binary' executable"):
+        services._find_binary("no-such-server-binary", lambda: [])
