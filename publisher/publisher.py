@@ -638,8 +638,6 @@ class Publisher:
         with self._cond:
             self._snapshotting -= 1
             self._queue.append(job)
-            if job.deltas is not None and not job.anchor:
-                pass
             self._cond.notify_all()
         if self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)

@@ -152,3 +152,25 @@ async def test_fetch_resumes_partial_download_and_rejects_bad_bytes(local_store,
         await fetcher.fetch(ref)
     assert not part.exists() and not path.exists()
     assert (await fetcher.fetch(ref)).read_bytes() == data  # the next attempt starts clean
+
+
+async def test_progress_reporter_reports_download_bytes(tmp_path: Path) -> None:
+    import structlog
+
+    from weftboard.subscriber.progress import ProgressReporter
+
+    target = tmp_path / "blob.patch"
+    with structlog.testing.capture_logs() as logs:
+        rep = ProgressReporter(rich=False, interval_s=0.01, log_every_s=0.0)
+        rep.begin(7, "patch", 100, [target])
+        (tmp_path / "blob.patch.part").write_bytes(b"x" * 40)  # a download in flight
+        await asyncio.sleep(0.1)
+        rep.applying(7)
+        rep.end(7)
+        rep.close()
+    seen = [e for e in logs if e["event"] == "downloading" and e["version"] == 7]
+    assert seen and seen[-1]["done_bytes"] == 40 and seen[-1]["percent"] == 40.0
+    fancy = ProgressReporter(rich=True)  # the terminal display starts and stops cleanly
+    fancy.begin(1, "anchor", 10, [target])
+    fancy.end(1)
+    fancy.close()
