@@ -198,7 +198,10 @@ _COMMIT_STATUS = {0: "committed", 1: "already_committed", 2: "exists_different",
 
 
 class RedisStore:
-    """Async access to the board's Redis keys; raises ``Unavailable`` when Redis is unreachable.
+    """Async access to the board's Redis keys.
+
+    Connection failures surface as redis-py exceptions (``REDIS_ERRORS``), which the RPC
+    guard turns into UNAVAILABLE; ``ping`` raises ``Unavailable`` itself.
 
     Two connection pools: one for short commands, one for blocking reads (XREAD BLOCK,
     XREADGROUP BLOCK) so that a long wait never starves ordinary requests.
@@ -253,11 +256,13 @@ class RedisStore:
         stored.oldest_available = 0
         data = stored.SerializeToString(deterministic=True)
         created = await self.redis.set(k_run(run.run), data, nx=True)
+        # The listing index lives outside the run's slot, so it cannot join one atomic
+        # step in Redis Cluster; adding it on every (idempotent) create heals a crash
+        # between the two writes when the publisher retries.
+        await self.redis.zadd(RUNS_KEY, {run.run: 0})
         if created:
-            await self.redis.zadd(RUNS_KEY, {run.run: 0})
             return stored, True
-        existing = await self.get_run(run.run)
-        return existing, False
+        return await self.get_run(run.run), False
 
     async def get_run(self, run: str) -> pb.Run:
         data, state = await self._pipeline(lambda p: (p.get(k_run(run)), p.hgetall(k_state(run))))
