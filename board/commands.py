@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from datetime import datetime, timezone
 from enum import Enum
@@ -25,11 +26,13 @@ from typing import Any, Awaitable, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich import box
 from rich.table import Table
 
 from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_data_dir
 
-out = Console(soft_wrap=True)
+# Piped output (grep, CI logs) gets full-width lines instead of an 80-column squeeze.
+out = Console(width=None if sys.stdout.isatty() else 240)
 err = Console(stderr=True, soft_wrap=True)
 
 BOARD_OPTION = typer.Option(DEFAULT_LISTEN, "--board", envvar="WEFTBOARD_BOARD", help="Board address host:port.")
@@ -65,10 +68,18 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def when(ms: int) -> str:
+def when(ms: int, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
     if ms <= 0:
         return "-"
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime(fmt)
+
+
+def _table(title: str, columns: tuple[tuple[str, str], ...]) -> Table:
+    """A compact table: light borders, cells never wrapped (numbers stay readable)."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name, justify in columns:
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    return table
 
 
 def ago(ms: int, now_ms: int | None = None) -> str:
@@ -111,18 +122,16 @@ def version_row(record: Any) -> list[str]:
         human_bytes(anchor_bytes),
         density,
         f"{stats.changed_elements:,}" if stats.total_elements else "-",
-        when(record.committed_at_ms),
+        when(record.committed_at_ms, "%m-%d %H:%M:%S"),
     ]
 
 
 def history_table(run: str, records: list[Any]) -> Table:
-    table = Table(title=f"history of {run}", title_justify="left")
-    for name, justify in (
+    table = _table(f"history of {run}", (
         ("version", "right"), ("step", "right"), ("parent", "right"), ("artifacts", "left"),
         ("patch", "right"), ("anchor", "right"), ("density", "right"), ("changed", "right"),
-        ("committed (UTC)", "left"),
-    ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        ("committed UTC", "left"),
+    ))
     for record in records:
         table.add_row(*version_row(record))
     return table
@@ -131,12 +140,10 @@ def history_table(run: str, records: list[Any]) -> Table:
 def islands_table(run: str, response: Any, now_ms: int | None = None) -> Table:
     from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
 
-    table = Table(title=f"fleet of {run} (head {response.head})", title_justify="left")
-    for name, justify in (
+    table = _table(f"fleet of {run} (head {response.head})", (
         ("island", "left"), ("region", "left"), ("version", "right"), ("lag", "right"), ("state", "left"),
         ("capacity", "right"), ("last seen", "right"), ("lease", "right"), ("message", "left"),
-    ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    ))
     for info in sorted(response.islands, key=lambda i: (-i.lag, i.status.island_id)):
         s = info.status
         state = pb.IslandState.Name(s.state).removeprefix("ISLAND_STATE_").lower()
@@ -152,12 +159,10 @@ def islands_table(run: str, response: Any, now_ms: int | None = None) -> Table:
 def runs_table(runs: list[Any]) -> Table:
     from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
 
-    table = Table(title="runs", title_justify="left")
-    for name, justify in (
+    table = _table("runs", (
         ("run", "left"), ("kind", "left"), ("format", "left"), ("tensors", "right"), ("head", "right"),
-        ("oldest", "right"), ("created (UTC)", "left"),
-    ):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        ("oldest", "right"), ("created UTC", "left"),
+    ))
     for run in runs:
         table.add_row(
             run.run,
