@@ -1,9 +1,9 @@
 """Board commands of the ``weftboard`` CLI: serve, history, status, token, gc, bench board.
 
-``serve`` runs one board process. With no Redis URL it starts the embedded default (a
-bundled ``redis-server`` with an append-only file under the data dir) and with no S3
-endpoint a local-directory blob store (or SeaweedFS with ``--embedded-s3``); it prints
-everything it started and stops it all on SIGINT/SIGTERM, board first.
+``serve`` runs one board process (see board/serving.py). With no Redis URL it starts the
+embedded default (a bundled ``redis-server`` with an append-only file under the data dir)
+and with no S3 endpoint a local-directory blob store (or SeaweedFS with ``--embedded-s3``);
+it prints everything it started and stops it all on SIGINT/SIGTERM, board first.
 
 The other commands are clients: ``--board`` and ``--token`` (``WEFTBOARD_BOARD``,
 ``WEFTBOARD_TOKEN``). Without a token they use the admin token that an embedded board
