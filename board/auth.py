@@ -1,7 +1,7 @@
 """Bearer-token authentication and the per-method role table.
 
 Invariants:
-- Only sha256 hashes of tokens are stored (Redis keys ``wb:tokenhash:<sha256>``); a token
+- Only sha256 hashes of tokens are stored (Redis keys ``wb:{tokens}:hash:<sha256>``); a token
   is shown once, when it is created.
 - ``METHOD_ROLES`` is the single source of the table written beside each method in
   board.proto; ADMIN may call every method.

@@ -157,8 +157,8 @@ class BoardServicer(pb_grpc.BoardServicer):
         existing = await self.store.existing_record(record.run, record.version)
         if existing is not None:
             if existing != canonical_record(record):
-                if record.version == run.head:
-                    raise self._lost_race(record, run.head)
+                if record.version >= run.head:  # n is the head, or was committed during this call
+                    raise self._lost_race(record, max(run.head, record.version))
                 raise already_exists_message(record.run, record.version)
             stored = (await self.store.get_versions(record.run, [record.version]))[record.version]
             return pb.CommitVersionResponse(record=stored, already_committed=True)

@@ -16,8 +16,9 @@ Redis Cluster slot and the commit script touches one slot only):
 - ``wb:{run}:seen``              hash: island id -> last_seen_ms
 - ``wb:{run}:leases``            sorted set: island id scored by lease expiry (ms)
 - ``wb:{run}:traj``              stream of trajectory records (field r), consumer groups on it
-- ``wb:token:<id>``              hash: name, role, hash (sha256 hex of the token)
-- ``wb:tokenhash:<sha256>``      token id, for lookup by the presented token
+- ``wb:{tokens}:id:<id>``        hash: name, role, hash (sha256 hex of the token)
+- ``wb:{tokens}:hash:<sha256>``  token id, for lookup by the presented token
+  (one hash tag for all tokens, so creating and revoking stay one-slot transactions)
 
 Invariants:
 - A version is written only by ``COMMIT_LUA``, which checks idempotence, then the
@@ -427,32 +428,32 @@ class RedisStore:
         digest = token_hash(token)
         await self._pipeline(
             lambda p: (
-                p.hset(f"wb:token:{token_id}", mapping={"name": name, "role": role, "hash": digest}),
-                p.set(f"wb:tokenhash:{digest}", token_id),
+                p.hset(f"wb:{{tokens}}:id:{token_id}", mapping={"name": name, "role": role, "hash": digest}),
+                p.set(f"wb:{{tokens}}:hash:{digest}", token_id),
             ),
             transaction=True,
         )
 
     async def lookup_token(self, token: str) -> TokenInfo | None:
-        token_id = await self.redis.get(f"wb:tokenhash:{token_hash(token)}")
+        token_id = await self.redis.get(f"wb:{{tokens}}:hash:{token_hash(token)}")
         if token_id is None:
             return None
-        info = await self.redis.hgetall(f"wb:token:{token_id.decode()}")
+        info = await self.redis.hgetall(f"wb:{{tokens}}:id:{token_id.decode()}")
         if not info:
             return None
         return TokenInfo(token_id.decode(), info[b"name"].decode(), int(info[b"role"]))
 
     async def revoke_token(self, token_id: str) -> None:
-        info = await self.redis.hgetall(f"wb:token:{token_id}")
+        info = await self.redis.hgetall(f"wb:{{tokens}}:id:{token_id}")
         if not info:
             raise NotFound(f"token id {token_id!r} does not exist (already revoked?)")
         await self._pipeline(
-            lambda p: (p.delete(f"wb:token:{token_id}"), p.delete(f"wb:tokenhash:{info[b'hash'].decode()}")),
+            lambda p: (p.delete(f"wb:{{tokens}}:id:{token_id}"), p.delete(f"wb:{{tokens}}:hash:{info[b'hash'].decode()}")),
             transaction=True,
         )
 
     async def token_exists(self, token_id: str) -> bool:
-        return bool(await self.redis.exists(f"wb:token:{token_id}"))
+        return bool(await self.redis.exists(f"wb:{{tokens}}:id:{token_id}"))
 
     # -- helpers ----------------------------------------------------------
 

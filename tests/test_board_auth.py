@@ -122,7 +122,7 @@ async def test_bootstrap_token_is_stored_hashed(board, redis_url):
 
     r = aioredis.Redis.from_url(redis_url)
     try:
-        blob = b"".join([k + (await r.dump(k) or b"") for k in await r.keys("wb:token*")])
+        blob = b"".join([k + (await r.dump(k) or b"") for k in await r.keys("wb:{tokens}:*")])
     finally:
         await r.aclose()
     assert board.admin_token.encode() not in blob

@@ -78,7 +78,7 @@ async def test_tokens_are_hashed(store):
     assert info is not None and (info.token_id, info.role) == ("tid", pb.ROLE_READER)
     assert await store.lookup_token("other") is None
     dump = b"".join(await store.redis.keys("*")) + b"".join(
-        v for v in (await store.redis.hgetall("wb:token:tid")).values()
+        v for v in (await store.redis.hgetall("wb:{tokens}:id:tid")).values()
     )
     assert b"secret-token-value" not in dump
     await store.revoke_token("tid")
