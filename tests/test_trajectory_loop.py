@@ -61,6 +61,15 @@ class Training:
         self.publisher.close(flush=False)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def compiled_codec() -> None:
+    """Compile the patch codec's numba kernels once (cached on disk) before any island
+    applies a patch, so a fresh clone's first compile never eats a test's wait budget."""
+    from weftboard.subscriber.demo import warm_codec
+
+    warm_codec()
+
+
 @pytest.fixture
 async def training(board, local_store, tmp_path):
     t = Training(board, local_store, tmp_path)
