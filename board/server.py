@@ -195,7 +195,12 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    metrics_port = metrics.serve(config.metrics_port, config.metrics_host) if config.metrics_port is not None else None
+    try:
+        metrics_port = metrics.serve(config.metrics_port, config.metrics_host) if config.metrics_port is not None else None
+    except OSError as exc:
+        await server.stop(0)
+        await store.close()
+        raise Unavailable(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc}") from None
     running = RunningBoard(address, metrics_port, config, server, store, metrics, fanout, health_servicer)
     running._tasks.append(asyncio.create_task(_refresh_islands(servicer, config.islands_refresh_s)))
     running._tasks.append(asyncio.create_task(_watch_redis(store, health_servicer, config.health_check_s)))

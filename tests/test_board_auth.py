@@ -231,3 +231,14 @@ async def test_mutual_tls(board_factory, pki):
     async with BoardClient(running.address, running.admin_token, tls=no_cert, timeout_s=2) as client:
         with pytest.raises(errors.Unavailable):
             await client.get_head("mtls")
+
+
+async def test_metrics_port_in_use_fails_cleanly(board_factory, local_store):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(errors.Unavailable, match="cannot serve metrics"):
+            await board_factory(blobs=local_store, metrics_port=port)
