@@ -152,7 +152,11 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
     auth = Authenticator(store, enabled=config.auth)
     if config.auth and not config.all_admin_tokens():
         log.warning("auth is on but no admin token is configured; only tokens already in Redis will work")
-    await auth.bootstrap(config.all_admin_tokens())
+    try:
+        await auth.bootstrap(config.all_admin_tokens())
+    except BaseException:
+        await store.close()
+        raise
 
     metrics = BoardMetrics()
     fanout = FanOut(store)

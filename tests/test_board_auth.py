@@ -242,3 +242,8 @@ async def test_metrics_port_in_use_fails_cleanly(board_factory, local_store):
         port = busy.getsockname()[1]
         with pytest.raises(errors.Unavailable, match="cannot serve metrics"):
             await board_factory(blobs=local_store, metrics_port=port)
+
+
+async def test_short_admin_token_is_refused(board_factory):
+    with pytest.raises(errors.InvalidArgument, match="at least 16"):
+        await board_factory(admin_token="short")
