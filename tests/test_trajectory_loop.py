@@ -159,8 +159,10 @@ async def test_island_serves_versions_and_trajectories_reach_each_group_once(boa
 
         # the staleness filter: a fresh group with max_staleness=0 never sees version-3 records
         fresh = TrajectoryConsumer(client, RUN, "fresh", "c0", max_staleness=0, block_ms=200)
-        seen = await fresh.poll()
-        assert {t.request_id for t in seen} == {"r-new"} and fresh.dropped_stale == 2
+        async for first in fresh:  # the async-iterator form
+            break
+        assert first.request_id == "r-new" and first.staleness == 0 and fresh.dropped_stale == 2
+        assert await fresh.poll(block_ms=100) == []
     finally:
         await client.close()
         await island.stop()
