@@ -50,11 +50,12 @@ from weftboard.proto.errors import FailedPrecondition, InvalidArgument, NotFound
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.anchors import DEFAULT_SHARD_BYTES, WrittenFile, write_checkpoint
 from weftboard.publisher.policy import AnchorPolicy, AnchorReason, decide_anchor
-from weftboard.publisher.uploader import Uploader, with_retries
+from weftboard.publisher.uploader import FAST_RECONNECT, Uploader, with_retries
 
 log = structlog.get_logger("weftboard.publisher")
 
 _ESTIMATE_BYTES_PER_CHANGE = 1.5
+
 
 
 @dataclass
@@ -418,7 +419,7 @@ class Publisher:
         from weftboard.board.client import BoardClient
 
         if self._client is None:
-            self._client = BoardClient(self._address, self._token, timeout_s=self.timeout_s)
+            self._client = BoardClient(self._address, self._token, timeout_s=self.timeout_s, options=FAST_RECONNECT)
             self._uploader = Uploader(self.run, self._client, self.blob_store)
             self._wake = asyncio.Event()
             self._worker = asyncio.run_coroutine_threadsafe(self._upload_worker(), self._loop)

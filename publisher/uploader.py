@@ -24,6 +24,10 @@ from weftboard.proto.errors import DeadlineExceeded, Unavailable
 log = structlog.get_logger("weftboard.publisher")
 T = TypeVar("T")
 RETRYABLE = (Unavailable, DeadlineExceeded, ConnectionError, asyncio.TimeoutError)
+# gRPC channel options: a board that restarts is found again within seconds, not after
+# gRPC's default reconnect backoff (which grows to minutes).
+FAST_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                  ("grpc.max_reconnect_backoff_ms", 2000))
 
 
 async def with_retries(

@@ -66,7 +66,9 @@ async def run_daemon(cfg: DaemonConfig) -> int:
         store = S3BlobStore(cfg.s3_endpoint, cfg.s3_access_key or "", cfg.s3_secret_key or "", cfg.s3_bucket or "",
                             secure=cfg.s3_secure, region="us-east-1", prefix=cfg.s3_prefix)
     cfg.dir.mkdir(parents=True, exist_ok=True)
-    client = BoardClient(cfg.board, cfg.token)
+    from weftboard.publisher.uploader import FAST_RECONNECT
+
+    client = BoardClient(cfg.board, cfg.token, options=FAST_RECONNECT)
     progress = ProgressReporter(rich=cfg.progress) if cfg.progress is not False else None
     try:
         if cfg.destination == "dir":

@@ -309,3 +309,28 @@ def test_merge_deltas_spans_two_transitions() -> None:
     direct = diff_tensor(a, c)
     assert torch.equal(merged.positions, direct.positions)
     assert torch.equal(merged.old_bits, direct.old_bits) and torch.equal(merged.new_bits, direct.new_bits)
+
+
+async def test_commit_retries_while_the_board_is_down(board, local_store, tmp_path: Path) -> None:
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+    pub = Publisher(board.address, "down", token=board.admin_token, blob_store=local_store)
+    try:
+        def publish():
+            trainer.step()
+            h = pub.publish(trainer.model, step=trainer.step_no)
+            views[h.version] = trainer.served()
+            return h
+
+        h1 = await asyncio.to_thread(publish)
+        await asyncio.to_thread(h1.result, 30)
+        await board.stop()
+        h2 = await asyncio.to_thread(publish)  # uploads go straight to the store; the commit retries
+        await asyncio.sleep(1.5)
+        assert not h2.done()
+        await board.restart()
+        assert (await asyncio.to_thread(h2.result, 60)).version == 2
+    finally:
+        await asyncio.to_thread(pub.close, False)
+    async with BoardClient(board.address, board.admin_token) as client:
+        await _follow_each(client, "down", local_store, tmp_path, views)
