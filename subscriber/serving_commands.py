@@ -88,8 +88,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """A complete small RL loop: trainer, board, two islands (one joins late), trajectories back."""
         import asyncio
 
+        from rich.console import Console
+
         from weftboard.subscriber.demo import DemoConfig, run_demo
 
+        console = Console()
+        if not console.is_terminal:  # logs and CI: wide enough for the summary table
+            console = Console(width=120)
         result = asyncio.run(run_demo(DemoConfig(steps=steps, out=out, seed=seed, s3=s3, rollouts=rollouts,
-                                                 live=live)))
+                                                 live=live), console=console))
         raise typer.Exit(0 if result.ok else 1)
