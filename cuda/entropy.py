@@ -202,23 +202,20 @@ def rans_encoder_tables(freq: np.ndarray) -> np.ndarray:
     (x < 2**31), as in F. Giesen's rans_byte; frequency 1 uses rcp = 2**32 - 1, shift 0 and a
     bias of start + SCALE - 1, which gives the same state.
     """
+    freq = np.asarray(freq, dtype=np.int64)
     cum = np.zeros(NSYM, np.int64)
     cum[1:] = np.cumsum(freq)[:-1]
     tab = np.zeros((NSYM, 5), np.int64)
-    for s in np.flatnonzero(freq):
-        f = int(freq[s])
-        c = int(cum[s])
-        tab[s, 0] = ((RANS_L >> SCALE_BITS) << 8) * f
-        tab[s, 4] = SCALE - f
-        if f < 2:
-            tab[s, 1] = (1 << 32) - 1
-            tab[s, 2] = 0
-            tab[s, 3] = c + SCALE - 1
-        else:
-            shift = (f - 1).bit_length()  # ceil(log2 f)
-            tab[s, 1] = ((1 << (shift + 31)) + f - 1) // f
-            tab[s, 2] = shift - 1
-            tab[s, 3] = c
+    used = freq > 0
+    f = np.where(used, freq, 1)
+    shift = np.ceil(np.log2(f)).astype(np.int64)  # exact for f <= 2**14
+    one = f < 2
+    tab[:, 0] = ((RANS_L >> SCALE_BITS) << 8) * freq
+    tab[:, 1] = np.where(one, (1 << 32) - 1, ((np.int64(1) << (shift + 31)) + f - 1) // f)
+    tab[:, 2] = np.where(one, 0, shift - 1)
+    tab[:, 3] = np.where(one, cum + SCALE - 1, cum)
+    tab[:, 4] = SCALE - freq
+    tab[~used] = 0
     return tab
 
 
