@@ -16,6 +16,9 @@ Invariants (what makes Watch gap-free and duplicate-free):
 - Each commit is serialized once (a ``WatchEvent`` as bytes) and the same bytes are
   written to every stream: a record of a large model is tens of kilobytes, and
   serializing it once per watcher would dominate the fan-out.
+- Idle streams get a ``TICK`` from one ticker task per feed (at most one pending per
+  subscription) once they have written nothing for their progress interval; no stream
+  holds a timer of its own.
 """
 
 from __future__ import annotations
