@@ -212,3 +212,22 @@ def test_triton_batch_diff_one_sync(tk) -> None:
         pairs.append((old, _mutate(old, 0.2, gen)))
     for (old, new), got in zip(pairs, tk.diff_many_cuda(pairs)):
         assert torch.equal(got.positions, diff_tensor(old, new).positions)
+
+
+def test_gpu_bench_dry_run_on_cpu(tk, capsys) -> None:
+    """The GPU benchmark's whole code path (Triton kernels in the interpreter, codec round trip)."""
+    from weftboard.cuda import gpu_bench
+
+    rc = gpu_bench.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--vocab", "100"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "diff, Triton" in out and "torch ne+nonzero" in out and "index_copy_" in out
+    assert out.count(": OK") == 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="only meaningful without a GPU")
+def test_gpu_bench_says_clearly_when_there_is_no_gpu(capsys) -> None:
+    from weftboard.cuda import gpu_bench
+
+    assert gpu_bench.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
