@@ -35,6 +35,13 @@ from weftboard.subscriber.engines.base import EngineAdapter
 log = structlog.get_logger(__name__)
 
 
+class _Held:
+    """The one field of a VersionTarget an activation of an on-disk checkpoint needs."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+
 class EngineDestination:
     def __init__(
         self,
@@ -74,6 +81,15 @@ class EngineDestination:
             if self.inner.held_version() != target.version:
                 await self.inner.apply_patch(patch, target)
             await self._activate_checkpoint(target)
+
+    async def activate_held(self) -> int:
+        """After a restart: make the engine serve the verified checkpoint already on disk
+        (engines in their own process only), so the island resumes without a download."""
+        held = self.inner.held_version()
+        if self.in_process or held == 0 or held == self.adapter.served_version():
+            return self.held_version()
+        await self._activate_checkpoint(_Held(held))  # type: ignore[arg-type]
+        return self.held_version()
 
     async def _activate_in_process(self, target: VersionTarget, change) -> None:
         async with self.gate.activation():

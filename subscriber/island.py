@@ -131,6 +131,8 @@ async def start_island(
             closers.append(adapter.close)
             inner = CheckpointDirDestination(checkpoint_dir)
             destination = EngineDestination(adapter, gate, state, inner, checkpoint_dir=inner.current)
+            if inner.held_version():  # a restart: serve the verified checkpoint on disk first
+                await destination.activate_held()
         subscriber = Subscriber(client, run, destination, island_id=island_id, blob_store=blob_store,
                                 cache_dir=cache_dir, heartbeat_s=heartbeat_s)
         reporter = TrajectoryReporter(client) if report_trajectories else None

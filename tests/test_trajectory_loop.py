@@ -311,3 +311,31 @@ async def test_engine_in_its_own_server_loads_verified_checkpoints(board, local_
     finally:
         await island.stop()
         await server.stop()
+
+
+async def test_restarted_sidecar_serves_its_checkpoint_on_disk(board, local_store, training, tmp_path):
+    """A checkpoint engine's island restarted: the verified checkpoint on disk is activated
+    at once, before the subscriber even asks the board."""
+    from weftboard.subscriber.reference_model import ReferenceEngine, serve_engine
+
+    for _ in range(2):
+        await training.publish()
+    engine = ReferenceEngine(MODEL)
+    server = await serve_engine(engine)
+    try:
+        island = await island_of(board, local_store, tmp_path, "restart", engine="reference",
+                                 engine_url=server.url, checkpoint_dir=tmp_path / "ckpt")
+        await island.subscriber.wait_for_version(2, timeout_s=30)
+        await island.stop()
+        fresh = ReferenceEngine(MODEL)  # the engine restarted too, with no weights of the run
+        await server.stop()
+        server = await serve_engine(fresh)
+        island = await island_of(board, local_store, tmp_path, "restart", engine="reference",
+                                 engine_url=server.url, checkpoint_dir=tmp_path / "ckpt")
+        try:
+            assert island.state.held == 2 and fresh.version == 2  # before any catch-up
+            assert bits_equal(fresh.tensors, training.views[2])
+        finally:
+            await island.stop()
+    finally:
+        await server.stop()
