@@ -8,14 +8,16 @@ Called from an ordinary synchronous training loop::
             pub.publish(model, step=step)
 
 Invariants:
-- The publisher keeps ONE served view (on the model's device). ``publish`` projects each
-  master tensor and diffs it into that view in one fused pass (``diff_and_update_``), so
-  the view always equals the newest published version and the kept deltas describe the
-  transition. That pass is all the trainer waits for (``trainer_blocked_s``).
-- Everything else runs on a background thread with its own asyncio loop, in two stages:
-  a *snapshot* stage that reads the view (digests of the tensors that changed, the anchor
-  file) and must finish before the next ``publish`` may change the view; and an *upload*
-  stage (encode, upload, commit) that needs only the deltas, in version order.
+- The publisher keeps ONE served view (on the model's device). Each master tensor is
+  projected (large elementwise casts chunk by chunk through a reused buffer) and diffed
+  into that view in one fused pass (``diff_and_update_``), so the view always equals the
+  newest published version and the kept deltas describe the transition. That read is all
+  the trainer waits for; with ``attach(optimizer)`` it even overlaps the next forward and
+  backward pass, and only the optimizer's next ``step()`` waits for it (``blocked_s``).
+- Everything else runs in the background, in publish order: a single *read/snapshot*
+  thread (read the weights, hash the touched tensors, write the anchor file: whatever
+  reads the view, before the next read changes it), then an asyncio loop on its own
+  thread for the *upload* stage (encode, upload, commit), which needs only the deltas.
 - Versions are consecutive and committed in order; a failure that cannot be retried
   poisons the publisher (every later ``publish`` raises it), because a gap would break
   the chain islands follow.
