@@ -338,7 +338,7 @@ def _read_container(data: bytes | bytearray | memoryview) -> _Container:
             raise CorruptData(f"patch header: {where} has mode {mode!r}, not valid for encoding {encoding!r}")
         if (mode == "empty") != (changed == 0):
             raise CorruptData(f"patch header: {where} has mode {mode!r} with {changed} changes")
-        if not 1 <= tile <= 1 << 24 or index_bytes not in (4, 8):
+        if not (256 <= tile <= 1 << 24 and tile & (tile - 1) == 0) or index_bytes not in (4, 8):
             raise CorruptData(f"patch header: {where} has tile {tile} / index_bytes {index_bytes} out of range")
         if mode == "empty":
             if nbytes != 0 or name in st_header:
@@ -443,6 +443,8 @@ def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes) -> Decod
         return DecodedTensor(name, pos, buf[changed * ib :].view(np.dtype(udt).newbyteorder("<")).astype(udt), False)
     # sparse
     tile = entry["tile"]
+    if (numel + tile - 1) // tile > buf.size:  # every tile has at least one directory byte
+        raise bad(f"{buf.size} bytes cannot hold the directory of {numel} elements in tiles of {tile}")
     err, freq, ns, ks, rice, rans, esc, offs = entropy.parse_table_and_directory(buf, numel, tile, width, changed)
     if err:
         raise bad(entropy.DIR_ERRORS.get(int(err), f"directory error {err}"))
