@@ -136,8 +136,12 @@ async def start_island(
         subscriber = Subscriber(client, run, destination, island_id=island_id, blob_store=blob_store,
                                 cache_dir=cache_dir, heartbeat_s=heartbeat_s)
         reporter = TrajectoryReporter(client) if report_trajectories else None
+        async def board_head() -> int:
+            return int((await client.get_head(run)).version)
+
         sidecar = Sidecar(SidecarConfig(engine_url, run, island_id, host=host, port=port,
-                                        default_deadline_s=default_deadline_s), state, gate, reporter)
+                                        default_deadline_s=default_deadline_s), state, gate, reporter,
+                          refresh_head=board_head)
         url = await sidecar.start()
         island = RunningIsland(island_id, url, sidecar, subscriber, state, gate, adapter, destination, in_process,
                                closers)

@@ -5,7 +5,9 @@ A request may name the versions it accepts (header ``X-Weftboard-Version: exact=
 deadline (``X-Weftboard-Deadline-Ms`` or body ``weftboard_deadline_ms``). Then:
 - the engine holds an acceptable version: the request is admitted through the gate and
   proxied (SSE streams pass through chunk by chunk);
-- the island is behind but catching up can satisfy it: it waits, up to its deadline;
+- the island is behind but catching up can satisfy it: it waits, up to its deadline
+  (a request naming a version beyond the head the island knows makes it ask the board
+  for its head once, so a trainer that just published is not turned away);
 - otherwise: 409 at once, body ``{"error": "version_not_ready", "held", "head",
   "constraint", "retry_after_s", "message"}`` and a ``Retry-After`` header.
 
@@ -31,14 +33,14 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import aiohttp
 import structlog
 from aiohttp import web
 
 from weftboard.proto.domain import VersionConstraint
-from weftboard.proto.errors import DeadlineExceeded, InvalidArgument
+from weftboard.proto.errors import DeadlineExceeded, InvalidArgument, WeftboardError
 from weftboard.subscriber.admission import AdmissionGate, Ticket, VersionState
 from weftboard.subscriber.trajectory_reporter import TrajectoryReporter, make_record
 
@@ -114,6 +116,7 @@ class RequestPlan:
     labels: dict[str, str]
     request_id: str
     stream: bool
+    head_refreshed: bool = False
 
 
 def plan_request(request: web.Request, body: dict, default_deadline_s: float) -> RequestPlan:
@@ -197,8 +200,10 @@ class Sidecar:
         state: VersionState,
         gate: AdmissionGate,
         reporter: TrajectoryReporter | None = None,
+        refresh_head: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         self.config = config
+        self.refresh_head = refresh_head  # asks the board when a request names a version beyond our head
         self.state = state
         self.gate = gate
         self.reporter = reporter
@@ -290,6 +295,20 @@ class Sidecar:
         return web.json_response(body, status=409, headers={"Retry-After": str(max(1, math.ceil(retry))),
                                                             **self._version_headers(self.state.held, self.state.held)})
 
+    async def _fresh_head(self, plan: RequestPlan) -> bool:
+        """Ask the board for its head (once per request); True when it moved."""
+        if self.refresh_head is None or plan.head_refreshed:
+            return False
+        plan.head_refreshed = True
+        before = self.state.head
+        try:
+            head = await asyncio.wait_for(self.refresh_head(), max(0.1, min(2.0, plan.deadline - time.monotonic())))
+        except (TimeoutError, WeftboardError) as exc:
+            log.warning("could not refresh the head from the board", error=str(exc))
+            return False
+        await self.state.set_head(head)
+        return self.state.head > before
+
     async def _admit(self, plan: RequestPlan) -> Ticket | web.Response:
         c = plan.constraint
         while True:
@@ -305,6 +324,9 @@ class Sidecar:
                 ticket.release()  # the version moved while we waited for the gate; decide again
                 continue
             if not can_catch_up(c, held, head):
+                wants_newer = (c.exact is not None and c.exact > head) or (c.minimum is not None and c.minimum > head)
+                if wants_newer and await self._fresh_head(plan):
+                    continue  # the board has moved on: decide again with its head
                 if held == 0:
                     why = "the island holds no version yet"
                 elif c.exact is not None and c.exact <= held:

@@ -301,3 +301,28 @@ async def test_models_proxied_and_engine_down_is_502(island):
     assert status == 502 and body["error"] == "engine_unavailable"
     assert headers["X-Weftboard-Version-Start"] == "1"
     assert island.gate.inflight == 0  # the ticket was released
+
+
+async def test_a_version_beyond_the_known_head_asks_the_board_once(island):
+    await island.activate(1)
+    board_head = {"v": 1, "calls": 0}
+
+    async def refresh() -> int:
+        board_head["calls"] += 1
+        return board_head["v"]
+
+    island.sidecar.refresh_head = refresh
+    status, _, body = await call(island.url, PROMPT, {"X-Weftboard-Version": "exact=2"})
+    assert status == 409 and board_head["calls"] == 1 and body["head"] == 1  # the board has nothing newer
+
+    board_head["v"] = 2  # committed, but this island has not heard of it yet
+
+    async def later():
+        await asyncio.sleep(0.3)
+        await island.activate(2)
+
+    task = asyncio.create_task(later())
+    status, headers, _ = await call(island.url, PROMPT, {"X-Weftboard-Version": "min=2",
+                                                         "X-Weftboard-Deadline-Ms": "5000"})
+    await task
+    assert status == 200 and headers["X-Weftboard-Version-Start"] == "2" and board_head["calls"] == 2
