@@ -199,6 +199,28 @@ def map_safetensors(path: Path, *, writable: bool) -> tuple[dict[str, torch.Tens
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only buffer: we never write through it
             base = torch.frombuffer(mm, dtype=torch.uint8)
+    return tensors_in_buffer(path, base, start, header), mm
+
+
+def load_safetensors_buffer(path: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Read a whole safetensors file into one (writable, aligned) buffer; tensors are views of it."""
+    start, header = read_header(path)
+    size = os.path.getsize(path)
+    base = torch.empty(size, dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as f:
+        view = memoryview(base.numpy())
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:])
+            if not n:
+                raise CorruptData(f"{path}: file shrank while reading ({got} of {size} bytes)")
+            got += n
+    return tensors_in_buffer(path, base, start, header), base
+
+
+def tensors_in_buffer(path: Path, base: torch.Tensor, start: int, header: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """Typed views of each tensor of a safetensors file held in the uint8 tensor ``base``."""
+    size = base.numel()
     out: dict[str, torch.Tensor] = {}
     for name, info in header.items():
         dtype = TORCH_DTYPES.get(info["dtype"])
@@ -212,7 +234,7 @@ def map_safetensors(path: Path, *, writable: bool) -> tuple[dict[str, torch.Tens
         if (start + a) % item:
             raise CorruptData(f"{path}: tensor {name!r} is not aligned to its element size")
         out[name] = raw.view(dtype).reshape(info["shape"])
-    return out, mm
+    return out
 
 
 def checkpoint_files(directory: Path) -> list[Path]:

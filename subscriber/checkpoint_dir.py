@@ -32,7 +32,13 @@ import structlog
 import torch
 
 from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch, WeftboardError
-from weftboard.publisher.anchors import checkpoint_files, map_safetensors, read_header, write_index
+from weftboard.publisher.anchors import (
+    checkpoint_files,
+    load_safetensors_buffer,
+    map_safetensors,
+    read_header,
+    write_index,
+)
 from weftboard.subscriber.destination import TensorEntry, VersionTarget
 from weftboard.subscriber.verify import verify_tensors
 
@@ -172,19 +178,30 @@ class CheckpointDirDestination:
         src = self.current.resolve()
         tmp = self._tmp_dir(target.version)
         try:
+            # Read the held version into memory, patch it there (scattered writes to a mapped
+            # file fault page by page), verify, then write the new files out sequentially.
+            buffers: list[tuple[str, torch.Tensor]] = []
+            tensors: dict[str, torch.Tensor] = {}
+            for f in checkpoint_files(src):
+                part, buf = load_safetensors_buffer(f)
+                tensors.update(part)
+                buffers.append((f.name, buf))
             for f in src.iterdir():
-                if f.name != META_NAME:
-                    shutil.copyfile(f, tmp / f.name)
-            with _Mapped(tmp, writable=True) as mapped:
-                applied = apply_patch_(mapped.tensors, data)
-                if applied.target_version != target.version or applied.base_version != target.version - 1:
-                    raise CorruptData(
-                        f"patch goes from {applied.base_version} to {applied.target_version}, expected "
-                        f"{target.version - 1} to {target.version}"
-                    )
-                touched = [n for n, c in applied.changed.items() if c]
-                digests = verify_tensors(mapped.tensors, target, rehash=touched, cache=self._digests)
-                mapped.flush()
+                if f.suffix != ".safetensors" and f.name != META_NAME:
+                    shutil.copyfile(f, tmp / f.name)  # the shard index
+            applied = apply_patch_(tensors, data)
+            if applied.target_version != target.version or applied.base_version != target.version - 1:
+                raise CorruptData(
+                    f"patch goes from {applied.base_version} to {applied.target_version}, expected "
+                    f"{target.version - 1} to {target.version}"
+                )
+            touched = [n for n, c in applied.changed.items() if c]
+            digests = verify_tensors(tensors, target, rehash=touched, cache=self._digests)
+            tensors.clear()
+            for name, buf in buffers:
+                with open(tmp / name, "wb") as out:
+                    out.write(memoryview(buf.numpy()))
+            buffers.clear()
             hang = float(os.environ.get(HANG_ENV, "0") or 0)
             if hang > 0:
                 log.warning("test hook: hanging inside apply before the swap", seconds=hang, version=target.version)
