@@ -203,12 +203,14 @@ def _warm_up_kernels() -> None:
 def full_island_main(argv: Sequence[str]) -> int:
     """``python -m weftboard.publisher.bench_sync full-island ENDPOINT ACCESS SECRET BUCKET DIR``.
 
-    Reads one object key per stdin line; downloads it, loads it with safetensors and prints
-    ``{"event": "loaded", "key": ..., "t": ...}``.
+    Reads ``KEY DIGEST`` per stdin line; downloads the object, checks its xxh3-128 (the same
+    guarantee the delta islands give: nothing unverified is served), loads it with
+    safetensors and prints ``{"event": "loaded", "key": ..., "verified": ..., "t": ...}``.
     """
     from safetensors.torch import load_file
 
     from weftboard.board.blobs import S3BlobStore
+    from weftboard.publisher.anchors import file_digest
 
     endpoint, access, secret, bucket, directory = argv
     store = S3BlobStore(endpoint, access, secret, bucket, region="us-east-1")
@@ -216,20 +218,23 @@ def full_island_main(argv: Sequence[str]) -> int:
     work.mkdir(parents=True, exist_ok=True)
     print(json.dumps({"event": "started", "t": time.time()}), flush=True)
 
-    async def handle(key: str) -> None:
+    async def handle(key: str, digest: str) -> None:
         path = work / "model.safetensors"
         path.unlink(missing_ok=True)
         await store.download_to(key, path)
-        tensors = load_file(path)
-        n = sum(t.numel() for t in tensors.values())
-        del tensors
-        print(json.dumps({"event": "loaded", "key": key, "numel": n, "t": time.time()}), flush=True)
+        verified = file_digest(path) == digest
+        n = 0
+        if verified:
+            tensors = load_file(path)
+            n = sum(t.numel() for t in tensors.values())
+            del tensors
+        print(json.dumps({"event": "loaded", "key": key, "numel": n, "verified": verified, "t": time.time()}), flush=True)
 
     for line in sys.stdin:
-        key = line.strip()
-        if not key:
+        parts = line.split()
+        if len(parts) != 2:
             break
-        asyncio.run(handle(key))
+        asyncio.run(handle(parts[0], parts[1]))
     return 0
 
 
@@ -259,9 +264,9 @@ class FullIsland:
             except ValueError:
                 continue
 
-    async def load(self, key: str) -> None:
+    async def load(self, key: str, digest: str) -> None:
         assert self.proc is not None and self.proc.stdin is not None
-        self.proc.stdin.write((key + "\n").encode())
+        self.proc.stdin.write(f"{key} {digest}\n".encode())
         await self.proc.stdin.drain()
 
     async def stop(self) -> None:
@@ -412,8 +417,10 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 t_up = time.time()
                 await store.put_file(key, files[0].path)
                 full_upload.append(time.time() - t_up)
-                await asyncio.gather(*(f.load(key) for f in fulls))
+                await asyncio.gather(*(f.load(key, files[0].digest) for f in fulls))
                 events = await asyncio.gather(*(f.next_event(600) for f in fulls))
+                if not all(e.get("verified") for e in events):
+                    raise RuntimeError(f"a baseline island could not verify {key}")
                 return max(e["t"] for e in events)
 
             done, _ = await asyncio.gather(ship(), asyncio.to_thread(trainer.step))
@@ -463,6 +470,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                               for k in ("read_s", "digest_s", "encode_s", "upload_s", "commit_s")} if stages else {},
         "publisher_read_s_per_version": round(statistics.fmean(r["read_s"] for r in results.values()), 4) if results else None,
         "publisher_extra_memory_ratio": round(peak_extra / view_bytes, 3),
+        "baseline": "full safetensors written, uploaded to the same S3, downloaded, xxh3-verified and loaded by every island",
         "memory_method": "peak RSS while publishing minus RSS before the publisher (model, grads, fused AdamW state allocated), over one bf16 view",
         "bitwise_ok": bool(roots_ok and all_applied and results),
     }
