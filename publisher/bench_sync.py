@@ -80,7 +80,14 @@ def model_shapes(params: int) -> list[tuple[str, tuple[int, ...]]]:
 
 
 class BenchTrainer:
-    """fp32 master weights, fused AdamW at lr 3e-6, dense random gradients each step."""
+    """fp32 master weights, fused AdamW at lr 3e-6, dense random gradients each step.
+
+    The gradients stand in for a forward/backward pass, which a real trainer runs on its
+    accelerators. Drawing 100M fresh normals per step would make this 2-core host measure
+    its random number generator instead of the sync pipeline, so each step copies a window
+    of a bank of N(0, 1) samples drawn once, at a fresh random offset: dense, unit scale,
+    and unrelated from one step to the next, which is what Adam sees in an RL step.
+    """
 
     def __init__(self, params: int, lr: float = 3e-6, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
@@ -95,6 +102,8 @@ class BenchTrainer:
             p.grad = torch.zeros_like(p)
         self.opt = torch.optim.AdamW(self.params.values(), lr=lr, fused=True)
         self.gen = torch.Generator().manual_seed(seed + 1)
+        self._slack = 1 << 20
+        self._bank = torch.randn(self.numel + self._slack, generator=self.gen)
         self.steps = 0
 
     @property
@@ -102,9 +111,12 @@ class BenchTrainer:
         return sum(p.numel() for p in self.params.values())
 
     def step(self) -> None:
+        offset = int(torch.randint(0, self._slack, (1,), generator=self.gen))
         with torch.no_grad():
             for p in self.params.values():
-                p.grad.normal_(generator=self.gen)
+                n = p.numel()
+                p.grad.copy_(self._bank[offset : offset + n].view_as(p))
+                offset += n
         self.opt.step()
         self.steps += 1
 
