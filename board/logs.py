@@ -32,5 +32,6 @@ def configure(json: bool | None = None, level: str = "INFO") -> None:
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=True,
+        # Not cached: a cached logger ignores later reconfiguration (tests capture logs).
+        cache_logger_on_first_use=False,
     )
