@@ -315,6 +315,7 @@ class Publisher:
         read_s = handle.read_s
         read_done.set()
         del master
+        _release_free_memory()  # after the read: the trainer does not wait for it
         if target is not None:
             from weftboard.publisher.deltas import merge_deltas
 
@@ -578,8 +579,6 @@ class Publisher:
             prev = self._view.get(name)
             if self._is_elementwise(name, t, prev):
                 deltas[name] = _chunked_cast_diff_update_(prev, t, self._scratch)
-                if t.numel() > _CAST_CHUNK:
-                    _release_free_memory()  # the chunk deltas were just concatenated and freed
                 continue
             for sname, st in self.projector.project_tensor(name, t, anchor=anchor).items():
                 prev = self._view.get(sname)
@@ -590,7 +589,6 @@ class Publisher:
                     )
                 deltas[sname] = diff_and_update_(prev, st)
         self._scratch.clear()
-        _release_free_memory()
         if len(deltas) != len(self._view):
             missing = sorted(set(self._view) - set(deltas))[:3]
             raise FailedPrecondition(f"the model no longer produces served tensors {missing} of run {self.run}")
