@@ -453,6 +453,10 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         await store.close()
         s3.stop()
         redis.stop()
+        if cfg.work_dir is None:  # our own temporary directory: servers' data, islands, checkpoints
+            import shutil
+
+            shutil.rmtree(root, ignore_errors=True)
 
     delta_sync = [r["sync_s"] for r in results.values()]
     blocked = [r["blocked_s"] for r in results.values()]
