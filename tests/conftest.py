@@ -35,9 +35,18 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 import pytest
 import pytest_asyncio
 import redis
+import structlog
 
 from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
 from weftboard.board.services import ManagedProcess, free_port, start_redis, start_seaweedfs
+
+
+@pytest.fixture(autouse=True)
+def _isolated_structlog() -> Iterator[None]:
+    """Undo any structlog configuration a test made (the demo sets WARNING), so log
+    assertions in later tests do not depend on test order."""
+    yield
+    structlog.reset_defaults()
 
 _REDIS_DATABASES = 16
 
