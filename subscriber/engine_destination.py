@@ -92,27 +92,25 @@ class EngineDestination:
         return self.held_version()
 
     async def _activate_in_process(self, target: VersionTarget, change) -> None:
+        async def change_and_mark() -> None:
+            await change()
+            self.adapter.mark_served(target.version)
+
+        await self._activate(target, change_and_mark)
+
+    async def _activate_checkpoint(self, target: VersionTarget) -> None:
+        assert self.checkpoint_dir is not None
+        checkpoint_dir = self.checkpoint_dir
+        await self._activate(target, lambda: self.adapter.load_checkpoint(checkpoint_dir, target.version))
+
+    async def _activate(self, target: VersionTarget, change) -> None:
+        """Pause the engine, make the change, record the held version, resume: the only
+        window in which the engine does not serve. A failure is recorded and re-raised."""
         async with self.gate.activation():
             try:
                 try:
                     await self.adapter.pause(self.gate.mode)
                     await change()
-                    self.adapter.mark_served(target.version)
-                    await self.state.set_held(target.version)
-                finally:
-                    await self.adapter.resume()
-            except (WeftboardError, OSError) as exc:
-                await self._failed(target, exc)
-                raise
-        await self._succeeded(target)
-
-    async def _activate_checkpoint(self, target: VersionTarget) -> None:
-        assert self.checkpoint_dir is not None
-        async with self.gate.activation():
-            try:
-                try:
-                    await self.adapter.pause(self.gate.mode)
-                    await self.adapter.load_checkpoint(self.checkpoint_dir, target.version)
                     await self.state.set_held(target.version)
                 finally:
                     await self.adapter.resume()
