@@ -90,28 +90,9 @@ class _Guard:
         return handler
 
     def stream(self, method: str, fn: Callable) -> Callable:
-        """Server streaming: ``fn`` is a coroutine that writes with ``context.write``."""
-
-        @functools.wraps(fn)
-        async def handler(request, context):
-            started = time.perf_counter()
-            code, message = grpc.StatusCode.OK, ""
-            with structlog.contextvars.bound_contextvars():
-                try:
-                    await self.enter(method, request, context)
-                    await fn(request, context)
-                    return
-                except asyncio.CancelledError:
-                    code = grpc.StatusCode.CANCELLED
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    code, message = status_of(method, exc, self.redis_url)
-                finally:
-                    self.done(method, code, started)
-                log.info("rpc refused", code=code.name, detail=message)
-            await context.abort(code, message)
-
-        return handler
+        """Server streaming: ``fn`` is a coroutine that writes with ``context.write`` and
+        returns None, so the same guard as for unary methods serves it."""
+        return self.unary(method, fn)
 
 
 def _message_or_bytes(message: Any) -> bytes:
