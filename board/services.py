@@ -257,16 +257,25 @@ class _EarlyExit(Exception):
         self.proc = proc
 
 
-def _start_with_retries(start_once: Callable[[], ManagedProcess], what: str) -> ManagedProcess:
-    """Start a server, retrying with fresh ports when it exits during start-up."""
+def _start_with_retries(
+    start_once: Callable[[], ManagedProcess], what: str, fixed_port: str | None = None
+) -> ManagedProcess:
+    """Start a server, retrying with fresh ports when it exits during start-up.
+
+    ``fixed_port`` (e.g. "port 6379") means the caller chose the port: one attempt, since
+    retrying on the same port cannot help.
+    """
+    attempts = 1 if fixed_port else _START_ATTEMPTS
     last: ManagedProcess | None = None
-    for _ in range(_START_ATTEMPTS):
+    for _ in range(attempts):
         try:
             return start_once()
         except _EarlyExit as exc:
             last = exc.proc
             last.stop()
     assert last is not None
+    if fixed_port:
+        raise Unavailable(f"{what} could not start on {fixed_port}; log {last.log_path}:\n{last.log_tail()}")
     raise Unavailable(
         f"{what} exited during start-up {_START_ATTEMPTS} times (exit code {last.process.returncode}); "
         f"log {last.log_path}:\n{last.log_tail()}"
@@ -332,15 +341,7 @@ def start_redis(
         _wait_ready(proc, lambda: _redis_pong(chosen), timeout_s)
         return proc
 
-    if port is not None:  # a fixed port: no point retrying with the same one
-        try:
-            return start_once()
-        except _EarlyExit as exc:
-            exc.proc.stop()
-            raise Unavailable(
-                f"redis-server could not start on port {port}; log {exc.proc.log_path}:\n{exc.proc.log_tail()}"
-            ) from None
-    return _start_with_retries(start_once, "redis-server")
+    return _start_with_retries(start_once, "redis-server", None if port is None else f"port {port}")
 
 
 def _redis_pong(port: int) -> bool:
@@ -429,15 +430,9 @@ def start_seaweedfs(
         _wait_ready(proc, lambda: _s3_bucket_visible(endpoint, access_key, secret_key, bucket), timeout_s)
         return proc
 
-    if s3_port is not None:
-        try:
-            return start_once()
-        except _EarlyExit as exc:
-            exc.proc.stop()
-            raise Unavailable(
-                f"SeaweedFS could not start with S3 on port {s3_port}; log {exc.proc.log_path}:\n{exc.proc.log_tail()}"
-            ) from None
-    return _start_with_retries(start_once, "SeaweedFS (weed mini)")
+    return _start_with_retries(
+        start_once, "SeaweedFS (weed mini)", None if s3_port is None else f"S3 port {s3_port}"
+    )
 
 
 def _s3_bucket_visible(endpoint: str, access_key: str, secret_key: str, bucket: str) -> bool:
