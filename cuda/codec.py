@@ -32,27 +32,32 @@ was written wrongly still fails cleanly. Inspect a patch with ordinary tools::
     python -c "from safetensors import safe_open; f = safe_open('p.safetensors', 'np'); \\
                print(f.metadata()['weftboard']); print(list(f.keys()))"
 
-Apply decodes and validates every stream first, then writes in place; ``AppliedPatch.revert``
-restores the exact previous bytes. Entropy coding runs on CPU threads (numba) for every device;
-for CUDA tensors only the decoded (position, bits) arrays travel to the GPU, where Triton
-kernels write them in place.
+Apply checks every header, checksum and directory first, then writes in place;
+``AppliedPatch.revert`` restores the exact previous bytes. On the CPU the default encoding is
+fused (``weftboard.cuda.tile_codec``): encoding reads each (old, new) pair once with no position
+arrays, and a sparse stream is decoded straight into the tensor, undone in full if the entropy
+decoder finds damage mid-way. Entropy coding runs on CPU threads (numba) for every device; for
+CUDA tensors the decoded (position, bits) arrays travel to the GPU, where Triton kernels write
+them in place.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
 import xxhash
 
-from weftboard.cuda import entropy
+from weftboard.cuda import entropy, tile_codec
 from weftboard.cuda.diff import (
     TensorDelta,
     bits_view,
+    check_pair,
     diff_tensor,
     int_view_dtype,
     scatter_bits_,
@@ -164,50 +169,78 @@ def _encode_baseline(pos: np.ndarray, new: np.ndarray, numel: int) -> tuple[str,
     return "baseline", np.concatenate([idx.view(np.uint8), new.astype(new.dtype.newbyteorder("<")).view(np.uint8)]), index_bytes
 
 
-def encode_deltas(
-    deltas: Iterable[tuple[str, TensorDelta]],
-    *,
-    base_version: int,
-    target_version: int,
-    target_root: str,
-    encoding: str = "default",
+@dataclass(frozen=True)
+class _EncodedTensor:
+    """One tensor's stream and the header entry fields that describe it."""
+
+    name: str
+    dtype: torch.dtype
+    numel: int
+    changed: int
+    mode: str
+    stream: np.ndarray  # uint8
+    index_bytes: int = 4
+
+
+def _encode_delta(name: str, delta: TensorDelta, encoding: str) -> _EncodedTensor:
+    pos, old, new = _delta_arrays(delta)
+    if encoding == "default":
+        mode, stream = _encode_default(pos, old, new, delta.numel)
+        return _EncodedTensor(name, delta.dtype, int(delta.numel), int(pos.size), mode, stream)
+    mode, stream, index_bytes = _encode_baseline(pos, new, delta.numel)
+    return _EncodedTensor(name, delta.dtype, int(delta.numel), int(pos.size), mode, stream, index_bytes)
+
+
+def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor) -> _EncodedTensor | None:
+    """The default encoding of a CPU pair in one read of both tensors (``tile_codec``).
+
+    None when the tensor is better served by the bitmap mode or a tile was pathologically
+    dense; the caller then takes the two-step path, which picks the mode itself.
+    """
+    check_pair(old, new)
+    a = unsigned_np(bits_view(old.detach().contiguous()))
+    b = unsigned_np(bits_view(new.detach().contiguous()))
+    numel = a.size
+    changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE)
+    if changed == 0:
+        return _EncodedTensor(name, old.dtype, numel, 0, "empty", np.empty(0, np.uint8))
+    if changed == numel:
+        return _EncodedTensor(name, old.dtype, numel, changed, "all", b.view(np.uint8))
+    if stream is None or stream.size > (numel + 7) // 8 + changed * a.itemsize:
+        return None
+    return _EncodedTensor(name, old.dtype, numel, changed, "sparse", stream)
+
+
+def _encode_tensors(
+    tensors: Iterable[_EncodedTensor], *, base_version: int, target_version: int, target_root: str, encoding: str
 ) -> EncodedPatch:
-    """Encode per-tensor deltas (consumed one at a time) into one patch container."""
-    if encoding not in ENCODINGS:
-        raise InvalidArgument(f"unknown patch encoding {encoding!r}; expected one of {ENCODINGS}")
     entries: list[dict[str, Any]] = []
     streams: list[tuple[str, bytes]] = []
     changed: dict[str, int] = {}
     numel: dict[str, int] = {}
-    for name, delta in deltas:
-        if not isinstance(name, str) or not name:
-            raise InvalidArgument(f"tensor names must be non-empty strings, got {name!r}")
-        if name in changed or name == "__metadata__":
-            raise InvalidArgument(f"tensor name {name!r} appears twice (or is reserved) in one patch")
-        pos, old, new = _delta_arrays(delta)
-        index_bytes = 4
-        if encoding == "default":
-            mode, stream = _encode_default(pos, old, new, delta.numel)
-        else:
-            mode, stream, index_bytes = _encode_baseline(pos, new, delta.numel)
-        raw = stream.tobytes()
+    for t in tensors:
+        if not isinstance(t.name, str) or not t.name:
+            raise InvalidArgument(f"tensor names must be non-empty strings, got {t.name!r}")
+        if t.name in changed or t.name == "__metadata__":
+            raise InvalidArgument(f"tensor name {t.name!r} appears twice (or is reserved) in one patch")
+        raw = t.stream.tobytes()
         entries.append(
             {
-                "name": name,
-                "dtype": dtype_name(delta.dtype),
-                "numel": int(delta.numel),
-                "changed": int(pos.size),
-                "mode": mode,
+                "name": t.name,
+                "dtype": dtype_name(t.dtype),
+                "numel": t.numel,
+                "changed": t.changed,
+                "mode": t.mode,
                 "stream_bytes": len(raw),
                 "xxh3_64": xxhash.xxh3_64_hexdigest(raw),
                 "tile": CODEC_TILE,
-                "index_bytes": index_bytes,
+                "index_bytes": t.index_bytes,
             }
         )
         if raw:
-            streams.append((name, raw))
-        changed[name] = int(pos.size)
-        numel[name] = int(delta.numel)
+            streams.append((t.name, raw))
+        changed[t.name] = t.changed
+        numel[t.name] = t.numel
     header = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -220,6 +253,27 @@ def encode_deltas(
     return EncodedPatch(data=_write_container(header, streams), changed=changed, numel=numel)
 
 
+def _check_encoding(encoding: str) -> None:
+    if encoding not in ENCODINGS:
+        raise InvalidArgument(f"unknown patch encoding {encoding!r}; expected one of {ENCODINGS}")
+
+
+def encode_deltas(
+    deltas: Iterable[tuple[str, TensorDelta]],
+    *,
+    base_version: int,
+    target_version: int,
+    target_root: str,
+    encoding: str = "default",
+) -> EncodedPatch:
+    """Encode per-tensor deltas (consumed one at a time) into one patch container."""
+    _check_encoding(encoding)
+    return _encode_tensors(
+        (_encode_delta(name, delta, encoding) for name, delta in deltas),
+        base_version=base_version, target_version=target_version, target_root=target_root, encoding=encoding,
+    )
+
+
 def encode_patch(
     pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]],
     *,
@@ -228,13 +282,25 @@ def encode_patch(
     target_root: str,
     encoding: str = "default",
 ) -> EncodedPatch:
-    """Diff each (name, old, new) pair as it comes and encode the deltas into one patch."""
-    return encode_deltas(
-        ((name, diff_tensor(old, new)) for name, old, new in pairs),
-        base_version=base_version,
-        target_version=target_version,
-        target_root=target_root,
-        encoding=encoding,
+    """Diff each (name, old, new) pair as it comes and encode it into one patch.
+
+    CPU pairs in the default encoding go through the fused kernels (one read of both tensors,
+    no position arrays); other pairs are diffed first (Triton on CUDA) and then encoded.
+    Both give the same container, decoded by the same readers.
+    """
+    _check_encoding(encoding)
+
+    def encoded() -> Iterable[_EncodedTensor]:
+        for name, old, new in pairs:
+            if encoding == "default" and old.device.type == "cpu" and new.device.type == "cpu":
+                fused = _encode_pair_fused(name, old, new)
+                if fused is not None:
+                    yield fused
+                    continue
+            yield _encode_delta(name, diff_tensor(old, new), encoding)
+
+    return _encode_tensors(
+        encoded(), base_version=base_version, target_version=target_version, target_root=target_root, encoding=encoding
     )
 
 
@@ -441,26 +507,71 @@ def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes) -> Decod
         if pos.size and (pos[0] < 0 or pos[-1] >= numel or not bool(np.all(pos[1:] > pos[:-1]))):
             raise bad("positions are not strictly ascending indices below numel")
         return DecodedTensor(name, pos, buf[changed * ib :].view(np.dtype(udt).newbyteorder("<")).astype(udt), False)
-    # sparse
-    tile = entry["tile"]
+    sp = _parse_sparse(entry, buf, width)
+    pos = np.empty(changed, np.int64)
+    diff = np.empty(changed, udt)
+    errs = entropy.decode_tiles(sp.buf, numel, sp.tile, width, sp.ns, sp.ks, sp.rice, sp.rans, sp.esc, sp.offs,
+                                sp.freq, sp.cum, sp.slot2sym, pos, diff)
+    _raise_tile_errors(entry, errs)
+    return DecodedTensor(name, pos, diff, True)
+
+
+@dataclass
+class SparseStream:
+    """A ``sparse`` stream whose table and directory were parsed and checked."""
+
+    buf: np.ndarray
+    numel: int
+    tile: int
+    width: int
+    ns: np.ndarray
+    ks: np.ndarray
+    rice: np.ndarray
+    rans: np.ndarray
+    esc: np.ndarray
+    offs: np.ndarray
+    freq: np.ndarray
+    cum: np.ndarray
+    slot2sym: np.ndarray
+
+
+def _sparse_error(entry: Mapping[str, Any], msg: str) -> CorruptData:
+    return CorruptData(f"patch stream for tensor {entry['name']!r} ({entry['mode']}): {msg}")
+
+
+def _parse_sparse(entry: Mapping[str, Any], buf: np.ndarray, width: int) -> SparseStream:
+    numel, changed, tile = entry["numel"], entry["changed"], entry["tile"]
     if (numel + tile - 1) // tile > buf.size:  # every tile has at least one directory byte
-        raise bad(f"{buf.size} bytes cannot hold the directory of {numel} elements in tiles of {tile}")
+        raise _sparse_error(entry, f"{buf.size} bytes cannot hold the directory of {numel} elements in tiles of {tile}")
     err, freq, ns, ks, rice, rans, esc, offs = entropy.parse_table_and_directory(buf, numel, tile, width, changed)
     if err:
-        raise bad(entropy.DIR_ERRORS.get(int(err), f"directory error {err}"))
+        raise _sparse_error(entry, entropy.DIR_ERRORS.get(int(err), f"directory error {err}"))
     cum = np.zeros(entropy.NSYM, np.int64)
     cum[1:] = np.cumsum(freq)[:-1]
     slot2sym = np.repeat(np.arange(entropy.NSYM, dtype=np.uint8), freq)
     if slot2sym.size != entropy.SCALE:
-        raise bad("frequency table does not cover every rANS slot")
-    pos = np.empty(changed, np.int64)
-    diff = np.empty(changed, udt)
-    errs = entropy.decode_tiles(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, pos, diff)
+        raise _sparse_error(entry, "frequency table does not cover every rANS slot")
+    return SparseStream(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym)
+
+
+def _raise_tile_errors(entry: Mapping[str, Any], errs: np.ndarray) -> None:
     bad_tiles = np.flatnonzero(errs)
     if bad_tiles.size:
         t = int(bad_tiles[0])
-        raise bad(f"tile {t} ({bad_tiles.size} bad tiles): {entropy.ERRORS.get(int(errs[t]), 'unknown error')}")
-    return DecodedTensor(name, pos, diff, True)
+        raise _sparse_error(entry, f"tile {t} ({bad_tiles.size} bad tiles): {entropy.ERRORS.get(int(errs[t]), 'unknown error')}")
+
+
+def _apply_sparse_(target: torch.Tensor, entry: Mapping[str, Any], sp: SparseStream, sign: int) -> None:
+    """Decode and add (``sign`` 1) or subtract (-1) a sparse stream in place, on the CPU.
+
+    On a corrupt tile every write this call made is undone before ``CorruptData`` is raised.
+    """
+    tu = unsigned_np(bits_view(target))
+    args = (sp.buf, tu, sp.numel, sp.tile, sp.width, sp.ns, sp.ks, sp.rice, sp.rans, sp.esc, sp.offs, sp.freq, sp.cum, sp.slot2sym)
+    errs, done = tile_codec.apply_tiles(*args, sign, sp.ns)
+    if errs.any():
+        tile_codec.apply_tiles(*args, -sign, done)
+        _raise_tile_errors(entry, errs)
 
 
 # ---------------------------------------------------------------------------
@@ -474,22 +585,29 @@ class AppliedPatch:
     base_version: int
     target_version: int
     target_root: str
-    _undo: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list, repr=False)
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _reverted: bool = field(default=False, repr=False)
 
     def revert(self) -> None:
         """Restore the exact bytes the tensors held before the apply (idempotent)."""
         if self._reverted:
             return
-        for target, positions, old_bits in reversed(self._undo):
-            scatter_bits_(target, positions, old_bits)
+        for undo in reversed(self._undo):
+            undo()
         self._reverted = True
 
 
 def apply_patch_(tensors: Mapping[str, torch.Tensor], data: bytes | bytearray | memoryview) -> AppliedPatch:
-    """Decode and validate the whole patch, then write it into ``tensors`` in place."""
+    """Check the whole patch, then write it into ``tensors`` in place.
+
+    Every header, checksum and directory is checked before the first write. Sparse streams
+    into CPU tensors are then decoded and applied in one pass (``tile_codec``); the rare
+    damage only the entropy decoder can see (a stream that was written wrong yet hashes
+    right) is found during that pass, and then every write of this call is undone before
+    ``CorruptData`` is raised, so the tensors are never left half-patched.
+    """
     c = _read_container(data)
-    decoded: list[tuple[torch.Tensor, DecodedTensor]] = []
+    steps: list[tuple[torch.Tensor, Mapping[str, Any], SparseStream | DecodedTensor]] = []
     for entry in c.entries:
         name = entry["name"]
         target = tensors.get(name)
@@ -508,15 +626,27 @@ def apply_patch_(tensors: Mapping[str, torch.Tensor], data: bytes | bytearray | 
         stream = c.streams[name]
         if xxhash.xxh3_64_hexdigest(stream) != entry["xxh3_64"]:
             raise CorruptData(f"patch stream for tensor {name!r} fails its xxh3-64 check: corrupted in storage or transit")
-        decoded.append((target, decode_stream(entry, stream)))
+        if entry["mode"] == "sparse" and target.device.type == "cpu":
+            steps.append((target, entry, _parse_sparse(entry, np.frombuffer(stream, dtype=np.uint8), target.element_size())))
+        else:
+            steps.append((target, entry, decode_stream(entry, stream)))
     applied = AppliedPatch(
         changed={e["name"]: e["changed"] for e in c.entries},
         base_version=c.header["base_version"],
         target_version=c.header["target_version"],
         target_root=c.header["target_root"],
     )
-    for target, dec in decoded:
-        applied._undo.append(_apply_decoded(target, dec))
+    try:
+        for target, entry, step in steps:
+            if isinstance(step, SparseStream):
+                _apply_sparse_(target, entry, step, 1)
+                applied._undo.append(functools.partial(_apply_sparse_, target, entry, step, -1))
+            else:
+                target_, pos, old = _apply_decoded(target, step)
+                applied._undo.append(functools.partial(scatter_bits_, target_, pos, old))
+    except BaseException:
+        applied.revert()
+        raise
     return applied
 
 

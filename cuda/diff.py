@@ -210,7 +210,7 @@ def _scatter(target, pos, bits, chunk):
             target[pos[i]] = bits[i]
 
 
-def _check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
+def check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
     if old.dtype != new.dtype:
         raise InvalidArgument(f"diff needs equal dtypes, got {old.dtype} and {new.dtype}")
     if old.shape != new.shape:
@@ -256,7 +256,7 @@ def _diff_cpu(old: torch.Tensor, new: torch.Tensor, update: bool) -> TensorDelta
 
 def diff_tensor(old: torch.Tensor, new: torch.Tensor) -> TensorDelta:
     """Changed positions and bits between two stored versions of one tensor."""
-    _check_pair(old, new)
+    check_pair(old, new)
     if old.device.type == "cuda":
         from weftboard.cuda import triton_kernels
 
@@ -266,7 +266,7 @@ def diff_tensor(old: torch.Tensor, new: torch.Tensor) -> TensorDelta:
 
 def diff_and_update_(prev: torch.Tensor, new: torch.Tensor) -> TensorDelta:
     """Diff ``prev`` against ``new`` and make ``prev`` equal ``new`` in the same pass."""
-    _check_pair(prev, new)
+    check_pair(prev, new)
     if prev.device.type == "cuda":
         from weftboard.cuda import triton_kernels
 

@@ -13,7 +13,9 @@ Per tensor (all integers little-endian; "varint" = LEB128, 7 bits per byte, at m
 A tile's positions are gaps ``g_0 = p_0 - tile_start``, ``g_i = p_i - p_{i-1} - 1`` written as
 Rice(k): ``g >> k`` one-bits, a zero-bit, then the ``k`` low bits of ``g``; bits are packed
 LSB-first, the last byte padded with zero bits. Rice is the optimal prefix code for geometric
-gaps, i.e. for i.i.d. change positions, and k is chosen per tile by exact cost.
+gaps, i.e. for i.i.d. change positions. Any k <= MAX_K decodes; the two-step encoder here picks
+it per tile by exact cost, the fused one (``weftboard.cuda.tile_codec``) by the closed-form
+optimum for geometric gaps, and on realistic updates both pick the same k.
 
 Each value is the difference ``d = new_bits - old_bits`` modulo 2**(8*width) (an integer
 difference, not XOR: one ulp up is always +1 even when it carries through many bits). With

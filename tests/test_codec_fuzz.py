@@ -5,7 +5,9 @@ Properties:
 - a mutated or truncated patch either raises CorruptData or applies to exactly the intended
   result (a mutation can only be harmless, e.g. in JSON padding), and never crashes or hangs;
 - each stream decoder, fed mutated streams with the checksums bypassed, raises CorruptData or
-  returns well-formed output (ascending positions below numel, the declared count).
+  returns well-formed output (ascending positions below numel, the declared count);
+- the fused decode+apply kernel refuses exactly what the two-step decoder refuses, undoing its
+  writes, and otherwise writes exactly the two-step decoder's result.
 """
 
 from __future__ import annotations
@@ -217,3 +219,39 @@ def test_header_fields_are_validated(field, value) -> None:
     with pytest.raises(CorruptData):
         apply_patch_(target, data)
     assert all(torch.equal(bits_view(target[n]), bits_view(olds[n])) for n in olds)
+
+
+SPARSE = [i for i, (e, _) in enumerate(STREAMS) if e["mode"] == "sparse"]
+
+
+@FUZZ
+@given(i=st.sampled_from(SPARSE), m=st.data(), seed=st.integers(0, 2**31 - 1))
+def test_fused_apply_agrees_with_the_two_step_decoder_or_undoes_itself(i, m, seed) -> None:
+    """The fused decode+apply kernel, fed mutated streams with the checksum bypassed, refuses
+    exactly what the two-step decoder refuses, leaves the target untouched when it does, and
+    otherwise writes exactly the two-step decoder's result."""
+    entry, stream = STREAMS[i]
+    for _ in range(m.draw(st.integers(1, 3))):
+        if not stream:
+            break
+        stream = _mutate(stream, m.draw(mutations(len(stream))))
+    dtype = getattr(torch, entry["dtype"])
+    width = torch.empty(0, dtype=dtype).element_size()
+    rng = np.random.default_rng(seed)
+    before = torch.from_numpy(rng.integers(0, 256, entry["numel"] * width, dtype=np.uint8)).view(dtype)
+    target = before.clone()
+    try:
+        sp = codec._parse_sparse(entry, np.frombuffer(stream, dtype=np.uint8), width)
+        codec._apply_sparse_(target, entry, sp, 1)
+    except CorruptData:
+        assert torch.equal(bits_view(target), bits_view(before)), "a refused stream left writes behind"
+        with pytest.raises(CorruptData):
+            decode_stream(entry, stream)
+        return
+    dec = decode_stream(entry, stream)
+    expected = before.clone()
+    eb = bits_view(expected)
+    pos = torch.from_numpy(dec.positions)
+    diff = torch.from_numpy(dec.values.astype(np.int64) if width < 8 else dec.values.view(np.int64))
+    eb[pos] = (eb[pos].to(torch.int64) + diff).to(eb.dtype)
+    assert torch.equal(bits_view(target), eb)

@@ -1,0 +1,499 @@
+"""Fused CPU kernels for the default ``sparse`` stream of one tensor.
+
+``encode_sparse`` turns one read of the old and new stored bits into the finished stream (diff
+and encode fused); ``apply_tiles`` makes one pass over a stream and writes the tensor in place
+(decode and apply fused); the same kernel with ``sign=-1`` takes a patch back out. The bytes
+are exactly the layout ``weftboard.cuda.entropy`` documents, so the two-step decoder reads what
+these write and the other way round (tests cross-check both directions).
+
+Why fused: the two-step path materialises an int64 position plus the old and new bits of every
+change (12 bytes per change for bf16) and reads them back two or three times; at 1-10% density
+that memory traffic, not the coding, is what costs. Here a tile is scanned 64 elements at a
+time into change masks (word-parallel bit tricks that LLVM vectorizes), the masks are walked
+with count-trailing-zeros, and each change is Rice- and symbol-coded on the spot; only the
+symbols (one byte each) wait until the tensor's frequency table is known.
+
+Invariants:
+- Tiles are independent and write only their own regions, so ``prange`` over tiles gives the
+  same bytes for any number of threads.
+- A tile's Rice parameter is the optimum for geometric gaps at the tile's mean gap (Gallager
+  and Van Voorhis), a closed form, so choosing it needs no pass over the gaps.
+- ``apply_tiles`` validates as it writes: it reports, per tile, how many changes it wrote
+  before any error, so the caller can undo exactly those (``sign=-1``, ``limit=done``) and a
+  corrupt stream never leaves a tensor half-patched.
+- Scratch comes from ``torch.empty``, which (unlike numpy for large arrays) does not ask for
+  transparent huge pages, so only the pages a tile actually writes are touched.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba as nb
+import numpy as np
+import torch
+
+from weftboard.cuda import entropy
+from weftboard.cuda.bitops import ctlz64, ctpop64, cttz64
+from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM, RANS_L, SCALE_BITS
+
+_M1 = np.uint64(0x0101010101010101)
+_MUL1 = np.uint64(0x0102040810204080)  # gathers the low bits of 8 byte lanes into the top byte
+_M2 = np.uint64(0x0001000100010001)
+_MUL2 = np.uint64(0x0001000200040008)  # gathers the low bits of 4 16-bit lanes into bits 48..51
+_M4 = np.uint64(0x0000000100000001)
+_LOG_PHI_M1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)  # log(golden ratio - 1)
+_RICE_SLACK = 64  # bytes per tile beyond one byte per element in the Rice scratch
+
+
+@nb.njit(inline="always", cache=True)
+def _lanes(x, width):
+    """Bit i set iff lane i (``width`` bytes) of the 64-bit word ``x`` is non-zero."""
+    if width == 1:
+        x |= x >> np.uint64(4)
+        x |= x >> np.uint64(2)
+        x |= x >> np.uint64(1)
+        return ((x & _M1) * _MUL1) >> np.uint64(56)
+    if width == 2:
+        x |= x >> np.uint64(8)
+        x |= x >> np.uint64(4)
+        x |= x >> np.uint64(2)
+        x |= x >> np.uint64(1)
+        return (((x & _M2) * _MUL2) >> np.uint64(48)) & np.uint64(0xF)
+    if width == 4:
+        x |= x >> np.uint64(16)
+        x |= x >> np.uint64(8)
+        x |= x >> np.uint64(4)
+        x |= x >> np.uint64(2)
+        x |= x >> np.uint64(1)
+        x &= _M4
+        return (x | (x >> np.uint64(31))) & np.uint64(3)
+    return np.uint64(1) if x != 0 else np.uint64(0)
+
+
+@nb.njit(inline="always", cache=True)
+def _word_block(aw, bw, w0, width):
+    """Change mask of the 64 elements stored in words ``w0 .. w0 + 8*width - 1``."""
+    per = 8 // width
+    m = np.uint64(0)
+    for j in range(8 * width):
+        m |= _lanes(aw[w0 + j] ^ bw[w0 + j], width) << np.uint64(per * j)
+    return m
+
+
+@nb.njit(inline="always", cache=True)
+def _elem_block(a, b, s, e):
+    """Change mask of elements ``s .. e-1`` (at most 64), element by element."""
+    m = np.uint64(0)
+    for j in range(e - s):
+        if a[s + j] != b[s + j]:
+            m |= np.uint64(1) << np.uint64(j)
+    return m
+
+
+@nb.njit(inline="always", cache=True)
+def _symbol_nobranch(d, mask, wbits):
+    """``entropy._symbol`` without branches (the sign of a change is a coin flip, which a
+    branch predictor cannot learn): 2*(|d|-1) + sign for 1 <= |d| <= MAX_DELTA, else ESC."""
+    neg = (d >> wbits) & np.uint64(1)
+    mag = ((d ^ (np.uint64(0) - neg)) + neg) & mask
+    code = np.int64(((mag - np.uint64(1)) << np.uint64(1)) | neg)
+    return code if mag - np.uint64(1) < np.uint64(MAX_DELTA) else np.int64(ESC)
+
+
+@nb.njit(inline="always", cache=True)
+def rice_k(total_gap, n):
+    """Optimal Rice parameter for geometric gaps of mean ``total_gap / n``."""
+    if total_gap <= 0:
+        return 0
+    theta = total_gap / (total_gap + n)  # mean / (mean + 1)
+    if theta >= 1.0:
+        return MAX_K
+    k = 1 + int(math.floor(math.log2(_LOG_PHI_M1 / math.log(theta))))
+    return min(MAX_K, max(0, k))
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def scan_encode_tiles(a, b, aw, bw, width, tile, rice_buf, rstride, sym_buf):
+    """Pass 1: per tile, change masks, then Rice-coded gaps, symbols and escapes.
+
+    Tile ``t`` writes Rice bytes at ``rice_buf[t*rstride:]``, its symbols at
+    ``sym_buf[2*t*tile:]`` and its escapes (raw differences, little-endian) at
+    ``sym_buf[2*t*tile + tile:]``. A tile whose output would not fit sets ``over[t]`` (the
+    caller then uses the two-step encoder); ``ns`` is exact either way.
+    """
+    numel = a.size
+    ntiles = (numel + tile - 1) // tile
+    per = 8 // width
+    use_words = aw.size > 0
+    ns = np.zeros(ntiles, np.int64)
+    ks = np.zeros(ntiles, np.int64)
+    rice_len = np.zeros(ntiles, np.int64)
+    n_esc = np.zeros(ntiles, np.int64)
+    over = np.zeros(ntiles, np.int64)
+    hist = np.zeros((ntiles, NSYM), np.int64)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
+    wbits = np.uint64(8 * width - 1)
+    for t in nb.prange(ntiles):
+        s = t * tile
+        e = min(s + tile, numel)
+        nblocks = (e - s + 63) // 64
+        masks = np.empty(nblocks, np.uint64)
+        cnt = 0
+        last = -1
+        for bi in range(nblocks):
+            bs = s + 64 * bi
+            if use_words and bs + 64 <= e:
+                m = _word_block(aw, bw, bs // per, width)
+            else:
+                m = _elem_block(a, b, bs, min(bs + 64, e))
+            masks[bi] = m
+            if m != 0:
+                cnt += np.int64(ctpop64(m))
+                last = bi
+        if cnt == 0:
+            continue
+        ns[t] = cnt
+        lastpos = 64 * last + 63 - np.int64(ctlz64(masks[last]))
+        k = rice_k(lastpos + 1 - cnt, cnt)
+        ks[t] = k
+        lowmask = (1 << k) - 1
+        p0 = t * rstride
+        p = p0
+        pend = p0 + rstride - 16
+        sb = 2 * t * tile
+        eb = sb + tile
+        eend = sb + 2 * tile
+        acc = 0
+        nbits = 0
+        prev = -1
+        j = 0
+        ne = 0
+        bad = False
+        h = hist[t]
+        for bi in range(nblocks):
+            m = masks[bi]
+            while m != 0:
+                lp = 64 * bi + np.int64(cttz64(m))
+                m &= m - np.uint64(1)
+                g = lp - prev - 1
+                prev = lp
+                u = g >> k
+                if p + ((u + k) >> 3) + 8 > pend:
+                    bad = True
+                    break
+                # Rice(k): u one-bits, a zero-bit, the k low bits; acc holds < 32 bits between codes
+                while u >= 24:
+                    acc |= ((1 << 24) - 1) << nbits
+                    nbits += 24
+                    while nbits >= 8:
+                        rice_buf[p] = acc & 0xFF
+                        p += 1
+                        acc >>= 8
+                        nbits -= 8
+                    u -= 24
+                ln = u + 1 + k
+                if nbits + ln > 62:
+                    while nbits >= 8:
+                        rice_buf[p] = acc & 0xFF
+                        p += 1
+                        acc >>= 8
+                        nbits -= 8
+                acc |= (((1 << u) - 1) | ((g & lowmask) << (u + 1))) << nbits
+                nbits += ln
+                # branch-free flush of 32 bits: the bytes are always stored, kept only if due
+                rice_buf[p] = acc & 0xFF
+                rice_buf[p + 1] = (acc >> 8) & 0xFF
+                rice_buf[p + 2] = (acc >> 16) & 0xFF
+                rice_buf[p + 3] = (acc >> 24) & 0xFF
+                full = nbits >> 5
+                p += full << 2
+                acc >>= full << 5
+                nbits -= full << 5
+                i = s + lp
+                d = (np.uint64(b[i]) - np.uint64(a[i])) & mask
+                sym = _symbol_nobranch(d, mask, wbits)
+                sym_buf[sb + j] = sym
+                j += 1
+                h[sym] += 1
+                if sym == ESC:
+                    q = eb + ne * width
+                    if q + width > eend:
+                        bad = True
+                        break
+                    for c in range(width):
+                        sym_buf[q + c] = np.uint8((d >> np.uint64(8 * c)) & np.uint64(0xFF))
+                    ne += 1
+            if bad:
+                break
+        if bad:
+            over[t] = 1
+            continue
+        while nbits > 0:
+            rice_buf[p] = acc & 0xFF
+            p += 1
+            acc >>= 8
+            nbits -= 8
+        rice_len[t] = p - p0
+        n_esc[t] = ne
+    return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def rans_encode_tiles(sym_buf, tile, ns, rtab, rans_off, rans_buf):
+    """Pass 2: each tile's symbols, rANS-coded backwards so that its stream ends at
+    ``rans_off[t+1]``; returns where each tile's stream starts (the final state first)."""
+    ntiles = ns.size
+    starts = np.zeros(ntiles, np.int64)
+    for t in nb.prange(ntiles):
+        n = ns[t]
+        if n == 0:
+            continue
+        q = rans_off[t + 1]
+        x = RANS_L
+        sb = 2 * t * tile
+        for j in range(n - 1, -1, -1):
+            s = sym_buf[sb + j]
+            xmax = rtab[s, 0]
+            # Renormalise without branches (how many bytes a symbol pushes out is a coin flip
+            # for the predictor): both candidate bytes are stored, q moves by the number due,
+            # and a byte not due is overwritten by the next one. q stays >= rans_off[t] + 4.
+            nbytes = (1 if x >= xmax else 0) + (1 if (x >> 8) >= xmax else 0)
+            rans_buf[q - 1] = x & 0xFF
+            rans_buf[q - 2] = (x >> 8) & 0xFF
+            q -= nbytes
+            x >>= nbytes << 3
+            x = x + rtab[s, 3] + (((x * rtab[s, 1]) >> 32) >> rtab[s, 2]) * rtab[s, 4]
+        q -= 4
+        for c in range(4):
+            rans_buf[q + c] = (x >> (8 * c)) & 0xFF
+        starts[t] = q
+    return starts
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def assemble_tiles(freq, ns, ks, rice_len, rans_start, rans_off, n_esc, width, tile, rice_buf, rstride, sym_buf, rans_buf):
+    """Pass 3: table and directory (serial), then every tile's Rice | rANS | escapes (parallel)."""
+    ntiles = ns.size
+    payload = 0
+    for t in range(ntiles):
+        if ns[t]:
+            payload += rice_len[t] + (rans_off[t + 1] - rans_start[t]) + n_esc[t] * width
+    out = np.empty(10 + NSYM * 20 + ntiles * 40 + payload, np.uint8)
+    nsym = 0
+    for s in range(NSYM):
+        if freq[s] > 0:
+            nsym += 1
+    p = entropy._write_varint(out, 0, nsym)
+    for s in range(NSYM):
+        if freq[s] > 0:
+            p = entropy._write_varint(out, p, s)
+            p = entropy._write_varint(out, p, freq[s])
+    for t in range(ntiles):
+        p = entropy._write_varint(out, p, ns[t])
+        if ns[t] == 0:
+            continue
+        out[p] = ks[t]
+        p += 1
+        p = entropy._write_varint(out, p, rice_len[t])
+        p = entropy._write_varint(out, p, rans_off[t + 1] - rans_start[t])
+        p = entropy._write_varint(out, p, n_esc[t])
+    dest = np.zeros(ntiles, np.int64)
+    for t in range(ntiles):
+        dest[t] = p
+        if ns[t]:
+            p += rice_len[t] + (rans_off[t + 1] - rans_start[t]) + n_esc[t] * width
+    for t in nb.prange(ntiles):
+        if ns[t] == 0:
+            continue
+        o = dest[t]
+        r0 = t * rstride
+        for c in range(rice_len[t]):
+            out[o + c] = rice_buf[r0 + c]
+        o += rice_len[t]
+        m = rans_off[t + 1] - rans_start[t]
+        for c in range(m):
+            out[o + c] = rans_buf[rans_start[t] + c]
+        o += m
+        e0 = 2 * t * tile + tile
+        for c in range(n_esc[t] * width):
+            out[o + c] = sym_buf[e0 + c]
+    return out[:p]
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    return torch.empty(max(nbytes, 1), dtype=torch.uint8).numpy()
+
+
+def _words(arr: np.ndarray) -> np.ndarray:
+    """64-bit words over ``arr`` when it starts 8-byte aligned, else an empty array."""
+    per = 8 // arr.itemsize
+    nw = arr.size // per
+    if arr.ctypes.data % 8 or nw == 0:
+        return np.empty(0, np.uint64)
+    return arr[: nw * per].view(np.uint64)
+
+
+def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int) -> tuple[int, np.ndarray | None]:
+    """(number of changed elements, the ``sparse`` stream), one read of both arrays.
+
+    ``old`` and ``new`` are unsigned views of one element width. The stream is None when
+    nothing changed or when a tile did not fit its scratch (a pathological, very dense tile);
+    the caller then picks another mode or the two-step encoder.
+    """
+    if tile % 64:
+        raise ValueError("tile must be a multiple of 64")
+    width = old.itemsize
+    numel = old.size
+    ntiles = (numel + tile - 1) // tile
+    aw, bw = _words(old), _words(new)
+    if aw.size != bw.size:
+        aw = bw = np.empty(0, np.uint64)
+    rstride = tile + _RICE_SLACK
+    rice_buf = _scratch(ntiles * rstride)
+    sym_buf = _scratch(ntiles * 2 * tile)
+    ns, ks, rice_len, n_esc, counts, over = scan_encode_tiles(old, new, aw, bw, width, tile, rice_buf, rstride, sym_buf)
+    total = int(ns.sum())
+    if total == 0 or over.any():
+        return total, None
+    freq = entropy.quantize_freqs(counts)
+    rtab = entropy.rans_encoder_tables(freq)
+    rans_off = np.zeros(ntiles + 1, np.int64)
+    np.cumsum(np.where(ns > 0, 2 * ns + 4, 0), out=rans_off[1:])
+    rans_buf = _scratch(int(rans_off[-1]))
+    starts = rans_encode_tiles(sym_buf, tile, ns, rtab, rans_off, rans_buf)
+    return total, assemble_tiles(freq, ns, ks, rice_len, starts, rans_off, n_esc, width, tile, rice_buf, rstride, sym_buf, rans_buf)
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def apply_tiles(buf, target, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, sign, limit):
+    """Decode each tile and add (``sign`` 1) or subtract (-1) its differences in ``target``.
+
+    Only the first ``limit[t]`` changes of tile ``t`` are applied (decoding stops there when
+    ``limit[t] < ns[t]``, which is how an apply is undone). Returns ``(errs, done)``: an
+    ``entropy.ERRORS`` code per tile (0 when valid) and how many changes each tile wrote.
+    A position is written only after it was decoded and checked to lie inside its tile.
+    """
+    ntiles = ns.size
+    errs = np.zeros(ntiles, np.int64)
+    done = np.zeros(ntiles, np.int64)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
+    smask = (1 << SCALE_BITS) - 1
+    sym2diff = np.zeros(NSYM, np.uint64)
+    for s in range(ESC):
+        mag = np.uint64(s // 2 + 1)
+        v = (((~mag) + np.uint64(1)) & mask) if s & 1 else mag
+        if sign < 0:
+            v = (np.uint64(0) - v) & mask
+        sym2diff[s] = v
+    for t in nb.prange(ntiles):
+        n = ns[t]
+        lim = min(n, limit[t])
+        if lim == 0:
+            continue
+        k = ks[t]
+        if k > MAX_K:
+            errs[t] = 9
+            continue
+        tile_start = t * tile
+        tile_end = min(tile_start + tile, numel)
+        p = offs[t]
+        rend = p + rice[t]
+        pa = rend
+        aend = pa + rans[t]
+        if aend - pa < 4:
+            errs[t] = 4
+            continue
+        x = np.int64(buf[pa]) | (np.int64(buf[pa + 1]) << 8) | (np.int64(buf[pa + 2]) << 16) | (np.int64(buf[pa + 3]) << 24)
+        pa += 4
+        if x < RANS_L or x >= (RANS_L << 8):
+            errs[t] = 5
+            continue
+        e = aend
+        eend = aend + esc[t] * width
+        n_esc = 0
+        acc = 0
+        nbits = 0
+        prev = tile_start - 1
+        err = 0
+        lowmask = (1 << k) - 1
+        applied = 0
+        for i in range(lim):
+            # --- symbol (rANS)
+            slot = x & smask
+            s = slot2sym[slot]
+            x = freq[s] * (x >> SCALE_BITS) + slot - cum[s]
+            while x < RANS_L:
+                if pa >= aend:
+                    err = 6
+                    break
+                x = (x << 8) | np.int64(buf[pa])
+                pa += 1
+            if err:
+                break
+            if s == ESC:
+                n_esc += 1
+                if e + width > eend:
+                    err = 8
+                    break
+                d = np.uint64(0)
+                for c in range(width):
+                    d |= np.uint64(buf[e]) << np.uint64(8 * c)
+                    e += 1
+                if sign < 0:
+                    d = (np.uint64(0) - d) & mask
+            else:
+                d = sym2diff[s]
+            # --- gap (Rice): acc holds nbits <= 63 unread bits, the rest of acc is zero
+            if nbits < 32:
+                while nbits <= 55 and p < rend:
+                    acc |= np.int64(buf[p]) << nbits
+                    p += 1
+                    nbits += 8
+            q = 0
+            while True:
+                ones = np.int64(cttz64(np.uint64(~acc)))  # <= nbits: acc is zero above nbits
+                if ones < nbits:
+                    q += ones
+                    acc >>= ones + 1
+                    nbits -= ones + 1
+                    break
+                q += nbits
+                acc = 0
+                nbits = 0
+                if q > tile or p >= rend:
+                    err = 1 if p >= rend else 2
+                    break
+                while nbits <= 55 and p < rend:
+                    acc |= np.int64(buf[p]) << nbits
+                    p += 1
+                    nbits += 8
+            if err:
+                break
+            if nbits < k:
+                while nbits <= 55 and p < rend:
+                    acc |= np.int64(buf[p]) << nbits
+                    p += 1
+                    nbits += 8
+                if nbits < k:
+                    err = 1
+                    break
+            cur = prev + 1 + ((q << k) | (acc & lowmask))
+            acc >>= k
+            nbits -= k
+            if cur >= tile_end:
+                err = 2
+                break
+            target[cur] = np.uint64(target[cur]) + d
+            applied += 1
+            prev = cur
+        done[t] = applied
+        if err == 0 and lim == n:
+            if p != rend or nbits >= 8 or acc != 0:
+                err = 3
+            elif pa != aend or x != RANS_L:
+                err = 7
+            elif n_esc != esc[t]:
+                err = 8
+        errs[t] = err
+    return errs, done

@@ -1,0 +1,207 @@
+"""The fused CPU kernels (``weftboard.cuda.tile_codec``) against the two-step codec.
+
+Both directions are cross-checked: a fused stream decodes with the two-step decoder to exactly
+the diff of the pair, and a two-step stream applies with the fused kernel to exactly the new
+bits. A stream that hashes right but was written wrong is found during the fused apply and
+every write is undone.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from weftboard.cuda import codec, tile_codec
+from weftboard.cuda.codec import CODEC_TILE, apply_patch_, decode_stream, encode_deltas, encode_patch
+from weftboard.cuda.diff import bits_view, diff_tensor
+from weftboard.proto.errors import CorruptData
+
+ROOT = "xxh3-128:" + "00" * 16
+UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+DTYPE_OF_WIDTH = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
+def _pair(width: int, n: int, density: float, seed: int, far: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 256, n * width, dtype=np.uint8).view(UNSIGNED[width])
+    b = a.copy()
+    mask = rng.random(n) < density
+    step = rng.choice(np.array([1, 2, 3, 5, 64, 65, 1000], np.int64), n, p=[0.5, 0.2, 0.1, 0.05, 0.05, 0.05, 0.05])
+    step[rng.random(n) < far] = 1 << (8 * width - 2)  # far jumps: escapes
+    sign = np.where(rng.random(n) < 0.5, -1, 1)
+    with np.errstate(over="ignore"):
+        b[mask] = a[mask] + (step[mask] * sign[mask]).astype(np.int64).astype(UNSIGNED[width])
+    return a, b
+
+
+def _entry(width: int, numel: int, changed: int) -> dict:
+    return {"name": "x", "dtype": {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32", 8: "float64"}[width],
+            "numel": numel, "changed": changed, "mode": "sparse", "tile": CODEC_TILE}
+
+
+def _fused_apply(stream: np.ndarray, target: np.ndarray, changed: int, sign: int = 1) -> None:
+    entry = _entry(target.itemsize, target.size, changed)
+    sp = codec._parse_sparse(entry, stream, target.itemsize)
+    t = torch.from_numpy(target.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[target.itemsize]))
+    codec._apply_sparse_(t, entry, sp, sign)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+@pytest.mark.parametrize("n, density", [(1, 1.0), (63, 0.3), (64, 0.02), (65, 0.5), (70_001, 0.001), (200_003, 0.1), (140_000, 0.9)])
+def test_fused_stream_decodes_to_the_exact_diff_and_applies_back(width: int, n: int, density: float) -> None:
+    a, b = _pair(width, n, density, seed=n + width)
+    changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE)
+    pos = np.flatnonzero(a != b)
+    assert changed == pos.size
+    if changed == 0:
+        assert stream is None
+        return
+    assert stream is not None
+    dec = decode_stream(_entry(width, n, changed), memoryview(stream.tobytes()))
+    assert np.array_equal(dec.positions, pos)
+    mask = np.uint64((1 << (8 * width)) - 1) if width < 8 else np.uint64(2**64 - 1)
+    with np.errstate(over="ignore"):
+        want = (b[pos].astype(np.uint64) - a[pos].astype(np.uint64)) & mask
+    assert np.array_equal(dec.values.astype(np.uint64), want)
+    target = a.copy()
+    _fused_apply(stream, target, changed)
+    assert np.array_equal(target, b)
+    _fused_apply(stream, target, changed, sign=-1)
+    assert np.array_equal(target, a)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_two_step_stream_applies_with_the_fused_kernel(width: int) -> None:
+    a, b = _pair(width, 150_000, 0.05, seed=3)
+    pos = np.flatnonzero(a != b)
+    stream = codec._encode_sparse(pos.astype(np.int64), a[pos], b[pos], a.size, CODEC_TILE)
+    target = a.copy()
+    _fused_apply(stream, target, pos.size)
+    assert np.array_equal(target, b)
+
+
+def test_misaligned_views_use_the_element_path() -> None:
+    a, b = _pair(2, 10_001, 0.2, seed=9)
+    a1, b1 = a[1:], b[1:]  # 2-byte offset: no 64-bit word view
+    assert a1.ctypes.data % 8
+    changed, stream = tile_codec.encode_sparse(a1, b1, CODEC_TILE)
+    aligned_changed, aligned_stream = tile_codec.encode_sparse(a1.copy(), b1.copy(), CODEC_TILE)
+    assert changed == aligned_changed and np.array_equal(stream, aligned_stream)
+
+
+def test_thread_count_does_not_change_the_bytes() -> None:
+    import numba
+
+    a, b = _pair(2, 600_000, 0.05, seed=11)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = tile_codec.encode_sparse(a, b, CODEC_TILE)[1]
+        numba.set_num_threads(before)
+        many = tile_codec.encode_sparse(a, b, CODEC_TILE)[1]
+    finally:
+        numba.set_num_threads(before)
+    assert np.array_equal(one, many)
+
+
+def test_a_tile_that_overflows_its_scratch_falls_back_to_the_two_step_encoder() -> None:
+    # 2-byte elements that nearly all jump far: more escape bytes than a tile's scratch holds.
+    rng = np.random.default_rng(5)
+    n = 3 * CODEC_TILE
+    a = rng.integers(0, 2**16, n, dtype=np.uint16)
+    b = a ^ np.uint16(0x4000)
+    b[::1000] = a[::1000]  # not every element changed: the "all" mode does not apply
+    changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE)
+    assert changed == int((a != b).sum()) and stream is None
+    old = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    new = torch.from_numpy(b.view(np.int16)).view(torch.bfloat16)
+    patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT)
+    assert patch.data == encode_deltas([("w", diff_tensor(old, new))], base_version=1, target_version=2, target_root=ROOT).data
+    target = {"w": old.clone()}
+    apply_patch_(target, patch.data)
+    assert torch.equal(bits_view(target["w"]), bits_view(new))
+
+
+def _rice_bits(k: int, mean: float, terms: int = 4000) -> float:
+    """Expected Rice(k) length of a geometric gap with the given mean."""
+    theta = mean / (mean + 1)
+    return k + 1 + sum(theta ** (j << k) for j in range(1, terms))
+
+
+@pytest.mark.parametrize("mean", [0.0, 0.3, 1.0, 2.5, 9.0, 30.0, 99.0, 700.0, 5000.0])
+def test_rice_parameter_is_the_optimum_for_geometric_gaps(mean: float) -> None:
+    n = 1000
+    k = tile_codec.rice_k(int(mean * n), n)
+    costs = {j: _rice_bits(j, mean) for j in range(0, 16)}
+    assert costs[k] <= min(costs.values()) + 1e-9
+
+
+def test_realistic_bf16_update_matches_the_two_step_encoder_in_size() -> None:
+    from weftboard.cuda import formats
+
+    master = {"w": torch.randn(512, 1536) * 0.02}
+    stepped = {"w": master["w"] + 3e-6 * torch.sign(torch.randn(512, 1536))}
+    proj = formats.Projector(formats.ServedFormatSpec("bf16"))
+    old, new = proj.project(master, anchor=True)["w"], proj.project(stepped, anchor=False)["w"]
+    fused = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT)
+    two_step = encode_deltas([("w", diff_tensor(old, new))], base_version=1, target_version=2, target_root=ROOT)
+    assert codec.read_patch_info(fused.data).tensors[0].mode == "sparse"
+    assert len(fused.data) <= len(two_step.data) * 1.002
+
+
+def _written_wrong_but_hashing_right(patch_data: bytes, name: str, flip_at: float) -> bytes:
+    """The container rebuilt with one stream damaged and its checksum recomputed."""
+    c = codec._read_container(patch_data)
+    entries = [dict(e) for e in c.entries]
+    streams = []
+    for e in entries:
+        if e["mode"] == "empty":
+            continue
+        raw = bytearray(c.streams[e["name"]])
+        if e["name"] == name:
+            i = int(len(raw) * flip_at)
+            raw[i] ^= 0xFF
+            e["xxh3_64"] = xxhash.xxh3_64_hexdigest(bytes(raw))
+        streams.append((e["name"], bytes(raw)))
+    header = dict(c.header, tensors=entries)
+    return codec._write_container(header, streams)
+
+
+def test_a_stream_written_wrong_is_undone_during_the_fused_apply() -> None:
+    """Damage the entropy decoder finds mid-apply (some flips parse to other valid positions,
+    which only the root digest can catch): every write of the call is undone."""
+    olds, news = {}, {}
+    for i, name in enumerate(["a", "b", "c"]):
+        a, b = _pair(2, 300_000, 0.05, seed=20 + i, far=0.0)
+        olds[name] = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        news[name] = torch.from_numpy(b.view(np.int16)).view(torch.bfloat16)
+    patch = encode_patch([(n, olds[n], news[n]) for n in olds], base_version=1, target_version=2, target_root=ROOT)
+    refused = 0
+    for flip_at in np.linspace(0.05, 0.99, 25):
+        bad = _written_wrong_but_hashing_right(patch.data, "b", float(flip_at))
+        target = {n: t.clone() for n, t in olds.items()}
+        try:
+            apply_patch_(target, bad)
+        except CorruptData as exc:
+            assert "'b'" in str(exc)
+            refused += 1
+            for n in olds:  # "a" was applied in full and "b" in part before the damage was found
+                assert torch.equal(bits_view(target[n]), bits_view(olds[n])), (n, flip_at)
+        else:
+            assert not torch.equal(bits_view(target["b"]), bits_view(news["b"]))  # wrong, and the digest says so
+    assert refused >= 15
+
+
+def test_directory_damage_is_refused_before_any_write() -> None:
+    a, b = _pair(2, 200_000, 0.05, seed=30)
+    old = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    new = torch.from_numpy(b.view(np.int16)).view(torch.bfloat16)
+    patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT)
+    bad = _written_wrong_but_hashing_right(patch.data, "w", 0.0)  # the first byte: the table size
+    target = {"w": old.clone()}
+    with pytest.raises(CorruptData):
+        apply_patch_(target, bad)
+    assert torch.equal(bits_view(target["w"]), bits_view(old))
+
