@@ -377,6 +377,7 @@ def apply_tiles(buf, target, numel, tile, width, ns, ks, rice, rans, esc, offs, 
     ntiles = ns.size
     errs = np.zeros(ntiles, np.int64)
     done = np.zeros(ntiles, np.int64)
+    last = buf.size - 1
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
     smask = (1 << SCALE_BITS) - 1
     sym2diff = np.zeros(NSYM, np.uint64)
@@ -446,10 +447,19 @@ def apply_tiles(buf, target, numel, tile, width, ns, ks, rice, rans, esc, offs, 
                 d = sym2diff[s]
             # --- gap (Rice): acc holds nbits <= 63 unread bits, the rest of acc is zero
             if nbits < 32:
-                while nbits <= 55 and p < rend:
-                    acc |= np.int64(buf[p]) << nbits
-                    p += 1
-                    nbits += 8
+                if p + 8 <= rend:  # whole bytes up to 63 bits, from one 8-byte little-endian read
+                    take = (63 - nbits) >> 3
+                    word = 0
+                    for c in range(8):
+                        word |= np.int64(buf[p + c]) << (8 * c)
+                    acc |= (word & ((1 << (take << 3)) - 1)) << nbits
+                    p += take
+                    nbits += take << 3
+                else:
+                    while nbits <= 55 and p < rend:
+                        acc |= np.int64(buf[p]) << nbits
+                        p += 1
+                        nbits += 8
             q = 0
             while True:
                 ones = np.int64(cttz64(np.uint64(~acc)))  # <= nbits: acc is zero above nbits
