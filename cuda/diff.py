@@ -7,9 +7,11 @@ Invariants:
   goes through the same code.
 - A ``TensorDelta`` lists every changed element exactly once, ``positions`` strictly
   ascending (int64 flat indices), with the old and new bits at those positions.
-- The CPU path works in fixed tiles of ``DIFF_TILE`` elements in parallel (numba prange):
-  pass 1 counts changes per tile, a prefix sum gives each tile its output offset, pass 2
-  writes the compacted changes. No Python loop over elements, and the result does not
+- The CPU path works in fixed tiles of ``DIFF_TILE`` elements in parallel (numba prange),
+  64 elements at a time as change masks (``tile_codec``'s word-parallel bit tricks) walked
+  with count-trailing-zeros. One read of both arrays puts each tile's changes in its own
+  region of a per-thread staging buffer (batches of ``_STAGE_TILES`` tiles); a prefix sum of
+  the counts then gives each tile its place in the compact output. No Python loop over elements, and the result does not
   depend on the number of threads, so it is byte-identical to the Triton path.
 - ``diff_and_update_`` fuses the diff with the update of ``prev`` (only changed elements
   are written), so the publisher keeps one served view.
@@ -19,15 +21,18 @@ Invariants:
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numba as nb
 import numpy as np
 import torch
 
+from weftboard.cuda.bitops import cttz64
+from weftboard.cuda.tile_codec import _elem_block, _word_block
 from weftboard.proto.errors import InvalidArgument
 
-DIFF_TILE = 1 << 16
+DIFF_TILE = 1 << 16  # at most 2**16: staged tile-local indices are uint16
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -78,127 +83,60 @@ class TensorDelta:
 
 
 @nb.njit(inline="always", cache=True)
-def _lanes_changed(x, width):
-    """Number of nonzero ``width``-byte lanes in the 64-bit word ``x`` (branch-free)."""
-    if width == 1:
-        x |= x >> np.uint64(4)
-        x |= x >> np.uint64(2)
-        x |= x >> np.uint64(1)
-        x &= np.uint64(0x0101010101010101)
-        return (x * np.uint64(0x0101010101010101)) >> np.uint64(56)
-    if width == 2:
-        x |= x >> np.uint64(8)
-        x |= x >> np.uint64(4)
-        x |= x >> np.uint64(2)
-        x |= x >> np.uint64(1)
-        x &= np.uint64(0x0001000100010001)
-        return (x * np.uint64(0x0001000100010001)) >> np.uint64(48)
-    if width == 4:
-        x |= x >> np.uint64(16)
-        x |= x >> np.uint64(8)
-        x |= x >> np.uint64(4)
-        x |= x >> np.uint64(2)
-        x |= x >> np.uint64(1)
-        x &= np.uint64(0x0000000100000001)
-        return (x * np.uint64(0x0000000100000001)) >> np.uint64(32)
-    return np.uint64(1) if x != 0 else np.uint64(0)
-
-
-@nb.njit(cache=True)
-def _count_words(x, y, width):
-    c = np.uint64(0)
-    for j in range(x.size):  # 0-based loop over slices: vectorizes (no wraparound checks)
-        c += _lanes_changed(x[j] ^ y[j], width)
-    return c
+def _word_blocks(aw, s, e, width):
+    """How many 64-element blocks of the tile [s, e) can be read as 64-bit words."""
+    if aw.size == 0:
+        return 0
+    full = (e - s) // 64
+    covered = (aw.size * 8 // width - s) // 64  # blocks whose words lie inside the word view
+    return max(0, min(full, covered))
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _count_tiles(aw, bw, a, b, tile, width):
-    """Changes per tile; ``aw``/``bw`` are 64-bit word views of the first ``aw.size*8`` bytes."""
+def _stage_tiles(aw, bw, a, b, t0, t1, tile, width, spos, sold, snew, update):
+    """Tiles ``t0 .. t1-1``: each tile's changes (tile-local index, old, new) into its own
+    staging region ``[(t - t0) * tile, ...)``, in one read of both arrays; the counts."""
     n = a.size
-    per = 8 // width
-    tilew = tile // per
-    covered = aw.size * per
-    ntiles = (n + tile - 1) // tile
-    counts = np.zeros(ntiles + 1, np.int64)
-    for t in nb.prange(ntiles):
-        s = t * tile
+    counts = np.zeros(t1 - t0, np.int64)
+    for j in nb.prange(t1 - t0):
+        s = (t0 + j) * tile
         e = min(s + tile, n)
+        r = j * tile
         c = 0
-        ws = t * tilew
-        we = min(ws + tilew, aw.size)
-        if we > ws:
-            c += np.int64(_count_words(aw[ws:we], bw[ws:we], width))
-        for i in range(max(s, covered), e):
-            c += 1 if a[i] != b[i] else 0
-        counts[t + 1] = c
+        nword = _word_blocks(aw, s, e, width)
+        for bi in range((e - s + 63) // 64):
+            bs = s + 64 * bi
+            if bi < nword:
+                m = _word_block(aw, bw, bs * width // 8, width)
+            else:
+                m = _elem_block(a, b, bs, min(bs + 64, e))
+            while m != 0:
+                li = 64 * bi + np.int64(cttz64(m))
+                m &= m - np.uint64(1)
+                i = s + li
+                av = a[i]
+                bv = b[i]
+                spos[r + c] = li
+                sold[r + c] = av
+                snew[r + c] = bv
+                c += 1
+                if update:
+                    a[i] = bv
+        counts[j] = c
     return counts
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _compact_tiles(aw, bw, a, b, tile, width, offsets, pos, olds, news, update):
-    """Write each tile's changes at its offset.
-
-    Sparse tiles skip equal 64-bit words whole; dense tiles use a branch-free scan (the index
-    is always written, the cursor advances only on a change), whose cost does not depend on
-    the density, so no tile pays for branch mispredictions.
-    """
-    n = a.size
-    per = 8 // width
-    tilew = tile // per
-    covered = aw.size * per
-    ntiles = offsets.size - 1
-    for t in nb.prange(ntiles):
-        o = offsets[t]
-        cnt = offsets[t + 1] - o
-        if cnt == 0:
-            continue
-        s = t * tile
-        e = min(s + tile, n)
-        if cnt * 32 > e - s:
-            x = a[s:e]
-            y = b[s:e]
-            idx = np.empty(x.size + 1, np.int32)
-            m = 0
-            for j in range(x.size):
-                idx[m] = j
-                m += 1 if x[j] != y[j] else 0
-            for q in range(m):
-                j = idx[q]
-                pos[o + q] = s + j
-                olds[o + q] = x[j]
-                news[o + q] = y[j]
-                if update:
-                    x[j] = y[j]
-            continue
-        ws = t * tilew
-        we = min(ws + tilew, aw.size)
-        if we > ws:
-            xw = aw[ws:we]
-            yw = bw[ws:we]
-            for j in range(xw.size):
-                if xw[j] != yw[j]:
-                    base = (ws + j) * per
-                    for i in range(base, base + per):
-                        av = a[i]
-                        bv = b[i]
-                        if av != bv:
-                            pos[o] = i
-                            olds[o] = av
-                            news[o] = bv
-                            o += 1
-                            if update:
-                                a[i] = bv
-        for i in range(max(s, covered), e):
-            av = a[i]
-            bv = b[i]
-            if av != bv:
-                pos[o] = i
-                olds[o] = av
-                news[o] = bv
-                o += 1
-                if update:
-                    a[i] = bv
+def _unstage(t0, tile, offsets, spos, sold, snew, pos, olds, news):
+    """Copy each staged tile to its offset in the compact output (positions made absolute)."""
+    for j in nb.prange(offsets.size - 1):
+        o = offsets[j]
+        r = j * tile
+        base = (t0 + j) * tile
+        for c in range(offsets[j + 1] - o):
+            pos[o + c] = base + np.int64(spos[r + c])
+            olds[o + c] = sold[r + c]
+            news[o + c] = snew[r + c]
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -228,6 +166,21 @@ def _word_view(arr: np.ndarray) -> np.ndarray:
     return arr[: nw * per].view(np.uint64)
 
 
+_STAGE_TILES = 16  # tiles per staging batch: 1M elements, 6 MB of staging for 2-byte types
+_staging = threading.local()
+
+
+def _staging_buffers(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's staging arrays for one batch (kept: fresh ones would page-fault every call)."""
+    key = f"w{width}"
+    bufs = getattr(_staging, key, None)
+    if bufs is None:
+        n = _STAGE_TILES * DIFF_TILE
+        bufs = (np.empty(n, np.uint16), np.empty(n, _NP_UNSIGNED[width]), np.empty(n, _NP_UNSIGNED[width]))
+        setattr(_staging, key, bufs)
+    return bufs
+
+
 def _diff_cpu(old: torch.Tensor, new: torch.Tensor, update: bool) -> TensorDelta:
     a_bits = bits_view(old)
     b_bits = bits_view(new)
@@ -237,13 +190,22 @@ def _diff_cpu(old: torch.Tensor, new: torch.Tensor, update: bool) -> TensorDelta
     if aw.size != bw.size:  # one of them is not 8-byte aligned: compare element by element
         aw, bw = aw[:0], bw[:0]
     width = a.itemsize
-    offsets = np.cumsum(_count_tiles(aw, bw, a, b, DIFF_TILE, width))
-    total = int(offsets[-1])
-    pos = np.empty(total, np.int64)
-    olds = np.empty(total, a.dtype)
-    news = np.empty(total, a.dtype)
-    if total:
-        _compact_tiles(aw, bw, a, b, DIFF_TILE, width, offsets, pos, olds, news, update)
+    spos, sold, snew = _staging_buffers(width)
+    ntiles = (a.size + DIFF_TILE - 1) // DIFF_TILE
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for t0 in range(0, ntiles, _STAGE_TILES):
+        t1 = min(ntiles, t0 + _STAGE_TILES)
+        counts = _stage_tiles(aw, bw, a, b, t0, t1, DIFF_TILE, width, spos, sold, snew, update)
+        offsets = np.zeros(t1 - t0 + 1, np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        total = int(offsets[-1])
+        part = (np.empty(total, np.int64), np.empty(total, a.dtype), np.empty(total, a.dtype))
+        if total:
+            _unstage(t0, DIFF_TILE, offsets, spos, sold, snew, *part)
+        parts.append(part)
+    if not parts:  # an empty tensor
+        parts.append((np.empty(0, np.int64), np.empty(0, a.dtype), np.empty(0, a.dtype)))
+    pos, olds, news = parts[0] if len(parts) == 1 else (np.concatenate([p[k] for p in parts]) for k in range(3))
     view = a_bits.dtype
     return TensorDelta(
         positions=torch.from_numpy(pos),
