@@ -49,6 +49,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+import numba as nb
 import numpy as np
 import torch
 import xxhash
@@ -123,10 +124,20 @@ def _delta_arrays(delta: TensorDelta) -> tuple[np.ndarray, np.ndarray, np.ndarra
         raise InvalidArgument(f"delta bits must be {want} views for {delta.dtype}, got {old.dtype}/{new.dtype}")
     if not (pos.size == old.numel() == new.numel()):
         raise InvalidArgument("delta has different numbers of positions, old bits and new bits")
-    if pos.size:
-        if pos[0] < 0 or pos[-1] >= delta.numel or (pos.size > 1 and not bool(np.all(pos[1:] > pos[:-1]))):
-            raise InvalidArgument("delta positions must be strictly ascending element indices below numel")
+    if pos.size and not _ascending_below(pos, delta.numel):
+        raise InvalidArgument("delta positions must be strictly ascending element indices below numel")
     return pos, unsigned_np(old), unsigned_np(new)
+
+
+@nb.njit(cache=True, nogil=True)
+def _ascending_below(pos: np.ndarray, numel: int) -> bool:
+    """Whether ``pos`` is strictly ascending within ``[0, numel)`` (one pass, no temporaries)."""
+    prev = -1
+    for p in pos:
+        if p <= prev:
+            return False
+        prev = p
+    return prev < numel
 
 
 def _encode_sparse(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: int, tile: int) -> np.ndarray:

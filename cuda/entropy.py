@@ -104,27 +104,36 @@ def symbols(old, new, width):
     return out
 
 
-def quantize_freqs(counts: np.ndarray) -> np.ndarray:
-    """Frequencies summing to SCALE, >= 1 wherever a count is > 0, close to proportional."""
-    counts = np.asarray(counts, dtype=np.int64)
+@nb.njit(cache=True, nogil=True)
+def _quantize_freqs(counts):
     freqs = np.zeros(NSYM, np.int64)
-    total = int(counts.sum())
+    total = 0
+    for s in range(NSYM):
+        total += counts[s]
     if total == 0:
         return freqs
-    nz = counts > 0
-    freqs[nz] = np.maximum(1, (counts[nz] * SCALE) // total)
-    diff = SCALE - int(freqs.sum())
-    order = np.argsort(-counts, kind="stable")
+    fsum = 0
+    for s in range(NSYM):
+        if counts[s] > 0:
+            freqs[s] = max(1, (counts[s] * SCALE) // total)
+            fsum += freqs[s]
+    diff = SCALE - fsum
+    order = np.argsort(-counts, kind="mergesort")  # stable: ties keep symbol order
     if diff > 0:  # rounding down left a remainder: the most frequent symbol takes it (cheapest)
         freqs[order[0]] += diff
     else:  # forced minimum frequencies overshot: take back from the most frequent symbols
         for s in order:
             if diff == 0:
                 break
-            take = min(int(freqs[s]) - 1, -diff)
+            take = min(freqs[s] - 1, -diff)
             freqs[s] -= take
             diff += take
     return freqs
+
+
+def quantize_freqs(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to SCALE, >= 1 wherever a count is > 0, close to proportional."""
+    return _quantize_freqs(np.ascontiguousarray(counts, dtype=np.int64))
 
 
 # ---------------------------------------------------------------------------
@@ -204,20 +213,30 @@ def rans_encoder_tables(freq: np.ndarray) -> np.ndarray:
     (x < 2**31), as in F. Giesen's rans_byte; frequency 1 uses rcp = 2**32 - 1, shift 0 and a
     bias of start + SCALE - 1, which gives the same state.
     """
-    freq = np.asarray(freq, dtype=np.int64)
-    cum = np.zeros(NSYM, np.int64)
-    cum[1:] = np.cumsum(freq)[:-1]
+    return _rans_encoder_tables(np.ascontiguousarray(freq, dtype=np.int64))
+
+
+@nb.njit(cache=True, nogil=True)
+def _rans_encoder_tables(freq):
     tab = np.zeros((NSYM, 5), np.int64)
-    used = freq > 0
-    f = np.where(used, freq, 1)
-    shift = np.ceil(np.log2(f)).astype(np.int64)  # exact for f <= 2**14
-    one = f < 2
-    tab[:, 0] = ((RANS_L >> SCALE_BITS) << 8) * freq
-    tab[:, 1] = np.where(one, (1 << 32) - 1, ((np.int64(1) << (shift + 31)) + f - 1) // f)
-    tab[:, 2] = np.where(one, 0, shift - 1)
-    tab[:, 3] = np.where(one, cum + SCALE - 1, cum)
-    tab[:, 4] = SCALE - freq
-    tab[~used] = 0
+    cum = 0
+    for s in range(NSYM):
+        f = freq[s]
+        if f > 0:
+            shift = 0
+            while (1 << shift) < f:  # ceil(log2(f)), exact for f <= 2**14
+                shift += 1
+            tab[s, 0] = ((RANS_L >> SCALE_BITS) << 8) * f
+            if f < 2:
+                tab[s, 1] = (1 << 32) - 1
+                tab[s, 2] = 0
+                tab[s, 3] = cum + SCALE - 1
+            else:
+                tab[s, 1] = ((1 << (shift + 31)) + f - 1) // f
+                tab[s, 2] = shift - 1
+                tab[s, 3] = cum
+            tab[s, 4] = SCALE - f
+        cum += f
     return tab
 
 
