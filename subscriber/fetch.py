@@ -36,13 +36,14 @@ def cache_path(cache_dir: Path, ref: Any) -> Path:
 
 class Fetcher:
     def __init__(self, cache_dir: Path, blob_store: Any = None, *, parallel: int = 4, timeout_s: float = 600.0,
-                 on_bytes: Callable[[int], None] | None = None) -> None:
+                 on_bytes: Callable[[int], None] | None = None, ranges: int = 8) -> None:
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.store = blob_store
         self.timeout_s = timeout_s
         self._sem = asyncio.Semaphore(parallel)
         self.on_bytes = on_bytes
+        self.ranges = ranges  # byte ranges on parallel connections for a fresh download of one blob
         self.bytes_downloaded = 0
 
     async def fetch(self, ref: Any) -> Path:
@@ -63,7 +64,9 @@ class Fetcher:
                 if offset == ref.size:
                     return
                 if self.store is not None:
-                    await asyncio.wait_for(self.store.download_to(ref.key, part, offset), self.timeout_s)
+                    await asyncio.wait_for(
+                        self.store.download_to(ref.key, part, offset, size=ref.size, ranges=self.ranges), self.timeout_s
+                    )
                 elif ref.url:
                     from weftboard.board.blobs import fetch_url
 

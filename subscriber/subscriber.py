@@ -117,6 +117,17 @@ class Subscriber:
         if changed and self._heartbeat_enabled:
             await self.heartbeat()
 
+    def _set_state_soon(self, state: int, message: str = "") -> asyncio.Future:
+        """Set the state now and report it in the background; await the result before the
+        next report so the board sees reports in order."""
+        changed = (state, message) != (self.state, self.message)
+        self.state, self.message = state, message
+        if changed and self._heartbeat_enabled:
+            return asyncio.ensure_future(self.heartbeat())
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
     async def heartbeat(self) -> None:
         status = pb.IslandStatus(
             island_id=self.island_id, run=self.run_name, region=self.region,
@@ -185,10 +196,13 @@ class Subscriber:
                     if self.state != pb.ISLAND_STATE_READY and self.held_version:
                         await self._set_state(pb.ISLAND_STATE_READY)
                     return self.held_version
-                await self._set_state(pb.ISLAND_STATE_CATCHING_UP, f"to version {plan.to_version}")
+                # The CATCHING_UP report travels while the step downloads (one round trip
+                # less on the way to the new version); it is awaited before the next report.
+                report = self._set_state_soon(pb.ISLAND_STATE_CATCHING_UP, f"to version {plan.to_version}")
                 try:
                     await self._execute(plan)
                 except _RECOVERABLE as exc:
+                    await report
                     errors.append(f"attempt {attempt}: {type(exc).__name__}: {exc}")
                     log.error(
                         "catch-up step failed; nothing of it is served",
@@ -198,6 +212,10 @@ class Subscriber:
                     )
                     await self._set_state(pb.ISLAND_STATE_ERROR, f"{type(exc).__name__}: {exc}")
                     continue
+                except BaseException:
+                    report.cancel()
+                    raise
+                await report
                 await self._set_state(pb.ISLAND_STATE_READY)
                 return self.held_version
             message = "; ".join(errors)

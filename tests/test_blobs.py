@@ -18,7 +18,7 @@ from weftboard.board.blobs import (
     upload_url,
 )
 from weftboard.board.services import free_port
-from weftboard.proto.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from weftboard.proto.errors import DigestMismatch, InvalidArgument, NotFound, PermissionDenied, Unavailable
 
 
 @pytest.fixture(params=["s3", "local"])
@@ -102,6 +102,30 @@ async def test_download_resumes_from_offset(store: BlobStore, tmp_path: Path) ->
     dest.write_bytes(b"x" * (len(data) + 10))
     assert await store.download_to("r/blobs/resume", dest, offset=len(data) + 10) == len(data)
     assert dest.read_bytes() == data
+
+
+async def test_download_in_parallel_ranges_with_a_known_size(store: BlobStore, tmp_path: Path) -> None:
+    data = _payload(3 * (1 << 20) + 4321, seed=9)
+    await store.put_bytes("r/blobs/ranged", data)
+    for ranges in (1, 3, 8):
+        dest = tmp_path / f"ranged-{ranges}.bin"
+        dest.write_bytes(b"stale bytes of an earlier attempt" * 1000)  # a fresh download replaces them
+        assert await store.download_to("r/blobs/ranged", dest, size=len(data), ranges=ranges) == len(data)
+        assert dest.read_bytes() == data
+
+
+async def test_s3_size_other_than_expected_is_refused_at_once(s3_store: BlobStore, tmp_path: Path) -> None:
+    """The record's size is checked against the object's (Content-Range), not retried as a
+    short read, in the one-connection and in the parallel path; the parallel path leaves no
+    holes behind (an empty file: a retry starts over)."""
+    data = _payload(2 << 20, seed=4)
+    await s3_store.put_bytes("r/blobs/sized", data)
+    for ranges in (1, 4):
+        dest = tmp_path / f"sized-{ranges}.bin"
+        with pytest.raises(DigestMismatch, match="holds 2097152 bytes, the record says 2097153"):
+            await s3_store.download_to("r/blobs/sized", dest, size=len(data) + 1, ranges=ranges)
+        if ranges > 1:
+            assert dest.stat().st_size == 0
 
 
 async def test_list_and_delete(store: BlobStore) -> None:

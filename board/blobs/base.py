@@ -68,11 +68,16 @@ class BlobStore(abc.ABC):
         """The whole object; ``NotFound`` when missing."""
 
     @abc.abstractmethod
-    async def download_to(self, key: str, path: Path | str, offset: int = 0) -> int:
+    async def download_to(self, key: str, path: Path | str, offset: int = 0, *, size: int | None = None,
+                          ranges: int = 1) -> int:
         """Write the object to ``path``, resuming a partial file at ``offset``.
 
         Bytes before ``offset`` are kept as they are (the caller verifies the digest of the
-        whole file afterwards); returns the object's total size.
+        whole file afterwards); returns the object's total size. ``size``: the size the caller
+        expects (from a record), which spares a stat round trip. ``ranges``: a fresh download
+        (offset 0) may fetch up to this many byte ranges over parallel connections, which on a
+        long path ramps up in a few round trips where one connection's slow start takes many;
+        a failed parallel download leaves an empty file, so a retry starts over.
         """
 
     @abc.abstractmethod

@@ -85,7 +85,8 @@ class LocalDirBlobStore(BlobStore):
         except FileNotFoundError:
             raise NotFound(f"blob {key!r} does not exist in {self.describe()}") from None
 
-    async def download_to(self, key: str, path: Path | str, offset: int = 0) -> int:
+    async def download_to(self, key: str, path: Path | str, offset: int = 0, *, size: int | None = None,
+                          ranges: int = 1) -> int:
         source = self.path_for(key)
         return await asyncio.to_thread(_copy_from, source, Path(path), offset, key, self.describe())
 
