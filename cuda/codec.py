@@ -181,8 +181,9 @@ def _encode_baseline(pos: np.ndarray, new: np.ndarray, numel: int) -> tuple[str,
 
 
 @dataclass(frozen=True)
-class _EncodedTensor:
-    """One tensor's stream and the header entry fields that describe it."""
+class EncodedTensor:
+    """One tensor's stream and the header entry fields that describe it (``encode_streams``),
+    waiting to be put in a container (``assemble_patch``)."""
 
     name: str
     dtype: torch.dtype
@@ -193,16 +194,16 @@ class _EncodedTensor:
     index_bytes: int = 4
 
 
-def _encode_delta(name: str, delta: TensorDelta, encoding: str) -> _EncodedTensor:
+def _encode_delta(name: str, delta: TensorDelta, encoding: str) -> EncodedTensor:
     pos, old, new = _delta_arrays(delta)
     if encoding == "default":
         mode, stream = _encode_default(pos, old, new, delta.numel)
-        return _EncodedTensor(name, delta.dtype, int(delta.numel), int(pos.size), mode, stream)
+        return EncodedTensor(name, delta.dtype, int(delta.numel), int(pos.size), mode, stream)
     mode, stream, index_bytes = _encode_baseline(pos, new, delta.numel)
-    return _EncodedTensor(name, delta.dtype, int(delta.numel), int(pos.size), mode, stream, index_bytes)
+    return EncodedTensor(name, delta.dtype, int(delta.numel), int(pos.size), mode, stream, index_bytes)
 
 
-def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor) -> _EncodedTensor | None:
+def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor) -> EncodedTensor | None:
     """The default encoding of a CPU pair in one read of both tensors (``tile_codec``).
 
     None when the tensor is better served by the bitmap mode or a tile was pathologically
@@ -214,17 +215,20 @@ def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor) -> _Enco
     numel = a.size
     changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE)
     if changed == 0:
-        return _EncodedTensor(name, old.dtype, numel, 0, "empty", np.empty(0, np.uint8))
+        return EncodedTensor(name, old.dtype, numel, 0, "empty", np.empty(0, np.uint8))
     if changed == numel:
-        return _EncodedTensor(name, old.dtype, numel, changed, "all", b.view(np.uint8))
+        return EncodedTensor(name, old.dtype, numel, changed, "all", b.view(np.uint8))
     if stream is None or stream.size > (numel + 7) // 8 + changed * a.itemsize:
         return None
-    return _EncodedTensor(name, old.dtype, numel, changed, "sparse", stream)
+    return EncodedTensor(name, old.dtype, numel, changed, "sparse", stream)
 
 
-def _encode_tensors(
-    tensors: Iterable[_EncodedTensor], *, base_version: int, target_version: int, target_root: str, encoding: str
+def assemble_patch(
+    tensors: Iterable[EncodedTensor], *, base_version: int, target_version: int, target_root: str, encoding: str = "default"
 ) -> EncodedPatch:
+    """The container over already encoded streams: cheap, so a caller can encode streams
+    while the target's root digest is still being computed, and assemble once it is known."""
+    _check_encoding(encoding)
     entries: list[dict[str, Any]] = []
     streams: list[tuple[str, bytes]] = []
     changed: dict[str, int] = {}
@@ -279,10 +283,16 @@ def encode_deltas(
 ) -> EncodedPatch:
     """Encode per-tensor deltas (consumed one at a time) into one patch container."""
     _check_encoding(encoding)
-    return _encode_tensors(
+    return assemble_patch(
         (_encode_delta(name, delta, encoding) for name, delta in deltas),
         base_version=base_version, target_version=target_version, target_root=target_root, encoding=encoding,
     )
+
+
+def encode_streams(deltas: Iterable[tuple[str, TensorDelta]], encoding: str = "default") -> list[EncodedTensor]:
+    """Each delta's stream (the costly part of ``encode_deltas``), for ``assemble_patch``."""
+    _check_encoding(encoding)
+    return [_encode_delta(name, delta, encoding) for name, delta in deltas]
 
 
 def encode_patch(
@@ -301,7 +311,7 @@ def encode_patch(
     """
     _check_encoding(encoding)
 
-    def encoded() -> Iterable[_EncodedTensor]:
+    def encoded() -> Iterable[EncodedTensor]:
         for name, old, new in pairs:
             if encoding == "default" and old.device.type == "cpu" and new.device.type == "cpu":
                 fused = _encode_pair_fused(name, old, new)
@@ -310,7 +320,7 @@ def encode_patch(
                     continue
             yield _encode_delta(name, diff_tensor(old, new), encoding)
 
-    return _encode_tensors(
+    return assemble_patch(
         encoded(), base_version=base_version, target_version=target_version, target_root=target_root, encoding=encoding
     )
 

@@ -483,7 +483,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "trainer_blocked_s_per_version": round(blocked_mean, 4),
         "blocked_over_full_upload": round(blocked_mean / upload_p50, 4) if upload_p50 > 0 else None,
         "publisher_stage_s": {k: round(statistics.fmean(t.get(k, 0.0) for t in stages), 4)
-                              for k in ("read_s", "digest_s", "encode_s", "upload_s", "commit_s")} if stages else {},
+                              for k in ("read_s", "digest_s", "encode_s", "encode_wait_s", "upload_s", "commit_s")} if stages else {},
         "publisher_read_s_per_version": round(statistics.fmean(r["read_s"] for r in results.values()), 4) if results else None,
         "publisher_extra_memory_ratio": round(peak_extra / view_bytes, 3),
         "baseline": "full safetensors written, uploaded to the same S3, downloaded, xxh3-verified and loaded by every island",

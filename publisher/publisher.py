@@ -98,6 +98,7 @@ class _Job:
     est_patch_bytes: int = 0
     handles: list[PublishHandle] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    streams: concurrent.futures.Future | None = None  # the patch's encoded streams, started at read time
 
 
 def _state_dict(model_or_state: Any) -> dict[str, torch.Tensor]:
@@ -196,6 +197,9 @@ class Publisher:
         self._thread.start()
         self._snapshot_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weftboard-snapshot")
         self._hash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="weftboard-hash")
+        # Patch streams are encoded while the snapshot stage hashes the view: encoding needs
+        # only the deltas, and just the container (cheap) waits for the root digest.
+        self._encode_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weftboard-encode")
         self._wake: asyncio.Event | None = None
         self._client = None
         self._uploader: Uploader | None = None
@@ -349,6 +353,8 @@ class Publisher:
                 self._patch_bytes_since_anchor += job.est_patch_bytes
                 self._last_patch_bytes = job.est_patch_bytes
         self._has_base = True
+        if job.deltas is not None and job.version > 1:
+            job.streams = self._encode_pool.submit(self._encode_streams, job)
         log.debug("read", run=self.run, version=version, anchor=job.anchor, coalesced=target is not None,
                   read_s=round(time.perf_counter() - t0, 4))
         self._snapshot(job)
@@ -410,6 +416,7 @@ class Publisher:
             self._thread.join(10)
             self._snapshot_pool.shutdown(wait=True)
             self._hash_pool.shutdown(wait=True)
+            self._encode_pool.shutdown(wait=True)
             if self._own_work_dir:
                 shutil.rmtree(self.work_dir, ignore_errors=True)
 
@@ -684,17 +691,18 @@ class Publisher:
         patch_bytes = anchor_bytes = 0
         uploads = []
         if job.deltas is not None and job.version > 1:
-            from weftboard.cuda.codec import encode_deltas
+            from weftboard.cuda.codec import assemble_patch
 
-            deltas = job.deltas
-            order = self._layout_names()
-            t_enc = time.perf_counter()
+            t_wait = time.perf_counter()
+            if job.streams is None:
+                job.streams = self._encode_pool.submit(self._encode_streams, job)
+            streams = await asyncio.wrap_future(job.streams)
             encoded = await asyncio.to_thread(
-                encode_deltas, [(n, deltas[n]) for n in order],
+                assemble_patch, streams,
                 base_version=job.version - 1, target_version=job.version, target_root=job.root, encoding=self.encoding,
             )
             data = encoded.data
-            job.timings["encode_s"] = time.perf_counter() - t_enc
+            job.timings["encode_wait_s"] = time.perf_counter() - t_wait
             digest = format_digest(xxhash.xxh3_128(data).digest())
             patch_bytes = len(data)
             uploads.append(self._uploader.upload(digest, patch_bytes, data=data))
@@ -751,6 +759,17 @@ class Publisher:
                  **{k: round(v, 4) for k, v in job.timings.items()})
         self.timings.append(dict(job.timings, version=job.version))
         return response.record
+
+    def _encode_streams(self, job: _Job) -> list[Any]:
+        """Background (encode pool): the patch's per-tensor streams, from the job's deltas."""
+        from weftboard.cuda.codec import encode_streams
+
+        t_enc = time.perf_counter()
+        assert job.deltas is not None
+        deltas = job.deltas
+        streams = encode_streams([(n, deltas[n]) for n in self._layout_names()], encoding=self.encoding)
+        job.timings["encode_s"] = time.perf_counter() - t_enc
+        return streams
 
     def _stats(self, job: _Job, patch_bytes: int, anchor_bytes: int) -> pb.VersionStats:
         from weftboard.cuda.formats import is_scale_tensor
