@@ -127,16 +127,49 @@ def _stage_tiles(aw, bw, a, b, t0, t1, tile, width, spos, sold, snew, update):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _unstage(t0, tile, offsets, spos, sold, snew, pos, olds, news):
-    """Copy each staged tile to its offset in the compact output (positions made absolute)."""
-    for j in nb.prange(offsets.size - 1):
-        o = offsets[j]
+def _unstage(t0, tile, counts, spos, sold, snew, pos, olds, news, o0):
+    """Copy each staged tile to the compact output from ``o0`` (positions made absolute)."""
+    nt = counts.size
+    offsets = np.zeros(nt + 1, np.int64)
+    for j in range(nt):
+        offsets[j + 1] = offsets[j] + counts[j]
+    for j in nb.prange(nt):
+        o = o0 + offsets[j]
         r = j * tile
         base = (t0 + j) * tile
-        for c in range(offsets[j + 1] - o):
+        for c in range(counts[j]):
             pos[o + c] = base + np.int64(spos[r + c])
             olds[o + c] = sold[r + c]
             news[o + c] = snew[r + c]
+
+
+@nb.njit(cache=True, nogil=True)
+def _grow(arr, need):
+    out = np.empty(max(need, 2 * arr.size), arr.dtype)
+    out[: arr.size] = arr
+    return out
+
+
+@nb.njit(cache=True, nogil=True)
+def _diff_batches(aw, bw, a, b, tile, width, batch, spos, sold, snew, update, capacity):
+    """Every tile, ``batch`` tiles at a time through the staging buffers, into output arrays
+    that grow by doubling (no per-batch Python, no final concatenation)."""
+    ntiles = (a.size + tile - 1) // tile
+    pos = np.empty(capacity, np.int64)
+    olds = np.empty(capacity, a.dtype)
+    news = np.empty(capacity, a.dtype)
+    total = 0
+    for t0 in range(0, ntiles, batch):
+        t1 = min(ntiles, t0 + batch)
+        counts = _stage_tiles(aw, bw, a, b, t0, t1, tile, width, spos, sold, snew, update)
+        need = total + counts.sum()
+        if need > pos.size:
+            pos = _grow(pos[:total], need)
+            olds = _grow(olds[:total], need)
+            news = _grow(news[:total], need)
+        _unstage(t0, tile, counts, spos, sold, snew, pos, olds, news, total)
+        total = need
+    return pos, olds, news, total
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -191,21 +224,12 @@ def _diff_cpu(old: torch.Tensor, new: torch.Tensor, update: bool) -> TensorDelta
         aw, bw = aw[:0], bw[:0]
     width = a.itemsize
     spos, sold, snew = _staging_buffers(width)
-    ntiles = (a.size + DIFF_TILE - 1) // DIFF_TILE
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-    for t0 in range(0, ntiles, _STAGE_TILES):
-        t1 = min(ntiles, t0 + _STAGE_TILES)
-        counts = _stage_tiles(aw, bw, a, b, t0, t1, DIFF_TILE, width, spos, sold, snew, update)
-        offsets = np.zeros(t1 - t0 + 1, np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        total = int(offsets[-1])
-        part = (np.empty(total, np.int64), np.empty(total, a.dtype), np.empty(total, a.dtype))
-        if total:
-            _unstage(t0, DIFF_TILE, offsets, spos, sold, snew, *part)
-        parts.append(part)
-    if not parts:  # an empty tensor
-        parts.append((np.empty(0, np.int64), np.empty(0, a.dtype), np.empty(0, a.dtype)))
-    pos, olds, news = parts[0] if len(parts) == 1 else (np.concatenate([p[k] for p in parts]) for k in range(3))
+    capacity = a.size // 32 + 1024  # ~3% density; grows by doubling when denser
+    pos, olds, news, total = _diff_batches(aw, bw, a, b, DIFF_TILE, width, _STAGE_TILES, spos, sold, snew, update, capacity)
+    if pos.size > 2 * total + 4096:  # do not pin a much larger buffer than the delta needs
+        pos, olds, news = pos[:total].copy(), olds[:total].copy(), news[:total].copy()
+    else:
+        pos, olds, news = pos[:total], olds[:total], news[:total]
     view = a_bits.dtype
     return TensorDelta(
         positions=torch.from_numpy(pos),
