@@ -9,6 +9,8 @@ Invariants:
   destination can lay them out as an HF checkpoint directly.
 - With a blob store the island reads S3 with its own credentials; without, it uses the
   presigned URL the board put in the plan.
+- A blob of at most ``MAX_RANGED_BYTES`` (a patch) is fetched as parallel byte ranges, the
+  size coming from the record (no stat round trip); a failed ranged fetch starts over.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from weftboard.publisher.anchors import file_digest
 from weftboard.publisher.uploader import with_retries
 
 log = structlog.get_logger("weftboard.subscriber")
+
+# Blobs up to this size (patches) are fetched in parallel byte ranges: on a long path several
+# connections ramp up in a few round trips where one takes many. Larger blobs (anchor shards)
+# come over one connection, which resumes from its last byte after a drop.
+MAX_RANGED_BYTES = 64 << 20
 
 
 def cache_path(cache_dir: Path, ref: Any) -> Path:
@@ -64,8 +71,9 @@ class Fetcher:
                 if offset == ref.size:
                     return
                 if self.store is not None:
+                    ranges = self.ranges if ref.size <= MAX_RANGED_BYTES else 1
                     await asyncio.wait_for(
-                        self.store.download_to(ref.key, part, offset, size=ref.size, ranges=self.ranges), self.timeout_s
+                        self.store.download_to(ref.key, part, offset, size=ref.size, ranges=ranges), self.timeout_s
                     )
                 elif ref.url:
                     from weftboard.board.blobs import fetch_url
