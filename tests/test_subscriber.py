@@ -154,6 +154,43 @@ async def test_fetch_resumes_partial_download_and_rejects_bad_bytes(local_store,
     assert (await fetcher.fetch(ref)).read_bytes() == data  # the next attempt starts clean
 
 
+async def test_fetch_takes_patches_in_parallel_ranges_and_anchor_shards_whole(s3_store, tmp_path: Path) -> None:
+    import xxhash
+
+    from weftboard.proto.domain import blob_key, format_digest
+    from weftboard.subscriber import fetch as fetch_mod
+
+    calls: list[tuple[int, int]] = []
+    real = s3_store.download_to
+
+    async def recording(key, path, offset=0, *, size=None, ranges=1):
+        calls.append((size, ranges))
+        return await real(key, path, offset, size=size, ranges=ranges)
+
+    s3_store.download_to = recording
+    fetcher = Fetcher(tmp_path / "cache", s3_store)
+    for n in (3 << 20, 1 << 20):
+        data = bytes((i * 7) & 0xFF for i in range(n))
+        digest = format_digest(xxhash.xxh3_128(data).digest())
+        key = blob_key("r", digest)
+        await s3_store.put_bytes(key, data)
+        ref = pb.BlobRef(key=key, digest=digest, size=len(data))
+        assert (await fetcher.fetch(ref)).read_bytes() == data
+    assert calls == [(3 << 20, 8), (1 << 20, 8)]
+    calls.clear()
+    old_max = fetch_mod.MAX_RANGED_BYTES
+    fetch_mod.MAX_RANGED_BYTES = 2 << 20  # as if the 3 MiB blob were an anchor shard
+    try:
+        data = bytes((i * 13) & 0xFF for i in range(3 << 20))
+        digest = format_digest(xxhash.xxh3_128(data).digest())
+        await s3_store.put_bytes(blob_key("r", digest), data)
+        ref = pb.BlobRef(key=blob_key("r", digest), digest=digest, size=len(data))
+        assert (await fetcher.fetch(ref)).read_bytes() == data
+    finally:
+        fetch_mod.MAX_RANGED_BYTES = old_max
+    assert calls == [(3 << 20, 1)]
+
+
 async def test_progress_reporter_reports_download_bytes(tmp_path: Path) -> None:
     import structlog
 
