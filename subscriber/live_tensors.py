@@ -5,10 +5,11 @@ same objects forever (same storage, same device pointers), so CUDA graphs and an
 else holding them remain valid.
 
 Invariants:
-- A patch is decoded and validated before any byte is written (``apply_patch_``); after
-  it is written, the tensors it touched are hashed and checked against the record, and a
-  mismatch is undone with ``AppliedPatch.revert()`` before the error is raised: the held
-  version's bytes are back, bit for bit.
+- A patch's headers, checksums and directories are checked before any byte is written, and
+  ``apply_patch_`` undoes its own writes if a stream proves damaged mid-apply; after it is
+  written, the tensors it touched are hashed and checked against the record, and a mismatch
+  is undone with ``AppliedPatch.revert()`` before the error is raised: the held version's
+  bytes are back, bit for bit.
 - An anchor is verified in its files first (tensor digests and root), and only then copied
   into the live tensors with ``copy_``.
 - ``held_version()`` names a verified version only; 0 until the first verified step.
@@ -89,7 +90,7 @@ class LiveTensorsDestination:
 
         data = patch.read_bytes()
         check_layout(self.tensors, target)
-        applied = apply_patch_(self.tensors, data)  # validates everything before writing
+        applied = apply_patch_(self.tensors, data)  # all or nothing: undoes itself on damage
         try:
             if applied.target_version != target.version or applied.base_version != target.version - 1:
                 raise CorruptData(
