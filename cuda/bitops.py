@@ -10,39 +10,28 @@ highest set bit of a non-zero mask).
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
 
-@intrinsic
-def cttz64(typingctx, x):  # type: ignore[no-untyped-def]
-    """Index of the lowest set bit of a non-zero uint64."""
-    sig = types.uint64(types.uint64)
+def _uint64_intrinsic(emit: Callable[[Any, Any], Any], doc: str) -> Any:
+    """A numba intrinsic ``uint64 -> uint64`` whose body is ``emit(builder, value)``."""
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 1))
+    def typer(typingctx, x):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            return emit(builder, args[0])
 
-    return sig, codegen
+        return types.uint64(types.uint64), codegen
 
-
-@intrinsic
-def ctpop64(typingctx, x):  # type: ignore[no-untyped-def]
-    """Number of set bits of a uint64."""
-    sig = types.uint64(types.uint64)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.ctpop(args[0])
-
-    return sig, codegen
+    typer.__doc__ = doc
+    return intrinsic(typer)
 
 
-@intrinsic
-def ctlz64(typingctx, x):  # type: ignore[no-untyped-def]
-    """Number of leading zero bits of a non-zero uint64."""
-    sig = types.uint64(types.uint64)
+_ZERO_IS_POISON = ir.Constant(ir.IntType(1), 1)  # the argument is never 0 (see the invariant)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 1))
-
-    return sig, codegen
+cttz64 = _uint64_intrinsic(lambda b, v: b.cttz(v, _ZERO_IS_POISON), "Index of the lowest set bit of a non-zero uint64.")
+ctlz64 = _uint64_intrinsic(lambda b, v: b.ctlz(v, _ZERO_IS_POISON), "Number of leading zero bits of a non-zero uint64.")
+ctpop64 = _uint64_intrinsic(lambda b, v: b.ctpop(v), "Number of set bits of a uint64.")

@@ -531,7 +531,7 @@ def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes) -> Decod
     sp = _parse_sparse(entry, buf, width)
     pos = np.empty(changed, np.int64)
     diff = np.empty(changed, udt)
-    errs = entropy.decode_tiles(sp.buf, numel, sp.tile, width, sp.ns, sp.ks, sp.rice, sp.rans, sp.esc, sp.offs,
+    errs = tile_codec.decode_tiles(sp.buf, numel, sp.tile, width, sp.ns, sp.ks, sp.rice, sp.rans, sp.esc, sp.offs,
                                 sp.freq, sp.cum, sp.slot2sym, pos, diff)
     _raise_tile_errors(entry, errs)
     return DecodedTensor(name, pos, diff, True)

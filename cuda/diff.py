@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from weftboard.cuda.bitops import cttz64
-from weftboard.cuda.tile_codec import _elem_block, _word_block
+from weftboard.cuda.tile_codec import _elem_block, _word_block, word_view
 from weftboard.proto.errors import InvalidArgument
 
 DIFF_TILE = 1 << 16  # at most 2**16: staged tile-local indices are uint16
@@ -190,15 +190,6 @@ def check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
         raise InvalidArgument(f"diff needs both tensors on one device, got {old.device} and {new.device}")
 
 
-def _word_view(arr: np.ndarray) -> np.ndarray:
-    """64-bit words over the largest 8-byte multiple prefix of ``arr`` (empty if misaligned)."""
-    per = 8 // arr.itemsize
-    nw = arr.size // per
-    if arr.ctypes.data % 8 or nw == 0:
-        return np.empty(0, np.uint64)
-    return arr[: nw * per].view(np.uint64)
-
-
 _STAGE_TILES = 16  # tiles per staging batch: 1M elements, 6 MB of staging for 2-byte types
 _staging = threading.local()
 
@@ -219,7 +210,7 @@ def _diff_cpu(old: torch.Tensor, new: torch.Tensor, update: bool) -> TensorDelta
     b_bits = bits_view(new)
     a = unsigned_np(a_bits)
     b = unsigned_np(b_bits)
-    aw, bw = _word_view(a), _word_view(b)
+    aw, bw = word_view(a), word_view(b)
     if aw.size != bw.size:  # one of them is not 8-byte aligned: compare element by element
         aw, bw = aw[:0], bw[:0]
     width = a.itemsize

@@ -2,9 +2,11 @@
 
 ``encode_sparse`` turns one read of the old and new stored bits into the finished stream (diff
 and encode fused); ``apply_tiles`` makes one pass over a stream and writes the tensor in place
-(decode and apply fused); the same kernel with ``sign=-1`` takes a patch back out. The bytes
-are exactly the layout ``weftboard.cuda.entropy`` documents, so the two-step decoder reads what
-these write and the other way round (tests cross-check both directions).
+(decode and apply fused); the same kernel with ``sign=-1`` takes a patch back out, and
+``decode_tiles`` (the same kernel again) writes position and difference arrays instead, for
+CUDA destinations. The bytes are exactly the layout ``weftboard.cuda.entropy`` documents, so
+streams of the two-step encoder there decode here and the other way round (tests cross-check
+both directions).
 
 Why fused: the two-step path materialises an int64 position plus the old and new bits of every
 change (12 bytes per change for bf16) and reads them back two or three times; at 1-10% density
@@ -325,8 +327,8 @@ def _scratch(nbytes: int) -> np.ndarray:
     return torch.empty(max(nbytes, 1), dtype=torch.uint8).numpy()
 
 
-def _words(arr: np.ndarray) -> np.ndarray:
-    """64-bit words over ``arr`` when it starts 8-byte aligned, else an empty array."""
+def word_view(arr: np.ndarray) -> np.ndarray:
+    """64-bit words over the largest 8-byte multiple prefix of ``arr`` (empty if misaligned)."""
     per = 8 // arr.itemsize
     nw = arr.size // per
     if arr.ctypes.data % 8 or nw == 0:
@@ -346,7 +348,7 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int) -> tuple[int, np.
     width = old.itemsize
     numel = old.size
     ntiles = (numel + tile - 1) // tile
-    aw, bw = _words(old), _words(new)
+    aw, bw = word_view(old), word_view(new)
     if aw.size != bw.size:
         aw = bw = np.empty(0, np.uint64)
     rstride = tile + _RICE_SLACK
@@ -365,7 +367,6 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int) -> tuple[int, np.
     return total, assemble_tiles(freq, ns, ks, rice_len, starts, rans_off, n_esc, width, tile, rice_buf, rstride, sym_buf, rans_buf)
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
 def apply_tiles(buf, target, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, sign, limit):
     """Decode each tile and add (``sign`` 1) or subtract (-1) its differences in ``target``.
 
@@ -374,9 +375,31 @@ def apply_tiles(buf, target, numel, tile, width, ns, ks, rice, rans, esc, offs, 
     ``entropy.ERRORS`` code per tile (0 when valid) and how many changes each tile wrote.
     A position is written only after it was decoded and checked to lie inside its tile.
     """
+    none = np.empty(0, np.int64)
+    return _decode_tiles(buf, target, none, target[:0], numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum,
+                         slot2sym, sign, limit, False)
+
+
+def decode_tiles(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, out_pos, out_diff):
+    """Decode every tile into positions and differences (at prefix-sum offsets of ``ns``);
+    the per-tile error codes. The same kernel as ``apply_tiles``, so both accept exactly the
+    same streams."""
+    errs, _ = _decode_tiles(buf, out_diff[:0], out_pos, out_diff, numel, tile, width, ns, ks, rice, rans, esc, offs,
+                            freq, cum, slot2sym, 1, ns, True)
+    return errs
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym,
+                  sign, limit, to_arrays):
+    """The decoder: each change goes into ``target`` in place, or (``to_arrays``) into
+    ``out_pos``/``out_diff`` at the tile's prefix-sum offset."""
     ntiles = ns.size
     errs = np.zeros(ntiles, np.int64)
     done = np.zeros(ntiles, np.int64)
+    starts = np.zeros(ntiles + 1, np.int64)
+    for t in range(ntiles):
+        starts[t + 1] = starts[t] + ns[t]
     last = buf.size - 1
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
     smask = (1 << SCALE_BITS) - 1
@@ -494,7 +517,11 @@ def apply_tiles(buf, target, numel, tile, width, ns, ks, rice, rans, esc, offs, 
             if cur >= tile_end:
                 err = 2
                 break
-            target[cur] = np.uint64(target[cur]) + d
+            if to_arrays:
+                out_pos[starts[t] + i] = cur
+                out_diff[starts[t] + i] = d
+            else:
+                target[cur] = np.uint64(target[cur]) + d
             applied += 1
             prev = cur
         done[t] = applied
