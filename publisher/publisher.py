@@ -847,15 +847,17 @@ def _chunked_cast_diff_update_(prev: torch.Tensor, master: torch.Tensor, scratch
     flat_m = master.detach().reshape(-1)
     flat_p = prev.reshape(-1)
     n = flat_m.numel()
-    if n <= _CAST_CHUNK:
-        return diff_and_update_(prev, master.to(dtype=prev.dtype, memory_format=torch.contiguous_format, copy=True))
-    parts = []
     key = (prev.dtype, prev.device)
     buf = None if scratch is None else scratch.get(key)
     if buf is None:
         buf = torch.empty(_CAST_CHUNK, dtype=prev.dtype, device=prev.device)
         if scratch is not None:
             scratch[key] = buf
+    if n <= _CAST_CHUNK:  # small tensors too go through the reused buffer: no fresh pages to fault in
+        chunk = buf[:n]
+        chunk.copy_(flat_m)
+        return diff_and_update_(prev, chunk.view(prev.shape))
+    parts = []
     for start in range(0, n, _CAST_CHUNK):
         end = min(start + _CAST_CHUNK, n)
         chunk = buf[: end - start]
