@@ -147,7 +147,7 @@ def _encode_sparse(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: int
     syms, counts, ks, rice_bytes, n_esc = entropy.plan_tiles(pos, old, new, width, tile_ptr, tile)
     freq = entropy.quantize_freqs(counts)
     ns = np.diff(tile_ptr)
-    bounds = np.where(ns > 0, rice_bytes + 2 * ns + 4 + n_esc * width, 0)
+    bounds = np.where(ns > 0, rice_bytes + 2 * ns + 8 + n_esc * width, 0)  # 4 of slack: encode_tiles
     scratch_off = np.zeros(ntiles + 1, np.int64)
     np.cumsum(bounds, out=scratch_off[1:])
     scratch = np.empty(int(scratch_off[-1]), np.uint8)

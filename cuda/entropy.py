@@ -253,7 +253,8 @@ def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_
         base = scratch_off[t]
         # Rice runs forward from the region start while rANS runs backward from the region
         # end (before the escapes), in one loop: two independent dependency chains. The
-        # bound on the region (exact Rice bytes + 2 bytes per symbol + 4) keeps them apart.
+        # bound on the region (exact Rice bytes + 2 bytes per symbol + 4 + 4 of slack) keeps
+        # them apart.
         # Rice's acc holds < 32 pending bits between codes (62 at most inside one).
         p = base
         acc = 0
@@ -286,14 +287,18 @@ def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_
                     nbits -= 8
             acc |= (((1 << u) - 1) | ((g & lowmask) << (u + 1))) << nbits  # u ones, a zero, k low bits
             nbits += ln
-            if nbits >= 32:
-                scratch[p] = acc & 0xFF
-                scratch[p + 1] = (acc >> 8) & 0xFF
-                scratch[p + 2] = (acc >> 16) & 0xFF
-                scratch[p + 3] = (acc >> 24) & 0xFF
-                p += 4
-                acc >>= 32
-                nbits -= 32
+            # Branch-free flush of 32 bits (whether one is due is a coin flip for the
+            # predictor): the bytes are always stored and p moves only when they are due. The
+            # stray bytes land at most 3 past the Rice end, inside the 4 bytes of slack that
+            # the caller's region bound keeps below the rANS stream.
+            scratch[p] = acc & 0xFF
+            scratch[p + 1] = (acc >> 8) & 0xFF
+            scratch[p + 2] = (acc >> 16) & 0xFF
+            scratch[p + 3] = (acc >> 24) & 0xFF
+            full = nbits >> 5
+            p += full << 2
+            acc >>= full << 5
+            nbits -= full << 5
             s = syms[hi - 1 - j]
             if x >= rtab[s, 0]:
                 q -= 1
