@@ -686,13 +686,11 @@ def _apply_decoded(target: torch.Tensor, dec: DecodedTensor) -> tuple[torch.Tens
             old.copy_(tb[pos])
             triton_kernels.scatter_cuda_(tb, pos, vals)
         return target, pos, old
+    assert not dec.is_difference, "sparse streams apply to CPU tensors through _apply_sparse_"
     tu = unsigned_np(tb)
     old_np = np.empty(dec.positions.size, tu.dtype)
-    if dec.is_difference:
-        entropy.apply_diffs(tu, dec.positions, dec.values, old_np)
-    else:
-        entropy.gather(tu, dec.positions, old_np)
-        scatter_bits_(target, torch.from_numpy(dec.positions), _as_torch(dec.values, view))
+    entropy.gather(tu, dec.positions, old_np)
+    scatter_bits_(target, torch.from_numpy(dec.positions), _as_torch(dec.values, view))
     return target, torch.from_numpy(dec.positions), _as_torch(old_np, view)
 
 

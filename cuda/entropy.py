@@ -76,30 +76,14 @@ def _udiff(old, new, mask):
 
 
 @nb.njit(inline="always", cache=True)
-def _symbol(d, mask, top):
-    if d & top:
-        m = ((~d) + np.uint64(1)) & mask
-        sign = 1
-    else:
-        m = d
-        sign = 0
-    if m >= np.uint64(1) and m <= np.uint64(MAX_DELTA):
-        return np.int64(m - np.uint64(1)) * 2 + sign
-    return ESC
-
-
-@nb.njit(parallel=True, cache=True, nogil=True)
-def symbols(old, new, width):
-    """Symbol of every change (uint8) from the old and new bits (unsigned arrays of ``width``)."""
-    n = old.size
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
-    top = np.uint64(1) << np.uint64(8 * width - 1)
-    out = np.empty(n, np.uint8)
-    chunk = 1 << 16
-    for c in nb.prange((n + chunk - 1) // chunk):
-        for i in range(c * chunk, min(n, (c + 1) * chunk)):
-            out[i] = _symbol(_udiff(old[i], new[i], mask), mask, top)
-    return out
+def symbol(d, mask, wbits):
+    """The symbol of difference ``d`` (``wbits`` = element bits - 1): 2*(|d|-1) + sign for
+    1 <= |d| <= MAX_DELTA, else ESC. Without branches: the sign of a change is a coin flip,
+    which a branch predictor cannot learn."""
+    neg = (d >> wbits) & np.uint64(1)
+    mag = ((d ^ (np.uint64(0) - neg)) + neg) & mask
+    code = np.int64(((mag - np.uint64(1)) << np.uint64(1)) | neg)
+    return code if mag - np.uint64(1) < np.uint64(MAX_DELTA) else np.int64(ESC)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -156,7 +140,7 @@ def plan_tiles(pos, old, new, width, tile_ptr, tile):
     rice_bytes = np.zeros(ntiles, np.int64)
     n_esc = np.zeros(ntiles, np.int64)
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
-    top = np.uint64(1) << np.uint64(8 * width - 1)
+    wbits = np.uint64(8 * width - 1)
     for t in nb.prange(ntiles):
         lo = tile_ptr[t]
         hi = tile_ptr[t + 1]
@@ -183,7 +167,7 @@ def plan_tiles(pos, old, new, width, tile_ptr, tile):
             c0 += g >> k0
             c1 += g >> k1
             c2 += g >> k2
-            sym = _symbol(_udiff(old[i], new[i], mask), mask, top)
+            sym = symbol(_udiff(old[i], new[i], mask), mask, wbits)
             syms[i] = sym
             h[sym] += 1
             e += 1 if sym == ESC else 0
@@ -238,6 +222,43 @@ def _rans_encoder_tables(freq):
     return tab
 
 
+@nb.njit(inline="always", cache=True)
+def rice_put(buf, p, acc, nbits, g, k, lowmask):
+    """Append Rice(k) of gap ``g`` (``g >> k`` one-bits, a zero-bit, the k low bits) to the
+    LSB-first bit writer ``(buf, p, acc, nbits)``; returns the new ``(p, acc, nbits)``.
+
+    ``acc`` holds < 32 pending bits between codes (62 at most inside one). Whole 32-bit words
+    leave without a branch (whether one is due is a coin flip for the predictor): four bytes
+    are always stored at ``p`` and ``p`` moves only when they are due, so the caller must leave
+    3 bytes of slack after the last Rice byte that nothing else has written yet.
+    """
+    u = g >> k
+    while u >= 24:
+        acc |= ((1 << 24) - 1) << nbits
+        nbits += 24
+        while nbits >= 8:
+            buf[p] = acc & 0xFF
+            p += 1
+            acc >>= 8
+            nbits -= 8
+        u -= 24
+    ln = u + 1 + k
+    if nbits + ln > 62:  # rare (long codes): make room so acc never reaches the sign bit
+        while nbits >= 8:
+            buf[p] = acc & 0xFF
+            p += 1
+            acc >>= 8
+            nbits -= 8
+    acc |= (((1 << u) - 1) | ((g & lowmask) << (u + 1))) << nbits
+    nbits += ln
+    buf[p] = acc & 0xFF
+    buf[p + 1] = (acc >> 8) & 0xFF
+    buf[p + 2] = (acc >> 16) & 0xFF
+    buf[p + 3] = (acc >> 24) & 0xFF
+    full = nbits >> 5
+    return p + (full << 2), acc >> (full << 5), nbits - (full << 5)
+
+
 @nb.njit(parallel=True, cache=True, nogil=True)
 def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, rtab, scratch):
     """Pass 2: write each tile's Rice | rANS | escapes at ``scratch_off[t]``; returns rans_len."""
@@ -254,8 +275,7 @@ def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_
         # Rice runs forward from the region start while rANS runs backward from the region
         # end (before the escapes), in one loop: two independent dependency chains. The
         # bound on the region (exact Rice bytes + 2 bytes per symbol + 4 + 4 of slack) keeps
-        # them apart.
-        # Rice's acc holds < 32 pending bits between codes (62 at most inside one).
+        # them apart, and keeps rice_put's stray bytes off the rANS stream.
         p = base
         acc = 0
         nbits = 0
@@ -268,37 +288,7 @@ def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_
         for j in range(n):
             i = lo + j
             g = pos[i] - (pos[i - 1] + 1 if j > 0 else tile_start)
-            u = g >> k
-            while u >= 24:
-                acc |= ((1 << 24) - 1) << nbits
-                nbits += 24
-                while nbits >= 8:
-                    scratch[p] = acc & 0xFF
-                    p += 1
-                    acc >>= 8
-                    nbits -= 8
-                u -= 24
-            ln = u + 1 + k
-            if nbits + ln > 62:  # rare (long codes): make room so acc never reaches the sign bit
-                while nbits >= 8:
-                    scratch[p] = acc & 0xFF
-                    p += 1
-                    acc >>= 8
-                    nbits -= 8
-            acc |= (((1 << u) - 1) | ((g & lowmask) << (u + 1))) << nbits  # u ones, a zero, k low bits
-            nbits += ln
-            # Branch-free flush of 32 bits (whether one is due is a coin flip for the
-            # predictor): the bytes are always stored and p moves only when they are due. The
-            # stray bytes land at most 3 past the Rice end, inside the 4 bytes of slack that
-            # the caller's region bound keeps below the rANS stream.
-            scratch[p] = acc & 0xFF
-            scratch[p + 1] = (acc >> 8) & 0xFF
-            scratch[p + 2] = (acc >> 16) & 0xFF
-            scratch[p + 3] = (acc >> 24) & 0xFF
-            full = nbits >> 5
-            p += full << 2
-            acc >>= full << 5
-            nbits -= full << 5
+            p, acc, nbits = rice_put(scratch, p, acc, nbits, g, k, lowmask)
             s = syms[hi - 1 - j]
             if x >= rtab[s, 0]:
                 q -= 1
@@ -428,19 +418,6 @@ def parse_table_and_directory(buf, numel, tile, width, changed):
     if offs[ntiles] != end:
         return 5, freq, ns, ks, rice, rans, esc, offs
     return 0, freq, ns, ks, rice, rans, esc, offs
-
-
-@nb.njit(parallel=True, cache=True, nogil=True)
-def apply_diffs(target, pos, diff, old_out):
-    """target[pos] += diff (wrapping in the element width), keeping the old bits in old_out."""
-    n = pos.size
-    chunk = 1 << 16
-    for c in nb.prange((n + chunk - 1) // chunk):
-        for i in range(c * chunk, min(n, (c + 1) * chunk)):
-            j = pos[i]
-            old = target[j]
-            old_out[i] = old
-            target[j] = old + diff[i]
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)

@@ -37,7 +37,7 @@ import torch
 
 from weftboard.cuda import entropy
 from weftboard.cuda.bitops import ctlz64, ctpop64, cttz64
-from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM, RANS_L, SCALE_BITS
+from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 
 _M1 = np.uint64(0x0101010101010101)
 _MUL1 = np.uint64(0x0102040810204080)  # gathers the low bits of 8 byte lanes into the top byte
@@ -91,16 +91,6 @@ def _elem_block(a, b, s, e):
         if a[s + j] != b[s + j]:
             m |= np.uint64(1) << np.uint64(j)
     return m
-
-
-@nb.njit(inline="always", cache=True)
-def _symbol_nobranch(d, mask, wbits):
-    """``entropy._symbol`` without branches (the sign of a change is a coin flip, which a
-    branch predictor cannot learn): 2*(|d|-1) + sign for 1 <= |d| <= MAX_DELTA, else ESC."""
-    neg = (d >> wbits) & np.uint64(1)
-    mag = ((d ^ (np.uint64(0) - neg)) + neg) & mask
-    code = np.int64(((mag - np.uint64(1)) << np.uint64(1)) | neg)
-    return code if mag - np.uint64(1) < np.uint64(MAX_DELTA) else np.int64(ESC)
 
 
 @nb.njit(inline="always", cache=True)
@@ -184,37 +174,10 @@ def scan_encode_tiles(a, b, aw, bw, width, tile, rice_buf, rstride, sym_buf):
                 if p + ((u + k) >> 3) + 8 > pend:
                     bad = True
                     break
-                # Rice(k): u one-bits, a zero-bit, the k low bits; acc holds < 32 bits between codes
-                while u >= 24:
-                    acc |= ((1 << 24) - 1) << nbits
-                    nbits += 24
-                    while nbits >= 8:
-                        rice_buf[p] = acc & 0xFF
-                        p += 1
-                        acc >>= 8
-                        nbits -= 8
-                    u -= 24
-                ln = u + 1 + k
-                if nbits + ln > 62:
-                    while nbits >= 8:
-                        rice_buf[p] = acc & 0xFF
-                        p += 1
-                        acc >>= 8
-                        nbits -= 8
-                acc |= (((1 << u) - 1) | ((g & lowmask) << (u + 1))) << nbits
-                nbits += ln
-                # branch-free flush of 32 bits: the bytes are always stored, kept only if due
-                rice_buf[p] = acc & 0xFF
-                rice_buf[p + 1] = (acc >> 8) & 0xFF
-                rice_buf[p + 2] = (acc >> 16) & 0xFF
-                rice_buf[p + 3] = (acc >> 24) & 0xFF
-                full = nbits >> 5
-                p += full << 2
-                acc >>= full << 5
-                nbits -= full << 5
+                p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g, k, lowmask)
                 i = s + lp
                 d = (np.uint64(b[i]) - np.uint64(a[i])) & mask
-                sym = _symbol_nobranch(d, mask, wbits)
+                sym = entropy.symbol(d, mask, wbits)
                 sym_buf[sb + j] = sym
                 j += 1
                 h[sym] += 1
