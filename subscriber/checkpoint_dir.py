@@ -48,15 +48,8 @@ META_NAME = "weftboard.json"
 HANG_ENV = "WEFTBOARD_TEST_HANG_IN_APPLY_S"  # tests: sleep inside apply, before the swap
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (a rename is durable only then), to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -224,8 +217,8 @@ class CheckpointDirDestination:
         }
         (tmp / META_NAME).write_text(json.dumps(meta))
         for f in tmp.iterdir():
-            _fsync_file(f)
-        _fsync_dir(tmp)
+            _fsync(f)
+        _fsync(tmp)
         final = self.root / "versions" / f"v{target.version}"
         if final.exists():  # a leftover of an earlier attempt that never became current
             if self.current.exists() and self.current.resolve() == final.resolve():
@@ -234,11 +227,11 @@ class CheckpointDirDestination:
         if self.before_swap is not None:
             self.before_swap(tmp)
         os.rename(tmp, final)
-        _fsync_dir(final.parent)
+        _fsync(final.parent)
         link_tmp = self.root / f".current-{os.getpid()}-{time.monotonic_ns()}"
         os.symlink(os.path.join("versions", final.name), link_tmp)
         os.replace(link_tmp, self.current)
-        _fsync_dir(self.root)
+        _fsync(self.root)
         self._prune(target.version)
 
     def _prune(self, newest: int) -> None:
