@@ -395,8 +395,12 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     warmup_s = done - t_pub
                     say(f"v{handle.version} (warm-up): synced on {cfg.islands} islands in {warmup_s:.2f}s")
                     continue
+                events = [isl.applied_event(handle.version) for isl in islands]
                 results[handle.version] = {
-                    "sync_s": done - t_pub, "blocked_s": handle.blocked_s, "read_s": handle.read_s,
+                    "sync_s": done - t_pub,
+                    "island_seen_s": statistics.fmean(e.get("seen", float("nan")) - t_pub for e in events),
+                    "island_fetched_s": statistics.fmean(e.get("fetched_s", float("nan")) for e in events),
+                    "island_apply_s": statistics.fmean(e.get("apply_s", float("nan")) for e in events), "blocked_s": handle.blocked_s, "read_s": handle.read_s,
                     "patch_bytes": record.stats.patch_bytes,
                     "density": record.stats.density, "changed": record.stats.changed_elements,
                 }
@@ -483,7 +487,10 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "trainer_blocked_s_per_version": round(blocked_mean, 4),
         "blocked_over_full_upload": round(blocked_mean / upload_p50, 4) if upload_p50 > 0 else None,
         "publisher_stage_s": {k: round(statistics.fmean(t.get(k, 0.0) for t in stages), 4)
-                              for k in ("read_s", "digest_s", "encode_s", "encode_wait_s", "upload_s", "commit_s")} if stages else {},
+                              for k in ("read_s", "digest_s", "encode_s", "encode_wait_s", "upload_s", "commit_s", "committed_s")} if stages else {},
+        # Mean over islands and versions: watch event seen (after the publish call), then fetch, then apply + verify.
+        "island_stage_s": {k: round(statistics.fmean(r["island_" + k] for r in results.values()), 4)
+                           for k in ("seen_s", "fetched_s", "apply_s")} if results else {},
         "publisher_read_s_per_version": round(statistics.fmean(r["read_s"] for r in results.values()), 4) if results else None,
         "publisher_extra_memory_ratio": round(peak_extra / view_bytes, 3),
         "baseline": "full safetensors written, uploaded to the same S3, downloaded, xxh3-verified and loaded by every island",

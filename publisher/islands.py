@@ -92,6 +92,10 @@ class IslandProcess:
     def applied(self) -> dict[int, float]:
         return {e["version"]: e["t"] for e in self.events if e.get("event") == "applied"}
 
+    def applied_event(self, version: int) -> dict[str, Any]:
+        """The island's ``applied`` event for ``version`` (its timings ride along), or {}."""
+        return next((e for e in self.events if e.get("event") == "applied" and e["version"] == version), {})
+
     def held(self) -> int:
         versions = [e["version"] for e in self.events if e.get("event") == "applied"]
         started = [e.get("held", 0) for e in self.events if e.get("event") == "started"]

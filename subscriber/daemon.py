@@ -96,7 +96,8 @@ async def run_daemon(cfg: DaemonConfig) -> int:
 
         def on_version(version: int) -> None:
             if cfg.events:
-                _emit({"event": "applied", "island": cfg.island_id, "version": version, "t": time.time()})
+                _emit({"event": "applied", "island": cfg.island_id, "version": version, "t": time.time(),
+                       **sub.timings.get(version, {})})
             if cfg.exit_at_version and version >= cfg.exit_at_version:
                 done.set()
 

@@ -79,6 +79,9 @@ class Subscriber:
         self._sync_lock = asyncio.Lock()
         self.applied_at: dict[int, float] = {}  # version -> time.time() when verified and held
         self._records: dict[int, pb.VersionRecord] = {}  # records already received (watch events)
+        # version -> where its sync spent the time: "seen" (unix time the watch event arrived),
+        # "fetched_s" (plan to blobs on disk), "apply_s" (apply + verify); for logs and benchmarks.
+        self.timings: dict[int, dict[str, float]] = {}
 
     # -- observation ------------------------------------------------------------------
 
@@ -101,6 +104,8 @@ class Subscriber:
 
     async def _changed(self, version: int) -> None:
         self.applied_at[version] = time.time()
+        for old in [v for v in self.timings if v <= version - 64]:  # a daemon runs for months
+            del self.timings[old]
         self.version_changed.set()
         async with self._cond:
             self._cond.notify_all()
@@ -230,6 +235,7 @@ class Subscriber:
             for s in steps:
                 self.progress.begin(s.to_version, "anchor" if s.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
                                     sum(b.size for b in s.blobs), [cache_path(self.fetcher.cache_dir, b) for b in s.blobs])
+        t_plan = time.perf_counter()
         targets = [asyncio.ensure_future(self._target(s.to_version)) for s in steps]
         downloads = [asyncio.ensure_future(asyncio.gather(*(self.fetcher.fetch(b) for b in s.blobs))) for s in steps]
         try:
@@ -241,6 +247,7 @@ class Subscriber:
                     )
                 try:
                     paths = await download
+                    fetched_s = time.perf_counter() - t_plan
                     if self.progress is not None:
                         self.progress.applying(step.to_version)
                     t0 = time.perf_counter()
@@ -254,9 +261,12 @@ class Subscriber:
                     raise
                 for b in step.blobs:
                     self.fetcher.forget(b)
+                apply_s = time.perf_counter() - t0
+                self.timings.setdefault(step.to_version, {}).update(fetched_s=fetched_s, apply_s=apply_s)
                 log.info("version applied", island=self.island_id, run=self.run_name, version=step.to_version,
                          kind="anchor" if step.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
-                         bytes=sum(b.size for b in step.blobs), apply_s=round(time.perf_counter() - t0, 3))
+                         bytes=sum(b.size for b in step.blobs), fetched_s=round(fetched_s, 3),
+                         apply_s=round(apply_s, 3))
                 if self.progress is not None:
                     self.progress.end(step.to_version)
                 await self._changed(step.to_version)
@@ -302,6 +312,7 @@ class Subscriber:
                 v = event.version.version
                 self.head = max(self.head, v)
                 if v > self.held_version:
+                    self.timings.setdefault(v, {})["seen"] = time.time()
                     await self.sync_to(v, record=event.version)
             elif kind == "progress":
                 self.head = max(self.head, event.progress.head)
