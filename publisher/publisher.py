@@ -166,6 +166,7 @@ class Publisher:
         self._view: dict[str, torch.Tensor] | None = None
         self._layout: list[tuple[str, str, tuple[int, ...]]] = []
         self._digest_cache: dict[str, str] = {}
+        self._read_digests: dict[str, str] = {}  # served name -> digest, hashed by the last read
         self._has_base = False
         self._kind = pb.RUN_KIND_UNSPECIFIED
         self._next_version = 0
@@ -341,6 +342,10 @@ class Publisher:
         if deltas is not None:
             changed = sum(int(d.positions.numel()) for d in deltas.values())
             job.touched |= {n for n, d in deltas.items() if d.positions.numel()}
+            # Hashed during the read: the cache holds the view's current digests.
+            self._digest_cache.update(self._read_digests)
+            job.touched -= self._read_digests.keys()
+            self._read_digests = {}
             job.est_patch_bytes = int(changed * self._bytes_per_change) + 64 * len(deltas)
         else:
             job.touched = set(self._view or ())
@@ -581,11 +586,16 @@ class Publisher:
             self._view = view
             self._digest_cache = {}
             return None
+        from weftboard.cuda.digest import tensor_digest
+
         deltas: dict[str, Any] = {}
+        # Each served tensor is hashed as it is folded in, while its bytes are still in cache:
+        # the snapshot stage then has no full pass over the view left to make.
+        digests: dict[str, str] = {}
         for name, t in master.items():
             prev = self._view.get(name)
             if self._is_elementwise(name, t, prev):
-                deltas[name] = _chunked_cast_diff_update_(prev, t, self._scratch)
+                deltas[name], digests[name] = _chunked_cast_diff_update_(prev, t, self._scratch)
                 continue
             for sname, st in self.projector.project_tensor(name, t, anchor=anchor).items():
                 prev = self._view.get(sname)
@@ -595,7 +605,9 @@ class Publisher:
                         f"{None if prev is None else (tuple(prev.shape), prev.dtype)}"
                     )
                 deltas[sname] = diff_and_update_(prev, st)
+                digests[sname] = tensor_digest(prev)
         self._scratch.clear()
+        self._read_digests = digests
         if len(deltas) != len(self._view):
             missing = sorted(set(self._view) - set(deltas))[:3]
             raise FailedPrecondition(f"the model no longer produces served tensors {missing} of run {self.run}")
@@ -738,6 +750,7 @@ class Publisher:
         t_commit = time.perf_counter()
         response = await with_retries(f"commit of version {job.version}", lambda: self._client.commit_version(record))
         job.timings["commit_s"] = time.perf_counter() - t_commit
+        job.timings["committed_s"] = time.perf_counter() - job.t_publish
         if job.anchor_dir is not None:
             shutil.rmtree(job.anchor_dir, ignore_errors=True)
         # Policy bookkeeping: the real patch size replaces the estimate made at publish.
@@ -836,13 +849,16 @@ def _release_free_memory() -> None:
 _LIBC: Any = None
 
 
-def _chunked_cast_diff_update_(prev: torch.Tensor, master: torch.Tensor, scratch: dict | None = None) -> Any:
-    """Cast ``master`` to ``prev``'s dtype chunk by chunk, folding each chunk into ``prev``.
+def _chunked_cast_diff_update_(prev: torch.Tensor, master: torch.Tensor, scratch: dict | None = None) -> tuple[Any, str]:
+    """Cast ``master`` to ``prev``'s dtype chunk by chunk, folding each chunk into ``prev``;
+    the delta and the digest of ``prev`` afterwards.
 
     Peak extra memory is one chunk instead of a full projected tensor (embeddings and LM
-    heads are a quarter of a small model each).
+    heads are a quarter of a small model each). Each chunk is hashed right after it is folded
+    in, from cache, which is why the digest comes from here and not from a later pass.
     """
     from weftboard.cuda.diff import TensorDelta, diff_and_update_
+    from weftboard.cuda.digest import tensor_digest
 
     flat_m = master.detach().reshape(-1)
     flat_p = prev.reshape(-1)
@@ -856,7 +872,9 @@ def _chunked_cast_diff_update_(prev: torch.Tensor, master: torch.Tensor, scratch
     if n <= _CAST_CHUNK:  # small tensors too go through the reused buffer: no fresh pages to fault in
         chunk = buf[:n]
         chunk.copy_(flat_m)
-        return diff_and_update_(prev, chunk.view(prev.shape))
+        delta = diff_and_update_(prev, chunk.view(prev.shape))
+        return delta, tensor_digest(prev)
+    hasher = xxhash.xxh3_128() if prev.device.type == "cpu" else None  # GPU views: one pass at the end
     parts = []
     for start in range(0, n, _CAST_CHUNK):
         end = min(start + _CAST_CHUNK, n)
@@ -864,13 +882,16 @@ def _chunked_cast_diff_update_(prev: torch.Tensor, master: torch.Tensor, scratch
         chunk.copy_(flat_m[start:end])  # the same cast kernel as .to(), into a reused buffer
         d = diff_and_update_(flat_p[start:end], chunk)
         parts.append((start, d))
+        if hasher is not None:  # the chunk now holds exactly the view's bytes, and is the hottest copy
+            hasher.update(memoryview(chunk.view(torch.uint8).numpy()))
+    digest = format_digest(hasher.digest()) if hasher is not None else tensor_digest(prev)
     return TensorDelta(
         positions=torch.cat([d.positions + start for start, d in parts]),
         old_bits=torch.cat([d.old_bits for _, d in parts]),
         new_bits=torch.cat([d.new_bits for _, d in parts]),
         numel=n,
         dtype=prev.dtype,
-    )
+    ), digest
 
 
 def _numel(shape: tuple[int, ...]) -> int:

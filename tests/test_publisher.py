@@ -275,8 +275,10 @@ async def test_fp8_served_format_with_fixed_scales(board, local_store, tmp_path:
 
 
 def test_chunked_cast_diff_equals_whole_tensor_path() -> None:
-    """Large tensors are cast in chunks into a reused buffer: same view, same delta."""
+    """Large tensors are cast in chunks into a reused buffer: same view, same delta, and the
+    digest hashed chunk by chunk on the way is the one-shot digest of the updated view."""
     from weftboard.cuda.diff import diff_and_update_
+    from weftboard.cuda.digest import tensor_digest
     from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_diff_update_
 
     g = torch.Generator().manual_seed(3)
@@ -286,9 +288,13 @@ def test_chunked_cast_diff_equals_whole_tensor_path() -> None:
     prev = (master + torch.randn(n, generator=g) * 1e-4).to(torch.bfloat16)
     a, b = prev.clone(), prev.clone()
     scratch: dict = {}
-    d1 = _chunked_cast_diff_update_(a, master, scratch)
+    d1, digest = _chunked_cast_diff_update_(a, master, scratch)
     d2 = diff_and_update_(b, master.to(torch.bfloat16))
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    assert digest == tensor_digest(b) and digest != tensor_digest(prev)
+    small = prev[:1000].clone()
+    _, small_digest = _chunked_cast_diff_update_(small, master[:1000], scratch)
+    assert small_digest == tensor_digest(master[:1000].to(torch.bfloat16))
     assert torch.equal(d1.positions, d2.positions)
     assert torch.equal(d1.old_bits, d2.old_bits) and torch.equal(d1.new_bits, d2.new_bits)
     assert d1.numel == d2.numel and d1.dtype == d2.dtype and scratch
