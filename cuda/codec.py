@@ -47,7 +47,7 @@ import functools
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numba as nb
 import numpy as np
@@ -221,6 +221,56 @@ def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor) -> Encod
     if stream is None or stream.size > (numel + 7) // 8 + changed * a.itemsize:
         return None
     return EncodedTensor(name, old.dtype, numel, changed, "sparse", stream)
+
+
+def encoded_from_scans(name: str, dtype: torch.dtype, numel: int, scans: Sequence[tile_codec.TileScan]) -> EncodedTensor | None:
+    """The default encoding of a tensor that was scanned piece by piece (``tile_codec.scan_tiles``
+    as it was read), or None when its mode is not ``empty`` or ``sparse`` (every element
+    changed, or a bitmap is smaller): the caller then recovers the delta
+    (``delta_from_scans``) and takes the two-step path, which picks the mode itself."""
+    changed = sum(s.changed for s in scans)
+    if changed == 0:
+        return EncodedTensor(name, dtype, numel, 0, "empty", np.empty(0, np.uint8))
+    if changed == numel:
+        return None
+    width = torch.empty(0, dtype=dtype).element_size()
+    stream = tile_codec.finish_sparse(scans, width)
+    if stream.size > (numel + 7) // 8 + changed * width:
+        return None
+    return EncodedTensor(name, dtype, numel, changed, "sparse", stream)
+
+
+def delta_from_encoded(encoded: EncodedTensor, target: torch.Tensor) -> TensorDelta:
+    """The delta of an ``empty`` or ``sparse`` stream, given the tensor it leads to (its old
+    bits are the target's minus the stream's differences): what a publisher that kept streams
+    instead of deltas needs to merge a version into the next one."""
+    if encoded.mode not in ("empty", "sparse"):
+        raise InvalidArgument(f"only empty and sparse streams carry their old bits, not {encoded.mode!r}")
+    bits = bits_view(target.detach())
+    if bits.numel() != encoded.numel or target.dtype != encoded.dtype:
+        raise InvalidArgument(f"stream of {encoded.numel} {encoded.dtype} does not fit a tensor of "
+                              f"{bits.numel()} {target.dtype}")
+    entry = {"name": encoded.name, "dtype": dtype_name(encoded.dtype), "numel": encoded.numel,
+             "changed": encoded.changed, "mode": encoded.mode, "tile": CODEC_TILE}
+    dec = decode_stream(entry, encoded.stream)
+    pos = torch.from_numpy(dec.positions)
+    new = bits[pos] if bits.device.type == "cpu" else bits[pos.to(bits.device)].cpu()
+    new_np = unsigned_np(new)
+    old = torch.from_numpy((new_np - dec.values.astype(new_np.dtype)).view(new.numpy().dtype))
+    return TensorDelta(positions=pos, old_bits=old.to(bits.device), new_bits=new.to(bits.device),
+                       numel=encoded.numel, dtype=encoded.dtype)
+
+
+def delta_from_scans(scans: Sequence[tile_codec.TileScan], target: torch.Tensor) -> TensorDelta:
+    """The delta of a tensor scanned piece by piece, given the tensor it leads to."""
+    numel = target.numel()
+    changed = sum(s.changed for s in scans)
+    if changed == 0:
+        enc = EncodedTensor("scanned", target.dtype, numel, 0, "empty", np.empty(0, np.uint8))
+    else:
+        width = target.element_size()
+        enc = EncodedTensor("scanned", target.dtype, numel, changed, "sparse", tile_codec.finish_sparse(scans, width))
+    return delta_from_encoded(enc, target)
 
 
 def assemble_patch(

@@ -30,6 +30,8 @@ Invariants:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Sequence
 
 import numba as nb
 import numpy as np
@@ -205,9 +207,10 @@ def scan_encode_tiles(a, b, aw, bw, width, tile, rice_buf, rstride, sym_buf):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def rans_encode_tiles(sym_buf, tile, ns, rtab, rans_off, rans_buf):
-    """Pass 2: each tile's symbols, rANS-coded backwards so that its stream ends at
-    ``rans_off[t+1]``; returns where each tile's stream starts (the final state first)."""
+def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
+    """Pass 2: each tile's symbols (from ``sym_buf[sym_off[t]:]``), rANS-coded backwards so
+    that its stream ends at ``rans_off[t+1]``; returns where each tile's stream starts (the
+    final state first)."""
     ntiles = ns.size
     starts = np.zeros(ntiles, np.int64)
     for t in nb.prange(ntiles):
@@ -216,7 +219,7 @@ def rans_encode_tiles(sym_buf, tile, ns, rtab, rans_off, rans_buf):
             continue
         q = rans_off[t + 1]
         x = RANS_L
-        sb = 2 * t * tile
+        sb = sym_off[t]
         for j in range(n - 1, -1, -1):
             s = sym_buf[sb + j]
             xmax = rtab[s, 0]
@@ -237,8 +240,10 @@ def rans_encode_tiles(sym_buf, tile, ns, rtab, rans_off, rans_buf):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def assemble_tiles(freq, ns, ks, rice_len, rans_start, rans_off, n_esc, width, tile, rice_buf, rstride, sym_buf, rans_buf):
-    """Pass 3: table and directory (serial), then every tile's Rice | rANS | escapes (parallel)."""
+def assemble_tiles(freq, ns, ks, rice_len, rans_start, rans_off, n_esc, width, rice_buf, rice_off, esc_buf, esc_off,
+                   rans_buf):
+    """Pass 3: table and directory (serial), then every tile's Rice | rANS | escapes (parallel);
+    tile ``t``'s Rice bytes start at ``rice_buf[rice_off[t]]``, its escapes at ``esc_buf[esc_off[t]]``."""
     ntiles = ns.size
     payload = 0
     for t in range(ntiles):
@@ -272,7 +277,7 @@ def assemble_tiles(freq, ns, ks, rice_len, rans_start, rans_off, n_esc, width, t
         if ns[t] == 0:
             continue
         o = dest[t]
-        r0 = t * rstride
+        r0 = rice_off[t]
         for c in range(rice_len[t]):
             out[o + c] = rice_buf[r0 + c]
         o += rice_len[t]
@@ -280,9 +285,9 @@ def assemble_tiles(freq, ns, ks, rice_len, rans_start, rans_off, n_esc, width, t
         for c in range(m):
             out[o + c] = rans_buf[rans_start[t] + c]
         o += m
-        e0 = 2 * t * tile + tile
+        e0 = esc_off[t]
         for c in range(n_esc[t] * width):
-            out[o + c] = sym_buf[e0 + c]
+            out[o + c] = esc_buf[e0 + c]
     return out[:p]
 
 
@@ -306,28 +311,132 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int) -> tuple[int, np.
     nothing changed or when a tile did not fit its scratch (a pathological, very dense tile);
     the caller then picks another mode or the two-step encoder.
     """
-    if tile % 64:
-        raise ValueError("tile must be a multiple of 64")
     width = old.itemsize
-    numel = old.size
-    ntiles = (numel + tile - 1) // tile
-    aw, bw = word_view(old), word_view(new)
-    if aw.size != bw.size:
-        aw = bw = np.empty(0, np.uint64)
+    ntiles = (old.size + tile - 1) // tile
     rstride = tile + _RICE_SLACK
     rice_buf = _scratch(ntiles * rstride)
     sym_buf = _scratch(ntiles * 2 * tile)
-    ns, ks, rice_len, n_esc, counts, over = scan_encode_tiles(old, new, aw, bw, width, tile, rice_buf, rstride, sym_buf)
+    ns, ks, rice_len, n_esc, counts, over = _scan(old, new, tile, rice_buf, sym_buf)
     total = int(ns.sum())
     if total == 0 or over.any():
         return total, None
+    tiles = np.arange(ntiles, dtype=np.int64)  # the scratch layout: fixed strides per tile
+    return total, _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles,
+                                     sym_buf, 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile)
+
+
+def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym_buf: np.ndarray) -> tuple:
+    if tile % 64:
+        raise ValueError("tile must be a multiple of 64")
+    if old.dtype != new.dtype or old.size != new.size:
+        raise ValueError(f"old and new must have one dtype and size, got {old.dtype}/{old.size} and {new.dtype}/{new.size}")
+    aw, bw = word_view(old), word_view(new)
+    if aw.size != bw.size:
+        aw = bw = np.empty(0, np.uint64)
+    return scan_encode_tiles(old, new, aw, bw, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf)
+
+
+def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off):
+    """Passes 2 and 3 over scanned tiles wherever their bytes lie (offsets per tile)."""
     freq = entropy.quantize_freqs(counts)
     rtab = entropy.rans_encoder_tables(freq)
-    rans_off = np.zeros(ntiles + 1, np.int64)
+    rans_off = np.zeros(ns.size + 1, np.int64)
     np.cumsum(np.where(ns > 0, 2 * ns + 4, 0), out=rans_off[1:])
     rans_buf = _scratch(int(rans_off[-1]))
-    starts = rans_encode_tiles(sym_buf, tile, ns, rtab, rans_off, rans_buf)
-    return total, assemble_tiles(freq, ns, ks, rice_len, starts, rans_off, n_esc, width, tile, rice_buf, rstride, sym_buf, rans_buf)
+    starts = rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf)
+    return assemble_tiles(freq, ns, ks, rice_len, starts, rans_off, n_esc, width, rice_buf, rice_off, esc_buf, esc_off,
+                          rans_buf)
+
+
+@dataclass(frozen=True)
+class TileScan:
+    """Pass 1 over whole tiles of a tensor, compacted: everything its ``sparse`` stream needs
+    except the rANS coding of the symbols, which waits for the whole tensor's frequency table.
+
+    This is how a caller that reads a tensor piece by piece (the publisher folds a large
+    tensor into its view in chunks, and the old bits are gone once a chunk is folded in)
+    encodes it in the same read: ``scan_tiles`` per piece, then ``finish_sparse`` once.
+    Pieces must start on tile boundaries; the bytes equal ``encode_sparse`` of the whole.
+    """
+
+    ns: np.ndarray  # changes per tile
+    ks: np.ndarray  # Rice parameter per tile
+    rice_len: np.ndarray  # Rice bytes per tile
+    n_esc: np.ndarray  # escapes per tile
+    rice: np.ndarray  # uint8: every tile's Rice bytes, in tile order
+    syms: np.ndarray  # uint8: every change's symbol, in order
+    escs: np.ndarray  # uint8: every escape's raw difference (little-endian, width bytes each)
+    counts: np.ndarray  # symbol histogram
+
+    @property
+    def changed(self) -> int:
+        return int(self.ns.sum())
+
+
+def scan_tiles(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None = None) -> TileScan | None:
+    """Pass 1 of ``encode_sparse`` over ``old``/``new`` (unsigned views, a whole number of
+    tiles except at a tensor's end); None when a tile did not fit its scratch (the caller then
+    diffs that piece instead). ``scratch`` keeps the scan's buffers between calls."""
+    ntiles = (old.size + tile - 1) // tile
+    need_rice, need_sym = ntiles * (tile + _RICE_SLACK), ntiles * 2 * tile
+    bufs = None if scratch is None else scratch.get("tile_scan")
+    if bufs is None or bufs[0].size < need_rice or bufs[1].size < need_sym:
+        bufs = (_scratch(need_rice), _scratch(need_sym))
+        if scratch is not None:
+            scratch["tile_scan"] = bufs
+    rice_buf, sym_buf = bufs
+    ns, ks, rice_len, n_esc, counts, over = _scan(old, new, tile, rice_buf, sym_buf)
+    if over.any():
+        return None
+    rice, syms, escs = _compact_tiles(ns, rice_len, n_esc, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf)
+    return TileScan(ns, ks, rice_len, n_esc, rice, syms, escs, counts)
+
+
+def finish_sparse(scans: Sequence[TileScan], width: int) -> np.ndarray:
+    """The ``sparse`` stream of a tensor from the scans of its pieces, in order (at least one
+    change in all)."""
+    ns = np.concatenate([s.ns for s in scans])
+    if not ns.any():
+        raise ValueError("finish_sparse needs at least one change")
+    rice_len = np.concatenate([s.rice_len for s in scans])
+    n_esc = np.concatenate([s.n_esc for s in scans])
+
+    def starts(lengths: np.ndarray) -> np.ndarray:
+        out = np.zeros(lengths.size, np.int64)
+        np.cumsum(lengths[:-1], out=out[1:])
+        return out
+
+    return _rans_and_assemble(
+        ns, np.concatenate([s.ks for s in scans]), rice_len, n_esc, sum(s.counts for s in scans), width,
+        np.concatenate([s.rice for s in scans]), starts(rice_len),
+        np.concatenate([s.syms for s in scans]), starts(ns),
+        np.concatenate([s.escs for s in scans]), starts(n_esc * width),
+    )
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _compact_tiles(ns, rice_len, n_esc, width, tile, rice_buf, rstride, sym_buf):
+    """Copy each tile's Rice bytes, symbols and escapes out of the strided scratch, packed."""
+    ntiles = ns.size
+    ro = np.zeros(ntiles + 1, np.int64)
+    so = np.zeros(ntiles + 1, np.int64)
+    eo = np.zeros(ntiles + 1, np.int64)
+    for t in range(ntiles):
+        ro[t + 1] = ro[t] + rice_len[t]
+        so[t + 1] = so[t] + ns[t]
+        eo[t + 1] = eo[t] + n_esc[t] * width
+    rice = np.empty(ro[ntiles], np.uint8)
+    syms = np.empty(so[ntiles], np.uint8)
+    escs = np.empty(eo[ntiles], np.uint8)
+    for t in nb.prange(ntiles):
+        for c in range(rice_len[t]):
+            rice[ro[t] + c] = rice_buf[t * rstride + c]
+        sb = 2 * t * tile
+        for c in range(ns[t]):
+            syms[so[t] + c] = sym_buf[sb + c]
+        for c in range(n_esc[t] * width):
+            escs[eo[t] + c] = sym_buf[sb + tile + c]
+    return rice, syms, escs
 
 
 def apply_tiles(buf, target, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, sign, limit):

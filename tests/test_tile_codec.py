@@ -16,7 +16,7 @@ import xxhash
 from weftboard.cuda import codec, tile_codec
 from weftboard.cuda.codec import CODEC_TILE, apply_patch_, decode_stream, encode_deltas, encode_patch
 from weftboard.cuda.diff import bits_view, diff_tensor
-from weftboard.proto.errors import CorruptData
+from weftboard.proto.errors import CorruptData, InvalidArgument
 
 ROOT = "xxh3-128:" + "00" * 16
 UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -122,6 +122,61 @@ def test_a_tile_that_overflows_its_scratch_falls_back_to_the_two_step_encoder() 
     target = {"w": old.clone()}
     apply_patch_(target, patch.data)
     assert torch.equal(bits_view(target["w"]), bits_view(new))
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+@pytest.mark.parametrize("pieces", [[3 * CODEC_TILE + 5], [CODEC_TILE, 2 * CODEC_TILE + 5], [CODEC_TILE] * 3 + [5]])
+def test_scanning_piece_by_piece_gives_the_whole_tensor_stream(width: int, pieces: list[int]) -> None:
+    """How the publisher encodes a tensor it folds into its view chunk by chunk."""
+    a, b = _pair(width, sum(pieces), 0.05, seed=width)
+    b[CODEC_TILE : 2 * CODEC_TILE] = a[CODEC_TILE : 2 * CODEC_TILE]  # a tile run with no change at all
+    whole_changed, whole = tile_codec.encode_sparse(a, b, CODEC_TILE)
+    scratch: dict = {}
+    scans, start = [], 0
+    for size in pieces:
+        scan = tile_codec.scan_tiles(a[start : start + size], b[start : start + size], CODEC_TILE, scratch)
+        assert scan is not None
+        scans.append(scan)
+        start += size
+    assert sum(s.changed for s in scans) == whole_changed and scratch
+    assert np.array_equal(tile_codec.finish_sparse(scans, width), whole)
+
+
+def test_a_piece_that_overflows_its_scratch_has_no_scan() -> None:
+    rng = np.random.default_rng(6)
+    a = rng.integers(0, 2**16, CODEC_TILE, dtype=np.uint16)
+    b = a ^ np.uint16(0x4000)
+    assert tile_codec.scan_tiles(a, b, CODEC_TILE) is None
+    with pytest.raises(ValueError, match="at least one change"):
+        tile_codec.finish_sparse([tile_codec.scan_tiles(a, a, CODEC_TILE)], 2)
+
+
+def test_scanned_tensor_encodes_and_recovers_its_delta() -> None:
+    """The publisher's two uses of scans: a finished stream, or (mode not sparse) the delta."""
+    g = torch.Generator().manual_seed(11)
+    old = (torch.randn(2 * CODEC_TILE + 77, generator=g) * 0.02).bfloat16()
+    new = (old.float() + torch.randn(old.shape, generator=g) * 2e-5).bfloat16()
+    a, b = (bits_view(t).numpy().view(np.uint16) for t in (old, new))
+    scans = [tile_codec.scan_tiles(a[:CODEC_TILE], b[:CODEC_TILE], CODEC_TILE),
+             tile_codec.scan_tiles(a[CODEC_TILE:], b[CODEC_TILE:], CODEC_TILE)]
+    enc = codec.encoded_from_scans("w", torch.bfloat16, old.numel(), scans)
+    ref = diff_tensor(old, new)
+    assert enc is not None and enc.mode == "sparse" and enc.changed == ref.changed
+    assert np.array_equal(enc.stream, tile_codec.encode_sparse(a, b, CODEC_TILE)[1])
+    for delta in (codec.delta_from_encoded(enc, new), codec.delta_from_scans(scans, new)):
+        assert torch.equal(delta.positions, ref.positions)
+        assert torch.equal(delta.old_bits, ref.old_bits) and torch.equal(delta.new_bits, ref.new_bits)
+    # Every element changed: no stream from scans, but the delta is still exact.
+    e = a ^ np.uint16(1)  # the last bit of every element flips
+    everything = torch.from_numpy(e.view(np.int16)).view(torch.bfloat16)
+    all_scans = [tile_codec.scan_tiles(a, e, CODEC_TILE)]
+    assert codec.encoded_from_scans("w", torch.bfloat16, old.numel(), all_scans) is None
+    assert torch.equal(codec.delta_from_scans(all_scans, everything).old_bits, bits_view(old))
+    unchanged = codec.encoded_from_scans("w", torch.bfloat16, old.numel(), [tile_codec.scan_tiles(a, a, CODEC_TILE)])
+    assert unchanged is not None and unchanged.mode == "empty"
+    assert codec.delta_from_encoded(unchanged, old).changed == 0
+    with pytest.raises(InvalidArgument, match="does not fit"):
+        codec.delta_from_encoded(enc, new[:-1])
 
 
 def _rice_bits(k: int, mean: float, terms: int = 4000) -> float:
