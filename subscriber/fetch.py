@@ -9,7 +9,8 @@ Invariants:
   destination can lay them out as an HF checkpoint directly.
 - With a blob store the island reads S3 with its own credentials; without, it uses the
   presigned URL the board put in the plan.
-- A blob of at most ``MAX_RANGED_BYTES`` (a patch) is fetched as parallel byte ranges, the
+- A blob of at most ``MAX_RANGED_BYTES`` (a patch) from a far store (its measured time to
+  first byte at least ``RANGES_MIN_FIRST_BYTE_S``) is fetched as parallel byte ranges, the
   size coming from the record (no stat round trip); a failed ranged fetch starts over.
 """
 
@@ -32,6 +33,10 @@ log = structlog.get_logger("weftboard.subscriber")
 # connections ramp up in a few round trips where one takes many. Larger blobs (anchor shards)
 # come over one connection, which resumes from its last byte after a drop.
 MAX_RANGED_BYTES = 64 << 20
+# ... and only when the store answers slower than this (measured, see BlobStore.first_byte_s):
+# on loopback three islands' 8 ranges each took 50 ms for a 3 MB patch, one stream 18 ms;
+# over a 40 ms round trip 8 ranges took 0.345 s, one stream 0.38 s.
+RANGES_MIN_FIRST_BYTE_S = 0.01
 
 
 def cache_path(cache_dir: Path, ref: Any) -> Path:
@@ -53,6 +58,13 @@ class Fetcher:
         self.ranges = ranges  # byte ranges on parallel connections for a fresh download of one blob
         self.bytes_downloaded = 0
 
+    def _long_path(self) -> bool:
+        """Whether the store is far enough for parallel ranges to pay: each range is one more
+        request, which on a short path (same host or datacenter) costs more than the
+        single connection's ramp-up it saves. Unknown (no download yet): assume far."""
+        first_byte = self.store.first_byte_s() if hasattr(self.store, "first_byte_s") else None
+        return first_byte is None or first_byte >= RANGES_MIN_FIRST_BYTE_S
+
     async def fetch(self, ref: Any) -> Path:
         """The verified local file of ``ref`` (downloading or resuming as needed)."""
         final = cache_path(self.cache_dir, ref)
@@ -71,7 +83,7 @@ class Fetcher:
                 if offset == ref.size:
                     return
                 if self.store is not None:
-                    ranges = self.ranges if ref.size <= MAX_RANGED_BYTES else 1
+                    ranges = self.ranges if ref.size <= MAX_RANGED_BYTES and self._long_path() else 1
                     await asyncio.wait_for(
                         self.store.download_to(ref.key, part, offset, size=ref.size, ranges=ranges), self.timeout_s
                     )

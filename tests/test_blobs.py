@@ -114,6 +114,16 @@ async def test_download_in_parallel_ranges_with_a_known_size(store: BlobStore, t
         assert dest.read_bytes() == data
 
 
+async def test_time_to_first_byte_is_measured_by_network_stores(store: BlobStore, tmp_path: Path) -> None:
+    await store.put_bytes("r/blobs/timed", b"x" * 1000)
+    await store.download_to("r/blobs/timed", tmp_path / "timed.bin", size=1000)
+    first_byte = store.first_byte_s()
+    if isinstance(store, LocalDirBlobStore):
+        assert first_byte is None  # no network between the reader and the files
+    else:
+        assert first_byte is not None and 0 < first_byte < 5.0
+
+
 async def test_s3_size_other_than_expected_is_refused_at_once(s3_store: BlobStore, tmp_path: Path) -> None:
     """The record's size is checked against the object's (Content-Range), not retried as a
     short read, in the one-connection and in the parallel path; the parallel path leaves no

@@ -169,14 +169,17 @@ async def test_fetch_takes_patches_in_parallel_ranges_and_anchor_shards_whole(s3
 
     s3_store.download_to = recording
     fetcher = Fetcher(tmp_path / "cache", s3_store)
-    for n in (3 << 20, 1 << 20):
+    # Ranges when the store is far (a 40 ms first byte) or not yet measured; one stream when near.
+    for n, first_byte in ((3 << 20, 0.04), (1 << 20, None), (2 << 20, 0.002)):
+        s3_store.first_byte_s = lambda first_byte=first_byte: first_byte
         data = bytes((i * 7) & 0xFF for i in range(n))
         digest = format_digest(xxhash.xxh3_128(data).digest())
         key = blob_key("r", digest)
         await s3_store.put_bytes(key, data)
         ref = pb.BlobRef(key=key, digest=digest, size=len(data))
         assert (await fetcher.fetch(ref)).read_bytes() == data
-    assert calls == [(3 << 20, 8), (1 << 20, 8)]
+    assert calls == [(3 << 20, 8), (1 << 20, 8), (2 << 20, 1)]
+    s3_store.first_byte_s = lambda: 0.04
     calls.clear()
     old_max = fetch_mod.MAX_RANGED_BYTES
     fetch_mod.MAX_RANGED_BYTES = 2 << 20  # as if the 3 MiB blob were an anchor shard

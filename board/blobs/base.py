@@ -80,6 +80,13 @@ class BlobStore(abc.ABC):
         a failed parallel download leaves an empty file, so a retry starts over.
         """
 
+    def first_byte_s(self) -> float | None:
+        """The store's recent time to first byte (the smallest of the last downloads' waits
+        between a GET and its response), or None when unknown or not a network store. A
+        reader uses it to decide whether parallel byte ranges pay for their extra requests:
+        they help on long paths, and only cost on a short one."""
+        return None
+
     @abc.abstractmethod
     async def stat(self, key: str) -> int | None:
         """Size in bytes, or None when the object does not exist."""

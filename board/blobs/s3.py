@@ -15,9 +15,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import io
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
@@ -38,6 +40,7 @@ _MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
 _CHUNK = 1 << 20
 _MIN_RANGE = 256 << 10  # smallest byte range worth its own connection
+_FIRST_BYTE_SAMPLES = 16  # downloads whose time to first byte estimate the path's round trip
 _DELETE_BATCH = 1000
 PART_SIZE = 16 << 20
 MAX_PRESIGN_S = 7 * 24 * 3600
@@ -98,6 +101,7 @@ class S3BlobStore(BlobStore):
             host, access_key=access_key, secret_key=secret_key, secure=self.secure,
             region=region, http_client=self._http,
         )
+        self._first_byte: collections.deque[float] = collections.deque(maxlen=_FIRST_BYTE_SAMPLES)
         self._bucket_ready = False
         self._bucket_lock = threading.Lock()
 
@@ -196,7 +200,7 @@ class S3BlobStore(BlobStore):
                 out.truncate(start)
                 out.seek(start)
                 if start < total:
-                    response = self._client.get_object(self.bucket, name, offset=start, length=total - start)
+                    response = self._get_range(name, start, total - start)
                     try:
                         _check_total(response, total, key)
                         for chunk in response.stream(_CHUNK):
@@ -213,6 +217,17 @@ class S3BlobStore(BlobStore):
 
         return await self._run(key, download)
 
+    def first_byte_s(self) -> float | None:
+        samples = list(self._first_byte)
+        return min(samples) if samples else None  # the path's floor, not its moments of load
+
+    def _get_range(self, name: str, offset: int, length: int) -> urllib3.BaseHTTPResponse:
+        """GET a byte range, timing the wait for the response's headers."""
+        t0 = time.perf_counter()
+        response = self._client.get_object(self.bucket, name, offset=offset, length=length)
+        self._first_byte.append(time.perf_counter() - t0)
+        return response
+
     def _download_ranges(self, key: str, name: str, dest: Path, total: int, parts: int) -> int:
         """``parts`` byte ranges on parallel connections into one preallocated file."""
         bounds = [total * i // parts for i in range(parts + 1)]
@@ -222,7 +237,7 @@ class S3BlobStore(BlobStore):
 
         def fetch(lo: int, hi: int) -> None:
             with self._errors(key):
-                response = self._client.get_object(self.bucket, name, offset=lo, length=hi - lo)
+                response = self._get_range(name, lo, hi - lo)
                 try:
                     _check_total(response, total, key)
                     pos = lo
