@@ -200,13 +200,16 @@ class RssSampler:
 
 def _warm_up_kernels() -> None:
     """Compile the diff/encode/digest kernels once on a tiny tensor (numba JIT, cached on disk)."""
-    from weftboard.cuda.codec import encode_deltas
+    from weftboard.cuda import tile_codec
+    from weftboard.cuda.codec import CODEC_TILE, encode_deltas
     from weftboard.cuda.diff import diff_and_update_
     from weftboard.cuda.digest import tensor_digest
 
     a = torch.zeros(4096, dtype=torch.bfloat16)
     b = a.clone()
     b[::7] = 1.0
+    bits = [t.view(torch.int16).numpy().view("uint16") for t in (a, b)]
+    tile_codec.finish_sparse([tile_codec.scan_tiles(*bits, CODEC_TILE)], 2)
     d = diff_and_update_(a, b)
     tensor_digest(a)
     encode_deltas([("w", d)], base_version=1, target_version=2, target_root="xxh3-128:" + "0" * 32)
@@ -487,7 +490,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "trainer_blocked_s_per_version": round(blocked_mean, 4),
         "blocked_over_full_upload": round(blocked_mean / upload_p50, 4) if upload_p50 > 0 else None,
         "publisher_stage_s": {k: round(statistics.fmean(t.get(k, 0.0) for t in stages), 4)
-                              for k in ("read_s", "digest_s", "encode_s", "encode_wait_s", "upload_s", "commit_s", "committed_s")} if stages else {},
+                              for k in ("read_s", "finish_s", "digest_s", "queued_s", "encode_s", "encode_wait_s", "upload_s",
+                                        "commit_s", "committed_s")} if stages else {},
         # Mean over islands and versions: watch event seen (after the publish call), then fetch, then apply + verify.
         "island_stage_s": {k: round(statistics.fmean(r["island_" + k] for r in results.values()), 4)
                            for k in ("seen_s", "fetched_s", "apply_s")} if results else {},

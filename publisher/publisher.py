@@ -9,15 +9,20 @@ Called from an ordinary synchronous training loop::
 
 Invariants:
 - The publisher keeps ONE served view (on the model's device). Each master tensor is
-  projected (large elementwise casts chunk by chunk through a reused buffer) and diffed
-  into that view in one fused pass (``diff_and_update_``), so the view always equals the
-  newest published version and the kept deltas describe the transition. That read is all
+  projected (large elementwise casts chunk by chunk through a reused buffer) and folded
+  into that view in one pass that also records the transition and hashes the new bytes
+  while they are in cache, so the view always equals the newest published version. On CPU
+  views in the default encoding that pass *encodes* as it compares (``tile_codec`` scans:
+  Rice-coded gaps and symbols), and only the rANS pass and the container are left for
+  later; elsewhere it keeps deltas (``diff_and_update_``, Triton on CUDA). That read is all
   the trainer waits for; with ``attach(optimizer)`` it even overlaps the next forward and
   backward pass, and only the optimizer's next ``step()`` waits for it (``blocked_s``).
 - Everything else runs in the background, in publish order: a single *read/snapshot*
-  thread (read the weights, hash the touched tensors, write the anchor file: whatever
+  thread (read the weights, finish the scanned streams, write the anchor file: whatever
   reads the view, before the next read changes it), then an asyncio loop on its own
-  thread for the *upload* stage (encode, upload, commit), which needs only the deltas.
+  thread for the *upload* stage (encode what is left, upload, commit), which needs only
+  the deltas and streams. Merging a version into the next (``"skip"``) works on deltas:
+  the queued version's streams are decoded back to deltas against the view first.
 - Versions are consecutive and committed in order; a failure that cannot be retried
   poisons the publisher (every later ``publish`` raises it), because a gap would break
   the chain islands follow.
@@ -85,7 +90,9 @@ class _Job:
     labels: dict[str, str]
     anchor: bool
     reason: AnchorReason
-    deltas: dict[str, Any] | None  # served name -> TensorDelta; None when no patch (no base)
+    # served name -> TensorDelta, for tensors the read did not encode itself (``fused``); None
+    # when the version has no patch (no base)
+    deltas: dict[str, Any] | None
     futures: list[concurrent.futures.Future]
     t_publish: float
     adapter_tensors: dict[str, torch.Tensor] | None = None
@@ -99,6 +106,8 @@ class _Job:
     handles: list[PublishHandle] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     streams: concurrent.futures.Future | None = None  # the patch's encoded streams, started at read time
+    fused: dict[str, Any] = field(default_factory=dict)  # served name -> EncodedTensor, encoded during the read
+    changed: dict[str, int] = field(default_factory=dict)  # served name -> changed elements in the patch
 
 
 def _state_dict(model_or_state: Any) -> dict[str, torch.Tensor]:
@@ -307,7 +316,15 @@ class Publisher:
         t_read = time.perf_counter()
         try:
             reason = self._decide(version, target)
-            deltas = self._project_and_diff(master, anchor=bool(reason))
+            if target is not None and target.fused:
+                # Merging works on deltas: recover the target's from its streams while the view
+                # still holds the target's version.
+                target.deltas = dict(target.deltas or {}, **self._deltas_of(target.fused))
+                target.fused = {}
+            # Encode in the read itself (one pass over old and new bits), unless this read is
+            # merged into a queued version or the patch uses another encoding.
+            scan = target is None and self.encoding == "default"
+            folded = self._project_and_diff(master, anchor=bool(reason), scan=scan)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters
             read_done.set()
             self._fail(exc, [_Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0)]
@@ -320,6 +337,16 @@ class Publisher:
         read_s = handle.read_s
         read_done.set()
         del master
+        t_finish = time.perf_counter()
+        try:  # streams of the tensors the read scanned; the view still holds this version
+            deltas, fused = self._finish_read(folded) if folded is not None else (None, {})
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+            self._fail(exc, [_Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0)]
+                       + ([target] if target is not None else []))
+            with self._cond:
+                self._snapshotting -= 1
+                self._cond.notify_all()
+            return
         _release_free_memory()  # after the read: the trainer does not wait for it
         if target is not None:
             from weftboard.publisher.deltas import merge_deltas
@@ -339,14 +366,17 @@ class Publisher:
             job = _Job(version, step, labels, bool(reason), reason, deltas, [fut], t0)
             job.handles = [handle]
         job.timings["read_s"] = read_s
+        job.timings["finish_s"] = time.perf_counter() - t_finish
         if deltas is not None:
-            changed = sum(int(d.positions.numel()) for d in deltas.values())
-            job.touched |= {n for n, d in deltas.items() if d.positions.numel()}
+            job.fused = fused
+            job.changed = {n: int(d.positions.numel()) for n, d in deltas.items()}
+            job.changed.update((n, e.changed) for n, e in fused.items())
+            job.touched |= {n for n, c in job.changed.items() if c}
             # Hashed during the read: the cache holds the view's current digests.
             self._digest_cache.update(self._read_digests)
             job.touched -= self._read_digests.keys()
             self._read_digests = {}
-            job.est_patch_bytes = int(changed * self._bytes_per_change) + 64 * len(deltas)
+            job.est_patch_bytes = int(sum(job.changed.values()) * self._bytes_per_change) + 64 * len(job.changed)
         else:
             job.touched = set(self._view or ())
         with self._cond:  # policy bookkeeping at decision time (commits correct the estimate)
@@ -359,7 +389,11 @@ class Publisher:
                 self._last_patch_bytes = job.est_patch_bytes
         self._has_base = True
         if job.deltas is not None and job.version > 1:
-            job.streams = self._encode_pool.submit(self._encode_streams, job)
+            if job.deltas:
+                job.streams = self._encode_pool.submit(self._encode_streams, job)
+            else:  # every tensor was encoded during the read
+                job.streams = concurrent.futures.Future()
+                job.streams.set_result([job.fused[n] for n in self._layout_names()])
         log.debug("read", run=self.run, version=version, anchor=job.anchor, coalesced=target is not None,
                   read_s=round(time.perf_counter() - t0, 4))
         self._snapshot(job)
@@ -571,9 +605,9 @@ class Publisher:
             has_base=self._view is not None and self._has_base,
         ).reason
 
-    def _project_and_diff(self, master: dict[str, torch.Tensor], *, anchor: bool) -> dict[str, Any] | None:
-        """Project every master tensor and fold it into the kept view; the deltas, or None without a base."""
-        from weftboard.cuda.diff import diff_and_update_
+    def _project_and_diff(self, master: dict[str, torch.Tensor], *, anchor: bool, scan: bool = False) -> dict[str, Any] | None:
+        """Project every master tensor and fold it into the kept view; per served tensor its
+        delta or (``scan``, CPU views) its tile scans, or None without a base."""
 
         if self._view is None:
             view: dict[str, torch.Tensor] = {}
@@ -595,7 +629,7 @@ class Publisher:
         for name, t in master.items():
             prev = self._view.get(name)
             if self._is_elementwise(name, t, prev):
-                deltas[name], digests[name] = _chunked_cast_diff_update_(prev, t, self._scratch)
+                deltas[name], digests[name] = _chunked_cast_fold_(prev, t, self._scratch, scan)
                 continue
             for sname, st in self.projector.project_tensor(name, t, anchor=anchor).items():
                 prev = self._view.get(sname)
@@ -604,7 +638,7 @@ class Publisher:
                         f"tensor {sname!r} projects to {tuple(st.shape)} {st.dtype}, but the run's layout has "
                         f"{None if prev is None else (tuple(prev.shape), prev.dtype)}"
                     )
-                deltas[sname] = diff_and_update_(prev, st)
+                deltas[sname] = _fold_pieces_(prev, st.contiguous(), self._scratch, scan, len(st.reshape(-1)))
                 digests[sname] = tensor_digest(prev)
         self._scratch.clear()
         self._read_digests = digests
@@ -612,6 +646,39 @@ class Publisher:
             missing = sorted(set(self._view) - set(deltas))[:3]
             raise FailedPrecondition(f"the model no longer produces served tensors {missing} of run {self.run}")
         return deltas
+
+    def _finish_read(self, folded: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(deltas, streams) from what the read produced: scanned tensors get their streams
+        here, while the view still holds the version they lead to, which is also what a
+        tensor whose mode is not sparse needs to recover its delta."""
+        from weftboard.cuda.codec import delta_from_scans, encoded_from_scans
+        from weftboard.cuda.diff import TensorDelta
+
+        assert self._view is not None
+        scanned = [(n, item) for n, item in folded.items() if not isinstance(item, TensorDelta)]
+
+        def finish(entry: tuple[str, list]) -> Any:
+            name, scans = entry
+            view = self._view[name]
+            return encoded_from_scans(name, view.dtype, view.numel(), scans)
+
+        deltas = {n: d for n, d in folded.items() if isinstance(d, TensorDelta)}
+        fused: dict[str, Any] = {}
+        # One thread: the kernels are parallel inside, and two callers would double the
+        # OpenMP threads on cores the trainer's optimizer step is using right now.
+        for (name, scans), enc in zip(scanned, map(finish, scanned)):
+            if enc is None:
+                deltas[name] = delta_from_scans(scans, self._view[name])
+            else:
+                fused[name] = enc
+        return deltas, fused
+
+    def _deltas_of(self, fused: dict[str, Any]) -> dict[str, Any]:
+        """The deltas of streams encoded during a read, while the view holds their version."""
+        from weftboard.cuda.codec import delta_from_encoded
+
+        assert self._view is not None
+        return {n: delta_from_encoded(e, self._view[n]) for n, e in fused.items()}
 
     def _is_elementwise(self, name: str, master: torch.Tensor, prev: torch.Tensor | None) -> bool:
         """Whether this tensor's stored form is a plain elementwise cast of the master (so it can
@@ -655,6 +722,7 @@ class Publisher:
                 self._snapshotting -= 1
                 self._cond.notify_all()
             return
+        job.timings["queued_s"] = time.perf_counter() - job.t_publish
         with self._cond:
             self._snapshotting -= 1
             self._queue.append(job)
@@ -762,7 +830,7 @@ class Publisher:
             changed = record.stats.changed_elements
             if changed and patch_bytes:
                 self._bytes_per_change = max(patch_bytes / changed, 0.1)
-        job.deltas = None  # the patch is committed: its deltas are garbage now
+        job.deltas, job.fused = None, {}  # the patch is committed: its deltas and streams are garbage now
         _release_free_memory()
         self.committed.append(response.record)
         self.commit_latency_s.append(time.perf_counter() - job.t_publish)
@@ -780,7 +848,11 @@ class Publisher:
         t_enc = time.perf_counter()
         assert job.deltas is not None
         deltas = job.deltas
-        streams = encode_streams([(n, deltas[n]) for n in self._layout_names()], encoding=self.encoding)
+        names = self._layout_names()
+        encoded = dict(job.fused)
+        todo = [n for n in names if n not in encoded]
+        encoded.update(zip(todo, encode_streams([(n, deltas[n]) for n in todo], encoding=self.encoding)))
+        streams = [encoded[n] for n in names]
         job.timings["encode_s"] = time.perf_counter() - t_enc
         return streams
 
@@ -792,7 +864,7 @@ class Publisher:
         for name, dtype, shape in self._layout:
             numel = _numel(shape)
             if job.deltas is not None and job.version > 1:
-                changed = int(job.deltas[name].positions.numel())
+                changed = job.changed[name]
             else:
                 changed = numel
             total += numel
@@ -849,49 +921,84 @@ def _release_free_memory() -> None:
 _LIBC: Any = None
 
 
-def _chunked_cast_diff_update_(prev: torch.Tensor, master: torch.Tensor, scratch: dict | None = None) -> tuple[Any, str]:
+def _chunked_cast_fold_(prev: torch.Tensor, master: torch.Tensor, scratch: dict, scan: bool = False) -> tuple[Any, str]:
     """Cast ``master`` to ``prev``'s dtype chunk by chunk, folding each chunk into ``prev``;
-    the delta and the digest of ``prev`` afterwards.
+    what changed (see ``_fold_pieces_``) and the digest of ``prev`` afterwards.
 
     Peak extra memory is one chunk instead of a full projected tensor (embeddings and LM
     heads are a quarter of a small model each). Each chunk is hashed right after it is folded
     in, from cache, which is why the digest comes from here and not from a later pass.
     """
-    from weftboard.cuda.diff import TensorDelta, diff_and_update_
     from weftboard.cuda.digest import tensor_digest
 
     flat_m = master.detach().reshape(-1)
-    flat_p = prev.reshape(-1)
     n = flat_m.numel()
     key = (prev.dtype, prev.device)
-    buf = None if scratch is None else scratch.get(key)
+    buf = scratch.get(key)
     if buf is None:
-        buf = torch.empty(_CAST_CHUNK, dtype=prev.dtype, device=prev.device)
-        if scratch is not None:
-            scratch[key] = buf
-    if n <= _CAST_CHUNK:  # small tensors too go through the reused buffer: no fresh pages to fault in
-        chunk = buf[:n]
-        chunk.copy_(flat_m)
-        delta = diff_and_update_(prev, chunk.view(prev.shape))
-        return delta, tensor_digest(prev)
+        buf = scratch[key] = torch.empty(_CAST_CHUNK, dtype=prev.dtype, device=prev.device)
     hasher = xxhash.xxh3_128() if prev.device.type == "cpu" else None  # GPU views: one pass at the end
-    parts = []
-    for start in range(0, n, _CAST_CHUNK):
-        end = min(start + _CAST_CHUNK, n)
+
+    def cast(start: int, end: int) -> torch.Tensor:
         chunk = buf[: end - start]
         chunk.copy_(flat_m[start:end])  # the same cast kernel as .to(), into a reused buffer
-        d = diff_and_update_(flat_p[start:end], chunk)
-        parts.append((start, d))
+        return chunk
+
+    def folded(chunk: torch.Tensor) -> None:
         if hasher is not None:  # the chunk now holds exactly the view's bytes, and is the hottest copy
             hasher.update(memoryview(chunk.view(torch.uint8).numpy()))
+
+    # Small tensors too go through the reused buffer: no fresh pages to fault in.
+    result = _fold_pieces_(prev, None, scratch, scan, n, source=cast, on_folded=folded)
     digest = format_digest(hasher.digest()) if hasher is not None else tensor_digest(prev)
+    return result, digest
+
+
+def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, scan: bool, n: int, *,
+                  source: Any = None, on_folded: Any = None) -> Any:
+    """Fold ``new`` (or the pieces ``source(start, end)`` gives) into ``prev``, ``_CAST_CHUNK``
+    elements at a time; returns the TensorDelta, or (``scan`` on CPU) the tensor's tile scans.
+
+    A scan encodes a piece in the same read that compares it; a piece whose scan does not fit
+    (a pathologically dense tile) is diffed instead, and then the tensor's scans are turned
+    back into deltas (from the folded view) so the caller gets one delta for the tensor.
+    """
+    from weftboard.cuda import tile_codec
+    from weftboard.cuda.codec import CODEC_TILE, delta_from_scans
+    from weftboard.cuda.diff import TensorDelta, bits_view, diff_and_update_, unsigned_np
+
+    assert _CAST_CHUNK % CODEC_TILE == 0  # pieces start on tile boundaries
+    flat_p = prev.reshape(-1)
+    flat_n = None if new is None else new.reshape(-1)
+    scan = scan and prev.device.type == "cpu"
+    parts: list[tuple[int, Any]] = []
+    for start in range(0, max(n, 1), _CAST_CHUNK):
+        end = min(start + _CAST_CHUNK, n)
+        piece = source(start, end) if source is not None else flat_n[start:end]
+        view = flat_p[start:end]
+        item: Any = None
+        if scan:
+            item = tile_codec.scan_tiles(unsigned_np(bits_view(view)), unsigned_np(bits_view(piece)), CODEC_TILE, scratch)
+            if item is not None:
+                view.copy_(piece)
+        if item is None:
+            item = diff_and_update_(view, piece)
+        parts.append((start, item))
+        if on_folded is not None:
+            on_folded(piece)
+    if scan and all(not isinstance(item, TensorDelta) for _, item in parts):
+        return [item for _, item in parts]
+    deltas = [(start, item if isinstance(item, TensorDelta) else delta_from_scans([item], flat_p[start:start + _CAST_CHUNK]))
+              for start, item in parts]
+    if len(deltas) == 1:
+        return deltas[0][1]
     return TensorDelta(
-        positions=torch.cat([d.positions + start for start, d in parts]),
-        old_bits=torch.cat([d.old_bits for _, d in parts]),
-        new_bits=torch.cat([d.new_bits for _, d in parts]),
+        positions=torch.cat([d.positions + start for start, d in deltas]),
+        old_bits=torch.cat([d.old_bits for _, d in deltas]),
+        new_bits=torch.cat([d.new_bits for _, d in deltas]),
         numel=n,
         dtype=prev.dtype,
-    ), digest
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -274,12 +275,15 @@ async def test_fp8_served_format_with_fixed_scales(board, local_store, tmp_path:
         await _follow_each(client, "f8", local_store, tmp_path, views)
 
 
-def test_chunked_cast_diff_equals_whole_tensor_path() -> None:
-    """Large tensors are cast in chunks into a reused buffer: same view, same delta, and the
-    digest hashed chunk by chunk on the way is the one-shot digest of the updated view."""
+@pytest.mark.parametrize("scan", [False, True])
+def test_chunked_cast_fold_equals_whole_tensor_path(scan: bool) -> None:
+    """Large tensors are cast in chunks into a reused buffer: same view, same transition
+    (deltas, or tile scans whose stream is the one-call encoder's), and the digest hashed
+    chunk by chunk on the way is the one-shot digest of the updated view."""
+    from weftboard.cuda import codec, tile_codec
     from weftboard.cuda.diff import diff_and_update_
     from weftboard.cuda.digest import tensor_digest
-    from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_diff_update_
+    from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_fold_
 
     g = torch.Generator().manual_seed(3)
     n = _CAST_CHUNK + 12_345  # two chunks, the second one ragged
@@ -288,16 +292,42 @@ def test_chunked_cast_diff_equals_whole_tensor_path() -> None:
     prev = (master + torch.randn(n, generator=g) * 1e-4).to(torch.bfloat16)
     a, b = prev.clone(), prev.clone()
     scratch: dict = {}
-    d1, digest = _chunked_cast_diff_update_(a, master, scratch)
+    d1, digest = _chunked_cast_fold_(a, master, scratch, scan)
     d2 = diff_and_update_(b, master.to(torch.bfloat16))
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     assert digest == tensor_digest(b) and digest != tensor_digest(prev)
-    small = prev[:1000].clone()
-    _, small_digest = _chunked_cast_diff_update_(small, master[:1000], scratch)
-    assert small_digest == tensor_digest(master[:1000].to(torch.bfloat16))
+    if scan:
+        assert isinstance(d1, list) and len(d1) == 2
+        enc = codec.encoded_from_scans("w", torch.bfloat16, n, d1)
+        old_bits, new_bits = (x.view(torch.int16).numpy().view(np.uint16) for x in (prev, b))
+        assert enc is not None and np.array_equal(enc.stream, tile_codec.encode_sparse(old_bits, new_bits, codec.CODEC_TILE)[1])
+        d1 = codec.delta_from_scans(d1, a)
     assert torch.equal(d1.positions, d2.positions)
     assert torch.equal(d1.old_bits, d2.old_bits) and torch.equal(d1.new_bits, d2.new_bits)
     assert d1.numel == d2.numel and d1.dtype == d2.dtype and scratch
+    small = prev[:1000].clone()
+    _, small_digest = _chunked_cast_fold_(small, master[:1000], scratch, scan)
+    assert small_digest == tensor_digest(master[:1000].to(torch.bfloat16))
+
+
+def test_a_chunk_too_dense_to_scan_turns_the_tensor_into_one_delta() -> None:
+    """A chunk whose tiles overflow the scan's scratch is diffed; the chunks scanned before it
+    are recovered from the folded view, so the tensor still has one exact delta."""
+    from weftboard.cuda.diff import diff_tensor
+    from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_fold_
+
+    g = torch.Generator().manual_seed(4)
+    n = 2 * _CAST_CHUNK + 99
+    prev = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
+    master = prev.float() + torch.randn(n, generator=g) * 1e-4
+    master[_CAST_CHUNK : 2 * _CAST_CHUNK] = -master[_CAST_CHUNK : 2 * _CAST_CHUNK] * 3.0  # far jumps: escapes
+    view = prev.clone()
+    delta, _ = _chunked_cast_fold_(view, master, {}, scan=True)
+    ref = diff_tensor(prev, master.to(torch.bfloat16))
+    assert not isinstance(delta, list)
+    assert torch.equal(delta.positions, ref.positions)
+    assert torch.equal(delta.old_bits, ref.old_bits) and torch.equal(delta.new_bits, ref.new_bits)
+    assert torch.equal(view.view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
 
 
 def test_merge_deltas_spans_two_transitions() -> None:
