@@ -278,11 +278,9 @@ async def test_fp8_served_format_with_fixed_scales(board, local_store, tmp_path:
 @pytest.mark.parametrize("scan", [False, True])
 def test_chunked_cast_fold_equals_whole_tensor_path(scan: bool) -> None:
     """Large tensors are cast in chunks into a reused buffer: same view, same transition
-    (deltas, or tile scans whose stream is the one-call encoder's), and the digest hashed
-    chunk by chunk on the way is the one-shot digest of the updated view."""
+    (deltas, or tile scans whose stream is the one-call encoder's)."""
     from weftboard.cuda import codec, tile_codec
     from weftboard.cuda.diff import diff_and_update_
-    from weftboard.cuda.digest import tensor_digest
     from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_fold_
 
     g = torch.Generator().manual_seed(3)
@@ -292,10 +290,9 @@ def test_chunked_cast_fold_equals_whole_tensor_path(scan: bool) -> None:
     prev = (master + torch.randn(n, generator=g) * 1e-4).to(torch.bfloat16)
     a, b = prev.clone(), prev.clone()
     scratch: dict = {}
-    d1, digest = _chunked_cast_fold_(a, master, scratch, scan)
+    d1 = _chunked_cast_fold_(a, master, scratch, scan)
     d2 = diff_and_update_(b, master.to(torch.bfloat16))
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-    assert digest == tensor_digest(b) and digest != tensor_digest(prev)
     if scan:
         assert isinstance(d1, list) and len(d1) == 2
         enc = codec.encoded_from_scans("w", torch.bfloat16, n, d1)
@@ -306,8 +303,8 @@ def test_chunked_cast_fold_equals_whole_tensor_path(scan: bool) -> None:
     assert torch.equal(d1.old_bits, d2.old_bits) and torch.equal(d1.new_bits, d2.new_bits)
     assert d1.numel == d2.numel and d1.dtype == d2.dtype and scratch
     small = prev[:1000].clone()
-    _, small_digest = _chunked_cast_fold_(small, master[:1000], scratch, scan)
-    assert small_digest == tensor_digest(master[:1000].to(torch.bfloat16))
+    _chunked_cast_fold_(small, master[:1000], scratch, scan)
+    assert torch.equal(small.view(torch.int16), master[:1000].to(torch.bfloat16).view(torch.int16))
 
 
 def test_a_chunk_too_dense_to_scan_turns_the_tensor_into_one_delta() -> None:
@@ -322,7 +319,7 @@ def test_a_chunk_too_dense_to_scan_turns_the_tensor_into_one_delta() -> None:
     master = prev.float() + torch.randn(n, generator=g) * 1e-4
     master[_CAST_CHUNK : 2 * _CAST_CHUNK] = -master[_CAST_CHUNK : 2 * _CAST_CHUNK] * 3.0  # far jumps: escapes
     view = prev.clone()
-    delta, _ = _chunked_cast_fold_(view, master, {}, scan=True)
+    delta = _chunked_cast_fold_(view, master, {}, scan=True)
     ref = diff_tensor(prev, master.to(torch.bfloat16))
     assert not isinstance(delta, list)
     assert torch.equal(delta.positions, ref.positions)
