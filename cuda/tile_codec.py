@@ -30,7 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numba as nb
@@ -108,13 +108,15 @@ def rice_k(total_gap, n):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def scan_encode_tiles(a, b, aw, bw, width, tile, rice_buf, rstride, sym_buf):
+def scan_encode_tiles(a, b, aw, bw, width, tile, rice_buf, rstride, sym_buf, update):
     """Pass 1: per tile, change masks, then Rice-coded gaps, symbols and escapes.
 
     Tile ``t`` writes Rice bytes at ``rice_buf[t*rstride:]``, its symbols at
     ``sym_buf[2*t*tile:]`` and its escapes (raw differences, little-endian) at
     ``sym_buf[2*t*tile + tile:]``. A tile whose output would not fit sets ``over[t]`` (the
-    caller then uses the two-step encoder); ``ns`` is exact either way.
+    caller then uses the two-step encoder) and counts none of its symbols; ``ns`` is exact
+    either way. ``update``: every tile that does not overflow also writes ``b`` into ``a``
+    where they differ (so the caller needs no copy), and an overflowing tile writes nothing.
     """
     numel = a.size
     ntiles = (numel + tile - 1) // tile
@@ -152,6 +154,11 @@ def scan_encode_tiles(a, b, aw, bw, width, tile, rice_buf, rstride, sym_buf):
         k = rice_k(lastpos + 1 - cnt, cnt)
         ks[t] = k
         lowmask = (1 << k) - 1
+        # Fold while walking when the tile provably fits (total Rice bits are at most
+        # sum(gap >> k) + cnt * (k + 1), escapes at most one per change); otherwise only
+        # after the walk succeeded, so an overflowing tile is left as it was.
+        fold_now = update and cnt * width <= tile and (
+            ((((lastpos + 1 - cnt) >> k) + cnt * (k + 1)) >> 3) + 48 <= rstride - 16)
         p0 = t * rstride
         p = p0
         pend = p0 + rstride - 16
@@ -179,6 +186,8 @@ def scan_encode_tiles(a, b, aw, bw, width, tile, rice_buf, rstride, sym_buf):
                 p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g, k, lowmask)
                 i = s + lp
                 d = (np.uint64(b[i]) - np.uint64(a[i])) & mask
+                if fold_now:
+                    a[i] = b[i]
                 sym = entropy.symbol(d, mask, wbits)
                 sym_buf[sb + j] = sym
                 j += 1
@@ -195,7 +204,15 @@ def scan_encode_tiles(a, b, aw, bw, width, tile, rice_buf, rstride, sym_buf):
                 break
         if bad:
             over[t] = 1
+            h[:] = 0
             continue
+        if update and not fold_now:
+            for bi in range(nblocks):
+                m = masks[bi]
+                while m != 0:
+                    i = s + 64 * bi + np.int64(cttz64(m))
+                    m &= m - np.uint64(1)
+                    a[i] = b[i]
         while nbits > 0:
             rice_buf[p] = acc & 0xFF
             p += 1
@@ -325,7 +342,8 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int) -> tuple[int, np.
                                      sym_buf, 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile)
 
 
-def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym_buf: np.ndarray) -> tuple:
+def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym_buf: np.ndarray,
+          update: bool = False) -> tuple:
     if tile % 64:
         raise ValueError("tile must be a multiple of 64")
     if old.dtype != new.dtype or old.size != new.size:
@@ -333,7 +351,7 @@ def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym
     aw, bw = word_view(old), word_view(new)
     if aw.size != bw.size:
         aw = bw = np.empty(0, np.uint64)
-    return scan_encode_tiles(old, new, aw, bw, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf)
+    return scan_encode_tiles(old, new, aw, bw, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update)
 
 
 def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off):
@@ -367,16 +385,21 @@ class TileScan:
     syms: np.ndarray  # uint8: every change's symbol, in order
     escs: np.ndarray  # uint8: every escape's raw difference (little-endian, width bytes each)
     counts: np.ndarray  # symbol histogram
+    # Tiles that did not fit the scan's scratch (pathologically dense): not scanned (ns 0 here)
+    # and, under ``update``, not folded either; the caller diffs them.
+    overflowed: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
     @property
     def changed(self) -> int:
         return int(self.ns.sum())
 
 
-def scan_tiles(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None = None) -> TileScan | None:
+def scan_tiles(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None = None, *,
+               update: bool = False) -> TileScan:
     """Pass 1 of ``encode_sparse`` over ``old``/``new`` (unsigned views, a whole number of
-    tiles except at a tensor's end); None when a tile did not fit its scratch (the caller then
-    diffs that piece instead). ``scratch`` keeps the scan's buffers between calls."""
+    tiles except at a tensor's end); ``update`` also folds ``new`` into ``old`` (see
+    ``scan_encode_tiles``). Tiles that did not fit their scratch are listed in
+    ``overflowed``. ``scratch`` keeps the scan's buffers between calls."""
     ntiles = (old.size + tile - 1) // tile
     need_rice, need_sym = ntiles * (tile + _RICE_SLACK), ntiles * 2 * tile
     bufs = None if scratch is None else scratch.get("tile_scan")
@@ -385,16 +408,18 @@ def scan_tiles(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None
         if scratch is not None:
             scratch["tile_scan"] = bufs
     rice_buf, sym_buf = bufs
-    ns, ks, rice_len, n_esc, counts, over = _scan(old, new, tile, rice_buf, sym_buf)
-    if over.any():
-        return None
+    ns, ks, rice_len, n_esc, counts, over = _scan(old, new, tile, rice_buf, sym_buf, update)
+    overflowed = np.flatnonzero(over).astype(np.int64)
+    ns[overflowed] = 0  # their Rice lengths and escapes are 0 already, their symbols uncounted
     rice, syms, escs = _compact_tiles(ns, rice_len, n_esc, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf)
-    return TileScan(ns, ks, rice_len, n_esc, rice, syms, escs, counts)
+    return TileScan(ns, ks, rice_len, n_esc, rice, syms, escs, counts, overflowed)
 
 
 def finish_sparse(scans: Sequence[TileScan], width: int) -> np.ndarray:
     """The ``sparse`` stream of a tensor from the scans of its pieces, in order (at least one
     change in all)."""
+    if any(s.overflowed.size for s in scans):
+        raise ValueError("a scan with overflowed tiles does not describe its piece; diff those tiles")
     ns = np.concatenate([s.ns for s in scans])
     if not ns.any():
         raise ValueError("finish_sparse needs at least one change")

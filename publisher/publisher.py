@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import structlog
+import numpy as np
 import torch
 import xxhash
 
@@ -957,10 +958,13 @@ def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, s
     """Fold ``new`` (or the pieces ``source(start, end)`` gives) into ``prev``, ``_CAST_CHUNK``
     elements at a time; returns the TensorDelta, or (``scan`` on CPU) the tensor's tile scans.
 
-    A scan encodes a piece in the same read that compares it; a piece whose scan does not fit
-    (a pathologically dense tile) is diffed instead, and then the tensor's scans are turned
-    back into deltas (from the folded view) so the caller gets one delta for the tensor.
+    A scan encodes a piece in the same read that compares it and folds it (no copy); tiles
+    too dense for the scan's scratch are left alone by it and diffed instead, and then the
+    tensor's scans are turned back into deltas (from the folded view) so the caller gets one
+    exact delta for the tensor.
     """
+    import dataclasses
+
     from weftboard.cuda import tile_codec
     from weftboard.cuda.codec import CODEC_TILE, delta_from_scans
     from weftboard.cuda.diff import TensorDelta, bits_view, diff_and_update_, unsigned_np
@@ -974,26 +978,43 @@ def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, s
         end = min(start + _CAST_CHUNK, n)
         piece = source(start, end) if source is not None else flat_n[start:end]
         view = flat_p[start:end]
-        item: Any = None
-        if scan:
-            item = tile_codec.scan_tiles(unsigned_np(bits_view(view)), unsigned_np(bits_view(piece)), CODEC_TILE, scratch)
-            if item is not None:
-                view.copy_(piece)
-        if item is None:
-            item = diff_and_update_(view, piece)
-        parts.append((start, item))
+        if not scan:
+            parts.append((start, diff_and_update_(view, piece)))
+            continue
+        sc = tile_codec.scan_tiles(unsigned_np(bits_view(view)), unsigned_np(bits_view(piece)), CODEC_TILE, scratch,
+                                   update=True)
+        if not sc.overflowed.size:
+            parts.append((start, sc))
+            continue
+        # The scanned tiles are folded: their delta comes back from the view. The others
+        # are untouched: diff them.
+        scanned = delta_from_scans([dataclasses.replace(sc, overflowed=np.empty(0, np.int64))], view)
+        pieces = [(0, scanned)]
+        for t in sc.overflowed.tolist():
+            lo, hi = t * CODEC_TILE, min((t + 1) * CODEC_TILE, end - start)
+            pieces.append((lo, diff_and_update_(view[lo:hi], piece[lo:hi])))
+        parts.append((start, _join_deltas(pieces, end - start, prev.dtype)))
     if scan and all(not isinstance(item, TensorDelta) for _, item in parts):
         return [item for _, item in parts]
     deltas = [(start, item if isinstance(item, TensorDelta) else delta_from_scans([item], flat_p[start:start + _CAST_CHUNK]))
               for start, item in parts]
     if len(deltas) == 1:
         return deltas[0][1]
+    return _join_deltas(deltas, n, prev.dtype)
+
+
+def _join_deltas(parts: list[tuple[int, Any]], numel: int, dtype: torch.dtype) -> Any:
+    """One delta from deltas of disjoint ranges (each ``(offset, delta)``), positions ascending."""
+    from weftboard.cuda.diff import TensorDelta
+
+    positions = torch.cat([d.positions + offset for offset, d in parts])
+    order = torch.argsort(positions)
     return TensorDelta(
-        positions=torch.cat([d.positions + start for start, d in deltas]),
-        old_bits=torch.cat([d.old_bits for _, d in deltas]),
-        new_bits=torch.cat([d.new_bits for _, d in deltas]),
-        numel=n,
-        dtype=prev.dtype,
+        positions=positions[order],
+        old_bits=torch.cat([d.old_bits for _, d in parts])[order],
+        new_bits=torch.cat([d.new_bits for _, d in parts])[order],
+        numel=numel,
+        dtype=dtype,
     )
 
 

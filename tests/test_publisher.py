@@ -307,9 +307,10 @@ def test_chunked_cast_fold_equals_whole_tensor_path(scan: bool) -> None:
     assert torch.equal(small.view(torch.int16), master[:1000].to(torch.bfloat16).view(torch.int16))
 
 
-def test_a_chunk_too_dense_to_scan_turns_the_tensor_into_one_delta() -> None:
-    """A chunk whose tiles overflow the scan's scratch is diffed; the chunks scanned before it
-    are recovered from the folded view, so the tensor still has one exact delta."""
+def test_tiles_too_dense_to_scan_turn_the_tensor_into_one_delta() -> None:
+    """Tiles that overflow the scan's scratch are diffed; the tiles and chunks scanned around
+    them are recovered from the folded view, so the tensor still has one exact delta."""
+    from weftboard.cuda.codec import CODEC_TILE
     from weftboard.cuda.diff import diff_tensor
     from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_fold_
 
@@ -317,7 +318,8 @@ def test_a_chunk_too_dense_to_scan_turns_the_tensor_into_one_delta() -> None:
     n = 2 * _CAST_CHUNK + 99
     prev = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)
     master = prev.float() + torch.randn(n, generator=g) * 1e-4
-    master[_CAST_CHUNK : 2 * _CAST_CHUNK] = -master[_CAST_CHUNK : 2 * _CAST_CHUNK] * 3.0  # far jumps: escapes
+    dense = slice(_CAST_CHUNK + 3 * CODEC_TILE + 5, _CAST_CHUNK + 6 * CODEC_TILE)  # far jumps (escapes) in 3 tiles
+    master[dense] = -master[dense] * 3.0
     view = prev.clone()
     delta = _chunked_cast_fold_(view, master, {}, scan=True)
     ref = diff_tensor(prev, master.to(torch.bfloat16))

@@ -142,13 +142,30 @@ def test_scanning_piece_by_piece_gives_the_whole_tensor_stream(width: int, piece
     assert np.array_equal(tile_codec.finish_sparse(scans, width), whole)
 
 
-def test_a_piece_that_overflows_its_scratch_has_no_scan() -> None:
-    rng = np.random.default_rng(6)
-    a = rng.integers(0, 2**16, CODEC_TILE, dtype=np.uint16)
-    b = a ^ np.uint16(0x4000)
-    assert tile_codec.scan_tiles(a, b, CODEC_TILE) is None
+def test_an_overflowing_tile_is_neither_scanned_nor_folded() -> None:
+    a, b = _pair(2, 3 * CODEC_TILE, 0.05, seed=6)
+    b[CODEC_TILE : 2 * CODEC_TILE] = a[CODEC_TILE : 2 * CODEC_TILE] ^ np.uint16(0x4000)  # tile 1: all escapes
+    before = a.copy()
+    scan = tile_codec.scan_tiles(a, b, CODEC_TILE, update=True)
+    assert scan.overflowed.tolist() == [1] and scan.ns[1] == 0
+    assert np.array_equal(a[CODEC_TILE : 2 * CODEC_TILE], before[CODEC_TILE : 2 * CODEC_TILE])  # left alone
+    assert np.array_equal(a[:CODEC_TILE], b[:CODEC_TILE]) and np.array_equal(a[2 * CODEC_TILE :], b[2 * CODEC_TILE :])
+    assert scan.changed == int((before != b).sum()) - CODEC_TILE and scan.counts.sum() == scan.changed
+    with pytest.raises(ValueError, match="overflowed"):
+        tile_codec.finish_sparse([scan], 2)
     with pytest.raises(ValueError, match="at least one change"):
         tile_codec.finish_sparse([tile_codec.scan_tiles(a, a, CODEC_TILE)], 2)
+
+
+@pytest.mark.parametrize("width, density", [(2, 0.02), (2, 0.6), (1, 0.3), (4, 0.05)])
+def test_scanning_with_update_folds_new_into_old_and_keeps_the_stream(width: int, density: float) -> None:
+    """Dense tiles take the fold-after-walk path, sparse ones fold while walking: same result."""
+    a, b = _pair(width, 2 * CODEC_TILE + 17, density, seed=int(density * 100) + width)
+    plain = tile_codec.scan_tiles(a, b, CODEC_TILE)
+    folded = a.copy()
+    scan = tile_codec.scan_tiles(folded, b, CODEC_TILE, update=True)
+    assert not scan.overflowed.size and np.array_equal(folded, b)
+    assert np.array_equal(tile_codec.finish_sparse([scan], width), tile_codec.finish_sparse([plain], width))
 
 
 def test_scanned_tensor_encodes_and_recovers_its_delta() -> None:
