@@ -327,11 +327,7 @@ class Publisher:
             folded = self._project_and_diff(master, anchor=bool(reason), scan=scan)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters
             read_done.set()
-            self._fail(exc, [_Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0)]
-                       + ([target] if target is not None else []))
-            with self._cond:
-                self._snapshotting -= 1
-                self._cond.notify_all()
+            self._fail_read(exc, _Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0), target)
             return
         handle.read_s = time.perf_counter() - t_read
         read_s = handle.read_s
@@ -345,11 +341,7 @@ class Publisher:
             deltas, fused = self._finish_read(folded) if folded is not None else (None, {})
             hashed = {n: f.result() for n, f in hashing.items()}
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters
-            self._fail(exc, [_Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0)]
-                       + ([target] if target is not None else []))
-            with self._cond:
-                self._snapshotting -= 1
-                self._cond.notify_all()
+            self._fail_read(exc, _Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0), target)
             return
         _release_free_memory()  # after the read: the trainer does not wait for it
         if target is not None:
@@ -400,6 +392,13 @@ class Publisher:
         log.debug("read", run=self.run, version=version, anchor=job.anchor, coalesced=target is not None,
                   read_s=round(time.perf_counter() - t0, 4))
         self._snapshot(job)
+
+    def _fail_read(self, exc: BaseException, job: _Job, target: _Job | None) -> None:
+        """A read (or the streams after it) failed: its waiters and a merge target's get the error."""
+        self._fail(exc, [job] + ([target] if target is not None else []))
+        with self._cond:
+            self._snapshotting -= 1
+            self._cond.notify_all()
 
     def publish_adapter(self, state_dict: Mapping[str, torch.Tensor], *, step: int = 0, labels: Mapping[str, str] | None = None) -> PublishHandle:
         """Publish a LoRA adapter whole (a run of kind RUN_KIND_LORA_ADAPTER: anchors only)."""
