@@ -119,12 +119,15 @@ class SlowStore(LocalDirBlobStore):
 
 
 @pytest.mark.parametrize("mode", ["wait", "skip"])
-async def test_backpressure(board_factory, tmp_path: Path, mode: str) -> None:
+async def test_backpressure(board_factory, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     store = SlowStore(tmp_path / "blobs", delay_s=0.4)
     board = await board_factory(blobs=store)
     trainer = Trainer(lr=1e-4)
     views: dict[int, dict] = {}
     handles = []
+    recovered: list[int] = []  # streams turned back into deltas to merge a queued version
+    deltas_of = Publisher._deltas_of
+    monkeypatch.setattr(Publisher, "_deltas_of", lambda self, fused: recovered.append(len(fused)) or deltas_of(self, fused))
 
     def train() -> None:
         with Publisher(board.address, f"bp-{mode}", token=board.admin_token, blob_store=store,
@@ -143,10 +146,12 @@ async def test_backpressure(board_factory, tmp_path: Path, mode: str) -> None:
     if mode == "wait":
         assert versions == [1, 2, 3, 4, 5, 6]
         assert max(h.blocked_s for h in handles[1:]) >= 0.2  # the trainer really waited for uploads
+        assert not recovered  # no merges, so no streams turned back into deltas
     else:
         assert versions[-1] < 6  # some publishes were coalesced into a spanning patch
         assert versions == sorted(versions) and set(versions) == set(range(1, versions[-1] + 1))
         assert any(records[i].step != handles[i].step for i in range(len(handles)))
+        assert recovered and all(n > 0 for n in recovered)  # merges started from encoded streams
     async with BoardClient(board.address, board.admin_token) as client:
         await _follow_each(client, f"bp-{mode}", store, tmp_path, views)
 
