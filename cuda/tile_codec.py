@@ -1,7 +1,9 @@
 """Fused CPU kernels for the default ``sparse`` stream of one tensor.
 
 ``encode_sparse`` turns one read of the old and new stored bits into the finished stream (diff
-and encode fused); ``apply_tiles`` makes one pass over a stream and writes the tensor in place
+and encode fused); ``scan_tiles`` and ``finish_sparse`` split it for a caller that reads a tensor
+piece by piece (the publisher, which also lets the scan fold the new bits into its view:
+``update``); ``apply_tiles`` makes one pass over a stream and writes the tensor in place
 (decode and apply fused); the same kernel with ``sign=-1`` takes a patch back out, and
 ``decode_tiles`` (the same kernel again) writes position and difference arrays instead, for
 CUDA destinations. The bytes are exactly the layout ``weftboard.cuda.entropy`` documents, so
@@ -18,6 +20,9 @@ symbols (one byte each) wait until the tensor's frequency table is known.
 Invariants:
 - Tiles are independent and write only their own regions, so ``prange`` over tiles gives the
   same bytes for any number of threads.
+- A scan with ``update`` folds a tile only if its output fit: a tile that overflows its
+  scratch is left exactly as it was (and listed in ``TileScan.overflowed``), so the caller can
+  still diff it.
 - A tile's Rice parameter is the optimum for geometric gaps at the tile's mean gap (Gallager
   and Van Voorhis), a closed form, so choosing it needs no pass over the gaps.
 - ``apply_tiles`` validates as it writes: it reports, per tile, how many changes it wrote
