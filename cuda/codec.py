@@ -164,12 +164,16 @@ def _encode_default(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: in
     if n == numel:
         return "all", new.view(np.uint8)
     sparse = _encode_sparse(pos, old, new, numel, CODEC_TILE)
-    bitmap_bytes = (numel + 7) // 8 + n * width
-    if sparse.size <= bitmap_bytes:
+    if sparse.size <= _bitmap_bytes(numel, n, width):
         return "sparse", sparse
     mask = np.zeros(numel, np.bool_)
     mask[pos] = True
     return "bitmap", np.concatenate([np.packbits(mask, bitorder="little"), new.view(np.uint8)])
+
+
+def _bitmap_bytes(numel: int, changed: int, width: int) -> int:
+    """Size of the ``bitmap`` stream: the default encoding takes ``sparse`` unless it is larger."""
+    return (numel + 7) // 8 + changed * width
 
 
 def _encode_baseline(pos: np.ndarray, new: np.ndarray, numel: int) -> tuple[str, np.ndarray, int]:
@@ -218,7 +222,7 @@ def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor) -> Encod
         return EncodedTensor(name, old.dtype, numel, 0, "empty", np.empty(0, np.uint8))
     if changed == numel:
         return EncodedTensor(name, old.dtype, numel, changed, "all", b.view(np.uint8))
-    if stream is None or stream.size > (numel + 7) // 8 + changed * a.itemsize:
+    if stream is None or stream.size > _bitmap_bytes(numel, changed, a.itemsize):
         return None
     return EncodedTensor(name, old.dtype, numel, changed, "sparse", stream)
 
@@ -235,7 +239,7 @@ def encoded_from_scans(name: str, dtype: torch.dtype, numel: int, scans: Sequenc
         return None
     width = torch.empty(0, dtype=dtype).element_size()
     stream = tile_codec.finish_sparse(scans, width)
-    if stream.size > (numel + 7) // 8 + changed * width:
+    if stream.size > _bitmap_bytes(numel, changed, width):
         return None
     return EncodedTensor(name, dtype, numel, changed, "sparse", stream)
 

@@ -502,7 +502,6 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
     starts = np.zeros(ntiles + 1, np.int64)
     for t in range(ntiles):
         starts[t + 1] = starts[t] + ns[t]
-    last = buf.size - 1
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
     smask = (1 << SCALE_BITS) - 1
     sym2diff = np.zeros(NSYM, np.uint64)

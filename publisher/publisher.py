@@ -10,16 +10,17 @@ Called from an ordinary synchronous training loop::
 Invariants:
 - The publisher keeps ONE served view (on the model's device). Each master tensor is
   projected (large elementwise casts chunk by chunk through a reused buffer) and folded
-  into that view in one pass that also records the transition and hashes the new bytes
-  while they are in cache, so the view always equals the newest published version. On CPU
-  views in the default encoding that pass *encodes* as it compares (``tile_codec`` scans:
-  Rice-coded gaps and symbols), and only the rANS pass and the container are left for
-  later; elsewhere it keeps deltas (``diff_and_update_``, Triton on CUDA). That read is all
+  into that view in one pass that also records the transition, so the view always equals
+  the newest published version. On CPU views in the default encoding that pass *encodes*
+  as it compares (``tile_codec`` scans: Rice-coded gaps and symbols), and only the rANS
+  pass and the container are left for later; elsewhere it keeps deltas
+  (``diff_and_update_``, Triton on CUDA). That read is all
   the trainer waits for; with ``attach(optimizer)`` it even overlaps the next forward and
   backward pass, and only the optimizer's next ``step()`` waits for it (``blocked_s``).
 - Everything else runs in the background, in publish order: a single *read/snapshot*
-  thread (read the weights, finish the scanned streams, write the anchor file: whatever
-  reads the view, before the next read changes it), then an asyncio loop on its own
+  thread (read the weights, then finish the scanned streams while two threads hash the
+  changed tensors, write the anchor file: whatever reads the view, before the next read
+  changes it), then an asyncio loop on its own
   thread for the *upload* stage (encode what is left, upload, commit), which needs only
   the deltas and streams. Merging a version into the next (``"skip"``) works on deltas:
   the queued version's streams are decoded back to deltas against the view first.
@@ -48,8 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-import structlog
 import numpy as np
+import structlog
 import torch
 import xxhash
 
@@ -207,8 +208,8 @@ class Publisher:
         self._thread.start()
         self._snapshot_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weftboard-snapshot")
         self._hash_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="weftboard-hash")
-        # Patch streams are encoded while the snapshot stage hashes the view: encoding needs
-        # only the deltas, and just the container (cheap) waits for the root digest.
+        # Deltas the read could not encode itself are encoded here, beside the snapshot
+        # stage: encoding needs only the deltas, and just the container waits for the root.
         self._encode_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weftboard-encode")
         self._wake: asyncio.Event | None = None
         self._client = None

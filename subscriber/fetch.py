@@ -62,7 +62,7 @@ class Fetcher:
         """Whether the store is far enough for parallel ranges to pay: each range is one more
         request, which on a short path (same host or datacenter) costs more than the
         single connection's ramp-up it saves. Unknown (no download yet): assume far."""
-        first_byte = self.store.first_byte_s() if hasattr(self.store, "first_byte_s") else None
+        first_byte = self.store.first_byte_s()
         return first_byte is None or first_byte >= RANGES_MIN_FIRST_BYTE_S
 
     async def fetch(self, ref: Any) -> Path:
