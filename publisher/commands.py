@@ -23,6 +23,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         wan_rtt_ms: float = typer.Option(40.0, help="--wan: round-trip time per island (delaying relay)."),
         wan_slow_start: bool = typer.Option(True, "--wan-slow-start/--wan-no-slow-start",
                                             help="--wan: TCP slow start over the simulated round trip (restarts after idle)."),
+        trainer_gc: str = typer.Option("manual", help="The trainer's garbage collection: manual (off, gc.collect(1) every 10 "
+                                                      "steps, as large trainers run) or auto (Python's default)."),
     ) -> None:
         """Publish-to-applied on every island for patches vs full checkpoints; last line JSON."""
         from weftboard.board.logs import configure
@@ -31,4 +33,4 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         configure(json=True, level="WARNING")
         main_cli(params, islands, versions, destination, json_out, work_dir,
                  wan=wan, wan_rate_mbit=wan_rate_mbit, wan_rtt_ms=wan_rtt_ms, wan_slow_start=wan_slow_start,
-                 warm_steps=warm_steps)
+                 warm_steps=warm_steps, trainer_gc=trainer_gc)

@@ -34,3 +34,41 @@ def test_bench_sync_smoke(tmp_path: Path) -> None:
     assert result["islands"] == 2 and result["versions"] == 2
     assert result["params"] >= 1_000_000 * 0.8
     assert 0 < result["delta_bytes_per_version"] < result["full_bytes_per_version"]
+    assert result["trainer_gc"].startswith("manual")
+    assert result["trainer_gc_s_per_step"] >= 0
+
+
+def test_trainer_collector_manual_collects_young_at_boundaries_and_restores() -> None:
+    """Manual mode: automatic collection off between start and stop, a young collection every
+    ``every`` steps (counted), and the collector's state given back as it was found."""
+    import gc
+
+    from weftboard.publisher.bench_sync import TrainerCollector
+
+    assert gc.isenabled()
+    collector = TrainerCollector("manual", every=3)
+    collected: list[int] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collected.append(info["generation"])
+
+    gc.callbacks.append(on_gc)
+    try:
+        collector.start()
+        assert not gc.isenabled()
+        assert collected == [2]  # one full collection at start-up
+        for step in range(7):
+            collector.step_boundary(step)
+        assert collector.collections == 3 and collected == [2, 1, 1, 1]  # steps 0, 3, 6
+        assert collector.seconds > 0
+    finally:
+        collector.stop()
+        gc.callbacks.remove(on_gc)
+    assert gc.isenabled()
+    auto = TrainerCollector("auto")
+    auto.start()
+    auto.step_boundary(0)
+    assert gc.isenabled() and auto.collections == 0
+    with pytest.raises(ValueError):
+        TrainerCollector("sometimes")
