@@ -423,15 +423,23 @@ class _Container:
     streams: dict[str, memoryview]
 
 
-def _read_container(data: bytes | bytearray | memoryview) -> _Container:
-    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
-    if len(view) < 8:
-        raise CorruptData(f"patch is {len(view)} bytes: too short to hold the safetensors header length")
-    (hlen,) = struct.unpack("<Q", view[:8])
-    if hlen > _MAX_HEADER or 8 + hlen > len(view):
-        raise CorruptData(f"patch header claims {hlen} bytes but the patch has {len(view) - 8} after the length: truncated or not a patch")
+def _header_length(first8: bytes | memoryview, total: int) -> int:
+    """The safetensors header's length from the container's first 8 bytes (of ``total``)."""
+    if total < 8:
+        raise CorruptData(f"patch is {total} bytes: too short to hold the safetensors header length")
+    (hlen,) = struct.unpack("<Q", first8[:8])
+    if hlen > _MAX_HEADER or 8 + hlen > total:
+        raise CorruptData(f"patch header claims {hlen} bytes but the patch has {total - 8} after the length: truncated or not a patch")
+    return hlen
+
+
+def _parse_container_header(header_bytes: bytes | memoryview, total: int) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, tuple[int, int]]]:
+    """(header, entries, spans) of a container of ``total`` bytes from its safetensors header
+    (the ``hlen`` bytes after the length); spans are each stream's [start, end) in the
+    container. Everything the header says is checked here, before any stream is read."""
+    hlen = len(header_bytes)
     try:
-        st_header = json.loads(bytes(view[8 : 8 + hlen]).decode("utf-8"))
+        st_header = json.loads(bytes(header_bytes).decode("utf-8"))
         meta = st_header["__metadata__"]["weftboard"]
         check = st_header["__metadata__"]["weftboard_xxh3_64"]
         if not isinstance(meta, str) or xxhash.xxh3_64_hexdigest(meta.encode("utf-8")) != check:
@@ -454,8 +462,8 @@ def _read_container(data: bytes | bytearray | memoryview) -> _Container:
     _field(header, "target_root", str, "patch")
     entries = _field(header, "tensors", list, "patch")
     data_start = 8 + hlen
-    data_len = len(view) - data_start
-    streams: dict[str, memoryview] = {}
+    data_len = total - data_start
+    spans: dict[str, tuple[int, int]] = {}
     seen: set[str] = set()
     end_max = 0
     for i, entry in enumerate(entries):
@@ -502,13 +510,20 @@ def _read_container(data: bytes | bytearray | memoryview) -> _Container:
                 f"patch stream for tensor {name!r} ends at byte {offs[1]} of a {data_len}-byte data section: truncated"
             )
         end_max = max(end_max, offs[1])
-        streams[name] = view[data_start + offs[0] : data_start + offs[1]]
-    extra = set(k for k in st_header if k != "__metadata__") - set(streams)
+        spans[name] = (data_start + offs[0], data_start + offs[1])
+    extra = set(k for k in st_header if k != "__metadata__") - set(spans)
     if extra:
         raise CorruptData(f"patch holds streams for tensors its header does not list: {sorted(extra)[:5]}")
     if end_max != data_len:
         raise CorruptData(f"patch data section is {data_len} bytes but its streams end at {end_max}: truncated or padded")
-    return _Container(header=header, entries=entries, streams=streams)
+    return header, entries, spans
+
+
+def _read_container(data: bytes | bytearray | memoryview) -> _Container:
+    view = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
+    hlen = _header_length(view, len(view))
+    header, entries, spans = _parse_container_header(view[8 : 8 + hlen], len(view))
+    return _Container(header=header, entries=entries, streams={n: view[a:b] for n, (a, b) in spans.items()})
 
 
 def read_patch_info(data: bytes | bytearray | memoryview) -> PatchInfo:
@@ -682,47 +697,95 @@ def apply_patch_(tensors: Mapping[str, torch.Tensor], data: bytes | bytearray | 
     ``CorruptData`` is raised, so the tensors are never left half-patched.
     """
     c = _read_container(data)
-    steps: list[tuple[torch.Tensor, Mapping[str, Any], SparseStream | DecodedTensor]] = []
-    for entry in c.entries:
-        name = entry["name"]
-        target = tensors.get(name)
-        if target is None:
-            raise CorruptData(f"patch changes tensor {name!r}, which the destination does not have")
-        dtype = _torch_dtype(entry["dtype"], name)
-        if target.dtype != dtype or target.numel() != entry["numel"]:
-            raise CorruptData(
-                f"patch is for {name!r} as {entry['numel']} elements of {entry['dtype']}, "
-                f"the destination holds {target.numel()} of {dtype_name(target.dtype)}"
-            )
-        if not target.is_contiguous():
-            raise InvalidArgument(f"destination tensor {name!r} is not contiguous; patches apply to stored bytes")
-        if entry["mode"] == "empty":
-            continue
-        stream = c.streams[name]
-        if xxhash.xxh3_64_hexdigest(stream) != entry["xxh3_64"]:
-            raise CorruptData(f"patch stream for tensor {name!r} fails its xxh3-64 check: corrupted in storage or transit")
-        if entry["mode"] == "sparse" and target.device.type == "cpu":
-            steps.append((target, entry, _parse_sparse(entry, np.frombuffer(stream, dtype=np.uint8), target.element_size())))
-        else:
-            steps.append((target, entry, decode_stream(entry, stream)))
-    applied = AppliedPatch(
-        changed={e["name"]: e["changed"] for e in c.entries},
-        base_version=c.header["base_version"],
-        target_version=c.header["target_version"],
-        target_root=c.header["target_root"],
-    )
+    targets = [(_checked_target(tensors, e), e) for e in c.entries]
+    steps = [(t, e, _parsed_step(t, e, c.streams[e["name"]])) for t, e in targets if e["mode"] != "empty"]
+    applied = _applied_patch(c.header, c.entries)
     try:
         for target, entry, step in steps:
-            if isinstance(step, SparseStream):
-                _apply_sparse_(target, entry, step, 1)
-                applied._undo.append(functools.partial(_apply_sparse_, target, entry, step, -1))
-            else:
-                target_, pos, old = _apply_decoded(target, step)
-                applied._undo.append(functools.partial(scatter_bits_, target_, pos, old))
+            _write_step(applied, target, entry, step)
     except BaseException:
         applied.revert()
         raise
     return applied
+
+
+def apply_patch_arriving_(tensors: Mapping[str, torch.Tensor], blob: Any, *,
+                          on_tensor: Callable[[str], None] | None = None, timeout_s: float | None = None) -> AppliedPatch:
+    """Write a patch into ``tensors`` in place while its bytes are still arriving.
+
+    ``blob`` has the container's ``size`` and blocks in ``wait(start, end)`` (the bytes) and
+    ``wait_any(spans)`` (indices of spans fully arrived) until bytes are there, raising why
+    when they never will be (``subscriber.arriving.ArrivingBytes``). The header is checked
+    whole, and every target against it, before the first write; then each tensor's stream is
+    checked (xxh3-64) and applied as soon as it has arrived, in whatever order the bytes come,
+    and ``on_tensor(name)`` is called after each changed tensor is written. Any failure
+    (a damaged stream, a download that gave up) undoes every write of this call before it
+    is raised. The caller still owes the blob's digest check before trusting the result.
+    """
+    hlen = _header_length(blob.wait(0, min(8, blob.size), timeout_s), blob.size)
+    header, entries, spans = _parse_container_header(blob.wait(8, 8 + hlen, timeout_s), blob.size)
+    targets = {e["name"]: (_checked_target(tensors, e), e) for e in entries}
+    applied = _applied_patch(header, entries)
+    pending = [e["name"] for e in entries if e["mode"] != "empty"]
+    try:
+        while pending:
+            ready = set(blob.wait_any([spans[n] for n in pending], timeout_s))
+            for i in sorted(ready):
+                name = pending[i]
+                target, entry = targets[name]
+                _write_step(applied, target, entry, _parsed_step(target, entry, blob.wait(*spans[name])))
+                if on_tensor is not None:
+                    on_tensor(name)
+            pending = [n for i, n in enumerate(pending) if i not in ready]
+    except BaseException:
+        applied.revert()
+        raise
+    return applied
+
+
+def _checked_target(tensors: Mapping[str, torch.Tensor], entry: Mapping[str, Any]) -> torch.Tensor:
+    """The destination tensor a patch entry is for, refused unless it fits exactly."""
+    name = entry["name"]
+    target = tensors.get(name)
+    if target is None:
+        raise CorruptData(f"patch changes tensor {name!r}, which the destination does not have")
+    dtype = _torch_dtype(entry["dtype"], name)
+    if target.dtype != dtype or target.numel() != entry["numel"]:
+        raise CorruptData(
+            f"patch is for {name!r} as {entry['numel']} elements of {entry['dtype']}, "
+            f"the destination holds {target.numel()} of {dtype_name(target.dtype)}"
+        )
+    if not target.is_contiguous():
+        raise InvalidArgument(f"destination tensor {name!r} is not contiguous; patches apply to stored bytes")
+    return target
+
+
+def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any], stream: memoryview) -> SparseStream | DecodedTensor:
+    """A checked stream, parsed (sparse into a CPU tensor: decoded while applied) or decoded."""
+    if xxhash.xxh3_64_hexdigest(stream) != entry["xxh3_64"]:
+        raise CorruptData(f"patch stream for tensor {entry['name']!r} fails its xxh3-64 check: corrupted in storage or transit")
+    if entry["mode"] == "sparse" and target.device.type == "cpu":
+        return _parse_sparse(entry, np.frombuffer(stream, dtype=np.uint8), target.element_size())
+    return decode_stream(entry, stream)
+
+
+def _applied_patch(header: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]) -> AppliedPatch:
+    return AppliedPatch(
+        changed={e["name"]: e["changed"] for e in entries},
+        base_version=header["base_version"],
+        target_version=header["target_version"],
+        target_root=header["target_root"],
+    )
+
+
+def _write_step(applied: AppliedPatch, target: torch.Tensor, entry: Mapping[str, Any], step: SparseStream | DecodedTensor) -> None:
+    """Write one tensor's step and record how to undo it."""
+    if isinstance(step, SparseStream):
+        _apply_sparse_(target, entry, step, 1)
+        applied._undo.append(functools.partial(_apply_sparse_, target, entry, step, -1))
+    else:
+        target_, pos, old = _apply_decoded(target, step)
+        applied._undo.append(functools.partial(scatter_bits_, target_, pos, old))
 
 
 def _apply_decoded(target: torch.Tensor, dec: DecodedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import structlog
 
+from weftboard.board.blobs.base import ChunkCallback
 from weftboard.proto.errors import DigestMismatch, NotFound, PermissionDenied, Unavailable
 from weftboard.publisher.anchors import file_digest
 from weftboard.publisher.uploader import with_retries
@@ -39,6 +40,19 @@ MAX_RANGED_BYTES = 64 << 20
 RANGES_MIN_FIRST_BYTE_S = 0.01
 
 
+def _replay(path: Path, start: int, end: int, on_chunk: ChunkCallback, chunk: int = 1 << 20) -> None:
+    """Hand bytes ``[start, end)`` of a file already on disk to ``on_chunk``."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        pos = start
+        while pos < end:
+            data = f.read(min(chunk, end - pos))
+            if not data:
+                raise Unavailable(f"{path} ends at byte {pos}, expected {end}")
+            on_chunk(pos, data)
+            pos += len(data)
+
+
 def cache_path(cache_dir: Path, ref: Any) -> Path:
     hexpart = ref.digest.split(":", 1)[1]
     if ref.name:
@@ -48,7 +62,7 @@ def cache_path(cache_dir: Path, ref: Any) -> Path:
 
 class Fetcher:
     def __init__(self, cache_dir: Path, blob_store: Any = None, *, parallel: int = 4, timeout_s: float = 600.0,
-                 on_bytes: Callable[[int], None] | None = None, ranges: int = 8) -> None:
+                 on_bytes: Callable[[int], None] | None = None, ranges: int = 16) -> None:
         self.cache_dir = Path(cache_dir)
         self.cache_dir.mkdir(parents=True, exist_ok=True)
         self.store = blob_store
@@ -65,17 +79,26 @@ class Fetcher:
         first_byte = self.store.first_byte_s()
         return first_byte is None or first_byte >= RANGES_MIN_FIRST_BYTE_S
 
-    async def fetch(self, ref: Any) -> Path:
-        """The verified local file of ``ref`` (downloading or resuming as needed)."""
+    async def fetch(self, ref: Any, on_chunk: ChunkCallback | None = None) -> Path:
+        """The verified local file of ``ref`` (downloading or resuming as needed).
+
+        ``on_chunk(offset, data)`` sees every byte of the blob, as it arrives when the blob
+        store streams it (from the download's threads), else once it is on disk; bytes seen
+        are not verified until this returns (see ``arriving.ArrivingBytes``).
+        """
         final = cache_path(self.cache_dir, ref)
         final.parent.mkdir(parents=True, exist_ok=True)
         if final.exists():
             if final.stat().st_size == ref.size and await asyncio.to_thread(file_digest, final) == ref.digest:
+                if on_chunk is not None:
+                    await asyncio.to_thread(_replay, final, 0, ref.size, on_chunk)
                 return final
             final.unlink()
         part = final.with_name(final.name + ".part")
+        streamed = False
         async with self._sem:
             async def attempt() -> None:
+                nonlocal streamed
                 offset = part.stat().st_size if part.exists() else 0
                 if offset > ref.size:
                     part.unlink()
@@ -84,12 +107,17 @@ class Fetcher:
                     return
                 if self.store is not None:
                     ranges = self.ranges if ref.size <= MAX_RANGED_BYTES and self._long_path() else 1
+                    if on_chunk is not None and offset:  # a resumed download: its prefix is on disk
+                        await asyncio.to_thread(_replay, part, 0, offset, on_chunk)
+                    streamed = on_chunk is not None
                     await asyncio.wait_for(
-                        self.store.download_to(ref.key, part, offset, size=ref.size, ranges=ranges), self.timeout_s
+                        self.store.download_to(ref.key, part, offset, size=ref.size, ranges=ranges, on_chunk=on_chunk),
+                        self.timeout_s,
                     )
                 elif ref.url:
                     from weftboard.board.blobs import fetch_url
 
+                    streamed = False
                     await fetch_url(ref.url, part, offset, timeout_s=self.timeout_s)
                 else:
                     raise PermissionDenied(
@@ -109,6 +137,8 @@ class Fetcher:
                 f"{ref.size} bytes hashing to {ref.digest}"
             )
         os.replace(part, final)
+        if on_chunk is not None and not streamed:
+            await asyncio.to_thread(_replay, final, 0, size, on_chunk)
         return final
 
     def forget(self, ref: Any) -> None:

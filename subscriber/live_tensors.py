@@ -10,6 +10,9 @@ Invariants:
   written, the tensors it touched are hashed and checked against the record, and a mismatch
   is undone with ``AppliedPatch.revert()`` before the error is raised: the held version's
   bytes are back, bit for bit.
+- ``apply_patch_arriving`` writes tensors while the patch downloads; the version is held
+  only once the blob's digest, the tensor digests and the root check out, and any failure
+  (including a download that gives up or a cancelled step) reverts every write first.
 - An anchor is verified in its files first (tensor digests and root), and only then copied
   into the live tensors with ``copy_``.
 - ``held_version()`` names a verified version only; 0 until the first verified step.
@@ -18,14 +21,16 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import structlog
 import torch
 
 from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch
 from weftboard.publisher.anchors import map_safetensors
+from weftboard.subscriber.arriving import ArrivingBytes
 from weftboard.subscriber.destination import VersionTarget
 from weftboard.subscriber.verify import check_layout, verify_tensors
 
@@ -85,6 +90,63 @@ class LiveTensorsDestination:
             digests = await asyncio.to_thread(self._apply, patch, target)
             self._digests, self._held = digests, target.version
 
+    async def apply_patch_arriving(self, blob: ArrivingBytes, target: VersionTarget) -> None:
+        """Apply a patch while it downloads (``blob`` fills as bytes arrive; the fetcher marks
+        it verified once its digest matched): each tensor is written and hashed as soon as
+        its stream is here, and the version is held only after the blob's digest, every
+        tensor digest and the root check out; anything else is reverted and raised."""
+        async with self._lock:
+            if self._held != target.version - 1:
+                raise ApplyError(
+                    f"patch to version {target.version} needs version {target.version - 1}, the destination holds {self._held}"
+                )
+            work = asyncio.get_running_loop().run_in_executor(None, self._apply_arriving, blob, target)
+            try:
+                digests = await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # The thread must revert and end before the lock lets anyone else in.
+                blob.fail(ApplyError(f"applying version {target.version} was cancelled"))
+                await asyncio.wait([work])
+                if not work.cancelled():
+                    work.exception()  # the thread's echo of the cancellation: retrieved, not logged
+                raise
+            self._digests, self._held = digests, target.version
+
+    def _apply_arriving(self, blob: ArrivingBytes, target: VersionTarget) -> dict[str, str]:
+        from weftboard.cuda.codec import apply_patch_arriving_
+        from weftboard.cuda.digest import tensor_digest
+
+        check_layout(self.tensors, target)
+        with ThreadPoolExecutor(1, thread_name_prefix="weftboard-verify") as hasher:
+            hashing: dict[str, Future] = {}
+
+            def hash_soon(name: str) -> None:
+                hashing[name] = hasher.submit(tensor_digest, self.tensors[name])
+
+            applied = apply_patch_arriving_(self.tensors, blob, on_tensor=hash_soon)  # reverts itself on failure
+            try:
+                self._check_versions(applied, target)
+                fresh = {n: f.result() for n, f in hashing.items()}
+                blob.wait_verified()  # the whole blob hashed to its record
+                return verify_tensors(self.tensors, target, rehash=(), cache={**self._digests, **fresh})
+            except BaseException as exc:
+                for f in hashing.values():
+                    f.cancel()
+                wait(list(hashing.values()))
+                applied.revert()
+                log.error("patch result rejected and reverted", version=target.version, error=str(exc))
+                if isinstance(exc, (CorruptData, ApplyError)) or not isinstance(exc, Exception):
+                    raise
+                raise ApplyError(f"applying the patch to version {target.version} failed: {exc}") from exc
+
+    @staticmethod
+    def _check_versions(applied: Any, target: VersionTarget) -> None:
+        if applied.target_version != target.version or applied.base_version != target.version - 1:
+            raise CorruptData(
+                f"patch goes from {applied.base_version} to {applied.target_version}, expected "
+                f"{target.version - 1} to {target.version}"
+            )
+
     def _apply(self, patch: Path, target: VersionTarget) -> dict[str, str]:
         from weftboard.cuda.codec import apply_patch_
 
@@ -92,11 +154,7 @@ class LiveTensorsDestination:
         check_layout(self.tensors, target)
         applied = apply_patch_(self.tensors, data)  # all or nothing: undoes itself on damage
         try:
-            if applied.target_version != target.version or applied.base_version != target.version - 1:
-                raise CorruptData(
-                    f"patch goes from {applied.base_version} to {applied.target_version}, expected "
-                    f"{target.version - 1} to {target.version}"
-                )
+            self._check_versions(applied, target)
             touched = [n for n, c in applied.changed.items() if c]
             return verify_tensors(self.tensors, target, rehash=touched, cache=self._digests)
         except BaseException as exc:

@@ -4,7 +4,10 @@ Invariants:
 - The destination only ever reports versions whose root digest it verified; the
   subscriber's ``held_version`` is the destination's.
 - Steps of a plan are applied strictly in order; downloads of later steps run while
-  earlier steps apply (pipelined), bounded by ``parallel`` concurrent transfers.
+  earlier steps apply (pipelined), bounded by ``parallel`` concurrent transfers. A plan of
+  one patch (a following island's every version) goes further where the destination can
+  (``apply_patch_arriving``): tensors are applied as their bytes arrive, and the version is
+  held only after the blob's digest and the result's root are verified.
 - A bad blob or a failed apply is never served. Recovery is: refetch (the cached blobs of
   the failed step are dropped) with a fresh plan, then a plan from nothing (an anchor);
   each failure is logged at error level and heartbeated as ERROR with its message. Only
@@ -26,6 +29,7 @@ import structlog
 from weftboard.proto.errors import (
     ApplyError,
     CorruptData,
+    DigestMismatch,
     FailedPrecondition,
     NotFound,
     OutOfRange,
@@ -80,7 +84,8 @@ class Subscriber:
         self.applied_at: dict[int, float] = {}  # version -> time.time() when verified and held
         self._records: dict[int, pb.VersionRecord] = {}  # records already received (watch events)
         # version -> where its sync spent the time: "seen" (unix time the watch event arrived),
-        # "fetched_s" (plan to blobs on disk), "apply_s" (apply + verify); for logs and benchmarks.
+        # "fetched_s" (plan to blobs on disk), "apply_s" (apply + verify; for a patch applied
+        # while it downloaded, "streamed", only what came after its last byte); for logs and benchmarks.
         self.timings: dict[int, dict[str, float]] = {}
 
     # -- observation ------------------------------------------------------------------
@@ -236,6 +241,9 @@ class Subscriber:
                 self.progress.begin(s.to_version, "anchor" if s.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
                                     sum(b.size for b in s.blobs), [cache_path(self.fetcher.cache_dir, b) for b in s.blobs])
         t_plan = time.perf_counter()
+        if self._streams(steps):
+            await self._execute_streaming(steps[0], t_plan)
+            return
         targets = [asyncio.ensure_future(self._target(s.to_version)) for s in steps]
         downloads = [asyncio.ensure_future(asyncio.gather(*(self.fetcher.fetch(b) for b in s.blobs))) for s in steps]
         try:
@@ -278,6 +286,72 @@ class Subscriber:
                 if not f.done():
                     f.cancel()
             await asyncio.gather(*targets, *downloads, return_exceptions=True)
+
+    def _streams(self, steps: list[pb.PlanStep]) -> bool:
+        """Whether this plan is applied while it downloads: one patch (the step a following
+        island takes each version) into a destination that can."""
+        return (len(steps) == 1 and steps[0].kind == pb.ARTIFACT_KIND_PATCH and len(steps[0].blobs) == 1
+                and hasattr(self.destination, "apply_patch_arriving"))
+
+    async def _execute_streaming(self, step: pb.PlanStep, t_plan: float) -> None:
+        """One patch step, applied tensor by tensor as its bytes arrive; the destination holds
+        the version only after the fetcher verified the blob and it verified the result."""
+        from weftboard.subscriber.arriving import ArrivingBytes
+
+        ref = step.blobs[0]
+        blob = ArrivingBytes(ref.size)
+        fetched_at: list[float] = []
+
+        async def download() -> None:
+            try:
+                await self.fetcher.fetch(ref, on_chunk=blob.put)
+            except BaseException as exc:
+                blob.fail(exc if isinstance(exc, Exception) else ApplyError("the download was cancelled"))
+                raise
+            fetched_at.append(time.perf_counter())
+            if self.progress is not None:
+                self.progress.applying(step.to_version)
+            blob.verified()
+
+        fetching = asyncio.ensure_future(download())
+        try:
+            target = await self._target(step.to_version)
+            if target.root_digest != step.root_digest:
+                raise CorruptData(
+                    f"plan step to {step.to_version} names root {step.root_digest}, the record {target.root_digest}"
+                )
+            await self.destination.apply_patch_arriving(blob, target)
+            await fetching
+        except CorruptData as exc:
+            # A stream failed its check: the blob's own digest tells whether it was damaged
+            # after it was published (DigestMismatch, the precise report) or published so.
+            await asyncio.wait([fetching])
+            self._drop_streamed(step, ref)
+            cause = None if fetching.cancelled() else fetching.exception()
+            if isinstance(cause, DigestMismatch) and cause is not exc:
+                raise cause from exc
+            raise
+        except BaseException as exc:
+            blob.fail(exc if isinstance(exc, Exception) else ApplyError("the step was cancelled"))
+            fetching.cancel()
+            await asyncio.gather(fetching, return_exceptions=True)
+            self._drop_streamed(step, ref)
+            raise
+        self.fetcher.forget(ref)
+        done = time.perf_counter()
+        fetched_s = fetched_at[0] - t_plan
+        # apply_s: what the apply added after the last byte arrived (the rest overlapped it).
+        self.timings.setdefault(step.to_version, {}).update(fetched_s=fetched_s, apply_s=done - fetched_at[0], streamed=1.0)
+        log.info("version applied", island=self.island_id, run=self.run_name, version=step.to_version, kind="patch",
+                 bytes=ref.size, fetched_s=round(fetched_s, 3), apply_s=round(done - fetched_at[0], 3), streamed=True)
+        if self.progress is not None:
+            self.progress.end(step.to_version)
+        await self._changed(step.to_version)
+
+    def _drop_streamed(self, step: pb.PlanStep, ref: pb.BlobRef) -> None:
+        self.fetcher.forget(ref)
+        if self.progress is not None:
+            self.progress.end(step.to_version)
 
     # -- following ------------------------------------------------------------------------
 

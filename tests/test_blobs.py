@@ -114,6 +114,27 @@ async def test_download_in_parallel_ranges_with_a_known_size(store: BlobStore, t
         assert dest.read_bytes() == data
 
 
+async def test_chunks_are_reported_as_they_are_written(store: BlobStore, tmp_path: Path) -> None:
+    """``on_chunk`` sees every byte exactly where the file has it: one stream, parallel
+    ranges, and a resumed download (which reports only what it fetched)."""
+    data = _payload(2 * (1 << 20) + 777, seed=5)
+    await store.put_bytes("r/blobs/watched", data)
+    for ranges, offset in ((1, 0), (4, 0), (1, 12345)):
+        dest = tmp_path / f"watched-{ranges}-{offset}.bin"
+        dest.write_bytes(data[:offset])
+        got = bytearray(len(data))
+        sizes: list[int] = []  # chunks come from the store's threads; list.append is atomic
+
+        def on_chunk(at: int, chunk: bytes) -> None:
+            got[at:at + len(chunk)] = chunk
+            sizes.append(len(chunk))
+
+        assert await store.download_to("r/blobs/watched", dest, offset, size=len(data), ranges=ranges,
+                                       on_chunk=on_chunk) == len(data)
+        assert sum(sizes) == len(data) - offset and bytes(got[offset:]) == data[offset:]
+        assert dest.read_bytes() == data
+
+
 async def test_time_to_first_byte_is_measured_by_network_stores(store: BlobStore, tmp_path: Path) -> None:
     await store.put_bytes("r/blobs/timed", b"x" * 1000)
     await store.download_to("r/blobs/timed", tmp_path / "timed.bin", size=1000)

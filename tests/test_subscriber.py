@@ -89,6 +89,38 @@ async def test_everything_corrupted_keeps_old_version_and_reports_error(board, l
         assert status.state == pb.ISLAND_STATE_ERROR and status.version == 1 and "DigestMismatch" in status.message
 
 
+async def test_one_patch_steps_apply_while_they_download_in_ranges(board_factory, s3_store, tmp_path: Path) -> None:
+    """A follower one version behind applies each patch as its byte ranges arrive (the store
+    looks far, so ranges are used) and ends bitwise on every version; a plan of several
+    steps takes the download-then-apply path."""
+    board = await board_factory(blobs=s3_store)
+    views = await _publish(board, s3_store, "cs", 5, anchor_every=1000, anchor_patch_fraction=100.0)
+    s3_store.first_byte_s = lambda: 0.04
+    ranged: list[int] = []
+    real_ranges = s3_store._download_ranges
+
+    def counting(key, name, dest, total, parts, on_chunk=None):
+        ranged.append(parts)
+        return real_ranges(key, name, dest, total, parts, on_chunk)
+
+    s3_store._download_ranges = counting
+    async with BoardClient(board.address, board.admin_token) as client:
+        dest = LiveTensorsDestination(zeros_like_layout(views[1]))
+        sub = Subscriber(client, "cs", dest, island_id="isl", blob_store=s3_store, cache_dir=tmp_path / "c",
+                         heartbeat=False)
+        sub.fetcher.ranges = 3
+        assert await sub.sync_to(1) == 1
+        for v in (2, 3):
+            assert await sub.sync_to(v) == v
+            assert bits_equal(dest.tensors, views[v])
+            assert sub.timings[v].get("streamed") == 1.0
+        assert ranged and all(p > 1 for p in ranged)  # the streamed patches came as parallel ranges
+        assert await sub.sync_to(5) == 5  # two steps: downloaded, then applied in order
+        assert bits_equal(dest.tensors, views[5])
+        assert "streamed" not in sub.timings.get(5, {})
+        assert not any(p.is_file() for p in (tmp_path / "c").rglob("*"))  # applied blobs are dropped
+
+
 async def test_run_follows_new_versions_and_signals(board, local_store, tmp_path: Path) -> None:
     trainer = Trainer(lr=1e-4)
     views: dict[int, dict] = {}
@@ -163,9 +195,9 @@ async def test_fetch_takes_patches_in_parallel_ranges_and_anchor_shards_whole(s3
     calls: list[tuple[int, int]] = []
     real = s3_store.download_to
 
-    async def recording(key, path, offset=0, *, size=None, ranges=1):
+    async def recording(key, path, offset=0, *, size=None, ranges=1, **kw):
         calls.append((size, ranges))
-        return await real(key, path, offset, size=size, ranges=ranges)
+        return await real(key, path, offset, size=size, ranges=ranges, **kw)
 
     s3_store.download_to = recording
     fetcher = Fetcher(tmp_path / "cache", s3_store)
@@ -178,7 +210,7 @@ async def test_fetch_takes_patches_in_parallel_ranges_and_anchor_shards_whole(s3
         await s3_store.put_bytes(key, data)
         ref = pb.BlobRef(key=key, digest=digest, size=len(data))
         assert (await fetcher.fetch(ref)).read_bytes() == data
-    assert calls == [(3 << 20, 8), (1 << 20, 8), (2 << 20, 1)]
+    assert calls == [(3 << 20, fetcher.ranges), (1 << 20, fetcher.ranges), (2 << 20, 1)]
     s3_store.first_byte_s = lambda: 0.04
     calls.clear()
     old_max = fetch_mod.MAX_RANGED_BYTES

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from weftboard.proto.errors import InvalidArgument
+
+# ``(offset, data)``: bytes of an object written to the destination file at ``offset``.
+ChunkCallback = Callable[[int, bytes], None]
 
 MAX_KEY_BYTES = 1024
 
@@ -69,7 +72,7 @@ class BlobStore(abc.ABC):
 
     @abc.abstractmethod
     async def download_to(self, key: str, path: Path | str, offset: int = 0, *, size: int | None = None,
-                          ranges: int = 1) -> int:
+                          ranges: int = 1, on_chunk: ChunkCallback | None = None) -> int:
         """Write the object to ``path``, resuming a partial file at ``offset``.
 
         Bytes before ``offset`` are kept as they are (the caller verifies the digest of the
@@ -78,6 +81,8 @@ class BlobStore(abc.ABC):
         (offset 0) may fetch up to this many byte ranges over parallel connections, which on a
         long path ramps up in a few round trips where one connection's slow start takes many;
         a failed parallel download leaves an empty file, so a retry starts over.
+        ``on_chunk(offset, data)``: called (on the downloading thread) after each chunk is
+        written, so a reader can use bytes before the whole object is here.
         """
 
     def first_byte_s(self) -> float | None:

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable
 
-from weftboard.board.blobs.base import BlobStore, check_key, check_prefix
+from weftboard.board.blobs.base import BlobStore, ChunkCallback, check_key, check_prefix
 from weftboard.proto.errors import InvalidArgument, NotFound
 
 _TMP_PREFIX = ".tmp-"
@@ -86,9 +86,9 @@ class LocalDirBlobStore(BlobStore):
             raise NotFound(f"blob {key!r} does not exist in {self.describe()}") from None
 
     async def download_to(self, key: str, path: Path | str, offset: int = 0, *, size: int | None = None,
-                          ranges: int = 1) -> int:
+                          ranges: int = 1, on_chunk: ChunkCallback | None = None) -> int:
         source = self.path_for(key)
-        return await asyncio.to_thread(_copy_from, source, Path(path), offset, key, self.describe())
+        return await asyncio.to_thread(_copy_from, source, Path(path), offset, key, self.describe(), on_chunk)
 
     async def stat(self, key: str) -> int | None:
         path = self.path_for(key)
@@ -130,7 +130,7 @@ class LocalDirBlobStore(BlobStore):
         return keys
 
 
-def _copy_from(source: Path, dest: Path, offset: int, key: str, where: str) -> int:
+def _copy_from(source: Path, dest: Path, offset: int, key: str, where: str, on_chunk: ChunkCallback | None = None) -> int:
     try:
         src = open(source, "rb")  # noqa: SIM115
     except FileNotFoundError:
@@ -144,7 +144,13 @@ def _copy_from(source: Path, dest: Path, offset: int, key: str, where: str) -> i
             out.truncate(offset)
             out.seek(offset)
             src.seek(offset)
-            shutil.copyfileobj(src, out, _CHUNK)
+            if on_chunk is None:
+                shutil.copyfileobj(src, out, _CHUNK)
+            else:
+                while chunk := src.read(_CHUNK):
+                    at = out.tell()
+                    out.write(chunk)
+                    on_chunk(at, chunk)
     return total
 
 

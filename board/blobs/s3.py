@@ -33,13 +33,14 @@ from minio.deleteobjects import DeleteObject
 from minio.error import InvalidResponseError, S3Error, ServerError
 from minio.helpers import check_bucket_name
 
-from weftboard.board.blobs.base import BlobStore, check_key, check_prefix
+from weftboard.board.blobs.base import BlobStore, ChunkCallback, check_key, check_prefix
 from weftboard.proto.errors import DigestMismatch, InvalidArgument, NotFound, PermissionDenied, Unavailable
 
 _MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
 _CHUNK = 1 << 20
-_MIN_RANGE = 256 << 10  # smallest byte range worth its own connection
+_WATCHED_CHUNK = 64 << 10  # with on_chunk: a reader waiting for bytes sees them sooner
+_MIN_RANGE = 128 << 10  # smallest byte range worth its own connection
 _FIRST_BYTE_SAMPLES = 16  # downloads whose time to first byte estimate the path's round trip
 _DELETE_BATCH = 1000
 PART_SIZE = 16 << 20
@@ -185,9 +186,10 @@ class S3BlobStore(BlobStore):
         return await self._run(key, get)
 
     async def download_to(self, key: str, path: Path | str, offset: int = 0, *, size: int | None = None,
-                          ranges: int = 1) -> int:
+                          ranges: int = 1, on_chunk: ChunkCallback | None = None) -> int:
         name = self._name(key)
         dest = Path(path)
+        chunk_bytes = _CHUNK if on_chunk is None else _WATCHED_CHUNK
 
         def download() -> int:
             total = size if size is not None else self._client.stat_object(self.bucket, name).size
@@ -195,7 +197,7 @@ class S3BlobStore(BlobStore):
             dest.parent.mkdir(parents=True, exist_ok=True)
             parts = min(ranges, total // _MIN_RANGE) if start == 0 else 1
             if parts > 1:
-                return self._download_ranges(key, name, dest, total, parts)
+                return self._download_ranges(key, name, dest, total, parts, on_chunk)
             with open(dest, "r+b" if dest.exists() else "wb") as out:
                 out.truncate(start)
                 out.seek(start)
@@ -203,8 +205,11 @@ class S3BlobStore(BlobStore):
                     response = self._get_range(name, start, total - start)
                     try:
                         _check_total(response, total, key)
-                        for chunk in response.stream(_CHUNK):
+                        for chunk in response.stream(chunk_bytes):
+                            at = out.tell()
                             out.write(chunk)
+                            if on_chunk is not None:
+                                on_chunk(at, chunk)
                     finally:
                         response.close()
                         response.release_conn()
@@ -228,7 +233,8 @@ class S3BlobStore(BlobStore):
         self._first_byte.append(time.perf_counter() - t0)
         return response
 
-    def _download_ranges(self, key: str, name: str, dest: Path, total: int, parts: int) -> int:
+    def _download_ranges(self, key: str, name: str, dest: Path, total: int, parts: int,
+                         on_chunk: ChunkCallback | None = None) -> int:
         """``parts`` byte ranges on parallel connections into one preallocated file."""
         bounds = [total * i // parts for i in range(parts + 1)]
         with open(dest, "wb") as out:
@@ -241,10 +247,12 @@ class S3BlobStore(BlobStore):
                 try:
                     _check_total(response, total, key)
                     pos = lo
-                    for chunk in response.stream(_CHUNK):
+                    for chunk in response.stream(_CHUNK if on_chunk is None else _WATCHED_CHUNK):
                         if pos + len(chunk) > hi:
                             raise Unavailable(f"range {lo}-{hi} of {key!r} returned more than {hi - lo} bytes")
                         os.pwrite(fd, chunk, pos)
+                        if on_chunk is not None:
+                            on_chunk(pos, chunk)
                         pos += len(chunk)
                 finally:
                     response.close()

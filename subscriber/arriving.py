@@ -1,0 +1,123 @@
+"""A blob's bytes as they arrive: what lets an island apply a patch while it downloads.
+
+A download (one stream or parallel byte ranges, on its own threads) ``put``s each chunk at
+its offset; an applier on another thread ``wait``s for the byte span it needs next, or for
+any one of several spans (``wait_any``), and reads it without a copy.
+
+Invariants:
+- ``wait``/``wait_any`` return only spans whose every byte has been put; a chunk put twice
+  (a retried range) must carry the same bytes, and the blob's digest is what proves that:
+  ``verified()`` is set by the fetcher only after the whole blob hashed to its record.
+- ``fail(exc)`` wakes every waiter with that error (a download that gave up, a cancelled
+  step); nothing waits forever on a download that ended.
+- The buffer is one patch-sized ``bytearray``; a span handed out is a read-only view of it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from typing import Sequence
+
+from weftboard.proto.errors import InvalidArgument, Unavailable
+
+
+class ArrivingBytes:
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise InvalidArgument(f"a blob has at least 0 bytes, got {size}")
+        self.size = size
+        self._buf = bytearray(size)
+        self._starts: list[int] = []  # disjoint, merged [start, end) spans that arrived
+        self._ends: list[int] = []
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._verified = False
+
+    # -- the download's side --------------------------------------------------------------
+
+    def put(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        """Bytes ``data`` arrived at ``offset``."""
+        n = len(data)
+        if offset < 0 or offset + n > self.size:
+            raise InvalidArgument(f"chunk of {n} bytes at {offset} lies outside a {self.size}-byte blob")
+        if n == 0:
+            return
+        self._buf[offset : offset + n] = data
+        with self._cond:
+            self._merge(offset, offset + n)
+            self._cond.notify_all()
+
+    def verified(self) -> None:
+        """The whole blob is here and hashed to its record (set by the fetcher)."""
+        with self._cond:
+            if self.arrived() != self.size:
+                raise InvalidArgument(f"blob marked verified with {self.arrived()} of {self.size} bytes arrived")
+            self._verified = True
+            self._cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """The download ended without the blob: every waiter raises ``exc``."""
+        with self._cond:
+            if self._error is None:
+                self._error = exc
+            self._cond.notify_all()
+
+    # -- the applier's side ---------------------------------------------------------------
+
+    def arrived(self) -> int:
+        """Bytes arrived so far."""
+        return sum(e - s for s, e in zip(self._starts, self._ends))
+
+    def wait(self, start: int, end: int, timeout_s: float | None = None) -> memoryview:
+        """The bytes ``[start, end)``, once they have all arrived."""
+        self.wait_any([(start, end)], timeout_s)
+        return memoryview(self._buf)[start:end].toreadonly()
+
+    def wait_any(self, spans: Sequence[tuple[int, int]], timeout_s: float | None = None) -> list[int]:
+        """Indices of the ``spans`` that have fully arrived; blocks until at least one has
+        (an empty ``spans`` returns at once)."""
+        for start, end in spans:
+            if not 0 <= start <= end <= self.size:
+                raise InvalidArgument(f"span [{start}, {end}) lies outside a {self.size}-byte blob")
+        if not spans:
+            return []
+        with self._cond:
+            while True:
+                ready = [i for i, (s, e) in enumerate(spans) if self._covered(s, e)]
+                if ready:
+                    return ready
+                if self._error is not None:
+                    raise self._error
+                if not self._cond.wait(timeout_s):
+                    raise Unavailable(f"no awaited byte span of the blob arrived within {timeout_s} s")
+
+    def wait_verified(self, timeout_s: float | None = None) -> None:
+        """Block until the fetcher verified the whole blob (or raise why it could not)."""
+        with self._cond:
+            while not self._verified:
+                if self._error is not None:
+                    raise self._error
+                if not self._cond.wait(timeout_s):
+                    raise Unavailable(f"the blob was not verified within {timeout_s} s")
+
+    def view(self) -> memoryview:
+        """The whole buffer (read-only); meaningful once verified."""
+        return memoryview(self._buf).toreadonly()
+
+    # -- span bookkeeping -----------------------------------------------------------------
+
+    def _covered(self, start: int, end: int) -> bool:
+        if start == end:
+            return True
+        i = bisect.bisect_right(self._starts, start) - 1
+        return i >= 0 and self._ends[i] >= end
+
+    def _merge(self, start: int, end: int) -> None:
+        lo = bisect.bisect_left(self._ends, start)  # first span that ends at or after start
+        hi = bisect.bisect_right(self._starts, end)  # spans from lo to hi touch [start, end)
+        if lo < hi:
+            start = min(start, self._starts[lo])
+            end = max(end, self._ends[hi - 1])
+        self._starts[lo:hi] = [start]
+        self._ends[lo:hi] = [end]

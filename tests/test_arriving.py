@@ -1,0 +1,183 @@
+"""Applying a patch while it downloads: the arrival buffer, the codec's arriving apply (any
+arrival order, damage and failed downloads undone), and the live-tensors destination."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from weftboard.cuda.codec import apply_patch_, apply_patch_arriving_, encode_patch
+from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch, InvalidArgument, Unavailable
+from weftboard.subscriber.arriving import ArrivingBytes
+from weftboard.subscriber.live_tensors import LiveTensorsDestination
+from test_destinations import _equal, _step, _target, _view
+
+
+def test_spans_arrive_in_any_order_and_merge() -> None:
+    blob = ArrivingBytes(100)
+    blob.put(50, b"b" * 25)
+    blob.put(10, b"a" * 20)
+    assert blob.arrived() == 45
+    assert blob.wait_any([(0, 10), (10, 30), (50, 75), (40, 60)], timeout_s=0) == [1, 2]
+    blob.put(30, b"c" * 20)  # joins [10, 30) and [50, 75)
+    assert blob._starts == [10] and blob._ends == [75]
+    assert bytes(blob.wait(20, 60, timeout_s=0)) == b"a" * 10 + b"c" * 20 + b"b" * 10
+    blob.put(10, b"a" * 20)  # a retried range: same bytes again
+    assert blob.arrived() == 65
+    with pytest.raises(Unavailable):
+        blob.wait(0, 11, timeout_s=0.01)
+    with pytest.raises(InvalidArgument):
+        blob.put(90, b"x" * 11)
+    with pytest.raises(InvalidArgument):
+        blob.verified()  # not everything is here
+    blob.put(0, b"z" * 10)
+    blob.put(75, b"y" * 25)
+    blob.verified()
+    blob.wait_verified(timeout_s=0)
+    assert bytes(blob.view()) == b"z" * 10 + b"a" * 20 + b"c" * 20 + b"b" * 25 + b"y" * 25
+
+
+def test_a_failed_download_wakes_every_waiter() -> None:
+    blob = ArrivingBytes(10)
+    raised: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            blob.wait(0, 10)
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            raised.append(exc)
+
+    threads = [threading.Thread(target=waiter) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    blob.fail(Unavailable("connection reset"))
+    for t in threads:
+        t.join(5)
+    assert len(raised) == 3 and all(isinstance(e, Unavailable) for e in raised)
+    with pytest.raises(Unavailable):
+        blob.wait_verified()
+
+
+def _patch_bytes(old: dict, new: dict) -> bytes:
+    return encode_patch([(n, old[n], new[n]) for n in old], base_version=1, target_version=2, target_root="xxh3-128:0").data
+
+
+def _feed(blob: ArrivingBytes, data: bytes, chunk: int, seed: int, *, fail_after: int | None = None,
+          exc: BaseException | None = None) -> threading.Thread:
+    """Deliver ``data`` in ``chunk``-byte pieces in a random order from another thread."""
+    pieces = [(i, data[i:i + chunk]) for i in range(0, len(data), chunk)]
+    random.Random(seed).shuffle(pieces)
+
+    def run() -> None:
+        for k, (at, piece) in enumerate(pieces):
+            if fail_after is not None and k == fail_after:
+                blob.fail(exc or Unavailable("the download gave up"))
+                return
+            blob.put(at, piece)
+            time.sleep(0.001)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_arriving_apply_equals_the_whole_patch_apply_in_any_arrival_order(seed: int) -> None:
+    old = _view(seed)
+    new = _step(old, 100 + seed, frac=0.2)
+    data = _patch_bytes(old, new)
+    whole = {n: t.clone() for n, t in old.items()}
+    apply_patch_(whole, data)
+    live = {n: t.clone() for n, t in old.items()}
+    blob = ArrivingBytes(len(data))
+    seen: list[str] = []
+    feeder = _feed(blob, data, chunk=37, seed=seed)
+    applied = apply_patch_arriving_(live, blob, on_tensor=seen.append, timeout_s=10)
+    feeder.join()
+    assert _equal(live, new) and _equal(whole, new)
+    assert sorted(seen) == sorted(n for n, c in applied.changed.items() if c)
+    applied.revert()
+    assert _equal(live, old)
+
+
+def test_arriving_apply_undoes_everything_on_a_damaged_stream_or_a_failed_download() -> None:
+    old = _view(5)
+    new = _step(old, 6, frac=0.2)
+    data = _patch_bytes(old, new)
+    damaged = bytearray(data)
+    damaged[-3] ^= 0x40  # inside the last stream: earlier tensors are written by then
+    live = {n: t.clone() for n, t in old.items()}
+    blob = ArrivingBytes(len(data))
+    written: list[str] = []
+    feeder = _feed(blob, bytes(damaged), chunk=len(data), seed=0)
+    with pytest.raises(CorruptData, match="xxh3-64"):
+        apply_patch_arriving_(live, blob, on_tensor=written.append, timeout_s=10)
+    feeder.join()
+    assert written and _equal(live, old)  # tensors had been written, and were put back
+
+    blob = ArrivingBytes(len(data))
+    feeder = _feed(blob, data, chunk=64, seed=3, fail_after=len(data) // 64 - 2)
+    with pytest.raises(Unavailable, match="gave up"):
+        apply_patch_arriving_(live, blob, timeout_s=10)
+    feeder.join()
+    assert _equal(live, old)
+
+
+async def test_live_tensors_hold_an_arriving_patch_only_after_the_blob_is_verified() -> None:
+    v1 = _view(11)
+    v2 = _step(v1, 12, frac=0.2)
+    t1, t2 = _target(v1, 1), _target(v2, 2)
+    data = encode_patch([(n, v1[n], v2[n]) for n in v1], base_version=1, target_version=2, target_root=t2.root_digest).data
+    live = {n: t.clone() for n, t in v1.items()}
+    dest = LiveTensorsDestination(live, held_version=1, digests=dict(t1.tensor_digests))
+
+    # Every byte arrives, but the fetcher finds the blob's digest wrong: reverted.
+    blob = ArrivingBytes(len(data))
+    blob.put(0, data)
+    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
+    await asyncio.sleep(0.2)
+    assert not task.done()  # written and hashed, waiting for the blob's verdict
+    blob.fail(DigestMismatch("blob hashes to something else"))
+    with pytest.raises(DigestMismatch):
+        await task
+    assert dest.held_version() == 1 and _equal(live, v1)
+
+    # Cancelled while waiting for bytes: the thread reverts before the lock is let go.
+    blob = ArrivingBytes(len(data))
+    blob.put(0, data[: len(data) // 2])
+    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert dest.held_version() == 1 and _equal(live, v1)
+
+    # The wrong result (a patch to another v2) is caught by the tensor digests.
+    wrong = _step(v1, 13, frac=0.2)
+    bad = encode_patch([(n, v1[n], wrong[n]) for n in v1], base_version=1, target_version=2, target_root=t2.root_digest).data
+    blob = ArrivingBytes(len(bad))
+    blob.put(0, bad)
+    blob.verified()
+    with pytest.raises(DigestMismatch):
+        await dest.apply_patch_arriving(blob, t2)
+    assert dest.held_version() == 1 and _equal(live, v1)
+
+    # And the good one, arriving in pieces, is held once verified.
+    blob = ArrivingBytes(len(data))
+    feeder = _feed(blob, data, chunk=101, seed=4)
+    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
+    await asyncio.to_thread(feeder.join)
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    blob.verified()
+    await task
+    assert dest.held_version() == 2 and _equal(live, v2)
+
+    with pytest.raises(ApplyError, match="destination holds 2"):
+        await dest.apply_patch_arriving(ArrivingBytes(len(data)), t2)
