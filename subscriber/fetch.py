@@ -12,6 +12,9 @@ Invariants:
 - A blob of at most ``MAX_RANGED_BYTES`` (a patch) from a far store (its measured time to
   first byte at least ``RANGES_MIN_FIRST_BYTE_S``) is fetched as parallel byte ranges, the
   size coming from the record (no stat round trip); a failed ranged fetch starts over.
+- ``on_chunk`` sees every byte of the blob once at least (as it lands when the store streams,
+  else from disk), before the digest is checked: whoever uses those bytes early must wait
+  for ``fetch`` to return before trusting them (``arriving.ArrivingBytes.verified``).
 """
 
 from __future__ import annotations

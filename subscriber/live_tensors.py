@@ -48,6 +48,7 @@ class LiveTensorsDestination:
         self._held = held_version
         self._digests: dict[str, str] = dict(digests or {})
         self._lock = asyncio.Lock()
+        self._applier: ThreadPoolExecutor | None = None  # apply_patch_arriving's thread
 
     def held_version(self) -> int:
         return self._held
@@ -100,7 +101,11 @@ class LiveTensorsDestination:
                 raise ApplyError(
                     f"patch to version {target.version} needs version {target.version - 1}, the destination holds {self._held}"
                 )
-            work = asyncio.get_running_loop().run_in_executor(None, self._apply_arriving, blob, target)
+            # Its own thread, not the loop's default pool: it blocks until bytes arrive, and the
+            # download that brings them may need a worker of that pool.
+            if self._applier is None:
+                self._applier = ThreadPoolExecutor(1, thread_name_prefix="weftboard-apply")
+            work = asyncio.get_running_loop().run_in_executor(self._applier, self._apply_arriving, blob, target)
             try:
                 digests = await asyncio.shield(work)
             except asyncio.CancelledError:
