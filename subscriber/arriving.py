@@ -101,10 +101,6 @@ class ArrivingBytes:
                 if not self._cond.wait(timeout_s):
                     raise Unavailable(f"the blob was not verified within {timeout_s} s")
 
-    def view(self) -> memoryview:
-        """The whole buffer (read-only); meaningful once verified."""
-        return memoryview(self._buf).toreadonly()
-
     # -- span bookkeeping -----------------------------------------------------------------
 
     def _covered(self, start: int, end: int) -> bool:

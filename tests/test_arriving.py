@@ -39,7 +39,7 @@ def test_spans_arrive_in_any_order_and_merge() -> None:
     blob.put(75, b"y" * 25)
     blob.verified()
     blob.wait_verified(timeout_s=0)
-    assert bytes(blob.view()) == b"z" * 10 + b"a" * 20 + b"c" * 20 + b"b" * 25 + b"y" * 25
+    assert bytes(blob.wait(0, 100)) == b"z" * 10 + b"a" * 20 + b"c" * 20 + b"b" * 25 + b"y" * 25
 
 
 def test_a_failed_download_wakes_every_waiter() -> None:
