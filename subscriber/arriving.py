@@ -15,11 +15,15 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import threading
-from typing import Sequence
+from concurrent.futures import Executor
+from typing import Any, Callable, Sequence, TypeVar
 
-from weftboard.proto.errors import InvalidArgument, Unavailable
+from weftboard.proto.errors import ApplyError, InvalidArgument, Unavailable
+
+T = TypeVar("T")
 
 
 class ArrivingBytes:
@@ -117,3 +121,21 @@ class ArrivingBytes:
             end = max(end, self._ends[hi - 1])
         self._starts[lo:hi] = [start]
         self._ends[lo:hi] = [end]
+
+
+async def apply_while_arriving(executor: Executor, blob: ArrivingBytes, fn: Callable[..., T], *args: Any,
+                               what: str = "the apply") -> T:
+    """Run ``fn(*args)``, which waits on ``blob``, on ``executor`` (a destination's own thread,
+    not the loop's default pool: the download that brings the bytes may need a worker of that
+    pool). Cancelled, it fails the blob so ``fn`` undoes its work and ends, and waits for
+    that before re-raising: a destination's lock is never let go while its apply still runs.
+    """
+    work = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        blob.fail(ApplyError(f"{what} was cancelled"))
+        await asyncio.wait([work])
+        if not work.cancelled():
+            work.exception()  # the thread's echo of the cancellation: retrieved, not logged
+        raise

@@ -16,6 +16,8 @@ Invariants:
   compared with its ``weftboard.json`` before ``held_version()`` reports it; leftover
   temporary directories from a crash are removed.
 - Older versions are pruned after the swap, keeping the newest ``keep`` (>= 1).
+- ``apply_patch_arriving`` patches the in-memory copy while the patch downloads; nothing is
+  written aside before the fetcher has verified the blob's digest.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import structlog
 import torch
@@ -39,6 +42,7 @@ from weftboard.publisher.anchors import (
     read_header,
     write_index,
 )
+from weftboard.subscriber.arriving import ArrivingBytes, apply_while_arriving
 from weftboard.subscriber.destination import TensorEntry, VersionTarget
 from weftboard.subscriber.verify import verify_tensors
 
@@ -100,6 +104,7 @@ class CheckpointDirDestination:
         self._held = 0
         self._digests: dict[str, str] = {}
         self._lock = asyncio.Lock()
+        self._applier: ThreadPoolExecutor | None = None  # apply_patch_arriving's thread
         for stale in (self.root / "versions").glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         if verify:
@@ -129,6 +134,21 @@ class CheckpointDirDestination:
                     f"patch to version {target.version} needs version {target.version - 1}, {self.root} holds {self._held}"
                 )
             digests = await asyncio.to_thread(self._apply_patch, patch, target)
+            self._digests, self._held = digests, target.version
+
+    async def apply_patch_arriving(self, blob: ArrivingBytes, target: VersionTarget) -> None:
+        """Apply a patch while it downloads: the held version is read into memory and each
+        tensor patched as its stream arrives; the new version is written aside and swapped in
+        only after the fetcher verified the blob's digest and the result verified."""
+        async with self._lock:
+            if self._held != target.version - 1:
+                raise ApplyError(
+                    f"patch to version {target.version} needs version {target.version - 1}, {self.root} holds {self._held}"
+                )
+            if self._applier is None:
+                self._applier = ThreadPoolExecutor(1, thread_name_prefix="weftboard-apply")
+            digests = await apply_while_arriving(self._applier, blob, self._apply_patch_arriving, blob, target,
+                                                 what=f"applying version {target.version} in {self.root}")
             self._digests, self._held = digests, target.version
 
     # -- work (worker threads) -------------------------------------------------------------
@@ -168,6 +188,20 @@ class CheckpointDirDestination:
         from weftboard.cuda.codec import apply_patch_
 
         data = patch.read_bytes()
+        return self._patched_copy(target, lambda tensors: apply_patch_(tensors, data))
+
+    def _apply_patch_arriving(self, blob: ArrivingBytes, target: VersionTarget) -> dict[str, str]:
+        from weftboard.cuda.codec import apply_patch_arriving_
+
+        def apply(tensors: dict[str, torch.Tensor]) -> Any:
+            applied = apply_patch_arriving_(tensors, blob)
+            blob.wait_verified()  # the whole blob hashed to its record before its result counts
+            return applied
+
+        return self._patched_copy(target, apply)
+
+    def _patched_copy(self, target: VersionTarget, apply: Callable[[dict[str, torch.Tensor]], Any]) -> dict[str, str]:
+        """The held version patched by ``apply`` in memory, verified, written aside, swapped in."""
         src = self.current.resolve()
         tmp = self._tmp_dir(target.version)
         try:
@@ -182,7 +216,7 @@ class CheckpointDirDestination:
             for f in src.iterdir():
                 if f.suffix != ".safetensors" and f.name != META_NAME:
                     shutil.copyfile(f, tmp / f.name)  # the shard index
-            applied = apply_patch_(tensors, data)
+            applied = apply(tensors)
             if applied.target_version != target.version or applied.base_version != target.version - 1:
                 raise CorruptData(
                     f"patch goes from {applied.base_version} to {applied.target_version}, expected "

@@ -30,7 +30,7 @@ import torch
 
 from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch
 from weftboard.publisher.anchors import map_safetensors
-from weftboard.subscriber.arriving import ArrivingBytes
+from weftboard.subscriber.arriving import ArrivingBytes, apply_while_arriving
 from weftboard.subscriber.destination import VersionTarget
 from weftboard.subscriber.verify import check_layout, verify_tensors
 
@@ -101,20 +101,10 @@ class LiveTensorsDestination:
                 raise ApplyError(
                     f"patch to version {target.version} needs version {target.version - 1}, the destination holds {self._held}"
                 )
-            # Its own thread, not the loop's default pool: it blocks until bytes arrive, and the
-            # download that brings them may need a worker of that pool.
             if self._applier is None:
                 self._applier = ThreadPoolExecutor(1, thread_name_prefix="weftboard-apply")
-            work = asyncio.get_running_loop().run_in_executor(self._applier, self._apply_arriving, blob, target)
-            try:
-                digests = await asyncio.shield(work)
-            except asyncio.CancelledError:
-                # The thread must revert and end before the lock lets anyone else in.
-                blob.fail(ApplyError(f"applying version {target.version} was cancelled"))
-                await asyncio.wait([work])
-                if not work.cancelled():
-                    work.exception()  # the thread's echo of the cancellation: retrieved, not logged
-                raise
+            digests = await apply_while_arriving(self._applier, blob, self._apply_arriving, blob, target,
+                                                 what=f"applying version {target.version}")
             self._digests, self._held = digests, target.version
 
     def _apply_arriving(self, blob: ArrivingBytes, target: VersionTarget) -> dict[str, str]:

@@ -1,5 +1,5 @@
 """Applying a patch while it downloads: the arrival buffer, the codec's arriving apply (any
-arrival order, damage and failed downloads undone), and the live-tensors destination."""
+arrival order, damage and failed downloads undone), and both destinations that can."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import torch
 from weftboard.cuda.codec import apply_patch_, apply_patch_arriving_, encode_patch
 from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch, InvalidArgument, Unavailable
 from weftboard.subscriber.arriving import ArrivingBytes
+from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
-from test_destinations import _equal, _step, _target, _view
+from test_destinations import _anchor, _equal, _loaded, _step, _target, _view
 
 
 def test_spans_arrive_in_any_order_and_merge() -> None:
@@ -181,3 +182,47 @@ async def test_live_tensors_hold_an_arriving_patch_only_after_the_blob_is_verifi
 
     with pytest.raises(ApplyError, match="destination holds 2"):
         await dest.apply_patch_arriving(ArrivingBytes(len(data)), t2)
+
+
+async def test_checkpoint_dir_swaps_in_an_arriving_patch_only_after_the_blob_is_verified(tmp_path) -> None:
+    v1 = _view(21)
+    v2 = _step(v1, 22, frac=0.2)
+    t1, t2 = _target(v1, 1), _target(v2, 2)
+    data = encode_patch([(n, v1[n], v2[n]) for n in v1], base_version=1, target_version=2, target_root=t2.root_digest).data
+    dest = CheckpointDirDestination(tmp_path / "ckpt")
+    await dest.load_anchor(_anchor(tmp_path / "a", v1), t1)
+
+    def leftovers() -> list:
+        return list((tmp_path / "ckpt" / "versions").glob(".tmp-*"))
+
+    # All bytes here, but the blob's digest is wrong: nothing written aside survives.
+    blob = ArrivingBytes(len(data))
+    blob.put(0, data)
+    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
+    await asyncio.sleep(0.2)
+    assert not task.done()
+    blob.fail(DigestMismatch("blob hashes to something else"))
+    with pytest.raises(DigestMismatch):
+        await task
+    assert dest.held_version() == 1 and _equal(_loaded(tmp_path / "ckpt"), v1) and not leftovers()
+
+    # Cancelled half-way through the download.
+    blob = ArrivingBytes(len(data))
+    blob.put(0, data[: len(data) // 2])
+    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert dest.held_version() == 1 and _equal(_loaded(tmp_path / "ckpt"), v1) and not leftovers()
+
+    # Arriving in pieces, then verified: swapped in.
+    blob = ArrivingBytes(len(data))
+    feeder = _feed(blob, data, chunk=97, seed=8)
+    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
+    await asyncio.to_thread(feeder.join)
+    await asyncio.sleep(0.05)
+    assert not task.done() and dest.held_version() == 1
+    blob.verified()
+    await task
+    assert dest.held_version() == 2 and _equal(_loaded(tmp_path / "ckpt"), v2) and not leftovers()
