@@ -77,6 +77,10 @@ class Fetcher:
         self.ranges = ranges  # byte ranges on parallel connections for a fresh download of one blob
         self.bytes_downloaded = 0
 
+    def far(self) -> bool:
+        """Whether blobs come from a far store (see ``_long_path``); False without a store."""
+        return self.store is not None and self._long_path()
+
     def _long_path(self) -> bool:
         """Whether the store is far enough for parallel ranges to pay: each range is one more
         request, which on a short path (same host or datacenter) costs more than the

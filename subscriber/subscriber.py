@@ -5,9 +5,9 @@ Invariants:
   subscriber's ``held_version`` is the destination's.
 - Steps of a plan are applied strictly in order; downloads of later steps run while
   earlier steps apply (pipelined), bounded by ``parallel`` concurrent transfers. A plan of
-  one patch (a following island's every version) goes further where the destination can
-  (``apply_patch_arriving``): tensors are applied as their bytes arrive, and the version is
-  held only after the blob's digest and the result's root are verified.
+  one patch (a following island's every version) from a far store goes further where the
+  destination can (``apply_patch_arriving``): tensors are applied as their bytes arrive, and
+  the version is held only after the blob's digest and the result's root are verified.
 - A bad blob or a failed apply is never served. Recovery is: refetch (the cached blobs of
   the failed step are dropped) with a fresh plan, then a plan from nothing (an anchor);
   each failure is logged at error level and heartbeated as ERROR with its message. Only
@@ -289,9 +289,12 @@ class Subscriber:
 
     def _streams(self, steps: list[pb.PlanStep]) -> bool:
         """Whether this plan is applied while it downloads: one patch (the step a following
-        island takes each version) into a destination that can."""
+        island takes each version) from a far store into a destination that can. From a near
+        store the download is too short to hide anything behind, and applying alongside it
+        only makes the two contend (measured on loopback, three islands: checkpoint
+        directories took 2.0 s instead of 1.7 s from publish to applied; live tensors the same)."""
         return (len(steps) == 1 and steps[0].kind == pb.ARTIFACT_KIND_PATCH and len(steps[0].blobs) == 1
-                and hasattr(self.destination, "apply_patch_arriving"))
+                and hasattr(self.destination, "apply_patch_arriving") and self.fetcher.far())
 
     async def _execute_streaming(self, step: pb.PlanStep, t_plan: float) -> None:
         """One patch step, applied tensor by tensor as its bytes arrive; the destination holds

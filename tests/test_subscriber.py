@@ -91,10 +91,10 @@ async def test_everything_corrupted_keeps_old_version_and_reports_error(board, l
 
 async def test_one_patch_steps_apply_while_they_download_in_ranges(board_factory, s3_store, tmp_path: Path) -> None:
     """A follower one version behind applies each patch as its byte ranges arrive (the store
-    looks far, so ranges are used) and ends bitwise on every version; a plan of several
-    steps takes the download-then-apply path."""
+    looks far, so ranges are used) and ends bitwise on every version; from a near store, and
+    for a plan of several steps, it downloads first and then applies."""
     board = await board_factory(blobs=s3_store)
-    views = await _publish(board, s3_store, "cs", 5, anchor_every=1000, anchor_patch_fraction=100.0)
+    views = await _publish(board, s3_store, "cs", 6, anchor_every=1000, anchor_patch_fraction=100.0)
     s3_store.first_byte_s = lambda: 0.04
     ranged: list[int] = []
     real_ranges = s3_store._download_ranges
@@ -115,9 +115,13 @@ async def test_one_patch_steps_apply_while_they_download_in_ranges(board_factory
             assert bits_equal(dest.tensors, views[v])
             assert sub.timings[v].get("streamed") == 1.0
         assert ranged and all(p > 1 for p in ranged)  # the streamed patches came as parallel ranges
-        assert await sub.sync_to(5) == 5  # two steps: downloaded, then applied in order
-        assert bits_equal(dest.tensors, views[5])
-        assert "streamed" not in sub.timings.get(5, {})
+        s3_store.first_byte_s = lambda: 0.002  # a near store: download, then apply
+        assert await sub.sync_to(4) == 4 and bits_equal(dest.tensors, views[4])
+        assert "streamed" not in sub.timings[4]
+        s3_store.first_byte_s = lambda: 0.04
+        assert await sub.sync_to(6) == 6  # two steps: downloaded, then applied in order
+        assert bits_equal(dest.tensors, views[6])
+        assert "streamed" not in sub.timings.get(6, {})
         assert not any(p.is_file() for p in (tmp_path / "c").rglob("*"))  # applied blobs are dropped
 
 
