@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import threading
-from concurrent.futures import Executor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence, TypeVar
 
 from weftboard.proto.errors import ApplyError, InvalidArgument, Unavailable
@@ -123,19 +123,27 @@ class ArrivingBytes:
         self._ends[lo:hi] = [end]
 
 
-async def apply_while_arriving(executor: Executor, blob: ArrivingBytes, fn: Callable[..., T], *args: Any,
-                               what: str = "the apply") -> T:
-    """Run ``fn(*args)``, which waits on ``blob``, on ``executor`` (a destination's own thread,
-    not the loop's default pool: the download that brings the bytes may need a worker of that
-    pool). Cancelled, it fails the blob so ``fn`` undoes its work and ends, and waits for
-    that before re-raising: a destination's lock is never let go while its apply still runs.
+class ArrivingApplier:
+    """A destination's thread for applies that wait on arriving bytes.
+
+    Its own thread, not the loop's default pool: the apply blocks until bytes arrive, and the
+    download that brings them may need a worker of that pool. Cancelled, ``run`` fails the
+    blob so the apply undoes its work and ends, and waits for that before re-raising: a
+    destination's lock is never let go while its apply still runs.
     """
-    work = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-    try:
-        return await asyncio.shield(work)
-    except asyncio.CancelledError:
-        blob.fail(ApplyError(f"{what} was cancelled"))
-        await asyncio.wait([work])
-        if not work.cancelled():
-            work.exception()  # the thread's echo of the cancellation: retrieved, not logged
-        raise
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def run(self, blob: ArrivingBytes, fn: Callable[..., T], *args: Any, what: str = "the apply") -> T:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="weftboard-apply")
+        work = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            blob.fail(ApplyError(f"{what} was cancelled"))
+            await asyncio.wait([work])
+            if not work.cancelled():
+                work.exception()  # the thread's echo of the cancellation: retrieved, not logged
+            raise

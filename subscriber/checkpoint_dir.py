@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -42,8 +41,8 @@ from weftboard.publisher.anchors import (
     read_header,
     write_index,
 )
-from weftboard.subscriber.arriving import ArrivingBytes, apply_while_arriving
-from weftboard.subscriber.destination import TensorEntry, VersionTarget
+from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
+from weftboard.subscriber.destination import TensorEntry, VersionTarget, require_parent
 from weftboard.subscriber.verify import verify_tensors
 
 log = structlog.get_logger("weftboard.subscriber")
@@ -104,7 +103,7 @@ class CheckpointDirDestination:
         self._held = 0
         self._digests: dict[str, str] = {}
         self._lock = asyncio.Lock()
-        self._applier: ThreadPoolExecutor | None = None  # apply_patch_arriving's thread
+        self._arriving = ArrivingApplier()  # apply_patch_arriving's thread
         for stale in (self.root / "versions").glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         if verify:
@@ -129,10 +128,7 @@ class CheckpointDirDestination:
 
     async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
         async with self._lock:
-            if self._held != target.version - 1:
-                raise ApplyError(
-                    f"patch to version {target.version} needs version {target.version - 1}, {self.root} holds {self._held}"
-                )
+            require_parent(self._held, target, str(self.root))
             digests = await asyncio.to_thread(self._apply_patch, patch, target)
             self._digests, self._held = digests, target.version
 
@@ -141,14 +137,9 @@ class CheckpointDirDestination:
         tensor patched as its stream arrives; the new version is written aside and swapped in
         only after the fetcher verified the blob's digest and the result verified."""
         async with self._lock:
-            if self._held != target.version - 1:
-                raise ApplyError(
-                    f"patch to version {target.version} needs version {target.version - 1}, {self.root} holds {self._held}"
-                )
-            if self._applier is None:
-                self._applier = ThreadPoolExecutor(1, thread_name_prefix="weftboard-apply")
-            digests = await apply_while_arriving(self._applier, blob, self._apply_patch_arriving, blob, target,
-                                                 what=f"applying version {target.version} in {self.root}")
+            require_parent(self._held, target, str(self.root))
+            digests = await self._arriving.run(blob, self._apply_patch_arriving, blob, target,
+                                               what=f"applying version {target.version} in {self.root}")
             self._digests, self._held = digests, target.version
 
     # -- work (worker threads) -------------------------------------------------------------

@@ -39,6 +39,14 @@ class VersionTarget:
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
+def require_parent(held: int, target: VersionTarget, where: str) -> None:
+    """A patch applies only to the version right before its target."""
+    if held != target.version - 1:
+        from weftboard.proto.errors import ApplyError
+
+        raise ApplyError(f"patch to version {target.version} needs version {target.version - 1}, {where} holds {held}")
+
+
 class Destination(Protocol):
     def held_version(self) -> int:
         """The verified version held now; 0 when none."""

@@ -30,8 +30,8 @@ import torch
 
 from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch
 from weftboard.publisher.anchors import map_safetensors
-from weftboard.subscriber.arriving import ArrivingBytes, apply_while_arriving
-from weftboard.subscriber.destination import VersionTarget
+from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
+from weftboard.subscriber.destination import VersionTarget, require_parent
 from weftboard.subscriber.verify import check_layout, verify_tensors
 
 log = structlog.get_logger("weftboard.subscriber")
@@ -48,7 +48,7 @@ class LiveTensorsDestination:
         self._held = held_version
         self._digests: dict[str, str] = dict(digests or {})
         self._lock = asyncio.Lock()
-        self._applier: ThreadPoolExecutor | None = None  # apply_patch_arriving's thread
+        self._arriving = ArrivingApplier()  # apply_patch_arriving's thread
 
     def held_version(self) -> int:
         return self._held
@@ -84,10 +84,7 @@ class LiveTensorsDestination:
 
     async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
         async with self._lock:
-            if self._held != target.version - 1:
-                raise ApplyError(
-                    f"patch to version {target.version} needs version {target.version - 1}, the destination holds {self._held}"
-                )
+            require_parent(self._held, target, "the destination")
             digests = await asyncio.to_thread(self._apply, patch, target)
             self._digests, self._held = digests, target.version
 
@@ -97,14 +94,9 @@ class LiveTensorsDestination:
         its stream is here, and the version is held only after the blob's digest, every
         tensor digest and the root check out; anything else is reverted and raised."""
         async with self._lock:
-            if self._held != target.version - 1:
-                raise ApplyError(
-                    f"patch to version {target.version} needs version {target.version - 1}, the destination holds {self._held}"
-                )
-            if self._applier is None:
-                self._applier = ThreadPoolExecutor(1, thread_name_prefix="weftboard-apply")
-            digests = await apply_while_arriving(self._applier, blob, self._apply_arriving, blob, target,
-                                                 what=f"applying version {target.version}")
+            require_parent(self._held, target, "the destination")
+            digests = await self._arriving.run(blob, self._apply_arriving, blob, target,
+                                               what=f"applying version {target.version}")
             self._digests, self._held = digests, target.version
 
     def _apply_arriving(self, blob: ArrivingBytes, target: VersionTarget) -> dict[str, str]:

@@ -7,6 +7,7 @@ import asyncio
 import random
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -130,6 +131,30 @@ def test_arriving_apply_undoes_everything_on_a_damaged_stream_or_a_failed_downlo
     assert _equal(live, old)
 
 
+async def _refuse_a_bad_blob_and_a_cancelled_download(dest: Any, data: bytes, target: Any) -> None:
+    """What every destination that applies arriving bytes owes: with every byte here but the
+    blob's digest found wrong, and when cancelled half-way through the download, it stays on
+    its version (the callers check its bytes)."""
+    blob = ArrivingBytes(len(data))
+    blob.put(0, data)
+    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, target))
+    await asyncio.sleep(0.2)
+    assert not task.done()  # applied, waiting for the blob's verdict
+    blob.fail(DigestMismatch("blob hashes to something else"))
+    with pytest.raises(DigestMismatch):
+        await task
+    assert dest.held_version() == target.version - 1
+
+    blob = ArrivingBytes(len(data))
+    blob.put(0, data[: len(data) // 2])
+    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, target))
+    await asyncio.sleep(0.2)
+    task.cancel()  # the thread undoes its work before the destination's lock is let go
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert dest.held_version() == target.version - 1
+
+
 async def test_live_tensors_hold_an_arriving_patch_only_after_the_blob_is_verified() -> None:
     v1 = _view(11)
     v2 = _step(v1, 12, frac=0.2)
@@ -138,26 +163,8 @@ async def test_live_tensors_hold_an_arriving_patch_only_after_the_blob_is_verifi
     live = {n: t.clone() for n, t in v1.items()}
     dest = LiveTensorsDestination(live, held_version=1, digests=dict(t1.tensor_digests))
 
-    # Every byte arrives, but the fetcher finds the blob's digest wrong: reverted.
-    blob = ArrivingBytes(len(data))
-    blob.put(0, data)
-    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
-    await asyncio.sleep(0.2)
-    assert not task.done()  # written and hashed, waiting for the blob's verdict
-    blob.fail(DigestMismatch("blob hashes to something else"))
-    with pytest.raises(DigestMismatch):
-        await task
-    assert dest.held_version() == 1 and _equal(live, v1)
-
-    # Cancelled while waiting for bytes: the thread reverts before the lock is let go.
-    blob = ArrivingBytes(len(data))
-    blob.put(0, data[: len(data) // 2])
-    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
-    await asyncio.sleep(0.2)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert dest.held_version() == 1 and _equal(live, v1)
+    await _refuse_a_bad_blob_and_a_cancelled_download(dest, data, t2)
+    assert _equal(live, v1)
 
     # The wrong result (a patch to another v2) is caught by the tensor digests.
     wrong = _step(v1, 13, frac=0.2)
@@ -195,26 +202,8 @@ async def test_checkpoint_dir_swaps_in_an_arriving_patch_only_after_the_blob_is_
     def leftovers() -> list:
         return list((tmp_path / "ckpt" / "versions").glob(".tmp-*"))
 
-    # All bytes here, but the blob's digest is wrong: nothing written aside survives.
-    blob = ArrivingBytes(len(data))
-    blob.put(0, data)
-    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
-    await asyncio.sleep(0.2)
-    assert not task.done()
-    blob.fail(DigestMismatch("blob hashes to something else"))
-    with pytest.raises(DigestMismatch):
-        await task
-    assert dest.held_version() == 1 and _equal(_loaded(tmp_path / "ckpt"), v1) and not leftovers()
-
-    # Cancelled half-way through the download.
-    blob = ArrivingBytes(len(data))
-    blob.put(0, data[: len(data) // 2])
-    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
-    await asyncio.sleep(0.2)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert dest.held_version() == 1 and _equal(_loaded(tmp_path / "ckpt"), v1) and not leftovers()
+    await _refuse_a_bad_blob_and_a_cancelled_download(dest, data, t2)
+    assert _equal(_loaded(tmp_path / "ckpt"), v1) and not leftovers()  # nothing written aside survives
 
     # Arriving in pieces, then verified: swapped in.
     blob = ArrivingBytes(len(data))
