@@ -42,7 +42,7 @@ from weftboard.publisher.anchors import (
     write_index,
 )
 from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
-from weftboard.subscriber.destination import TensorEntry, VersionTarget, require_parent
+from weftboard.subscriber.destination import TensorEntry, VersionTarget, require_parent, require_transition
 from weftboard.subscriber.verify import verify_tensors
 
 log = structlog.get_logger("weftboard.subscriber")
@@ -208,11 +208,7 @@ class CheckpointDirDestination:
                 if f.suffix != ".safetensors" and f.name != META_NAME:
                     shutil.copyfile(f, tmp / f.name)  # the shard index
             applied = apply(tensors)
-            if applied.target_version != target.version or applied.base_version != target.version - 1:
-                raise CorruptData(
-                    f"patch goes from {applied.base_version} to {applied.target_version}, expected "
-                    f"{target.version - 1} to {target.version}"
-                )
+            require_transition(applied.base_version, applied.target_version, target)
             touched = [n for n, c in applied.changed.items() if c]
             digests = verify_tensors(tensors, target, rehash=touched, cache=self._digests)
             tensors.clear()

@@ -47,6 +47,16 @@ def require_parent(held: int, target: VersionTarget, where: str) -> None:
         raise ApplyError(f"patch to version {target.version} needs version {target.version - 1}, {where} holds {held}")
 
 
+def require_transition(base_version: int, target_version: int, target: VersionTarget) -> None:
+    """A patch's own header must name the step the record asks for."""
+    if target_version != target.version or base_version != target.version - 1:
+        from weftboard.proto.errors import CorruptData
+
+        raise CorruptData(
+            f"patch goes from {base_version} to {target_version}, expected {target.version - 1} to {target.version}"
+        )
+
+
 class Destination(Protocol):
     def held_version(self) -> int:
         """The verified version held now; 0 when none."""

@@ -78,13 +78,12 @@ class Fetcher:
         self.bytes_downloaded = 0
 
     def far(self) -> bool:
-        """Whether blobs come from a far store (see ``_long_path``); False without a store."""
-        return self.store is not None and self._long_path()
-
-    def _long_path(self) -> bool:
-        """Whether the store is far enough for parallel ranges to pay: each range is one more
-        request, which on a short path (same host or datacenter) costs more than the
-        single connection's ramp-up it saves. Unknown (no download yet): assume far."""
+        """Whether the blob store is far enough for parallel ranges (and applying while
+        downloading) to pay: each range is one more request, which on a short path (same host
+        or datacenter) costs more than the single connection's ramp-up it saves. Unknown (no
+        download yet): assume far. False without a store (presigned URLs)."""
+        if self.store is None:
+            return False
         first_byte = self.store.first_byte_s()
         return first_byte is None or first_byte >= RANGES_MIN_FIRST_BYTE_S
 
@@ -115,7 +114,7 @@ class Fetcher:
                 if offset == ref.size:
                     return
                 if self.store is not None:
-                    ranges = self.ranges if ref.size <= MAX_RANGED_BYTES and self._long_path() else 1
+                    ranges = self.ranges if ref.size <= MAX_RANGED_BYTES and self.far() else 1
                     if on_chunk is not None and offset:  # a resumed download: its prefix is on disk
                         await asyncio.to_thread(_replay, part, 0, offset, on_chunk)
                     streamed = on_chunk is not None
@@ -126,7 +125,6 @@ class Fetcher:
                 elif ref.url:
                     from weftboard.board.blobs import fetch_url
 
-                    streamed = False
                     await fetch_url(ref.url, part, offset, timeout_s=self.timeout_s)
                 else:
                     raise PermissionDenied(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import structlog
 import torch
@@ -31,7 +31,7 @@ import torch
 from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch
 from weftboard.publisher.anchors import map_safetensors
 from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
-from weftboard.subscriber.destination import VersionTarget, require_parent
+from weftboard.subscriber.destination import VersionTarget, require_parent, require_transition
 from weftboard.subscriber.verify import check_layout, verify_tensors
 
 log = structlog.get_logger("weftboard.subscriber")
@@ -112,7 +112,7 @@ class LiveTensorsDestination:
 
             applied = apply_patch_arriving_(self.tensors, blob, on_tensor=hash_soon)  # reverts itself on failure
             try:
-                self._check_versions(applied, target)
+                require_transition(applied.base_version, applied.target_version, target)
                 fresh = {n: f.result() for n, f in hashing.items()}
                 blob.wait_verified()  # the whole blob hashed to its record
                 return verify_tensors(self.tensors, target, rehash=(), cache={**self._digests, **fresh})
@@ -126,14 +126,6 @@ class LiveTensorsDestination:
                     raise
                 raise ApplyError(f"applying the patch to version {target.version} failed: {exc}") from exc
 
-    @staticmethod
-    def _check_versions(applied: Any, target: VersionTarget) -> None:
-        if applied.target_version != target.version or applied.base_version != target.version - 1:
-            raise CorruptData(
-                f"patch goes from {applied.base_version} to {applied.target_version}, expected "
-                f"{target.version - 1} to {target.version}"
-            )
-
     def _apply(self, patch: Path, target: VersionTarget) -> dict[str, str]:
         from weftboard.cuda.codec import apply_patch_
 
@@ -141,7 +133,7 @@ class LiveTensorsDestination:
         check_layout(self.tensors, target)
         applied = apply_patch_(self.tensors, data)  # all or nothing: undoes itself on damage
         try:
-            self._check_versions(applied, target)
+            require_transition(applied.base_version, applied.target_version, target)
             touched = [n for n, c in applied.changed.items() if c]
             return verify_tensors(self.tensors, target, rehash=touched, cache=self._digests)
         except BaseException as exc:

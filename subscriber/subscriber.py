@@ -244,15 +244,11 @@ class Subscriber:
         if self._streams(steps):
             await self._execute_streaming(steps[0], t_plan)
             return
-        targets = [asyncio.ensure_future(self._target(s.to_version)) for s in steps]
+        targets = [asyncio.ensure_future(self._step_target(s)) for s in steps]
         downloads = [asyncio.ensure_future(asyncio.gather(*(self.fetcher.fetch(b) for b in s.blobs))) for s in steps]
         try:
             for step, target_f, download in zip(steps, targets, downloads):
                 target = await target_f
-                if target.root_digest != step.root_digest:
-                    raise CorruptData(
-                        f"plan step to {step.to_version} names root {step.root_digest}, the record {target.root_digest}"
-                    )
                 try:
                     paths = await download
                     fetched_s = time.perf_counter() - t_plan
@@ -269,15 +265,7 @@ class Subscriber:
                     raise
                 for b in step.blobs:
                     self.fetcher.forget(b)
-                apply_s = time.perf_counter() - t0
-                self.timings.setdefault(step.to_version, {}).update(fetched_s=fetched_s, apply_s=apply_s)
-                log.info("version applied", island=self.island_id, run=self.run_name, version=step.to_version,
-                         kind="anchor" if step.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
-                         bytes=sum(b.size for b in step.blobs), fetched_s=round(fetched_s, 3),
-                         apply_s=round(apply_s, 3))
-                if self.progress is not None:
-                    self.progress.end(step.to_version)
-                await self._changed(step.to_version)
+                await self._step_applied(step, fetched_s, time.perf_counter() - t0)
         finally:
             if self.progress is not None:
                 for s in steps:
@@ -286,6 +274,29 @@ class Subscriber:
                 if not f.done():
                     f.cancel()
             await asyncio.gather(*targets, *downloads, return_exceptions=True)
+
+    async def _step_target(self, step: pb.PlanStep) -> VersionTarget:
+        """What applying ``step`` must produce; the plan and the record must agree on it."""
+        target = await self._target(step.to_version)
+        if target.root_digest != step.root_digest:
+            raise CorruptData(
+                f"plan step to {step.to_version} names root {step.root_digest}, the record {target.root_digest}"
+            )
+        return target
+
+    async def _step_applied(self, step: pb.PlanStep, fetched_s: float, apply_s: float, *, streamed: bool = False) -> None:
+        """Record, log and announce a verified step (``apply_s``: see ``timings``)."""
+        timing = {"fetched_s": fetched_s, "apply_s": apply_s}
+        if streamed:
+            timing["streamed"] = 1.0
+        self.timings.setdefault(step.to_version, {}).update(timing)
+        log.info("version applied", island=self.island_id, run=self.run_name, version=step.to_version,
+                 kind="anchor" if step.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
+                 bytes=sum(b.size for b in step.blobs), fetched_s=round(fetched_s, 3), apply_s=round(apply_s, 3),
+                 **({"streamed": True} if streamed else {}))
+        if self.progress is not None:
+            self.progress.end(step.to_version)
+        await self._changed(step.to_version)
 
     def _streams(self, steps: list[pb.PlanStep]) -> bool:
         """Whether this plan is applied while it downloads: one patch (the step a following
@@ -318,11 +329,7 @@ class Subscriber:
 
         fetching = asyncio.ensure_future(download())
         try:
-            target = await self._target(step.to_version)
-            if target.root_digest != step.root_digest:
-                raise CorruptData(
-                    f"plan step to {step.to_version} names root {step.root_digest}, the record {target.root_digest}"
-                )
+            target = await self._step_target(step)
             await self.destination.apply_patch_arriving(blob, target)
             await fetching
         except CorruptData as exc:
@@ -341,15 +348,8 @@ class Subscriber:
             self._drop_streamed(step, ref)
             raise
         self.fetcher.forget(ref)
-        done = time.perf_counter()
-        fetched_s = fetched_at[0] - t_plan
         # apply_s: what the apply added after the last byte arrived (the rest overlapped it).
-        self.timings.setdefault(step.to_version, {}).update(fetched_s=fetched_s, apply_s=done - fetched_at[0], streamed=1.0)
-        log.info("version applied", island=self.island_id, run=self.run_name, version=step.to_version, kind="patch",
-                 bytes=ref.size, fetched_s=round(fetched_s, 3), apply_s=round(done - fetched_at[0], 3), streamed=True)
-        if self.progress is not None:
-            self.progress.end(step.to_version)
-        await self._changed(step.to_version)
+        await self._step_applied(step, fetched_at[0] - t_plan, time.perf_counter() - fetched_at[0], streamed=True)
 
     def _drop_streamed(self, step: pb.PlanStep, ref: pb.BlobRef) -> None:
         self.fetcher.forget(ref)
