@@ -8,7 +8,7 @@ Invariants:
 - A ``TensorDelta`` lists every changed element exactly once, ``positions`` strictly
   ascending (int64 flat indices), with the old and new bits at those positions.
 - The CPU path works in fixed tiles of ``DIFF_TILE`` elements in parallel (numba prange),
-  64 elements at a time as change masks (``tile_codec``'s word-parallel bit tricks) walked
+  64 elements at a time as change masks (one vector compare, ``tile_codec.block_mask``) walked
   with count-trailing-zeros. One read of both arrays puts each tile's changes in its own
   region of a per-thread staging buffer (batches of ``_STAGE_TILES`` tiles); a prefix sum of
   the counts then gives each tile its place in the compact output. No Python loop over elements, and the result does not
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from weftboard.cuda.bitops import cttz64
-from weftboard.cuda.tile_codec import _elem_block, _word_block, word_view
+from weftboard.cuda.tile_codec import block_mask
 from weftboard.proto.errors import InvalidArgument
 
 DIFF_TILE = 1 << 16  # at most 2**16: staged tile-local indices are uint16
@@ -82,18 +82,8 @@ class TensorDelta:
 # ---------------------------------------------------------------------------
 
 
-@nb.njit(inline="always", cache=True)
-def _word_blocks(aw, s, e, width):
-    """How many 64-element blocks of the tile [s, e) can be read as 64-bit words."""
-    if aw.size == 0:
-        return 0
-    full = (e - s) // 64
-    covered = (aw.size * 8 // width - s) // 64  # blocks whose words lie inside the word view
-    return max(0, min(full, covered))
-
-
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _stage_tiles(aw, bw, a, b, t0, t1, tile, width, spos, sold, snew, update):
+def _stage_tiles(a, b, t0, t1, tile, width, spos, sold, snew, update):
     """Tiles ``t0 .. t1-1``: each tile's changes (tile-local index, old, new) into its own
     staging region ``[(t - t0) * tile, ...)``, in one read of both arrays; the counts."""
     n = a.size
@@ -103,13 +93,8 @@ def _stage_tiles(aw, bw, a, b, t0, t1, tile, width, spos, sold, snew, update):
         e = min(s + tile, n)
         r = j * tile
         c = 0
-        nword = _word_blocks(aw, s, e, width)
         for bi in range((e - s + 63) // 64):
-            bs = s + 64 * bi
-            if bi < nword:
-                m = _word_block(aw, bw, bs * width // 8, width)
-            else:
-                m = _elem_block(a, b, bs, min(bs + 64, e))
+            m = block_mask(a, b, s + 64 * bi, e)
             while m != 0:
                 li = 64 * bi + np.int64(cttz64(m))
                 m &= m - np.uint64(1)
@@ -151,7 +136,7 @@ def _grow(arr, need):
 
 
 @nb.njit(cache=True, nogil=True)
-def _diff_batches(aw, bw, a, b, tile, width, batch, spos, sold, snew, update, capacity):
+def _diff_batches(a, b, tile, width, batch, spos, sold, snew, update, capacity):
     """Every tile, ``batch`` tiles at a time through the staging buffers, into output arrays
     that grow by doubling (no per-batch Python, no final concatenation)."""
     ntiles = (a.size + tile - 1) // tile
@@ -161,7 +146,7 @@ def _diff_batches(aw, bw, a, b, tile, width, batch, spos, sold, snew, update, ca
     total = 0
     for t0 in range(0, ntiles, batch):
         t1 = min(ntiles, t0 + batch)
-        counts = _stage_tiles(aw, bw, a, b, t0, t1, tile, width, spos, sold, snew, update)
+        counts = _stage_tiles(a, b, t0, t1, tile, width, spos, sold, snew, update)
         need = total + counts.sum()
         if need > pos.size:
             pos = _grow(pos[:total], need)
@@ -210,13 +195,10 @@ def _diff_cpu(old: torch.Tensor, new: torch.Tensor, update: bool) -> TensorDelta
     b_bits = bits_view(new)
     a = unsigned_np(a_bits)
     b = unsigned_np(b_bits)
-    aw, bw = word_view(a), word_view(b)
-    if aw.size != bw.size:  # one of them is not 8-byte aligned: compare element by element
-        aw, bw = aw[:0], bw[:0]
     width = a.itemsize
     spos, sold, snew = _staging_buffers(width)
     capacity = a.size // 32 + 1024  # ~3% density; grows by doubling when denser
-    pos, olds, news, total = _diff_batches(aw, bw, a, b, DIFF_TILE, width, _STAGE_TILES, spos, sold, snew, update, capacity)
+    pos, olds, news, total = _diff_batches(a, b, DIFF_TILE, width, _STAGE_TILES, spos, sold, snew, update, capacity)
     if pos.size > 2 * total + 4096:  # do not pin a much larger buffer than the delta needs
         pos, olds, news = pos[:total].copy(), olds[:total].copy(), news[:total].copy()
     else:

@@ -13,7 +13,7 @@ both directions).
 Why fused: the two-step path materialises an int64 position plus the old and new bits of every
 change (12 bytes per change for bf16) and reads them back two or three times; at 1-10% density
 that memory traffic, not the coding, is what costs. Here a tile is scanned 64 elements at a
-time into change masks (word-parallel bit tricks that LLVM vectorizes), the masks are walked
+time into change masks (one vector compare per block, ``bitops.ne_mask64``), the masks are walked
 with count-trailing-zeros, and each change is Rice- and symbol-coded on the spot; only the
 symbols (one byte each) wait until the tensor's frequency table is known.
 
@@ -43,51 +43,11 @@ import numpy as np
 import torch
 
 from weftboard.cuda import entropy
-from weftboard.cuda.bitops import ctlz64, ctpop64, cttz64
+from weftboard.cuda.bitops import ctlz64, ctpop64, cttz64, ne_mask64
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 
-_M1 = np.uint64(0x0101010101010101)
-_MUL1 = np.uint64(0x0102040810204080)  # gathers the low bits of 8 byte lanes into the top byte
-_M2 = np.uint64(0x0001000100010001)
-_MUL2 = np.uint64(0x0001000200040008)  # gathers the low bits of 4 16-bit lanes into bits 48..51
-_M4 = np.uint64(0x0000000100000001)
 _LOG_PHI_M1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)  # log(golden ratio - 1)
 _RICE_SLACK = 64  # bytes per tile beyond one byte per element in the Rice scratch
-
-
-@nb.njit(inline="always", cache=True)
-def _lanes(x, width):
-    """Bit i set iff lane i (``width`` bytes) of the 64-bit word ``x`` is non-zero."""
-    if width == 1:
-        x |= x >> np.uint64(4)
-        x |= x >> np.uint64(2)
-        x |= x >> np.uint64(1)
-        return ((x & _M1) * _MUL1) >> np.uint64(56)
-    if width == 2:
-        x |= x >> np.uint64(8)
-        x |= x >> np.uint64(4)
-        x |= x >> np.uint64(2)
-        x |= x >> np.uint64(1)
-        return (((x & _M2) * _MUL2) >> np.uint64(48)) & np.uint64(0xF)
-    if width == 4:
-        x |= x >> np.uint64(16)
-        x |= x >> np.uint64(8)
-        x |= x >> np.uint64(4)
-        x |= x >> np.uint64(2)
-        x |= x >> np.uint64(1)
-        x &= _M4
-        return (x | (x >> np.uint64(31))) & np.uint64(3)
-    return np.uint64(1) if x != 0 else np.uint64(0)
-
-
-@nb.njit(inline="always", cache=True)
-def _word_block(aw, bw, w0, width):
-    """Change mask of the 64 elements stored in words ``w0 .. w0 + 8*width - 1``."""
-    per = 8 // width
-    m = np.uint64(0)
-    for j in range(8 * width):
-        m |= _lanes(aw[w0 + j] ^ bw[w0 + j], width) << np.uint64(per * j)
-    return m
 
 
 @nb.njit(inline="always", cache=True)
@@ -98,6 +58,15 @@ def _elem_block(a, b, s, e):
         if a[s + j] != b[s + j]:
             m |= np.uint64(1) << np.uint64(j)
     return m
+
+
+@nb.njit(inline="always", cache=True)
+def block_mask(a, b, bs, e):
+    """Change mask of elements ``bs .. min(bs + 64, e) - 1`` of two C-contiguous arrays of one
+    width (``e`` at most their size): one vector compare for a whole block."""
+    if bs + 64 <= e:
+        return ne_mask64(a, b, bs)
+    return _elem_block(a, b, bs, e)
 
 
 @nb.njit(inline="always", cache=True)
@@ -113,7 +82,7 @@ def rice_k(total_gap, n):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def scan_encode_tiles(a, b, aw, bw, width, tile, rice_buf, rstride, sym_buf, update):
+def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update):
     """Pass 1: per tile, change masks, then Rice-coded gaps, symbols and escapes.
 
     Tile ``t`` writes Rice bytes at ``rice_buf[t*rstride:]``, its symbols at
@@ -125,8 +94,6 @@ def scan_encode_tiles(a, b, aw, bw, width, tile, rice_buf, rstride, sym_buf, upd
     """
     numel = a.size
     ntiles = (numel + tile - 1) // tile
-    per = 8 // width
-    use_words = aw.size > 0
     ns = np.zeros(ntiles, np.int64)
     ks = np.zeros(ntiles, np.int64)
     rice_len = np.zeros(ntiles, np.int64)
@@ -143,11 +110,7 @@ def scan_encode_tiles(a, b, aw, bw, width, tile, rice_buf, rstride, sym_buf, upd
         cnt = 0
         last = -1
         for bi in range(nblocks):
-            bs = s + 64 * bi
-            if use_words and bs + 64 <= e:
-                m = _word_block(aw, bw, bs // per, width)
-            else:
-                m = _elem_block(a, b, bs, min(bs + 64, e))
+            m = block_mask(a, b, s + 64 * bi, e)
             masks[bi] = m
             if m != 0:
                 cnt += np.int64(ctpop64(m))
@@ -317,15 +280,6 @@ def _scratch(nbytes: int) -> np.ndarray:
     return torch.empty(max(nbytes, 1), dtype=torch.uint8).numpy()
 
 
-def word_view(arr: np.ndarray) -> np.ndarray:
-    """64-bit words over the largest 8-byte multiple prefix of ``arr`` (empty if misaligned)."""
-    per = 8 // arr.itemsize
-    nw = arr.size // per
-    if arr.ctypes.data % 8 or nw == 0:
-        return np.empty(0, np.uint64)
-    return arr[: nw * per].view(np.uint64)
-
-
 def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int) -> tuple[int, np.ndarray | None]:
     """(number of changed elements, the ``sparse`` stream), one read of both arrays.
 
@@ -353,10 +307,9 @@ def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym
         raise ValueError("tile must be a multiple of 64")
     if old.dtype != new.dtype or old.size != new.size:
         raise ValueError(f"old and new must have one dtype and size, got {old.dtype}/{old.size} and {new.dtype}/{new.size}")
-    aw, bw = word_view(old), word_view(new)
-    if aw.size != bw.size:
-        aw = bw = np.empty(0, np.uint64)
-    return scan_encode_tiles(old, new, aw, bw, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update)
+    if not (old.flags.c_contiguous and new.flags.c_contiguous):
+        raise ValueError("old and new must be C-contiguous (flat views of contiguous tensors)")
+    return scan_encode_tiles(old, new, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update)
 
 
 def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off):

@@ -8,6 +8,7 @@ every write is undone.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -82,13 +83,38 @@ def test_two_step_stream_applies_with_the_fused_kernel(width: int) -> None:
     assert np.array_equal(target, b)
 
 
-def test_misaligned_views_use_the_element_path() -> None:
+def test_misaligned_views_give_the_same_stream() -> None:
     a, b = _pair(2, 10_001, 0.2, seed=9)
-    a1, b1 = a[1:], b[1:]  # 2-byte offset: no 64-bit word view
+    a1, b1 = a[1:], b[1:]  # 2-byte offset: the block compares load unaligned
     assert a1.ctypes.data % 8
     changed, stream = tile_codec.encode_sparse(a1, b1, CODEC_TILE)
     aligned_changed, aligned_stream = tile_codec.encode_sparse(a1.copy(), b1.copy(), CODEC_TILE)
     assert changed == aligned_changed and np.array_equal(stream, aligned_stream)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_block_masks_match_an_element_by_element_compare(width: int) -> None:
+    a, b = _pair(width, 64 * 40 + 17, 0.3, seed=width)
+    b[::97] = a[::97] ^ UNSIGNED[width](1 << (8 * width - 1))  # the top bit alone differs
+    for offset in (0, 1, 3):  # aligned and unaligned starts
+        x, y = a[offset:], b[offset:]
+        got = _block_masks(x, y)
+        want = [sum(1 << j for j in range(64) if s + j < x.size and x[s + j] != y[s + j]) for s in range(0, x.size, 64)]
+        assert [int(m) for m in got] == want
+
+
+@numba.njit(cache=False)
+def _block_masks(a, b):
+    out = np.empty((a.size + 63) // 64, np.uint64)
+    for i in range(out.size):
+        out[i] = tile_codec.block_mask(a, b, 64 * i, a.size)
+    return out
+
+
+def test_strided_views_are_refused() -> None:
+    a, b = _pair(2, 1000, 0.1, seed=4)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        tile_codec.encode_sparse(a[::2], b[::2], CODEC_TILE)
 
 
 def test_thread_count_does_not_change_the_bytes() -> None:
