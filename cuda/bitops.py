@@ -9,8 +9,8 @@ elements with AVX-512, a compare and ``pmovmskb`` with AVX2), so the bits are th
 everywhere and only the instruction count differs.
 
 Invariants: ``cttz64(0)`` and ``ctlz64(0)`` are undefined (callers only ask about the lowest or
-highest set bit of a non-zero mask). ``ne_mask64`` reads 64 elements from ``start`` without a
-bounds check: the caller proves ``start + 64 <= size`` for both arrays, which must be
+highest set bit of a non-zero mask). ``ne_mask64`` reads 64 elements of each array from its start
+without a bounds check: the caller proves ``start + 64 <= size`` for both, which must be
 C-contiguous (the typer refuses any other layout).
 """
 
@@ -45,8 +45,8 @@ ctpop64 = _uint64_intrinsic(lambda b, v: b.ctpop(v), "Number of set bits of a ui
 
 
 @intrinsic
-def ne_mask64(typingctx, a, b, start):  # type: ignore[no-untyped-def]
-    """Bit j set iff ``a[start + j] != b[start + j]`` (j < 64), compared as integers."""
+def ne_mask64(typingctx, a, a_start, b, b_start):  # type: ignore[no-untyped-def]
+    """Bit j set iff ``a[a_start + j] != b[b_start + j]`` (j < 64), compared as integers."""
     for ary in (a, b):
         if not isinstance(ary, types.Array) or ary.ndim != 1 or ary.layout != "C" or not isinstance(ary.dtype, types.Integer):
             raise errors.TypingError(f"ne_mask64 needs 1-d C-contiguous integer arrays, got {ary}")
@@ -56,10 +56,67 @@ def ne_mask64(typingctx, a, b, start):  # type: ignore[no-untyped-def]
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         vec = ir.VectorType(ir.IntType(signature.args[0].dtype.bitwidth), 64)
         loaded = []
-        for ty, value in zip(signature.args[:2], args[:2]):
+        for ty, value, start in ((signature.args[0], args[0], args[1]), (signature.args[2], args[2], args[3])):
             data = context.make_array(ty)(context, builder, value).data
-            ptr = builder.bitcast(builder.gep(data, [args[2]]), vec.as_pointer())
+            ptr = builder.bitcast(builder.gep(data, [start]), vec.as_pointer())
             loaded.append(builder.load(ptr, align=1))
         return builder.bitcast(builder.icmp_unsigned("!=", *loaded), ir.IntType(64))
 
-    return types.uint64(a, b, types.int64), codegen
+    return types.uint64(a, types.int64, b, types.int64), codegen
+
+
+def _check_flat(ary: Any, dtype: Any, what: str) -> None:
+    if not isinstance(ary, types.Array) or ary.ndim != 1 or ary.layout != "C" or ary.dtype != dtype:
+        raise errors.TypingError(f"{what} needs a 1-d C-contiguous {dtype} array, got {ary}")
+
+
+def _load64(context: Any, builder: Any, aryty: Any, ary: Any, start: Any, bits: int) -> Any:
+    vec = ir.VectorType(ir.IntType(bits), 64)
+    data = context.make_array(aryty)(context, builder, ary).data
+    return builder.load(builder.bitcast(builder.gep(data, [start]), vec.as_pointer()), align=1)
+
+
+def _splat(bits: int, value: int) -> Any:
+    return ir.Constant(ir.VectorType(ir.IntType(bits), 64), [value] * 64)
+
+
+@intrinsic
+def cast_ne_mask64(typingctx, a, a_start, src, src_start):  # type: ignore[no-untyped-def]
+    """Bit j set iff the bf16 bits ``a[a_start + j]`` differ from the round-to-nearest-even
+    bf16 of the fp32 bits ``src[src_start + j]`` (j < 64); NaN and subnormal inputs are
+    ``cast_special64``'s business (torch's own casts disagree on them)."""
+    # ``a`` may be any unsigned width so that a kernel generic over widths type-checks; its
+    # elements are compared with the bf16 bits zero-extended (only uint16 is meaningful).
+    if not isinstance(a, types.Array) or not isinstance(a.dtype, types.Integer):
+        raise errors.TypingError(f"cast_ne_mask64 needs an integer array, got {a}")
+    _check_flat(a, a.dtype, "cast_ne_mask64")
+    _check_flat(src, types.uint32, "cast_ne_mask64")
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        width = signature.args[0].dtype.bitwidth
+        old = _load64(context, builder, signature.args[0], args[0], args[1], width)
+        u = _load64(context, builder, signature.args[2], args[2], args[3], 32)
+        lsb = builder.and_(builder.lshr(u, _splat(32, 16)), _splat(32, 1))
+        rounded = builder.lshr(builder.add(builder.add(u, _splat(32, 0x7FFF)), lsb), _splat(32, 16))
+        new = builder.trunc(rounded, ir.VectorType(ir.IntType(16), 64))
+        if width != 16:
+            new = builder.zext(new, old.type) if width > 16 else builder.trunc(new, old.type)
+        return builder.bitcast(builder.icmp_unsigned("!=", old, new), ir.IntType(64))
+
+    return types.uint64(a, types.int64, src, types.int64), codegen
+
+
+@intrinsic
+def cast_special64(typingctx, src, src_start):  # type: ignore[no-untyped-def]
+    """Non-zero iff one of the 64 fp32 bits from ``src[src_start]`` is a NaN or a non-zero
+    subnormal."""
+    _check_flat(src, types.uint32, "cast_special64")
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        u = _load64(context, builder, signature.args[0], args[0], args[1], 32)
+        mag = builder.and_(u, _splat(32, 0x7FFFFFFF))
+        nan = builder.icmp_unsigned(">", mag, _splat(32, 0x7F800000))
+        sub = builder.icmp_unsigned("<", builder.sub(mag, _splat(32, 1)), _splat(32, 0x007FFFFF))
+        return builder.bitcast(builder.or_(nan, sub), ir.IntType(64))
+
+    return types.uint64(src, types.int64), codegen

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from weftboard.cuda import entropy
-from weftboard.cuda.bitops import ctlz64, ctpop64, cttz64, ne_mask64
+from weftboard.cuda.bitops import cast_ne_mask64, cast_special64, ctlz64, ctpop64, cttz64, ne_mask64
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 
 _LOG_PHI_M1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)  # log(golden ratio - 1)
@@ -65,7 +65,7 @@ def block_mask(a, b, bs, e):
     """Change mask of elements ``bs .. min(bs + 64, e) - 1`` of two C-contiguous arrays of one
     width (``e`` at most their size): one vector compare for a whole block."""
     if bs + 64 <= e:
-        return ne_mask64(a, b, bs)
+        return ne_mask64(a, bs, b, bs)
     return _elem_block(a, b, bs, e)
 
 
@@ -81,8 +81,33 @@ def rice_k(total_gap, n):
     return min(MAX_K, max(0, k))
 
 
+@nb.njit(inline="always", cache=True)
+def bf16_rne(u):
+    """The bf16 bits of the fp32 bits ``u`` (uint32), rounded to nearest even: torch's cast
+    for every finite and infinite value. NaN and fp32 subnormal inputs are not covered
+    (torch's vector and scalar casts differ on NaN, and a cast may flush subnormals):
+    ``cast_special`` finds them and callers leave those to torch."""
+    return np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+@nb.njit(inline="always", cache=True)
+def cast_special(u):
+    """1 for the fp32 bits of a NaN or a non-zero subnormal, else 0."""
+    mag = u & np.uint32(0x7FFFFFFF)
+    # branch-free, so the block loop vectorizes: mag - 1 wraps for zero
+    return np.uint32(mag > np.uint32(0x7F800000)) | np.uint32((mag - np.uint32(1)) < np.uint32(0x007FFFFF))
+
+
+@nb.njit(inline="always", cache=True)
+def _new_bits(b, src, i, cast):
+    """Element ``i`` of the new version: ``b[i]``, or (``cast``) the bf16 of ``src[i]``."""
+    if cast:
+        return np.uint64(bf16_rne(src[i]))
+    return np.uint64(b[i])
+
+
 @nb.njit(parallel=True, cache=True, nogil=True)
-def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update):
+def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src, cast):
     """Pass 1: per tile, change masks, then Rice-coded gaps, symbols and escapes.
 
     Tile ``t`` writes Rice bytes at ``rice_buf[t*rstride:]``, its symbols at
@@ -91,6 +116,11 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update):
     caller then uses the two-step encoder) and counts none of its symbols; ``ns`` is exact
     either way. ``update``: every tile that does not overflow also writes ``b`` into ``a``
     where they differ (so the caller needs no copy), and an overflowing tile writes nothing.
+
+    ``cast``: the new version is the bf16 cast of the fp32 bits ``src`` (``b`` is unused and
+    ``a`` holds bf16 bits), computed as the tile is read, so the publisher never writes the
+    cast out to read it back. A tile holding a NaN or a subnormal is left alone and set in
+    ``over`` like a tile that did not fit: the caller casts and diffs it with torch.
     """
     numel = a.size
     ntiles = (numel + tile - 1) // tile
@@ -109,12 +139,29 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update):
         masks = np.empty(nblocks, np.uint64)
         cnt = 0
         last = -1
+        special = np.uint64(0)
         for bi in range(nblocks):
-            m = block_mask(a, b, s + 64 * bi, e)
+            bs = s + 64 * bi
+            if cast:
+                if bs + 64 <= e:
+                    special |= cast_special64(src, bs)
+                    m = cast_ne_mask64(a, bs, src, bs)
+                else:
+                    m = np.uint64(0)
+                    for j in range(e - bs):
+                        u = src[bs + j]
+                        special |= np.uint64(cast_special(u))
+                        if np.uint64(a[bs + j]) != np.uint64(bf16_rne(u)):
+                            m |= np.uint64(1) << np.uint64(j)
+            else:
+                m = block_mask(a, b, bs, e)
             masks[bi] = m
             if m != 0:
                 cnt += np.int64(ctpop64(m))
                 last = bi
+        if special:
+            over[t] = 1
+            continue
         if cnt == 0:
             continue
         ns[t] = cnt
@@ -153,9 +200,10 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update):
                     break
                 p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g, k, lowmask)
                 i = s + lp
-                d = (np.uint64(b[i]) - np.uint64(a[i])) & mask
+                nv = _new_bits(b, src, i, cast)
+                d = (nv - np.uint64(a[i])) & mask
                 if fold_now:
-                    a[i] = b[i]
+                    a[i] = nv
                 sym = entropy.symbol(d, mask, wbits)
                 sym_buf[sb + j] = sym
                 j += 1
@@ -180,7 +228,7 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update):
                 while m != 0:
                     i = s + 64 * bi + np.int64(cttz64(m))
                     m &= m - np.uint64(1)
-                    a[i] = b[i]
+                    a[i] = _new_bits(b, src, i, cast)
         while nbits > 0:
             rice_buf[p] = acc & 0xFF
             p += 1
@@ -302,14 +350,21 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int) -> tuple[int, np.
 
 
 def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym_buf: np.ndarray,
-          update: bool = False) -> tuple:
+          update: bool = False, cast: bool = False) -> tuple:
     if tile % 64:
         raise ValueError("tile must be a multiple of 64")
-    if old.dtype != new.dtype or old.size != new.size:
+    if cast:
+        if old.dtype != np.uint16 or new.dtype != np.uint32 or old.size != new.size:
+            raise ValueError(f"a cast scan needs bf16 bits (uint16) and fp32 bits (uint32) of one size, got "
+                             f"{old.dtype}/{old.size} and {new.dtype}/{new.size}")
+    elif old.dtype != new.dtype or old.size != new.size:
         raise ValueError(f"old and new must have one dtype and size, got {old.dtype}/{old.size} and {new.dtype}/{new.size}")
     if not (old.flags.c_contiguous and new.flags.c_contiguous):
         raise ValueError("old and new must be C-contiguous (flat views of contiguous tensors)")
-    return scan_encode_tiles(old, new, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update)
+    if cast:
+        return scan_encode_tiles(old, old[:0], 2, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update, new, True)
+    return scan_encode_tiles(old, new, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update,
+                             np.empty(0, np.uint32), False)
 
 
 def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off):
@@ -353,11 +408,14 @@ class TileScan:
 
 
 def scan_tiles(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None = None, *,
-               update: bool = False) -> TileScan:
+               update: bool = False, cast: bool = False) -> TileScan:
     """Pass 1 of ``encode_sparse`` over ``old``/``new`` (unsigned views, a whole number of
     tiles except at a tensor's end); ``update`` also folds ``new`` into ``old`` (see
     ``scan_encode_tiles``). Tiles that did not fit their scratch are listed in
-    ``overflowed``. ``scratch`` keeps the scan's buffers between calls."""
+    ``overflowed``. ``scratch`` keeps the scan's buffers between calls.
+
+    ``cast``: ``old`` holds bf16 bits and ``new`` the fp32 bits whose bf16 cast is the new
+    version; tiles with a NaN or a subnormal are left for the caller in ``overflowed``."""
     ntiles = (old.size + tile - 1) // tile
     need_rice, need_sym = ntiles * (tile + _RICE_SLACK), ntiles * 2 * tile
     bufs = None if scratch is None else scratch.get("tile_scan")
@@ -366,7 +424,7 @@ def scan_tiles(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None
         if scratch is not None:
             scratch["tile_scan"] = bufs
     rice_buf, sym_buf = bufs
-    ns, ks, rice_len, n_esc, counts, over = _scan(old, new, tile, rice_buf, sym_buf, update)
+    ns, ks, rice_len, n_esc, counts, over = _scan(old, new, tile, rice_buf, sym_buf, update, cast)
     overflowed = np.flatnonzero(over).astype(np.int64)
     ns[overflowed] = 0  # their Rice lengths and escapes are 0 already, their symbols uncounted
     rice, syms, escs = _compact_tiles(ns, rice_len, n_esc, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf)

@@ -949,14 +949,30 @@ def _chunked_cast_fold_(prev: torch.Tensor, master: torch.Tensor, scratch: dict,
         chunk.copy_(flat_m[start:end])  # the same cast kernel as .to(), into a reused buffer
         return chunk
 
+    cast_scan = None
+    if scan and prev.dtype == torch.bfloat16 and flat_m.dtype == torch.float32 and prev.device.type == "cpu" \
+            and flat_m.device.type == "cpu":
+        # The common case (fp32 master, bf16 served, on the CPU) casts as it scans: the cast
+        # is never written out and read back. Tiles the fused cast leaves alone (a NaN or a
+        # subnormal) come back as overflowed and go through ``cast`` above.
+        from weftboard.cuda import tile_codec
+        from weftboard.cuda.codec import CODEC_TILE
+
+        src = flat_m.view(torch.int32).numpy().view(np.uint32)
+
+        def cast_scan(view: np.ndarray, start: int, end: int) -> Any:
+            return tile_codec.scan_tiles(view, src[start:end], CODEC_TILE, scratch, update=True, cast=True)
+
     # Small tensors too go through the reused buffer: no fresh pages to fault in.
-    return _fold_pieces_(prev, None, scratch, scan, flat_m.numel(), source=cast)
+    return _fold_pieces_(prev, None, scratch, scan, flat_m.numel(), source=cast, cast_scan=cast_scan)
 
 
 def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, scan: bool, n: int, *,
-                  source: Any = None) -> Any:
+                  source: Any = None, cast_scan: Any = None) -> Any:
     """Fold ``new`` (or the pieces ``source(start, end)`` gives) into ``prev``, ``_CAST_CHUNK``
     elements at a time; returns the TensorDelta, or (``scan`` on CPU) the tensor's tile scans.
+    ``cast_scan(view, start, end)``, when given, scans and folds a piece without ``source``
+    (``tile_codec.scan_tiles`` with ``cast``); ``source`` then serves only the tiles it left.
 
     A scan encodes a piece in the same read that compares it and folds it (no copy); tiles
     too dense for the scan's scratch are left alone by it and diffed instead, and then the
@@ -976,16 +992,22 @@ def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, s
     parts: list[tuple[int, Any]] = []
     for start in range(0, max(n, 1), _CAST_CHUNK):
         end = min(start + _CAST_CHUNK, n)
-        piece = source(start, end) if source is not None else flat_n[start:end]
         view = flat_p[start:end]
-        if not scan:
-            parts.append((start, diff_and_update_(view, piece)))
-            continue
-        sc = tile_codec.scan_tiles(unsigned_np(bits_view(view)), unsigned_np(bits_view(piece)), CODEC_TILE, scratch,
-                                   update=True)
+        if scan and cast_scan is not None:
+            piece = None
+            sc = cast_scan(unsigned_np(bits_view(view)), start, end)
+        else:
+            piece = source(start, end) if source is not None else flat_n[start:end]
+            if not scan:
+                parts.append((start, diff_and_update_(view, piece)))
+                continue
+            sc = tile_codec.scan_tiles(unsigned_np(bits_view(view)), unsigned_np(bits_view(piece)), CODEC_TILE,
+                                       scratch, update=True)
         if not sc.overflowed.size:
             parts.append((start, sc))
             continue
+        if piece is None:
+            piece = source(start, end) if source is not None else flat_n[start:end]
         # The scanned tiles are folded: their delta comes back from the view. The others
         # are untouched: diff them.
         scanned = delta_from_scans([dataclasses.replace(sc, overflowed=np.empty(0, np.int64))], view)

@@ -291,7 +291,7 @@ def test_chunked_cast_fold_equals_whole_tensor_path(scan: bool) -> None:
     g = torch.Generator().manual_seed(3)
     n = _CAST_CHUNK + 12_345  # two chunks, the second one ragged
     master = torch.randn(n, generator=g) * 0.02
-    master[:4] = torch.tensor([float("inf"), -float("inf"), -0.0, 1e-40])
+    master[:4] = torch.tensor([float("inf"), -float("inf"), -0.0, 3e38])
     prev = (master + torch.randn(n, generator=g) * 1e-4).to(torch.bfloat16)
     a, b = prev.clone(), prev.clone()
     scratch: dict = {}
@@ -310,6 +310,30 @@ def test_chunked_cast_fold_equals_whole_tensor_path(scan: bool) -> None:
     small = prev[:1000].clone()
     _chunked_cast_fold_(small, master[:1000], scratch, scan)
     assert torch.equal(small.view(torch.int16), master[:1000].to(torch.bfloat16).view(torch.int16))
+
+
+def test_tiles_with_nan_or_subnormal_masters_are_cast_by_torch() -> None:
+    """The fused bf16 cast leaves tiles holding a NaN or a subnormal to torch's cast (whose
+    NaN bits differ between its vector and scalar paths): the view is torch's cast exactly."""
+    from weftboard.cuda.codec import CODEC_TILE
+    from weftboard.cuda.diff import diff_tensor
+    from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_fold_
+
+    g = torch.Generator().manual_seed(6)
+    n = _CAST_CHUNK + 3 * CODEC_TILE + 17
+    master = torch.randn(n, generator=g) * 0.02
+    prev = (master + torch.randn(n, generator=g) * 1e-4).to(torch.bfloat16)
+    for i, value in ((10, float("nan")), (CODEC_TILE + 1, 1e-40), (_CAST_CHUNK + 2 * CODEC_TILE + 5, -float("nan")),
+                     (n - 1, -1e-39)):
+        master[i] = value
+    view = prev.clone()
+    delta = _chunked_cast_fold_(view, master, {}, scan=True)
+    want = master.to(torch.bfloat16)
+    ref = diff_tensor(prev, want)
+    assert torch.equal(view.view(torch.int16), want.view(torch.int16))
+    assert not isinstance(delta, list)
+    assert torch.equal(delta.positions, ref.positions)
+    assert torch.equal(delta.old_bits, ref.old_bits) and torch.equal(delta.new_bits, ref.new_bits)
 
 
 def test_tiles_too_dense_to_scan_turn_the_tensor_into_one_delta() -> None:

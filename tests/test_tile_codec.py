@@ -303,3 +303,86 @@ def test_directory_damage_is_refused_before_any_write() -> None:
         apply_patch_(target, bad)
     assert torch.equal(bits_view(target["w"]), bits_view(old))
 
+
+
+def _fp32_pair(n: int, density: float, seed: int, special_at: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """(bf16 bits of an old view, fp32 bits of new master weights), a ``density`` of them
+    rounding differently; ``special_at``: elements made NaN or subnormal."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen) * 0.02
+    old = master.to(torch.bfloat16)
+    moved = master + torch.where(torch.rand(n, generator=gen) < density, 2e-4, 0.0)
+    for k, i in enumerate(special_at):
+        moved[i] = (float("nan"), -float("nan"), 1e-40, -3e-39, float("inf"))[k % 5]
+    return unsigned_np_of(old), moved.view(torch.int32).numpy().view(np.uint32)
+
+
+def unsigned_np_of(t: torch.Tensor) -> np.ndarray:
+    return bits_view(t).numpy().view(UNSIGNED[t.element_size()])
+
+
+@pytest.mark.parametrize("n", [CODEC_TILE * 3, CODEC_TILE * 2 + 1000, 77])
+def test_a_cast_scan_equals_torch_cast_then_scan(n: int) -> None:
+    old, src = _fp32_pair(n, 0.05, seed=n)
+    want_old = old.copy()
+    torch_new = unsigned_np_of(torch.from_numpy(src.view(np.float32)).to(torch.bfloat16))
+    want = tile_codec.scan_tiles(want_old, torch_new, CODEC_TILE, update=True)
+    got = tile_codec.scan_tiles(old, src, CODEC_TILE, update=True, cast=True)
+    assert got.overflowed.size == 0 and got.changed == want.changed > 0
+    assert np.array_equal(old, torch_new)  # folded: the view now holds torch's cast
+    for field_name in ("ns", "ks", "rice_len", "n_esc", "rice", "syms", "escs", "counts"):
+        assert np.array_equal(getattr(got, field_name), getattr(want, field_name)), field_name
+
+
+def test_a_cast_scan_leaves_tiles_with_nan_or_subnormals_to_the_caller() -> None:
+    n = CODEC_TILE * 4
+    specials = (5, CODEC_TILE * 2 + 7, CODEC_TILE * 2 + 9, CODEC_TILE * 3 + 100, CODEC_TILE * 3 + 101)
+    old, src = _fp32_pair(n, 0.05, seed=3, special_at=specials)
+    before = old.copy()
+    got = tile_codec.scan_tiles(old, src, CODEC_TILE, update=True, cast=True)
+    assert got.overflowed.tolist() == [0, 2, 3]  # tile 3 holds +inf too, which alone is fine
+    torch_new = unsigned_np_of(torch.from_numpy(src.view(np.float32)).to(torch.bfloat16))
+    assert np.array_equal(old[CODEC_TILE:2 * CODEC_TILE], torch_new[CODEC_TILE:2 * CODEC_TILE])
+    for t in (0, 2, 3):  # untouched, counted nowhere
+        assert np.array_equal(old[t * CODEC_TILE:(t + 1) * CODEC_TILE], before[t * CODEC_TILE:(t + 1) * CODEC_TILE])
+        assert got.ns[t] == 0
+
+
+def test_the_cast_matches_torch_on_every_finite_and_infinite_input() -> None:
+    # all exponents and rounding cases, ties included: random bits, plus the values at and
+    # next to each tie (low 16 bits 0x7FFF, 0x8000, 0x8001) and the ones that round to inf
+    gen = np.random.default_rng(1)
+    bits = gen.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32)
+    ties = (bits & np.uint32(0xFFFF0000))[:, None] | np.array([0x7FFF, 0x8000, 0x8001, 0], np.uint32)
+    extremes = np.array([0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0xFF7FFFFF, 0x7F800000, 0xFF800000, 0x80000000, 0], np.uint32)
+    src = np.concatenate([bits, ties.ravel(), extremes])
+    mag = src & np.uint32(0x7FFFFFFF)
+    src = src[(mag <= 0x7F800000) & ((mag == 0) | (mag >= 0x00800000))]  # no NaN, no subnormal
+    want = unsigned_np_of(torch.from_numpy(src.view(np.float32)).to(torch.bfloat16))
+    assert np.array_equal(_cast_all(src), want)
+
+
+@numba.njit(cache=False)
+def _cast_all(src):
+    out = np.empty(src.size, np.uint16)
+    for i in range(src.size):
+        out[i] = tile_codec.bf16_rne(src[i])
+    return out
+
+
+def test_the_vector_cast_in_a_scan_matches_torch_on_all_exponents_and_ties() -> None:
+    gen = np.random.default_rng(2)
+    bits = gen.integers(0, 2**32, CODEC_TILE, dtype=np.uint64).astype(np.uint32)
+    bits[::3] = (bits[::3] & np.uint32(0xFFFF0000)) | np.uint32(0x8000)  # exact ties
+    bits[1::3] = (bits[1::3] & np.uint32(0xFFFF0000)) | np.uint32(0x7FFF)
+    mag = bits & np.uint32(0x7FFFFFFF)
+    keep = (mag <= 0x7F800000) & ((mag == 0) | (mag >= 0x00800000))
+    src = np.ascontiguousarray(bits[keep][: (int(keep.sum()) // 64) * 64 + 13])  # whole blocks and a tail
+    want = unsigned_np_of(torch.from_numpy(src.view(np.float32)).to(torch.bfloat16))
+    view = want.copy()
+    moved = gen.random(src.size) < 0.05
+    view[moved] += np.uint16(1)
+    got = tile_codec.scan_tiles(view, src, CODEC_TILE, update=True, cast=True)
+    assert got.overflowed.size == 0
+    assert np.array_equal(view, want)  # every element the vector compare called unchanged was
+    assert got.changed == int(moved.sum())  # and no element the cast left alone was called changed
