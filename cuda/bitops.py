@@ -16,6 +16,7 @@ C-contiguous (the typer refuses any other layout).
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 from llvmlite import ir
@@ -120,3 +121,37 @@ def cast_special64(typingctx, src, src_start):  # type: ignore[no-untyped-def]
         return builder.bitcast(builder.or_(nan, sub), ir.IntType(64))
 
     return types.uint64(src, types.int64), codegen
+
+
+if sys.byteorder != "little":  # the streams are little-endian; these move native words
+    raise ImportError("weftboard's CPU codec kernels need a little-endian machine")
+
+
+@intrinsic
+def load_u64le(typingctx, buf, pos):  # type: ignore[no-untyped-def]
+    """The 8 bytes ``buf[pos : pos + 8]`` as a little-endian uint64, in one unaligned load
+    (byte loads that numba wraps in negative-index checks do not merge). No bounds check."""
+    _check_flat(buf, types.uint8, "load_u64le")
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(64).as_pointer())
+        return builder.load(ptr, align=1)
+
+    return types.uint64(buf, types.int64), codegen
+
+
+@intrinsic
+def store_u32le(typingctx, buf, pos, value):  # type: ignore[no-untyped-def]
+    """Store the low 32 bits of ``value`` at ``buf[pos : pos + 4]``, little-endian, in one
+    unaligned store. No bounds check."""
+    _check_flat(buf, types.uint8, "store_u32le")
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(32).as_pointer())
+        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        builder.store(builder.trunc(value, ir.IntType(32)), ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.none(buf, types.int64, value), codegen

@@ -35,6 +35,8 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
+from weftboard.cuda.bitops import store_u32le
+
 SCALE_BITS = 14
 SCALE = 1 << SCALE_BITS
 RANS_L = 1 << 23
@@ -251,10 +253,7 @@ def rice_put(buf, p, acc, nbits, g, k, lowmask):
             nbits -= 8
     acc |= (((1 << u) - 1) | ((g & lowmask) << (u + 1))) << nbits
     nbits += ln
-    buf[p] = acc & 0xFF
-    buf[p + 1] = (acc >> 8) & 0xFF
-    buf[p + 2] = (acc >> 16) & 0xFF
-    buf[p + 3] = (acc >> 24) & 0xFF
+    store_u32le(buf, p, acc)
     full = nbits >> 5
     return p + (full << 2), acc >> (full << 5), nbits - (full << 5)
 

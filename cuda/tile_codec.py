@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from weftboard.cuda import entropy
-from weftboard.cuda.bitops import cast_ne_mask64, cast_special64, ctlz64, ctpop64, cttz64, ne_mask64
+from weftboard.cuda.bitops import cast_ne_mask64, cast_special64, ctlz64, ctpop64, cttz64, load_u64le, ne_mask64
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 
 _LOG_PHI_M1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)  # log(golden ratio - 1)
@@ -584,9 +584,7 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
             if nbits < 32:
                 if p + 8 <= rend:  # whole bytes up to 63 bits, from one 8-byte little-endian read
                     take = (63 - nbits) >> 3
-                    word = 0
-                    for c in range(8):
-                        word |= np.int64(buf[p + c]) << (8 * c)
+                    word = np.int64(load_u64le(buf, p))
                     acc |= (word & ((1 << (take << 3)) - 1)) << nbits
                     p += take
                     nbits += take << 3
