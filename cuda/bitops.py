@@ -1,17 +1,18 @@
-"""Bit intrinsics for the numba kernels: count trailing/leading zeros, population count, and
-the change mask of 64 elements.
+"""Bit intrinsics for the numba kernels: count trailing/leading zeros, population count, the
+change mask of 64 elements (``ne_mask64``; ``cast_ne_mask64`` compares a bf16 view with the
+bf16 cast of fp32 bits), and unaligned little-endian word loads and stores.
 
 numba exposes none of them, and the portable fallbacks (de Bruijn tables, byte loops, word
 tricks) cost several instructions where the CPU has one (``tzcnt``, ``popcnt``, a vector
-compare into a mask register). These emit LLVM IR directly (intrinsics, or a generic vector
-compare that LLVM lowers to whatever the build machine has: one ``vpcmpneqw`` per 32 bf16
-elements with AVX-512, a compare and ``pmovmskb`` with AVX2), so the bits are the same
-everywhere and only the instruction count differs.
+compare into a mask register, one 8-byte load). These emit LLVM IR directly (intrinsics, or
+generic vector operations that LLVM lowers to whatever the build machine has: one
+``vpcmpneqw`` per 32 bf16 elements with AVX-512, a compare and ``pmovmskb`` with AVX2), so the
+bits are the same everywhere and only the instruction count differs.
 
 Invariants: ``cttz64(0)`` and ``ctlz64(0)`` are undefined (callers only ask about the lowest or
-highest set bit of a non-zero mask). ``ne_mask64`` reads 64 elements of each array from its start
-without a bounds check: the caller proves ``start + 64 <= size`` for both, which must be
-C-contiguous (the typer refuses any other layout).
+highest set bit of a non-zero mask). The mask, load and store intrinsics do no bounds check:
+the caller proves ``start + 64`` elements (or the 4 or 8 bytes) lie inside each array, which
+must be 1-d and C-contiguous (the typers refuse any other layout).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def bf16_rne(u):
 def cast_special(u):
     """1 for the fp32 bits of a NaN or a non-zero subnormal, else 0."""
     mag = u & np.uint32(0x7FFFFFFF)
-    # branch-free, so the block loop vectorizes: mag - 1 wraps for zero
+    # mag - 1 wraps for zero (the block path does the same in vectors: cast_special64)
     return np.uint32(mag > np.uint32(0x7F800000)) | np.uint32((mag - np.uint32(1)) < np.uint32(0x007FFFFF))
 
 

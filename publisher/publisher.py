@@ -9,8 +9,9 @@ Called from an ordinary synchronous training loop::
 
 Invariants:
 - The publisher keeps ONE served view (on the model's device). Each master tensor is
-  projected (large elementwise casts chunk by chunk through a reused buffer) and folded
-  into that view in one pass that also records the transition, so the view always equals
+  projected (large elementwise casts chunk by chunk through a reused buffer; an fp32 master
+  served as bf16 on the CPU is cast inside the scan itself, ``scan_tiles(cast=True)``) and
+  folded into that view in one pass that also records the transition, so the view always equals
   the newest published version. On CPU views in the default encoding that pass *encodes*
   as it compares (``tile_codec`` scans: Rice-coded gaps and symbols), and only the rANS
   pass and the container are left for later; elsewhere it keeps deltas
