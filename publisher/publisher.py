@@ -989,6 +989,10 @@ def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, s
     assert _CAST_CHUNK % CODEC_TILE == 0  # pieces start on tile boundaries
     flat_p = prev.reshape(-1)
     flat_n = None if new is None else new.reshape(-1)
+
+    def piece_of(start: int, end: int) -> torch.Tensor:
+        return source(start, end) if source is not None else flat_n[start:end]
+
     scan = scan and prev.device.type == "cpu"
     parts: list[tuple[int, Any]] = []
     for start in range(0, max(n, 1), _CAST_CHUNK):
@@ -998,7 +1002,7 @@ def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, s
             piece = None
             sc = cast_scan(unsigned_np(bits_view(view)), start, end)
         else:
-            piece = source(start, end) if source is not None else flat_n[start:end]
+            piece = piece_of(start, end)
             if not scan:
                 parts.append((start, diff_and_update_(view, piece)))
                 continue
@@ -1008,7 +1012,7 @@ def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, s
             parts.append((start, sc))
             continue
         if piece is None:
-            piece = source(start, end) if source is not None else flat_n[start:end]
+            piece = piece_of(start, end)
         # The scanned tiles are folded: their delta comes back from the view. The others
         # are untouched: diff them.
         scanned = delta_from_scans([dataclasses.replace(sc, overflowed=np.empty(0, np.int64))], view)

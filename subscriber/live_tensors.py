@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, NoReturn, Sequence
 
 import structlog
 import torch
@@ -120,11 +120,7 @@ class LiveTensorsDestination:
                 for f in hashing.values():
                     f.cancel()
                 wait(list(hashing.values()))
-                applied.revert()
-                log.error("patch result rejected and reverted", version=target.version, error=str(exc))
-                if isinstance(exc, (CorruptData, ApplyError)) or not isinstance(exc, Exception):
-                    raise
-                raise ApplyError(f"applying the patch to version {target.version} failed: {exc}") from exc
+                _reject(applied, target, exc)
 
     def _apply(self, patch: Path, target: VersionTarget) -> dict[str, str]:
         from weftboard.cuda.codec import apply_patch_
@@ -137,8 +133,14 @@ class LiveTensorsDestination:
             touched = [n for n, c in applied.changed.items() if c]
             return verify_tensors(self.tensors, target, rehash=touched, cache=self._digests)
         except BaseException as exc:
-            applied.revert()
-            log.error("patch result rejected and reverted", version=target.version, error=str(exc))
-            if isinstance(exc, (CorruptData, ApplyError)) or not isinstance(exc, Exception):
-                raise
-            raise ApplyError(f"applying the patch to version {target.version} failed: {exc}") from exc
+            _reject(applied, target, exc)
+
+
+def _reject(applied: Any, target: VersionTarget, exc: BaseException) -> NoReturn:
+    """Undo a written patch whose result was refused, log it, and raise: the precise error
+    as it is, anything unexpected as an ``ApplyError``."""
+    applied.revert()
+    log.error("patch result rejected and reverted", version=target.version, error=str(exc))
+    if isinstance(exc, (CorruptData, ApplyError)) or not isinstance(exc, Exception):
+        raise exc
+    raise ApplyError(f"applying the patch to version {target.version} failed: {exc}") from exc

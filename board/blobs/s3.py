@@ -189,7 +189,7 @@ class S3BlobStore(BlobStore):
                           ranges: int = 1, on_chunk: ChunkCallback | None = None) -> int:
         name = self._name(key)
         dest = Path(path)
-        chunk_bytes = _CHUNK if on_chunk is None else _WATCHED_CHUNK
+        chunk_bytes = _stream_chunk(on_chunk)
 
         def download() -> int:
             total = size if size is not None else self._client.stat_object(self.bucket, name).size
@@ -247,7 +247,7 @@ class S3BlobStore(BlobStore):
                 try:
                     _check_total(response, total, key)
                     pos = lo
-                    for chunk in response.stream(_CHUNK if on_chunk is None else _WATCHED_CHUNK):
+                    for chunk in response.stream(_stream_chunk(on_chunk)):
                         if pos + len(chunk) > hi:
                             raise Unavailable(f"range {lo}-{hi} of {key!r} returned more than {hi - lo} bytes")
                         os.pwrite(fd, chunk, pos)
@@ -332,6 +332,11 @@ class S3BlobStore(BlobStore):
 
     async def close(self) -> None:
         self._http.clear()
+
+
+def _stream_chunk(on_chunk: ChunkCallback | None) -> int:
+    """Bytes per read of a response body: smaller when someone waits on each chunk."""
+    return _CHUNK if on_chunk is None else _WATCHED_CHUNK
 
 
 def _check_total(response: urllib3.BaseHTTPResponse, total: int, key: str) -> None:
