@@ -1,6 +1,6 @@
 """Bit intrinsics for the numba kernels: count trailing/leading zeros, population count, the
 change mask of 64 elements (``ne_mask64``; ``cast_ne_mask64`` compares a bf16 view with the
-bf16 cast of fp32 bits), and unaligned little-endian word loads and stores.
+bf16 cast of fp32 bits; ``mag_ge_mask64`` compares 16-bit float magnitudes with a bound), and unaligned little-endian word loads and stores.
 
 numba exposes none of them, and the portable fallbacks (de Bruijn tables, byte loops, word
 tricks) cost several instructions where the CPU has one (``tzcnt``, ``popcnt``, a vector
@@ -122,6 +122,25 @@ def cast_special64(typingctx, src, src_start):  # type: ignore[no-untyped-def]
         return builder.bitcast(builder.or_(nan, sub), ir.IntType(64))
 
     return types.uint64(src, types.int64), codegen
+
+
+@intrinsic
+def mag_ge_mask64(typingctx, a, a_start, threshold):  # type: ignore[no-untyped-def]
+    """Bit j set iff the magnitude bits of the 16-bit float ``a[a_start + j]`` (sign cleared)
+    are >= ``threshold``: for bf16 and fp16 that is ``|value| >=`` the value with those bits
+    (NaNs count as the largest), the class boundary of the context-coded patch streams."""
+    _check_flat(a, types.uint16, "mag_ge_mask64")
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        x = _load64(context, builder, signature.args[0], args[0], args[1], 16)
+        mag = builder.and_(x, _splat(16, 0x7FFF))
+        t = builder.trunc(context.cast(builder, args[2], signature.args[2], types.int64), ir.IntType(16))
+        tv = builder.insert_element(ir.Constant(ir.VectorType(ir.IntType(16), 64), ir.Undefined), t,
+                                    ir.Constant(ir.IntType(32), 0))
+        splat = builder.shuffle_vector(tv, tv, ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64))
+        return builder.bitcast(builder.icmp_unsigned(">=", mag, splat), ir.IntType(64))
+
+    return types.uint64(a, types.int64, threshold), codegen
 
 
 if sys.byteorder != "little":  # the streams are little-endian; these move native words

@@ -633,15 +633,12 @@ def _parse_sparse(entry: Mapping[str, Any], buf: np.ndarray, width: int) -> Spar
     numel, changed, tile = entry["numel"], entry["changed"], entry["tile"]
     if (numel + tile - 1) // tile > buf.size:  # every tile has at least one directory byte
         raise _sparse_error(entry, f"{buf.size} bytes cannot hold the directory of {numel} elements in tiles of {tile}")
-    err, freq, ns, ks, rice, rans, esc, offs = entropy.parse_table_and_directory(buf, numel, tile, width, changed)
+    err, freq, ns, ks, rice, rans, esc, offs = entropy.parse_table_and_directory(buf, 0, 1, numel, tile, width, changed)
     if err:
         raise _sparse_error(entry, entropy.DIR_ERRORS.get(int(err), f"directory error {err}"))
-    cum = np.zeros(entropy.NSYM, np.int64)
-    cum[1:] = np.cumsum(freq)[:-1]
-    slot2sym = np.repeat(np.arange(entropy.NSYM, dtype=np.uint8), freq)
-    if slot2sym.size != entropy.SCALE:
-        raise _sparse_error(entry, "frequency table does not cover every rANS slot")
-    return SparseStream(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym)
+    cum, slot2sym = entropy.decoder_tables(freq[0])
+    return SparseStream(buf, numel, tile, width, np.ascontiguousarray(ns[:, 0]), np.ascontiguousarray(ks[:, 0]), rice,
+                        rans, esc, offs, freq[0], cum, slot2sym)
 
 
 def _raise_tile_errors(entry: Mapping[str, Any], errs: np.ndarray) -> None:

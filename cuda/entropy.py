@@ -345,54 +345,73 @@ def _varint(buf, p, end):
         shift += 7
 
 
-@nb.njit(cache=True, nogil=True)
-def parse_table_and_directory(buf, numel, tile, width, changed):
-    """Parse the frequency table and tile directory; returns (err, freq, per-tile arrays, payload offsets)."""
-    end = buf.size
-    ntiles = (numel + tile - 1) // tile
-    freq = np.zeros(NSYM, np.int64)
-    ns = np.zeros(ntiles, np.int64)
-    ks = np.zeros(ntiles, np.int64)
-    rice = np.zeros(ntiles, np.int64)
-    rans = np.zeros(ntiles, np.int64)
-    esc = np.zeros(ntiles, np.int64)
-    offs = np.zeros(ntiles + 1, np.int64)
-    p = 0
+@nb.njit(cache=True)
+def _read_table(buf, p, end, freq):
+    """Parse one frequency table at ``buf[p]`` into ``freq``; (error code or 0, end, nsym)."""
     nsym, p = _varint(buf, p, end)
     if nsym < 0 or nsym > NSYM:
-        return 1, freq, ns, ks, rice, rans, esc, offs
+        return 1, p, 0
     last = -1
     total = 0
     for _ in range(nsym):
         s, p = _varint(buf, p, end)
         if s < 0:
-            return 1, freq, ns, ks, rice, rans, esc, offs
+            return 1, p, 0
         f, p = _varint(buf, p, end)
         if f < 0:
-            return 1, freq, ns, ks, rice, rans, esc, offs
+            return 1, p, 0
         if s <= last or s >= NSYM or f < 1 or f > SCALE:
-            return 2, freq, ns, ks, rice, rans, esc, offs
+            return 2, p, 0
         freq[s] = f
         total += f
         last = s
     if nsym > 0 and total != SCALE:
-        return 2, freq, ns, ks, rice, rans, esc, offs
+        return 2, p, 0
+    return 0, p, nsym
+
+
+@nb.njit(cache=True, nogil=True)
+def parse_table_and_directory(buf, p, nclasses, numel, tile, width, changed):
+    """Parse the frequency tables (one per class) and the tile directory from ``buf[p]``;
+    returns (err, freq, per-tile arrays, payload offsets). With one class this is the
+    ``sparse`` layout above; ``weftboard.cuda.context_codec`` documents the other."""
+    end = buf.size
+    ntiles = (numel + tile - 1) // tile
+    freq = np.zeros((nclasses, NSYM), np.int64)
+    ns = np.zeros((ntiles, nclasses), np.int64)
+    ks = np.zeros((ntiles, nclasses), np.int64)
+    rice = np.zeros(ntiles, np.int64)
+    rans = np.zeros(ntiles, np.int64)
+    esc = np.zeros(ntiles, np.int64)
+    offs = np.zeros(ntiles + 1, np.int64)
+    nsyms = np.zeros(nclasses, np.int64)
+    for c in range(nclasses):
+        err, p, nsyms[c] = _read_table(buf, p, end, freq[c])
+        if err:
+            return err, freq, ns, ks, rice, rans, esc, offs
     count = 0
+    per_class = np.zeros(nclasses, np.int64)
     for t in range(ntiles):
-        n, p = _varint(buf, p, end)
-        if n < 0:
-            return 3, freq, ns, ks, rice, rans, esc, offs
         tile_n = min(tile, numel - t * tile)
+        n = 0
+        for c in range(nclasses):
+            v, p = _varint(buf, p, end)
+            if v < 0:
+                return 3, freq, ns, ks, rice, rans, esc, offs
+            ns[t, c] = v
+            per_class[c] += v
+            n += v
         if n > tile_n:
             return 4, freq, ns, ks, rice, rans, esc, offs
-        ns[t] = n
         count += n
         if n == 0:
             continue
-        if p >= end:
-            return 3, freq, ns, ks, rice, rans, esc, offs
-        ks[t] = buf[p]
-        p += 1
+        for c in range(nclasses):
+            if ns[t, c]:
+                if p >= end:
+                    return 3, freq, ns, ks, rice, rans, esc, offs
+                ks[t, c] = buf[p]
+                p += 1
         r, p = _varint(buf, p, end)
         if r < 0:
             return 3, freq, ns, ks, rice, rans, esc, offs
@@ -407,8 +426,9 @@ def parse_table_and_directory(buf, numel, tile, width, changed):
         esc[t] = e
     if count != changed:
         return 6, freq, ns, ks, rice, rans, esc, offs
-    if count > 0 and nsym == 0:
-        return 2, freq, ns, ks, rice, rans, esc, offs
+    for c in range(nclasses):
+        if per_class[c] > 0 and nsyms[c] == 0:
+            return 2, freq, ns, ks, rice, rans, esc, offs
     offs[0] = p
     for t in range(ntiles):
         offs[t + 1] = offs[t] + rice[t] + rans[t] + esc[t] * width
@@ -417,6 +437,18 @@ def parse_table_and_directory(buf, numel, tile, width, changed):
     if offs[ntiles] != end:
         return 5, freq, ns, ks, rice, rans, esc, offs
     return 0, freq, ns, ks, rice, rans, esc, offs
+
+
+def decoder_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(cumulative frequencies, symbol of each of the SCALE slots) of a parsed table. An empty
+    table (a context class without changes) gets all-zero slots, which nothing decodes."""
+    cum = np.zeros(NSYM, np.int64)
+    cum[1:] = np.cumsum(freq)[:-1]
+    slot2sym = np.repeat(np.arange(NSYM, dtype=np.uint8), freq)
+    if slot2sym.size == 0:
+        return cum, np.zeros(SCALE, np.uint8)
+    assert slot2sym.size == SCALE, "parse_table_and_directory checks that a table sums to SCALE"
+    return cum, slot2sym
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -443,6 +475,21 @@ def _write_varint(buf, p, v):
     return p + 1
 
 
+@nb.njit(cache=True)
+def write_table(out, p, freq):
+    """Write the frequency table of ``freq`` (NSYM entries) at ``out[p]``; returns the end."""
+    nsym = 0
+    for s in range(NSYM):
+        if freq[s] > 0:
+            nsym += 1
+    p = _write_varint(out, p, nsym)
+    for s in range(NSYM):
+        if freq[s] > 0:
+            p = _write_varint(out, p, s)
+            p = _write_varint(out, p, freq[s])
+    return p
+
+
 @nb.njit(cache=True, nogil=True)
 def assemble(freq, ns, ks, rice_bytes, rans_len, n_esc, width, scratch, scratch_off):
     """Table + directory + compacted tile payloads as one uint8 array."""
@@ -451,15 +498,7 @@ def assemble(freq, ns, ks, rice_bytes, rans_len, n_esc, width, scratch, scratch_
     for t in range(ntiles):
         cap += rice_bytes[t] + rans_len[t] + n_esc[t] * width
     out = np.empty(cap, np.uint8)
-    nsym = 0
-    for s in range(NSYM):
-        if freq[s] > 0:
-            nsym += 1
-    p = _write_varint(out, 0, nsym)
-    for s in range(NSYM):
-        if freq[s] > 0:
-            p = _write_varint(out, p, s)
-            p = _write_varint(out, p, freq[s])
+    p = write_table(out, 0, freq)
     for t in range(ntiles):
         p = _write_varint(out, p, ns[t])
         if ns[t] == 0:

@@ -243,28 +243,35 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src
 def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
     """Pass 2: each tile's symbols (from ``sym_buf[sym_off[t]:]``), rANS-coded backwards so
     that its stream ends at ``rans_off[t+1]``; returns where each tile's stream starts (the
-    final state first)."""
-    ntiles = ns.size
+    final state first). ``ns[t, c]`` symbols of class ``c`` come class after class, each
+    coded with its class's table ``rtab[c]`` (one class: the ``sparse`` stream)."""
+    ntiles, nclasses = ns.shape
     starts = np.zeros(ntiles, np.int64)
     for t in nb.prange(ntiles):
-        n = ns[t]
+        n = 0
+        for c in range(nclasses):
+            n += ns[t, c]
         if n == 0:
             continue
         q = rans_off[t + 1]
         x = RANS_L
-        sb = sym_off[t]
-        for j in range(n - 1, -1, -1):
-            s = sym_buf[sb + j]
-            xmax = rtab[s, 0]
-            # Renormalise without branches (how many bytes a symbol pushes out is a coin flip
-            # for the predictor): both candidate bytes are stored, q moves by the number due,
-            # and a byte not due is overwritten by the next one. q stays >= rans_off[t] + 4.
-            nbytes = (1 if x >= xmax else 0) + (1 if (x >> 8) >= xmax else 0)
-            rans_buf[q - 1] = x & 0xFF
-            rans_buf[q - 2] = (x >> 8) & 0xFF
-            q -= nbytes
-            x >>= nbytes << 3
-            x = x + rtab[s, 3] + (((x * rtab[s, 1]) >> 32) >> rtab[s, 2]) * rtab[s, 4]
+        j = sym_off[t] + n
+        for c in range(nclasses - 1, -1, -1):
+            tab = rtab[c]
+            for _ in range(ns[t, c]):
+                j -= 1
+                s = sym_buf[j]
+                xmax = tab[s, 0]
+                # Renormalise without branches (how many bytes a symbol pushes out is a coin
+                # flip for the predictor): both candidate bytes are stored, q moves by the
+                # number due, and a byte not due is overwritten by the next one. q stays >=
+                # rans_off[t] + 4.
+                nbytes = (1 if x >= xmax else 0) + (1 if (x >> 8) >= xmax else 0)
+                rans_buf[q - 1] = x & 0xFF
+                rans_buf[q - 2] = (x >> 8) & 0xFF
+                q -= nbytes
+                x >>= nbytes << 3
+                x = x + tab[s, 3] + (((x * tab[s, 1]) >> 32) >> tab[s, 2]) * tab[s, 4]
         q -= 4
         for c in range(4):
             rans_buf[q + c] = (x >> (8 * c)) & 0xFF
@@ -273,41 +280,44 @@ def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def assemble_tiles(freq, ns, ks, rice_len, rans_start, rans_off, n_esc, width, rice_buf, rice_off, esc_buf, esc_off,
-                   rans_buf):
-    """Pass 3: table and directory (serial), then every tile's Rice | rANS | escapes (parallel);
-    tile ``t``'s Rice bytes start at ``rice_buf[rice_off[t]]``, its escapes at ``esc_buf[esc_off[t]]``."""
-    ntiles = ns.size
+def assemble_tiles(prefix, freq, ns, ks, rice_len, rans_start, rans_off, n_esc, width, rice_buf, rice_off, esc_buf,
+                   esc_off, rans_buf):
+    """Pass 3: ``prefix``, one table per class and the directory (serial), then every tile's
+    Rice | rANS | escapes (parallel); tile ``t``'s Rice bytes start at ``rice_buf[rice_off[t]]``,
+    its escapes at ``esc_buf[esc_off[t]]``. ``freq`` is (classes, NSYM), ``ns`` and ``ks``
+    (tiles, classes); with one class this is the ``sparse`` layout."""
+    ntiles, nclasses = ns.shape
+    tot = np.zeros(ntiles, np.int64)
     payload = 0
     for t in range(ntiles):
-        if ns[t]:
+        for c in range(nclasses):
+            tot[t] += ns[t, c]
+        if tot[t]:
             payload += rice_len[t] + (rans_off[t + 1] - rans_start[t]) + n_esc[t] * width
-    out = np.empty(10 + NSYM * 20 + ntiles * 40 + payload, np.uint8)
-    nsym = 0
-    for s in range(NSYM):
-        if freq[s] > 0:
-            nsym += 1
-    p = entropy._write_varint(out, 0, nsym)
-    for s in range(NSYM):
-        if freq[s] > 0:
-            p = entropy._write_varint(out, p, s)
-            p = entropy._write_varint(out, p, freq[s])
+    out = np.empty(prefix.size + nclasses * (10 + NSYM * 20) + ntiles * (31 + 10 * nclasses) + payload, np.uint8)
+    p = prefix.size
+    out[:p] = prefix
+    for c in range(nclasses):
+        p = entropy.write_table(out, p, freq[c])
     for t in range(ntiles):
-        p = entropy._write_varint(out, p, ns[t])
-        if ns[t] == 0:
+        for c in range(nclasses):
+            p = entropy._write_varint(out, p, ns[t, c])
+        if tot[t] == 0:
             continue
-        out[p] = ks[t]
-        p += 1
+        for c in range(nclasses):
+            if ns[t, c]:
+                out[p] = ks[t, c]
+                p += 1
         p = entropy._write_varint(out, p, rice_len[t])
         p = entropy._write_varint(out, p, rans_off[t + 1] - rans_start[t])
         p = entropy._write_varint(out, p, n_esc[t])
     dest = np.zeros(ntiles, np.int64)
     for t in range(ntiles):
         dest[t] = p
-        if ns[t]:
+        if tot[t]:
             p += rice_len[t] + (rans_off[t + 1] - rans_start[t]) + n_esc[t] * width
     for t in nb.prange(ntiles):
-        if ns[t] == 0:
+        if tot[t] == 0:
             continue
         o = dest[t]
         r0 = rice_off[t]
@@ -367,16 +377,22 @@ def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym
                              np.empty(0, np.uint32), False)
 
 
-def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off):
-    """Passes 2 and 3 over scanned tiles wherever their bytes lie (offsets per tile)."""
-    freq = entropy.quantize_freqs(counts)
-    rtab = entropy.rans_encoder_tables(freq)
-    rans_off = np.zeros(ns.size + 1, np.int64)
-    np.cumsum(np.where(ns > 0, 2 * ns + 4, 0), out=rans_off[1:])
+def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off,
+                       prefix=None):
+    """Passes 2 and 3 over scanned tiles wherever their bytes lie (offsets per tile). One
+    class (the ``sparse`` stream): ``ns``, ``ks`` per tile and one histogram ``counts``;
+    several (``context``): ``ns``, ``ks`` (tiles, classes), ``counts`` (classes, NSYM) and the
+    stream's ``prefix``."""
+    ns, ks, counts = ns.reshape(ns.shape[0], -1), ks.reshape(ks.shape[0], -1), counts.reshape(-1, NSYM)
+    freq = np.stack([entropy.quantize_freqs(c) for c in counts])
+    rtab = np.stack([entropy.rans_encoder_tables(f) for f in freq])
+    total = ns.sum(axis=1)
+    rans_off = np.zeros(total.size + 1, np.int64)
+    np.cumsum(np.where(total > 0, 2 * total + 4, 0), out=rans_off[1:])
     rans_buf = _scratch(int(rans_off[-1]))
     starts = rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf)
-    return assemble_tiles(freq, ns, ks, rice_len, starts, rans_off, n_esc, width, rice_buf, rice_off, esc_buf, esc_off,
-                          rans_buf)
+    return assemble_tiles(np.empty(0, np.uint8) if prefix is None else prefix, freq, ns, ks, rice_len, starts,
+                          rans_off, n_esc, width, rice_buf, rice_off, esc_buf, esc_off, rans_buf)
 
 
 @dataclass(frozen=True)
