@@ -6,8 +6,9 @@ random gradients (Adam's first step normalises them, so every parameter moves by
 learning rate), then the served projection of both versions (``weftboard.cuda.formats``).
 
 What it measures, all in the same run so the ratios are meaningful on any machine:
-- ``bytes_per_change``: the default encoding's whole patch (container included) per changed
-  stored element; ``baseline_bytes_per_change`` the same for int32 positions + raw values.
+- ``bytes_per_change``: the measured encoding's whole patch (container included) per changed
+  stored element (``--encoding``: ``default``, or ``context``, which codes 16-bit floats by the
+  old value's magnitude and so can beat the i.i.d. bound below); ``baseline_bytes_per_change`` the same for int32 positions + raw values.
 - ``entropy_bound_bytes_per_change``: positions as i.i.d. bits at the measured density
   (``H(p)/p`` bits per change) plus the empirical (order-0) entropy of the value differences
   ``new_bits - old_bits`` over all changes; a code that beats it must exploit structure beyond
@@ -103,6 +104,7 @@ def run(
     repeat: int = 3,
     seed: int = 0,
     adam_steps: int = 1,
+    encoding: str = "default",
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     from weftboard.cuda import formats
@@ -176,7 +178,7 @@ def run(
             d.copy_(t)
         t_copy = time.perf_counter() - t1
         t1 = time.perf_counter()
-        patch = encode("default")
+        patch = encode(encoding)
         t_enc = time.perf_counter() - t1
         target = fresh()
         t1 = time.perf_counter()
@@ -208,6 +210,7 @@ def run(
     gb = served_bytes / 1e9
     result: dict[str, Any] = {
         "format": fmt,
+        "encoding": encoding,
         "params": nparams,
         "adam_steps": adam_steps,
         "density": density.fraction,
@@ -241,8 +244,8 @@ def run(
     return result
 
 
-def main(fmt: str, params: int, repeat: int, as_json: bool, adam_steps: int = 1) -> dict[str, Any]:
-    result = run(fmt=fmt, params=params, repeat=repeat, adam_steps=adam_steps)
+def main(fmt: str, params: int, repeat: int, as_json: bool, adam_steps: int = 1, encoding: str = "default") -> dict[str, Any]:
+    result = run(fmt=fmt, params=params, repeat=repeat, adam_steps=adam_steps, encoding=encoding)
     if as_json:
         print(json.dumps(result))
     return result

@@ -8,7 +8,7 @@ The safetensors header maps each tensor that changed to a uint8 ("U8") 1-D strea
 ``__metadata__ = {"weftboard": <JSON text>, "weftboard_xxh3_64": <hex of that text>}``; the
 JSON text is the patch header::
 
-    {"format": "weftboard-patch", "format_version": 1, "encoding": "default" | "baseline",
+    {"format": "weftboard-patch", "format_version": 1, "encoding": "default" | "baseline" | "context",
      "base_version": int, "target_version": int, "target_root": "xxh3-128:<hex>",
      "tensors": [{"name", "dtype" (torch name, e.g. "bfloat16"), "numel", "changed", "mode",
                   "stream_bytes", "xxh3_64" (hex of the stream), "tile", "index_bytes"}, ...]}
@@ -21,6 +21,10 @@ JSON text is the patch header::
 - ``bitmap`` (default encoding, dense fallback): ``ceil(numel/8)`` bytes of change bits
   (LSB first) followed by the new bits of the changed elements, in order.
 - ``all`` (default encoding, every element changed): the new bits of every element.
+- ``context`` (context encoding, bf16 and fp16 tensors): like ``sparse``, but positions and values
+  are coded per class of the old value's magnitude (``weftboard.cuda.context_codec``), so the
+  decoder needs the bits the patch applies to. About a quarter smaller than ``sparse`` on
+  optimizer steps; other tensors in a context patch take the default encoding's modes.
 - ``baseline``: ``changed`` positions as little-endian int32 (int64 if ``index_bytes`` is 8,
   for tensors of 2**31 elements or more), then the raw new bits; what other tools exchange.
 
@@ -54,7 +58,7 @@ import numpy as np
 import torch
 import xxhash
 
-from weftboard.cuda import entropy, tile_codec
+from weftboard.cuda import context_codec, entropy, tile_codec
 from weftboard.cuda.diff import (
     TensorDelta,
     bits_view,
@@ -69,11 +73,11 @@ from weftboard.proto.errors import CorruptData, InvalidArgument
 
 FORMAT = "weftboard-patch"
 FORMAT_VERSION = 1
-ENCODINGS = ("default", "baseline")
+ENCODINGS = ("default", "baseline", "context")
 CODEC_TILE = 1 << 16  # elements per independent stream: ~650 changes per tile at 1% density,
 # so per-tile overhead (directory, rANS flush, Rice padding: ~12 bytes) stays near 1%, while a
 # 7B model still has ~100k tiles to spread over CPU threads or GPU blocks.
-_MODES = ("empty", "sparse", "bitmap", "all", "baseline")
+_MODES = ("empty", "sparse", "bitmap", "all", "baseline", "context")
 _MAX_HEADER = 256 << 20
 _NP_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -198,13 +202,47 @@ class EncodedTensor:
     index_bytes: int = 4
 
 
-def _encode_delta(name: str, delta: TensorDelta, encoding: str) -> EncodedTensor:
+def _encode_delta(name: str, delta: TensorDelta, encoding: str, target: torch.Tensor | None = None) -> EncodedTensor:
+    if encoding == "context" and target is not None and delta.positions.numel() and context_codec.supports(delta.dtype):
+        old_t, new_t = _old_and_target(delta, target)
+        fused = _encode_pair_context(name, old_t, new_t)
+        if fused is not None:
+            return fused
     pos, old, new = _delta_arrays(delta)
-    if encoding == "default":
+    if encoding != "baseline":
         mode, stream = _encode_default(pos, old, new, delta.numel)
         return EncodedTensor(name, delta.dtype, int(delta.numel), int(pos.size), mode, stream)
     mode, stream, index_bytes = _encode_baseline(pos, new, delta.numel)
     return EncodedTensor(name, delta.dtype, int(delta.numel), int(pos.size), mode, stream, index_bytes)
+
+
+def _old_and_target(delta: TensorDelta, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(old, new) CPU tensors of a delta whose whole new tensor is ``target``."""
+    new = target.detach().cpu().contiguous()
+    if new.dtype != delta.dtype or new.numel() != delta.numel:
+        raise InvalidArgument(f"target of {new.numel()} {new.dtype} does not fit a delta of {delta.numel} {delta.dtype}")
+    old = new.clone()
+    bits_view(old).view(-1)[delta.positions.cpu()] = delta.old_bits.cpu()
+    return old, new
+
+
+def _encode_pair_context(name: str, old: torch.Tensor, new: torch.Tensor) -> EncodedTensor | None:
+    """The ``context`` stream of a CPU pair of a 16-bit float tensor, or None when that mode
+    does not apply or is not smaller than a bitmap (the caller takes the default modes)."""
+    if not context_codec.supports(old.dtype):
+        return None
+    check_pair(old, new)
+    a = unsigned_np(bits_view(old.detach().contiguous()))
+    b = unsigned_np(bits_view(new.detach().contiguous()))
+    thresholds = context_codec.choose_thresholds(a, old.dtype)
+    if thresholds.size == 0:
+        return None
+    changed, stream = context_codec.encode_context(a, b, thresholds, CODEC_TILE)
+    if changed == 0:
+        return EncodedTensor(name, old.dtype, a.size, 0, "empty", np.empty(0, np.uint8))
+    if stream is None or changed == a.size or stream.size > _bitmap_bytes(a.size, changed, 2):
+        return None
+    return EncodedTensor(name, old.dtype, a.size, changed, "context", stream)
 
 
 def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor) -> EncodedTensor | None:
@@ -343,10 +381,16 @@ def encode_deltas(
     )
 
 
-def encode_streams(deltas: Iterable[tuple[str, TensorDelta]], encoding: str = "default") -> list[EncodedTensor]:
-    """Each delta's stream (the costly part of ``encode_deltas``), for ``assemble_patch``."""
+def encode_streams(deltas: Iterable[tuple[str, TensorDelta]], encoding: str = "default",
+                   targets: Mapping[str, torch.Tensor] | None = None) -> list[EncodedTensor]:
+    """Each delta's stream (the costly part of ``encode_deltas``), for ``assemble_patch``.
+
+    The context encoding codes a 16-bit float tensor against its old bits, so it needs the
+    whole tensor each delta leads to (``targets``); a delta without one takes the default
+    encoding's modes."""
     _check_encoding(encoding)
-    return [_encode_delta(name, delta, encoding) for name, delta in deltas]
+    targets = targets or {}
+    return [_encode_delta(name, delta, encoding, targets.get(name)) for name, delta in deltas]
 
 
 def encode_patch(
@@ -367,7 +411,13 @@ def encode_patch(
 
     def encoded() -> Iterable[EncodedTensor]:
         for name, old, new in pairs:
-            if encoding == "default" and old.device.type == "cpu" and new.device.type == "cpu":
+            on_cpu = old.device.type == "cpu" and new.device.type == "cpu"
+            if encoding == "context" and on_cpu:
+                fused = _encode_pair_context(name, old, new)
+                if fused is not None:
+                    yield fused
+                    continue
+            if encoding != "baseline" and on_cpu:
                 fused = _encode_pair_fused(name, old, new)
                 if fused is not None:
                     yield fused
@@ -487,6 +537,9 @@ def _parse_container_header(header_bytes: bytes | memoryview, total: int) -> tup
             raise CorruptData(f"patch header: {where} has mode {mode!r}, not valid for encoding {encoding!r}")
         if (mode == "empty") != (changed == 0):
             raise CorruptData(f"patch header: {where} has mode {mode!r} with {changed} changes")
+        if mode == "context" and (encoding != "context" or not context_codec.supports(_torch_dtype(entry["dtype"], where))):
+            raise CorruptData(f"patch header: {where} has mode 'context', not valid for encoding {encoding!r} "
+                              f"and dtype {entry['dtype']}")
         if not (256 <= tile <= 1 << 24 and tile & (tile - 1) == 0) or index_bytes not in (4, 8):
             raise CorruptData(f"patch header: {where} has tile {tile} / index_bytes {index_bytes} out of range")
         if mode == "empty":
@@ -561,8 +614,9 @@ class DecodedTensor:
     is_difference: bool
 
 
-def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes) -> DecodedTensor:
-    """Decode and validate one tensor's stream (after its checksum was verified)."""
+def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes, base: np.ndarray | None = None) -> DecodedTensor:
+    """Decode and validate one tensor's stream (after its checksum was verified). A
+    ``context`` stream decodes against ``base``, the unsigned bits it applies to."""
     name = entry["name"]
     width = torch.empty(0, dtype=_torch_dtype(entry["dtype"], name)).element_size()
     udt = _NP_UNSIGNED[width]
@@ -597,6 +651,14 @@ def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes) -> Decod
         if pos.size and (pos[0] < 0 or pos[-1] >= numel or not bool(np.all(pos[1:] > pos[:-1]))):
             raise bad("positions are not strictly ascending indices below numel")
         return DecodedTensor(name, pos, buf[changed * ib :].view(np.dtype(udt).newbyteorder("<")).astype(udt), False)
+    if mode == "context":
+        if base is None:
+            raise InvalidArgument(f"the context stream of {name!r} decodes only against the bits it applies to")
+        try:
+            pos, diff = _parse_context(entry, buf).decode(base)
+        except ValueError as exc:
+            raise bad(str(exc)) from None
+        return DecodedTensor(name, pos, diff, True)
     sp = _parse_sparse(entry, buf, width)
     pos = np.empty(changed, np.int64)
     diff = np.empty(changed, udt)
@@ -639,6 +701,13 @@ def _parse_sparse(entry: Mapping[str, Any], buf: np.ndarray, width: int) -> Spar
     cum, slot2sym = entropy.decoder_tables(freq[0])
     return SparseStream(buf, numel, tile, width, np.ascontiguousarray(ns[:, 0]), np.ascontiguousarray(ks[:, 0]), rice,
                         rans, esc, offs, freq[0], cum, slot2sym)
+
+
+def _parse_context(entry: Mapping[str, Any], buf: np.ndarray) -> context_codec.ContextStream:
+    try:
+        return context_codec.ContextStream(buf, entry["numel"], entry["tile"], entry["changed"])
+    except ValueError as exc:
+        raise _sparse_error(entry, str(exc)) from None
 
 
 def _raise_tile_errors(entry: Mapping[str, Any], errs: np.ndarray) -> None:
@@ -757,12 +826,17 @@ def _checked_target(tensors: Mapping[str, torch.Tensor], entry: Mapping[str, Any
     return target
 
 
-def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any], stream: memoryview) -> SparseStream | DecodedTensor:
+def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any],
+                 stream: memoryview) -> SparseStream | context_codec.ContextStream | DecodedTensor:
     """A checked stream, parsed (sparse into a CPU tensor: decoded while applied) or decoded."""
     if xxhash.xxh3_64_hexdigest(stream) != entry["xxh3_64"]:
         raise CorruptData(f"patch stream for tensor {entry['name']!r} fails its xxh3-64 check: corrupted in storage or transit")
     if entry["mode"] == "sparse" and target.device.type == "cpu":
         return _parse_sparse(entry, np.frombuffer(stream, dtype=np.uint8), target.element_size())
+    if entry["mode"] == "context" and target.device.type == "cpu":
+        return _parse_context(entry, np.frombuffer(stream, dtype=np.uint8))
+    if entry["mode"] == "context":  # decoded against the target's bits, copied off the GPU
+        return decode_stream(entry, stream, unsigned_np(bits_view(target.detach()).cpu()))
     return decode_stream(entry, stream)
 
 
@@ -775,11 +849,17 @@ def _applied_patch(header: Mapping[str, Any], entries: Sequence[Mapping[str, Any
     )
 
 
-def _write_step(applied: AppliedPatch, target: torch.Tensor, entry: Mapping[str, Any], step: SparseStream | DecodedTensor) -> None:
+def _write_step(applied: AppliedPatch, target: torch.Tensor, entry: Mapping[str, Any],
+                step: SparseStream | context_codec.ContextStream | DecodedTensor) -> None:
     """Write one tensor's step and record how to undo it."""
     if isinstance(step, SparseStream):
         _apply_sparse_(target, entry, step, 1)
         applied._undo.append(functools.partial(_apply_sparse_, target, entry, step, -1))
+    elif isinstance(step, context_codec.ContextStream):
+        try:
+            applied._undo.append(step.apply_(unsigned_np(bits_view(target))))
+        except ValueError as exc:
+            raise _sparse_error(entry, str(exc)) from None
     else:
         target_, pos, old = _apply_decoded(target, step)
         applied._undo.append(functools.partial(scatter_bits_, target_, pos, old))
@@ -800,11 +880,11 @@ def _apply_decoded(target: torch.Tensor, dec: DecodedTensor) -> tuple[torch.Tens
             old.copy_(tb[pos])
             triton_kernels.scatter_cuda_(tb, pos, vals)
         return target, pos, old
-    assert not dec.is_difference, "sparse streams apply to CPU tensors through _apply_sparse_"
     tu = unsigned_np(tb)
     old_np = np.empty(dec.positions.size, tu.dtype)
     entropy.gather(tu, dec.positions, old_np)
-    scatter_bits_(target, torch.from_numpy(dec.positions), _as_torch(dec.values, view))
+    new_np = old_np + dec.values if dec.is_difference else dec.values  # unsigned: wraps like the encoder's difference
+    scatter_bits_(target, torch.from_numpy(dec.positions), _as_torch(new_np, view))
     return target, torch.from_numpy(dec.positions), _as_torch(old_np, view)
 
 

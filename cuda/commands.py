@@ -12,6 +12,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         params: int = typer.Option(55_000_000, "--params", help="approximate fp32 parameters of the test model"),
         repeat: int = typer.Option(3, "--repeat", min=1, help="timed repetitions; the best is reported"),
         adam_steps: int = typer.Option(1, "--adam-steps", min=1, help="measure the transition of this AdamW step (1: the first)"),
+        encoding: str = typer.Option("default", "--encoding",
+                                     help="encoding measured: default, or context (16-bit floats coded by old magnitude)"),
         as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object on the last line"),
     ) -> None:
         """Patch size against the entropy bound and the int32+raw baseline, and CPU speed against a copy."""
@@ -19,7 +21,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         if format not in bc.FORMAT_KINDS:
             raise typer.BadParameter(f"choose one of {', '.join(bc.FORMAT_KINDS)}", param_hint="--format")
-        bc.main(format, params, repeat, as_json, adam_steps)
+        if encoding not in ("default", "context"):
+            raise typer.BadParameter("choose default or context", param_hint="--encoding")
+        bc.main(format, params, repeat, as_json, adam_steps, encoding)
 
     # `bench formats` lives with the projections it measures (weftboard.cuda.formats_bench).
     from weftboard.cuda.formats_bench import register as register_formats_bench

@@ -496,6 +496,68 @@ def _compact_tiles(ns, rice_len, n_esc, width, tile, rice_buf, rstride, sym_buf)
     return rice, syms, escs
 
 
+@nb.njit(inline="always", cache=True)
+def rans_symbol(buf, x, pa, aend, freq, cum, slot2sym):
+    """Decode one symbol from the rANS state ``x`` reading at ``buf[pa:aend]``: returns
+    ``(symbol, x, pa, err)``, ``err`` 6 when the stream runs out."""
+    slot = x & ((1 << SCALE_BITS) - 1)
+    s = slot2sym[slot]
+    x = freq[s] * (x >> SCALE_BITS) + slot - cum[s]
+    while x < RANS_L:
+        if pa >= aend:
+            return s, x, pa, 6
+        x = (x << 8) | np.int64(buf[pa])
+        pa += 1
+    return s, x, pa, 0
+
+
+@nb.njit(inline="always", cache=True)
+def rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile):
+    """Read one Rice(k) gap from the LSB-first reader ``(buf, p, rend, acc, nbits)``: returns
+    ``(gap, p, acc, nbits, err)``, ``err`` 1 when the bits run past ``rend`` and 2 for a
+    unary part longer than a tile. ``acc`` holds ``nbits`` <= 63 unread bits, the rest of it
+    is zero."""
+    if nbits < 32:
+        if p + 8 <= rend:  # whole bytes up to 63 bits, from one 8-byte little-endian read
+            take = (63 - nbits) >> 3
+            word = np.int64(load_u64le(buf, p))
+            acc |= (word & ((1 << (take << 3)) - 1)) << nbits
+            p += take
+            nbits += take << 3
+        else:
+            while nbits <= 55 and p < rend:
+                acc |= np.int64(buf[p]) << nbits
+                p += 1
+                nbits += 8
+    q = 0
+    while True:
+        ones = np.int64(cttz64(np.uint64(~acc)))  # <= nbits: acc is zero above nbits
+        if ones < nbits:
+            q += ones
+            acc >>= ones + 1
+            nbits -= ones + 1
+            break
+        q += nbits
+        acc = 0
+        nbits = 0
+        if p >= rend:
+            return 0, p, acc, nbits, 1
+        if q > tile:
+            return 0, p, acc, nbits, 2
+        while nbits <= 55 and p < rend:
+            acc |= np.int64(buf[p]) << nbits
+            p += 1
+            nbits += 8
+    if nbits < k:
+        while nbits <= 55 and p < rend:
+            acc |= np.int64(buf[p]) << nbits
+            p += 1
+            nbits += 8
+        if nbits < k:
+            return 0, p, acc, nbits, 1
+    return (q << k) | (acc & lowmask), p, acc >> k, nbits - k, 0
+
+
 def apply_tiles(buf, target, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, sign, limit):
     """Decode each tile and add (``sign`` 1) or subtract (-1) its differences in ``target``.
 
@@ -530,7 +592,6 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
     for t in range(ntiles):
         starts[t + 1] = starts[t] + ns[t]
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
-    smask = (1 << SCALE_BITS) - 1
     sym2diff = np.zeros(NSYM, np.uint64)
     for s in range(ESC):
         mag = np.uint64(s // 2 + 1)
@@ -571,16 +632,7 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
         lowmask = (1 << k) - 1
         applied = 0
         for i in range(lim):
-            # --- symbol (rANS)
-            slot = x & smask
-            s = slot2sym[slot]
-            x = freq[s] * (x >> SCALE_BITS) + slot - cum[s]
-            while x < RANS_L:
-                if pa >= aend:
-                    err = 6
-                    break
-                x = (x << 8) | np.int64(buf[pa])
-                pa += 1
+            s, x, pa, err = rans_symbol(buf, x, pa, aend, freq, cum, slot2sym)
             if err:
                 break
             if s == ESC:
@@ -596,50 +648,10 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
                     d = (np.uint64(0) - d) & mask
             else:
                 d = sym2diff[s]
-            # --- gap (Rice): acc holds nbits <= 63 unread bits, the rest of acc is zero
-            if nbits < 32:
-                if p + 8 <= rend:  # whole bytes up to 63 bits, from one 8-byte little-endian read
-                    take = (63 - nbits) >> 3
-                    word = np.int64(load_u64le(buf, p))
-                    acc |= (word & ((1 << (take << 3)) - 1)) << nbits
-                    p += take
-                    nbits += take << 3
-                else:
-                    while nbits <= 55 and p < rend:
-                        acc |= np.int64(buf[p]) << nbits
-                        p += 1
-                        nbits += 8
-            q = 0
-            while True:
-                ones = np.int64(cttz64(np.uint64(~acc)))  # <= nbits: acc is zero above nbits
-                if ones < nbits:
-                    q += ones
-                    acc >>= ones + 1
-                    nbits -= ones + 1
-                    break
-                q += nbits
-                acc = 0
-                nbits = 0
-                if q > tile or p >= rend:
-                    err = 1 if p >= rend else 2
-                    break
-                while nbits <= 55 and p < rend:
-                    acc |= np.int64(buf[p]) << nbits
-                    p += 1
-                    nbits += 8
+            g, p, acc, nbits, err = rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile)
             if err:
                 break
-            if nbits < k:
-                while nbits <= 55 and p < rend:
-                    acc |= np.int64(buf[p]) << nbits
-                    p += 1
-                    nbits += 8
-                if nbits < k:
-                    err = 1
-                    break
-            cur = prev + 1 + ((q << k) | (acc & lowmask))
-            acc >>= k
-            nbits -= k
+            cur = prev + 1 + g
             if cur >= tile_end:
                 err = 2
                 break

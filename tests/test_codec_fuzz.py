@@ -1,13 +1,15 @@
 """Property-based fuzzing (hypothesis) of every decoder and of the encoder.
 
 Properties:
-- any (old, new) pair of any dtype round-trips bit for bit, in both encodings;
+- any (old, new) pair of any dtype round-trips bit for bit, in every encoding;
 - a mutated or truncated patch either raises CorruptData or applies to exactly the intended
   result (a mutation can only be harmless, e.g. in JSON padding), and never crashes or hangs;
 - each stream decoder, fed mutated streams with the checksums bypassed, raises CorruptData or
   returns well-formed output (ascending positions below numel, the declared count);
 - the fused decode+apply kernel refuses exactly what the two-step decoder refuses, undoing its
-  writes, and otherwise writes exactly the two-step decoder's result.
+  writes, and otherwise writes exactly the two-step decoder's result;
+- the context decoder, fed mutated streams, raises CorruptData having written nothing, or
+  decodes the declared number of distinct in-range positions and applies exactly them.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def tensor_pairs(draw):
 
 
 @FUZZ
-@given(pair=tensor_pairs(), encoding=st.sampled_from(["default", "baseline"]))
+@given(pair=tensor_pairs(), encoding=st.sampled_from(["default", "baseline", "context"]))
 def test_any_pair_round_trips(pair, encoding) -> None:
     old, new = pair
     patch = encode_patch([("t", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding=encoding)
@@ -87,7 +89,7 @@ def _sample_patch(encoding: str):
     return patch, {n: o for n, o, _ in pairs}, {n: w for n, _, w in pairs}
 
 
-PATCHES = {enc: _sample_patch(enc) for enc in ("default", "baseline")}
+PATCHES = {enc: _sample_patch(enc) for enc in ("default", "baseline", "context")}
 
 
 @st.composite
@@ -110,7 +112,7 @@ def _mutate(data: bytes, m) -> bytes:
 
 
 @FUZZ
-@given(encoding=st.sampled_from(["default", "baseline"]), m=st.data())
+@given(encoding=st.sampled_from(["default", "baseline", "context"]), m=st.data())
 def test_mutated_patch_is_rejected_or_harmless(encoding, m) -> None:
     patch, olds, news = PATCHES[encoding]
     mutation = m.draw(mutations(len(patch.data)))
@@ -255,3 +257,52 @@ def test_fused_apply_agrees_with_the_two_step_decoder_or_undoes_itself(i, m, see
     diff = torch.from_numpy(dec.values.astype(np.int64) if width < 8 else dec.values.view(np.int64))
     eb[pos] = (eb[pos].to(torch.int64) + diff).to(eb.dtype)
     assert torch.equal(bits_view(target), eb)
+
+
+def _context_case():
+    gen = torch.Generator().manual_seed(3)
+    master = torch.randn(150_000, generator=gen) * 0.02
+    old = master.to(torch.bfloat16)
+    new = (master + 2e-4 * torch.randn(150_000, generator=gen)).to(torch.bfloat16)
+    bits_view(new)[:40] ^= 0x4321  # some escapes
+    patch = encode_patch([("x", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding="context")
+    (entry, stream), = _entries_and_streams(patch.data)
+    assert entry["mode"] == "context"
+    return entry, stream, old
+
+
+CONTEXT = _context_case()
+
+
+@FUZZ
+@given(m=st.data())
+def test_context_decoder_rejects_or_stays_well_formed(m) -> None:
+    entry, stream, old = CONTEXT
+    for _ in range(m.draw(st.integers(1, 3))):
+        if not stream:
+            break
+        stream = _mutate(stream, m.draw(mutations(len(stream))))
+    base = bits_view(old).numpy().view(np.uint16)
+    dec = None
+    try:
+        dec = decode_stream(entry, stream, base)
+    except CorruptData as exc:
+        assert str(exc)
+    else:
+        pos = dec.positions
+        assert pos.size == entry["changed"] == dec.values.size
+        assert np.unique(pos).size == pos.size and (pos.size == 0 or (pos.min() >= 0 and pos.max() < entry["numel"]))
+    target = old.clone()
+    try:
+        step = codec._parse_context(entry, np.frombuffer(stream, np.uint8))
+        undo = step.apply_(bits_view(target).numpy().view(np.uint16))
+    except (CorruptData, ValueError):
+        assert dec is None, "the in-place apply refused what the decoder accepted"
+        assert torch.equal(bits_view(target), bits_view(old)), "a refused context stream wrote"
+        return
+    assert dec is not None, "the in-place apply accepted what the decoder refused"
+    expected = base.copy()
+    expected[dec.positions] += dec.values
+    assert np.array_equal(bits_view(target).numpy().view(np.uint16), expected)
+    undo()
+    assert torch.equal(bits_view(target), bits_view(old))

@@ -1,0 +1,446 @@
+"""Context-coded patch streams (mode ``context``) for 16-bit floats (bf16, fp16).
+
+Why: an optimizer step moves every weight by about the same absolute amount, while the
+served format's rounding step grows with the weight's magnitude, so small weights change far
+more often than large ones (on the sync bench's model, about twice as often per halving of
+magnitude). The decoder holds the old bits anyway, so it can group elements by their old
+magnitude at no cost in bytes; coding change positions within each group, with the group's own
+Rice parameter and value table, spends about 4.3 bits per change on positions instead of 6.0
+at the bench's 4% density (i.i.d. positions cannot do better than 6.0: the "entropy bound" of
+``bench codec`` assumes no context).
+
+Layout, after the ``sparse`` stream's conventions (``weftboard.cuda.entropy``: varints, tables,
+Rice and rANS coders, escapes)::
+
+    classes    varint nthr (1 .. MAX_THRESHOLDS), nthr strictly ascending varint thresholds in
+               1 .. 0x7FFF; element x is in class c = #{j : (old_x & 0x7FFF) >= t_j}
+    tables     one frequency table per class (nthr + 1 of them), class 0 first; a class
+               without changes may have an empty table (nsym 0)
+    directory  per tile: one varint n_c per class; if any is > 0: u8 k_c for each class with
+               n_c > 0, then varint rice_len, varint rans_len, varint n_esc
+    payloads   per tile with changes: rice_len | rans_len | n_esc * 2 bytes
+
+Within a tile, the changes of class c are numbered among the tile's class-c elements in
+position order; the gaps between successive numbers (the first from -1) are Rice(k_c) coded.
+Classes follow one another (class 0 first) in one Rice bit stream per tile; their symbols come
+in the same order in one rANS stream, each coded with its class's table, and escapes likewise.
+
+Invariants:
+- A class is a function of the old bits alone, and the decoder computes a whole tile's classes
+  before it decodes any change of the tile, so (position, difference) pairs come out right
+  even when applying them changes an element's class. Reverting needs those pairs (the new
+  bits alone do not give the old classes back), which is why this mode decodes to arrays.
+- Decoded positions are unique and grouped by class inside a tile, not ascending.
+- Every read is bounds-checked; errors are ``entropy.ERRORS`` codes per tile, as in ``sparse``.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+import torch
+
+from weftboard.cuda import entropy, tile_codec
+from weftboard.cuda.bitops import ctlz64, ctpop64, cttz64, mag_ge_mask64
+from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM, RANS_L
+
+MAX_THRESHOLDS = 7
+CLASSES = 5  # the encoder's choice: 4.31 position bits per change on the bench model (4.42 with 4, 4.27 with 6)
+_EXPONENT = {torch.bfloat16: (7, 0xFF), torch.float16: (10, 0x1F)}  # shift and mask of the exponent field
+_ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` can be context coded (16-bit floats: magnitude is monotone
+    in the bits below the sign)."""
+    return dtype in _EXPONENT
+
+
+def choose_thresholds(old: np.ndarray, dtype: torch.dtype, classes: int = CLASSES) -> np.ndarray:
+    """Class bounds for a tensor from a strided sample of its old bits (4096 elements):
+    ``classes - 1`` consecutive binades ending one below the median exponent, so the top class
+    holds the large weights that rarely change and each smaller binade gets its own class.
+    Empty when the tensor has no spread to use (all zeros, subnormals)."""
+    shift, emask = _EXPONENT[dtype]
+    sample = old[:: max(1, old.size // 4096)]
+    if sample.size == 0:
+        return np.empty(0, np.int64)
+    med = int(np.median((sample.astype(np.int64) >> shift) & emask))
+    exps = [e for e in range(med - classes + 1, med) if e >= 1]
+    return np.array([e << shift for e in exps], np.int64)
+
+
+@nb.njit(inline="always", cache=True)
+def _ge_elems(a, bs, e, t):
+    m = np.uint64(0)
+    for j in range(e - bs):
+        if (np.int64(a[bs + j]) & 0x7FFF) >= t:
+            m |= np.uint64(1) << np.uint64(j)
+    return m
+
+
+@nb.njit(inline="always", cache=True)
+def _class_masks(a, bs, e, thr, cls, bi):
+    """``cls[c, bi]``: which of elements ``bs .. min(bs + 64, e) - 1`` are in class ``c``."""
+    full = bs + 64 <= e
+    upper = _ALL if full else (np.uint64(1) << np.uint64(e - bs)) - np.uint64(1)  # classes >= c
+    for c in range(thr.size):
+        ge = mag_ge_mask64(a, bs, thr[c]) if full else _ge_elems(a, bs, e, thr[c])
+        cls[c, bi] = upper & ~ge
+        upper = ge
+    cls[thr.size, bi] = upper
+
+
+@nb.njit(inline="always", cache=True)
+def _select(m, g):
+    """Index of the set bit of ``m`` with ``g`` set bits below it (``g < popcount(m)``)."""
+    base = np.uint64(0)
+    pc = np.int64(ctpop64(m & np.uint64(0xFFFFFFFF)))
+    if g >= pc:
+        g -= pc
+        base = np.uint64(32)
+    pc = np.int64(ctpop64((m >> base) & np.uint64(0xFFFF)))
+    if g >= pc:
+        g -= pc
+        base += np.uint64(16)
+    pc = np.int64(ctpop64((m >> base) & np.uint64(0xFF)))
+    if g >= pc:
+        g -= pc
+        base += np.uint64(8)
+    r = m >> base
+    for _ in range(g):
+        r &= r - np.uint64(1)
+    return np.int64(base + cttz64(r))
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf):
+    """Per tile: change and class masks, then each class's Rice-coded gaps, symbols and escapes
+    (the scratch layout of ``tile_codec.scan_encode_tiles``; a tile that does not fit sets
+    ``over``)."""
+    numel = a.size
+    nclasses = thr.size + 1
+    ntiles = (numel + tile - 1) // tile
+    ns = np.zeros((ntiles, nclasses), np.int64)
+    ks = np.zeros((ntiles, nclasses), np.int64)
+    rice_len = np.zeros(ntiles, np.int64)
+    n_esc = np.zeros(ntiles, np.int64)
+    over = np.zeros(ntiles, np.int64)
+    hist = np.zeros((ntiles, nclasses, NSYM), np.int64)
+    mask = np.uint64(0xFFFF)
+    wbits = np.uint64(15)
+    for t in nb.prange(ntiles):
+        s = t * tile
+        e = min(s + tile, numel)
+        nblocks = (e - s + 63) // 64
+        masks = np.empty(nblocks, np.uint64)
+        cls = np.empty((nclasses, nblocks), np.uint64)
+        members = np.zeros(nclasses, np.int64)
+        lastidx = np.zeros(nclasses, np.int64)
+        total = 0
+        for bi in range(nblocks):
+            bs = s + 64 * bi
+            m = tile_codec.block_mask(a, b, bs, e)
+            masks[bi] = m
+            _class_masks(a, bs, e, thr, cls, bi)
+            for c in range(nclasses):
+                cm = cls[c, bi]
+                ch = m & cm
+                if ch != 0:
+                    ns[t, c] += np.int64(ctpop64(ch))
+                    upto = _ALL >> ctlz64(ch)  # bits up to the class's last change here
+                    lastidx[c] = members[c] + np.int64(ctpop64(cm & upto)) - 1
+                members[c] += np.int64(ctpop64(cm))
+            total += np.int64(ctpop64(m))
+        if total == 0:
+            continue
+        for c in range(nclasses):
+            if ns[t, c]:
+                ks[t, c] = tile_codec.rice_k(lastidx[c] + 1 - ns[t, c], ns[t, c])
+        p0 = t * rstride
+        p = p0
+        pend = p0 + rstride - 16
+        sb = 2 * t * tile
+        eb = sb + tile
+        eend = sb + 2 * tile
+        acc = 0
+        nbits = 0
+        j = 0
+        ne = 0
+        bad = False
+        for c in range(nclasses):
+            if ns[t, c] == 0:
+                continue
+            k = ks[t, c]
+            lowmask = (1 << k) - 1
+            h = hist[t, c]
+            count = 0
+            last = -1
+            for bi in range(nblocks):
+                cm = cls[c, bi]
+                mm = masks[bi] & cm
+                while mm != 0:
+                    bit = cttz64(mm)
+                    mm &= mm - np.uint64(1)
+                    idx = count + np.int64(ctpop64(cm & ((np.uint64(1) << bit) - np.uint64(1))))
+                    g = idx - last - 1
+                    last = idx
+                    if p + (((g >> k) + k) >> 3) + 8 > pend:
+                        bad = True
+                        break
+                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g, k, lowmask)
+                    i = s + 64 * bi + np.int64(bit)
+                    d = (np.uint64(b[i]) - np.uint64(a[i])) & mask
+                    sym = entropy.symbol(d, mask, wbits)
+                    sym_buf[sb + j] = sym
+                    j += 1
+                    h[sym] += 1
+                    if sym == ESC:
+                        q = eb + 2 * ne
+                        if q + 2 > eend:
+                            bad = True
+                            break
+                        sym_buf[q] = np.uint8(d & np.uint64(0xFF))
+                        sym_buf[q + 1] = np.uint8(d >> np.uint64(8))
+                        ne += 1
+                if bad:
+                    break
+                count += np.int64(ctpop64(cm))
+            if bad:
+                break
+        if bad:
+            over[t] = 1
+            continue
+        while nbits > 0:
+            rice_buf[p] = acc & 0xFF
+            p += 1
+            acc >>= 8
+            nbits -= 8
+        rice_len[t] = p - p0
+        n_esc[t] = ne
+    return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
+
+
+def _check_thresholds(thr: np.ndarray) -> None:
+    if not 1 <= thr.size <= MAX_THRESHOLDS or thr[0] < 1 or thr[-1] > 0x7FFF or np.any(thr[1:] <= thr[:-1]):
+        raise ValueError(f"context thresholds must be 1 to {MAX_THRESHOLDS} strictly ascending values in "
+                         f"1..0x7FFF, got {thr.tolist()}")
+
+
+def encode_context(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, tile: int) -> tuple[int, np.ndarray | None]:
+    """(number of changed elements, the ``context`` stream) of two uint16 views of one 16-bit
+    float tensor, in one read of both. The stream is None when nothing changed or a tile did
+    not fit its scratch (a pathologically dense tile): the caller picks another mode."""
+    thr = np.ascontiguousarray(thresholds, dtype=np.int64)
+    _check_thresholds(thr)
+    if old.dtype != np.uint16 or new.dtype != np.uint16 or old.size != new.size:
+        raise ValueError(f"context coding needs two uint16 arrays of one size, got {old.dtype}/{old.size} and "
+                         f"{new.dtype}/{new.size}")
+    if not (old.flags.c_contiguous and new.flags.c_contiguous):
+        raise ValueError("old and new must be C-contiguous (flat views of contiguous tensors)")
+    if tile % 64:
+        raise ValueError("tile must be a multiple of 64")
+    ntiles = (old.size + tile - 1) // tile
+    rstride = tile + tile_codec._RICE_SLACK
+    rice_buf = tile_codec._scratch(ntiles * rstride)
+    sym_buf = tile_codec._scratch(ntiles * 2 * tile)
+    ns, ks, rice_len, n_esc, counts, over = _scan_encode(old, new, thr, tile, rice_buf, rstride, sym_buf)
+    total = int(ns.sum())
+    if total == 0 or over.any():
+        return total, None
+    prefix = np.empty(10 * (thr.size + 1), np.uint8)
+    p = entropy._write_varint(prefix, 0, thr.size)
+    for t in thr:
+        p = entropy._write_varint(prefix, p, int(t))
+    tiles = np.arange(ntiles, dtype=np.int64)
+    return total, tile_codec._rans_and_assemble(ns, ks, rice_len, n_esc, counts, 2, rice_buf, rstride * tiles, sym_buf,
+                                                2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, prefix[:p])
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, out_pos, out_diff, write):
+    """Each tile's changes into ``out_pos``/``out_diff`` at the prefix sums of its change
+    counts, classes from ``old``, which ``write`` also patches in place (each tile's classes
+    are taken before its first write); (an ``entropy.ERRORS`` code per tile, changes written
+    per tile)."""
+    ntiles, nclasses = ns.shape
+    errs = np.zeros(ntiles, np.int64)
+    done = np.zeros(ntiles, np.int64)
+    totals = ns.sum(axis=1)
+    starts = np.zeros(ntiles + 1, np.int64)
+    for t in range(ntiles):
+        starts[t + 1] = starts[t] + totals[t]
+    sym2diff = np.zeros(NSYM, np.uint16)
+    for s in range(ESC):
+        mag = s // 2 + 1
+        sym2diff[s] = (65536 - mag) if s & 1 else mag
+    for t in nb.prange(ntiles):
+        if totals[t] == 0:
+            continue
+        err = 0
+        for c in range(nclasses):
+            if ns[t, c] and ks[t, c] > MAX_K:
+                err = 9
+        if err:
+            errs[t] = err
+            continue
+        tile_start = t * tile
+        tile_end = min(tile_start + tile, numel)
+        nblocks = (tile_end - tile_start + 63) // 64
+        cls = np.empty((nclasses, nblocks), np.uint64)
+        for bi in range(nblocks):
+            _class_masks(old, tile_start + 64 * bi, tile_end, thr, cls, bi)
+        p = offs[t]
+        rend = p + rice[t]
+        pa = rend
+        aend = pa + rans[t]
+        if aend - pa < 4:
+            errs[t] = 4
+            continue
+        x = np.int64(buf[pa]) | (np.int64(buf[pa + 1]) << 8) | (np.int64(buf[pa + 2]) << 16) | (np.int64(buf[pa + 3]) << 24)
+        pa += 4
+        if x < RANS_L or x >= (RANS_L << 8):
+            errs[t] = 5
+            continue
+        e = aend
+        eend = aend + esc[t] * 2
+        n_esc = 0
+        acc = 0
+        nbits = 0
+        o = starts[t]
+        for c in range(nclasses):
+            k = ks[t, c]
+            lowmask = (1 << k) - 1
+            bi = 0
+            cm = cls[c, 0]
+            for _ in range(ns[t, c]):
+                s, x, pa, err = tile_codec.rans_symbol(buf, x, pa, aend, freq[c], cum[c], slot2sym[c])
+                if err:
+                    break
+                if s == ESC:
+                    n_esc += 1
+                    if e + 2 > eend:
+                        err = 8
+                        break
+                    d = np.uint16(np.int64(buf[e]) | (np.int64(buf[e + 1]) << 8))
+                    e += 2
+                else:
+                    d = sym2diff[s]
+                g, p, acc, nbits, err = tile_codec.rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile)
+                if err:
+                    break
+                while True:  # skip g class members, then take the next one
+                    pc = np.int64(ctpop64(cm))
+                    if g < pc:
+                        break
+                    g -= pc
+                    bi += 1
+                    if bi >= nblocks:
+                        err = 2
+                        break
+                    cm = cls[c, bi]
+                if err:
+                    break
+                bit = _select(cm, g)
+                cm &= (_ALL << np.uint64(bit)) << np.uint64(1)  # members after this one
+                i = tile_start + 64 * bi + bit
+                out_pos[o] = i
+                out_diff[o] = d
+                if write:
+                    old[i] = old[i] + d
+                o += 1
+            if err:
+                break
+        if err == 0:
+            if p != rend or nbits >= 8 or acc != 0:
+                err = 3
+            elif pa != aend or x != RANS_L:
+                err = 7
+            elif n_esc != esc[t]:
+                err = 8
+        errs[t] = err
+        done[t] = o - starts[t]
+    return errs, done
+
+
+@nb.njit(parallel=True, cache=True, nogil=True)
+def _unapply(target, pos, diff, ns, done):
+    """Subtract the first ``done[t]`` differences of each tile (laid out as ``_decode`` wrote
+    them) from ``target``."""
+    ntiles = ns.shape[0]
+    starts = np.zeros(ntiles + 1, np.int64)
+    for t in range(ntiles):
+        starts[t + 1] = starts[t] + ns[t].sum()
+    for t in nb.prange(ntiles):
+        for o in range(starts[t], starts[t] + done[t]):
+            target[pos[o]] = target[pos[o]] - diff[o]
+
+
+class ContextStream:
+    """A ``context`` stream whose classes, tables and directory were parsed and checked."""
+
+    def __init__(self, buf: np.ndarray, numel: int, tile: int, changed: int) -> None:
+        nthr, p = entropy._varint(buf, 0, buf.size)
+        if not 1 <= nthr <= MAX_THRESHOLDS:
+            raise ValueError("the class thresholds are truncated or malformed")
+        thr = np.zeros(nthr, np.int64)
+        for j in range(nthr):
+            thr[j], p = entropy._varint(buf, p, buf.size)
+            if p < 0:
+                raise ValueError("the class thresholds are truncated or malformed")
+        try:
+            _check_thresholds(thr)
+        except ValueError as exc:
+            raise ValueError(f"bad class thresholds: {exc}") from None
+        if (numel + tile - 1) // tile > buf.size - p:  # every tile has at least one directory byte
+            raise ValueError(f"{buf.size} bytes cannot hold the directory of {numel} elements in tiles of {tile}")
+        err, freq, ns, ks, rice, rans, esc, offs = entropy.parse_table_and_directory(buf, p, nthr + 1, numel, tile, 2,
+                                                                                      changed)
+        if err:
+            raise ValueError(entropy.DIR_ERRORS.get(int(err), f"directory error {err}"))
+        tables = [entropy.decoder_tables(f) for f in freq]
+        self.buf, self.numel, self.tile, self.changed, self.thr = buf, numel, tile, changed, thr
+        self.ns, self.ks, self.rice, self.rans, self.esc, self.offs, self.freq = ns, ks, rice, rans, esc, offs, freq
+        self.cum = np.stack([c for c, _ in tables])
+        self.slot2sym = np.stack([s for _, s in tables])
+
+    def decode(self, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, differences as uint16) against ``old``, the uint16 bits the stream
+        applies to; raises ValueError naming the first bad tile."""
+        return self._run(old, False)
+
+    def apply_(self, target: np.ndarray) -> "ContextUndo":
+        """Patch the uint16 bits ``target`` in place; what it takes to undo it. On a bad tile
+        every write is undone before ValueError is raised."""
+        return ContextUndo(target, *self._run(target, True))
+
+    def _run(self, old: np.ndarray, write: bool) -> tuple[np.ndarray, np.ndarray]:
+        if old.dtype != np.uint16 or old.size != self.numel or not old.flags.c_contiguous:
+            raise ValueError(f"context streams decode against the {self.numel} old uint16 bits they apply to, got "
+                             f"{old.dtype}/{old.size}")
+        pos = np.empty(self.changed, np.int64)
+        diff = np.empty(self.changed, np.uint16)
+        errs, done = _decode(self.buf, old, self.numel, self.tile, self.thr, self.ns, self.ks, self.rice, self.rans,
+                             self.esc, self.offs, self.freq, self.cum, self.slot2sym, pos, diff, write)
+        bad = np.flatnonzero(errs)
+        if bad.size:
+            if write:
+                _unapply(old, pos, diff, self.ns, done)
+            t = int(bad[0])
+            raise ValueError(f"tile {t} ({bad.size} bad tiles): {entropy.ERRORS.get(int(errs[t]), 'unknown error')}")
+        return pos, diff
+
+
+class ContextUndo:
+    """The (position, difference) pairs one ``apply_`` wrote: the new bits alone do not give
+    the old classes back, so this is how a context stream is taken out again."""
+
+    def __init__(self, target: np.ndarray, pos: np.ndarray, diff: np.ndarray) -> None:
+        self.target, self.pos, self.diff = target, pos, diff
+
+    def __call__(self) -> None:
+        ns = np.array([[self.pos.size]], np.int64)
+        _unapply(self.target, self.pos, self.diff, ns, ns[:, 0])
+
+
+assert MAX_DELTA < 0x8000  # sym2diff above writes magnitudes as uint16 two's complement
