@@ -91,26 +91,29 @@ def _class_masks(a, bs, e, thr, cls, bi):
     cls[thr.size, bi] = upper
 
 
+def _select_in_byte_table() -> np.ndarray:
+    table = np.zeros((256, 8), np.uint8)
+    for byte in range(256):
+        ones = [j for j in range(8) if byte >> j & 1]
+        table[byte, : len(ones)] = ones
+    return table
+
+
+_SELECT_IN_BYTE = _select_in_byte_table()  # [byte, g]: index of the bit with g set bits below it
+
+
 @nb.njit(inline="always", cache=True)
 def _select(m, g):
-    """Index of the set bit of ``m`` with ``g`` set bits below it (``g < popcount(m)``)."""
+    """Index of the set bit of ``m`` with ``g`` set bits below it (``g < popcount(m)``).
+    Halves the word without branches (which half holds the bit is a coin flip for the
+    predictor), then looks the bit up in its byte."""
     base = np.uint64(0)
-    pc = np.int64(ctpop64(m & np.uint64(0xFFFFFFFF)))
-    if g >= pc:
-        g -= pc
-        base = np.uint64(32)
-    pc = np.int64(ctpop64((m >> base) & np.uint64(0xFFFF)))
-    if g >= pc:
-        g -= pc
-        base += np.uint64(16)
-    pc = np.int64(ctpop64((m >> base) & np.uint64(0xFF)))
-    if g >= pc:
-        g -= pc
-        base += np.uint64(8)
-    r = m >> base
-    for _ in range(g):
-        r &= r - np.uint64(1)
-    return np.int64(base + cttz64(r))
+    for w in (32, 16, 8):
+        pc = np.int64(ctpop64((m >> base) & np.uint64((1 << w) - 1)))
+        up = np.int64(g >= pc)
+        g -= pc * up
+        base += np.uint64(w * up)
+    return np.int64(base) + np.int64(_SELECT_IN_BYTE[np.int64((m >> base) & np.uint64(0xFF)), g])
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
@@ -313,8 +316,9 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
             lowmask = (1 << k) - 1
             bi = 0
             cm = cls[c, 0]
+            fc, cu, s2s = freq[c], cum[c], slot2sym[c]
             for _ in range(ns[t, c]):
-                s, x, pa, err = tile_codec.rans_symbol(buf, x, pa, aend, freq[c], cum[c], slot2sym[c])
+                s, x, pa, err = tile_codec.rans_symbol(buf, x, pa, aend, fc, cu, s2s)
                 if err:
                     break
                 if s == ESC:
