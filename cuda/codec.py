@@ -200,6 +200,9 @@ class EncodedTensor:
     mode: str
     stream: np.ndarray  # uint8
     index_bytes: int = 4
+    # ``context`` streams made while folding (the publisher's scan): the changes whose class
+    # the fold changed, as (positions, old bits), which decoding against the folded view needs.
+    fixups: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
 
 def _encode_delta(name: str, delta: TensorDelta, encoding: str, target: torch.Tensor | None = None) -> EncodedTensor:
@@ -265,36 +268,61 @@ def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor) -> Encod
     return EncodedTensor(name, old.dtype, numel, changed, "sparse", stream)
 
 
-def encoded_from_scans(name: str, dtype: torch.dtype, numel: int, scans: Sequence[tile_codec.TileScan]) -> EncodedTensor | None:
-    """The default encoding of a tensor that was scanned piece by piece (``tile_codec.scan_tiles``
-    as it was read), or None when its mode is not ``empty`` or ``sparse`` (every element
+Scans = Sequence[tile_codec.TileScan] | context_codec.ContextScans
+
+
+def scans_changed(scans: Scans) -> int:
+    """Changes a tensor's scans found (``sparse`` tile scans or context scans)."""
+    return scans.changed if isinstance(scans, context_codec.ContextScans) else sum(s.changed for s in scans)
+
+
+def _finish_scans(name: str, dtype: torch.dtype, numel: int, scans: Scans) -> EncodedTensor:
+    """The ``sparse`` stream of tile scans, or the ``context`` stream of context scans; at
+    least one change."""
+    changed = scans_changed(scans)
+    if isinstance(scans, context_codec.ContextScans):
+        stream, fix_pos, fix_old = context_codec.finish_context(scans)
+        return EncodedTensor(name, dtype, numel, changed, "context", stream, fixups=(fix_pos, fix_old))
+    width = torch.empty(0, dtype=dtype).element_size()
+    return EncodedTensor(name, dtype, numel, changed, "sparse", tile_codec.finish_sparse(scans, width))
+
+
+def encoded_from_scans(name: str, dtype: torch.dtype, numel: int, scans: Scans) -> EncodedTensor | None:
+    """The stream of a tensor that was scanned piece by piece as it was read (``tile_codec.scan_tiles``,
+    or ``context_codec.scan_tiles``), or None when that mode does not fit (every element
     changed, or a bitmap is smaller): the caller then recovers the delta
     (``delta_from_scans``) and takes the two-step path, which picks the mode itself."""
-    changed = sum(s.changed for s in scans)
+    changed = scans_changed(scans)
     if changed == 0:
         return EncodedTensor(name, dtype, numel, 0, "empty", np.empty(0, np.uint8))
     if changed == numel:
         return None
-    width = torch.empty(0, dtype=dtype).element_size()
-    stream = tile_codec.finish_sparse(scans, width)
-    if stream.size > _bitmap_bytes(numel, changed, width):
+    encoded = _finish_scans(name, dtype, numel, scans)
+    if encoded.stream.size > _bitmap_bytes(numel, changed, torch.empty(0, dtype=dtype).element_size()):
         return None
-    return EncodedTensor(name, dtype, numel, changed, "sparse", stream)
+    return encoded
 
 
 def delta_from_encoded(encoded: EncodedTensor, target: torch.Tensor) -> TensorDelta:
     """The delta of an ``empty`` or ``sparse`` stream, given the tensor it leads to (its old
     bits are the target's minus the stream's differences): what a publisher that kept streams
     instead of deltas needs to merge a version into the next one."""
-    if encoded.mode not in ("empty", "sparse"):
-        raise InvalidArgument(f"only empty and sparse streams carry their old bits, not {encoded.mode!r}")
+    if encoded.mode not in ("empty", "sparse", "context") or (encoded.mode == "context" and encoded.fixups is None):
+        raise InvalidArgument(f"only empty, sparse and folded context streams carry their old bits, not {encoded.mode!r}")
     bits = bits_view(target.detach())
     if bits.numel() != encoded.numel or target.dtype != encoded.dtype:
         raise InvalidArgument(f"stream of {encoded.numel} {encoded.dtype} does not fit a tensor of "
                               f"{bits.numel()} {target.dtype}")
     entry = {"name": encoded.name, "dtype": dtype_name(encoded.dtype), "numel": encoded.numel,
              "changed": encoded.changed, "mode": encoded.mode, "tile": CODEC_TILE}
-    dec = decode_stream(entry, encoded.stream)
+    if encoded.mode == "context":
+        assert encoded.fixups is not None
+        folded = unsigned_np(bits.cpu()).reshape(-1)
+        pos, diff = context_codec.decode_folded(_parse_context(entry, encoded.stream), folded, *encoded.fixups)
+        order = np.argsort(pos)  # a delta's positions ascend; a context stream's come class by class
+        dec = DecodedTensor(encoded.name, pos[order], diff[order], True)
+    else:
+        dec = decode_stream(entry, encoded.stream)
     pos = torch.from_numpy(dec.positions)
     new = bits[pos] if bits.device.type == "cpu" else bits[pos.to(bits.device)].cpu()
     new_np = unsigned_np(new)
@@ -303,15 +331,13 @@ def delta_from_encoded(encoded: EncodedTensor, target: torch.Tensor) -> TensorDe
                        numel=encoded.numel, dtype=encoded.dtype)
 
 
-def delta_from_scans(scans: Sequence[tile_codec.TileScan], target: torch.Tensor) -> TensorDelta:
+def delta_from_scans(scans: Scans, target: torch.Tensor) -> TensorDelta:
     """The delta of a tensor scanned piece by piece, given the tensor it leads to."""
     numel = target.numel()
-    changed = sum(s.changed for s in scans)
-    if changed == 0:
+    if scans_changed(scans) == 0:
         enc = EncodedTensor("scanned", target.dtype, numel, 0, "empty", np.empty(0, np.uint8))
     else:
-        width = target.element_size()
-        enc = EncodedTensor("scanned", target.dtype, numel, changed, "sparse", tile_codec.finish_sparse(scans, width))
+        enc = _finish_scans("scanned", target.dtype, numel, scans)
     return delta_from_encoded(enc, target)
 
 

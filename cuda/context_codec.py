@@ -36,12 +36,14 @@ Invariants:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numba as nb
 import numpy as np
 import torch
 
 from weftboard.cuda import entropy, tile_codec
-from weftboard.cuda.bitops import ctlz64, ctpop64, cttz64, mag_ge_mask64
+from weftboard.cuda.bitops import cast_ne_mask64, cast_special64, ctlz64, ctpop64, cttz64, mag_ge_mask64
 from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM, RANS_L
 
 MAX_THRESHOLDS = 7
@@ -116,11 +118,24 @@ def _select(m, g):
     return np.int64(base) + np.int64(_SELECT_IN_BYTE[np.int64((m >> base) & np.uint64(0xFF)), g])
 
 
+@nb.njit(inline="always", cache=True)
+def _class_of(x, thr):
+    c = 0
+    for j in range(thr.size):
+        c += np.int64((np.int64(x) & 0x7FFF) >= thr[j])
+    return c
+
+
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf):
+def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast, fix_buf, fstride):
     """Per tile: change and class masks, then each class's Rice-coded gaps, symbols and escapes
-    (the scratch layout of ``tile_codec.scan_encode_tiles``; a tile that does not fit sets
-    ``over``)."""
+    (the scratch layout of ``tile_codec.scan_encode_tiles``, whose ``update`` and ``cast`` this
+    shares). A tile that does not fit, or (``cast``) holds a NaN or subnormal master value,
+    sets ``over`` and is left as it was.
+
+    ``update`` also records each folded change whose class the fold changed (its offset in the
+    tile and old bits, at ``fix_buf[2 * t * fstride:]``): with those put back, the folded view
+    has the old classes again, which is what decoding the stream needs (``ContextScan``)."""
     numel = a.size
     nclasses = thr.size + 1
     ntiles = (numel + tile - 1) // tile
@@ -128,6 +143,7 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf):
     ks = np.zeros((ntiles, nclasses), np.int64)
     rice_len = np.zeros(ntiles, np.int64)
     n_esc = np.zeros(ntiles, np.int64)
+    nfix = np.zeros(ntiles, np.int64)
     over = np.zeros(ntiles, np.int64)
     hist = np.zeros((ntiles, nclasses, NSYM), np.int64)
     mask = np.uint64(0xFFFF)
@@ -141,9 +157,21 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf):
         members = np.zeros(nclasses, np.int64)
         lastidx = np.zeros(nclasses, np.int64)
         total = 0
+        special = np.uint64(0)
         for bi in range(nblocks):
             bs = s + 64 * bi
-            m = tile_codec.block_mask(a, b, bs, e)
+            if cast:
+                if bs + 64 <= e:
+                    special |= cast_special64(src, bs)
+                    m = cast_ne_mask64(a, bs, src, bs)
+                else:
+                    m = np.uint64(0)
+                    for j in range(e - bs):
+                        special |= np.uint64(tile_codec.cast_special(src[bs + j]))
+                        if np.uint64(a[bs + j]) != np.uint64(tile_codec.bf16_rne(src[bs + j])):
+                            m |= np.uint64(1) << np.uint64(j)
+            else:
+                m = tile_codec.block_mask(a, b, bs, e)
             masks[bi] = m
             _class_masks(a, bs, e, thr, cls, bi)
             for c in range(nclasses):
@@ -155,21 +183,33 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf):
                     lastidx[c] = members[c] + np.int64(ctpop64(cm & upto)) - 1
                 members[c] += np.int64(ctpop64(cm))
             total += np.int64(ctpop64(m))
+        if special:
+            over[t] = 1
+            ns[t, :] = 0
+            continue
         if total == 0:
             continue
+        bound = 0  # Rice bits at most: sum(gap >> k) + n * (k + 1) per class
         for c in range(nclasses):
             if ns[t, c]:
-                ks[t, c] = tile_codec.rice_k(lastidx[c] + 1 - ns[t, c], ns[t, c])
+                k = tile_codec.rice_k(lastidx[c] + 1 - ns[t, c], ns[t, c])
+                ks[t, c] = k
+                bound += ((lastidx[c] + 1 - ns[t, c]) >> k) + ns[t, c] * (k + 1)
+        # Fold while walking when the tile provably fits, otherwise only after the walk
+        # succeeded, so a tile that overflows is left as it was.
+        fold_now = update and total * 2 <= tile and total <= fstride and (bound >> 3) + 48 <= rstride - 16
         p0 = t * rstride
         p = p0
         pend = p0 + rstride - 16
         sb = 2 * t * tile
         eb = sb + tile
         eend = sb + 2 * tile
+        fb = 2 * t * fstride
         acc = 0
         nbits = 0
         j = 0
         ne = 0
+        nf = 0
         bad = False
         for c in range(nclasses):
             if ns[t, c] == 0:
@@ -193,7 +233,17 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf):
                         break
                     p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g, k, lowmask)
                     i = s + 64 * bi + np.int64(bit)
-                    d = (np.uint64(b[i]) - np.uint64(a[i])) & mask
+                    nv = tile_codec._new_bits(b, src, i, cast)
+                    d = (nv - np.uint64(a[i])) & mask
+                    if update and _class_of(nv, thr) != c:
+                        if nf >= fstride:
+                            bad = True
+                            break
+                        fix_buf[fb + 2 * nf] = i - s
+                        fix_buf[fb + 2 * nf + 1] = a[i]
+                        nf += 1
+                    if fold_now:
+                        a[i] = nv
                     sym = entropy.symbol(d, mask, wbits)
                     sym_buf[sb + j] = sym
                     j += 1
@@ -213,7 +263,16 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf):
                 break
         if bad:
             over[t] = 1
+            ns[t, :] = 0
+            hist[t, :, :] = 0
             continue
+        if update and not fold_now:
+            for bi in range(nblocks):
+                m = masks[bi]
+                while m != 0:
+                    i = s + 64 * bi + np.int64(cttz64(m))
+                    m &= m - np.uint64(1)
+                    a[i] = tile_codec._new_bits(b, src, i, cast)
         while nbits > 0:
             rice_buf[p] = acc & 0xFF
             p += 1
@@ -221,7 +280,8 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf):
             nbits -= 8
         rice_len[t] = p - p0
         n_esc[t] = ne
-    return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
+        nfix[t] = nf
+    return ns, ks, rice_len, n_esc, nfix, hist.sum(axis=0), over
 
 
 def _check_thresholds(thr: np.ndarray) -> None:
@@ -230,34 +290,150 @@ def _check_thresholds(thr: np.ndarray) -> None:
                          f"1..0x7FFF, got {thr.tolist()}")
 
 
+def _check_pair(old: np.ndarray, new: np.ndarray, cast: bool, tile: int) -> None:
+    if cast:
+        if old.dtype != np.uint16 or new.dtype != np.uint32 or old.size != new.size:
+            raise ValueError(f"a cast scan needs bf16 bits (uint16) and fp32 bits (uint32) of one size, got "
+                             f"{old.dtype}/{old.size} and {new.dtype}/{new.size}")
+    elif old.dtype != np.uint16 or new.dtype != np.uint16 or old.size != new.size:
+        raise ValueError(f"context coding needs two uint16 arrays of one size, got {old.dtype}/{old.size} and "
+                         f"{new.dtype}/{new.size}")
+    if not (old.flags.c_contiguous and new.flags.c_contiguous):
+        raise ValueError("old and new must be C-contiguous (flat views of contiguous tensors)")
+    if tile % 64 or tile > 1 << 16:
+        raise ValueError(f"tile must be a multiple of 64 and at most 65536, got {tile}")
+
+
+def _prefix(thr: np.ndarray) -> np.ndarray:
+    out = np.empty(10 * (thr.size + 1), np.uint8)
+    p = entropy._write_varint(out, 0, thr.size)
+    for t in thr:
+        p = entropy._write_varint(out, p, int(t))
+    return out[:p]
+
+
+def _run_scan(old: np.ndarray, new: np.ndarray, thr: np.ndarray, tile: int, update: bool, cast: bool,
+              scratch: dict | None) -> tuple:
+    _check_thresholds(thr)
+    _check_pair(old, new, cast, tile)
+    ntiles = (old.size + tile - 1) // tile
+    rstride, fstride = tile + tile_codec._RICE_SLACK, tile // 2
+    need = (ntiles * rstride, ntiles * 2 * tile, ntiles * 2 * fstride)
+    bufs = None if scratch is None else scratch.get("context_scan")
+    if bufs is None or any(buf.size < n for buf, n in zip(bufs, need)):
+        bufs = (tile_codec._scratch(need[0]), tile_codec._scratch(need[1]),
+                torch.empty(max(need[2], 1), dtype=torch.int16).numpy().view(np.uint16))
+        if scratch is not None:
+            scratch["context_scan"] = bufs
+    rice_buf, sym_buf, fix_buf = bufs
+    b, src = (old[:0], new) if cast else (new, np.empty(0, np.uint32))
+    out = _scan_encode(old, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast, fix_buf, fstride)
+    return out, rice_buf, rstride, sym_buf, fix_buf, fstride
+
+
 def encode_context(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, tile: int) -> tuple[int, np.ndarray | None]:
     """(number of changed elements, the ``context`` stream) of two uint16 views of one 16-bit
     float tensor, in one read of both. The stream is None when nothing changed or a tile did
     not fit its scratch (a pathologically dense tile): the caller picks another mode."""
     thr = np.ascontiguousarray(thresholds, dtype=np.int64)
-    _check_thresholds(thr)
-    if old.dtype != np.uint16 or new.dtype != np.uint16 or old.size != new.size:
-        raise ValueError(f"context coding needs two uint16 arrays of one size, got {old.dtype}/{old.size} and "
-                         f"{new.dtype}/{new.size}")
-    if not (old.flags.c_contiguous and new.flags.c_contiguous):
-        raise ValueError("old and new must be C-contiguous (flat views of contiguous tensors)")
-    if tile % 64:
-        raise ValueError("tile must be a multiple of 64")
-    ntiles = (old.size + tile - 1) // tile
-    rstride = tile + tile_codec._RICE_SLACK
-    rice_buf = tile_codec._scratch(ntiles * rstride)
-    sym_buf = tile_codec._scratch(ntiles * 2 * tile)
-    ns, ks, rice_len, n_esc, counts, over = _scan_encode(old, new, thr, tile, rice_buf, rstride, sym_buf)
+    (ns, ks, rice_len, n_esc, _, counts, over), rice_buf, rstride, sym_buf, _, _ = _run_scan(
+        old, new, thr, tile, False, False, None)
     total = int(ns.sum())
     if total == 0 or over.any():
         return total, None
-    prefix = np.empty(10 * (thr.size + 1), np.uint8)
-    p = entropy._write_varint(prefix, 0, thr.size)
-    for t in thr:
-        p = entropy._write_varint(prefix, p, int(t))
-    tiles = np.arange(ntiles, dtype=np.int64)
+    tiles = np.arange(ns.shape[0], dtype=np.int64)
     return total, tile_codec._rans_and_assemble(ns, ks, rice_len, n_esc, counts, 2, rice_buf, rstride * tiles, sym_buf,
-                                                2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, prefix[:p])
+                                                2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, _prefix(thr))
+
+
+@dataclass(frozen=True)
+class ContextScan:
+    """Pass 1 of a ``context`` stream over a piece of a tensor (whole tiles), compacted: the
+    context counterpart of ``tile_codec.TileScan``, for a caller that reads a tensor piece by
+    piece and folds it as it goes (the publisher). ``fix_pos``/``fix_old``: the folded
+    changes whose class the fold changed (positions in the piece, old bits); ``overflowed``:
+    tiles left alone (too dense, or a NaN or subnormal master value under ``cast``)."""
+
+    numel: int
+    ns: np.ndarray  # (tiles, classes)
+    ks: np.ndarray  # (tiles, classes)
+    rice_len: np.ndarray
+    n_esc: np.ndarray
+    rice: np.ndarray
+    syms: np.ndarray
+    escs: np.ndarray
+    counts: np.ndarray  # (classes, NSYM)
+    fix_pos: np.ndarray
+    fix_old: np.ndarray
+    overflowed: np.ndarray
+
+    @property
+    def changed(self) -> int:
+        return int(self.ns.sum())
+
+
+@dataclass(frozen=True)
+class ContextScans:
+    """A tensor's context scans, piece by piece in order, and the thresholds they all used."""
+
+    thresholds: np.ndarray
+    pieces: list[ContextScan]
+
+    @property
+    def changed(self) -> int:
+        return sum(p.changed for p in self.pieces)
+
+
+def scan_tiles(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, tile: int, scratch: dict | None = None, *,
+               update: bool = False, cast: bool = False) -> ContextScan:
+    """Pass 1 of the ``context`` stream of ``old``/``new`` with the tensor's ``thresholds``
+    (every piece of a tensor must use the same); ``update`` folds ``new`` into ``old``; ``cast``:
+    ``new`` holds fp32 bits whose bf16 cast is the new version (as ``tile_codec.scan_tiles``)."""
+    thr = np.ascontiguousarray(thresholds, dtype=np.int64)
+    (ns, ks, rice_len, n_esc, nfix, counts, over), rice_buf, rstride, sym_buf, fix_buf, fstride = _run_scan(
+        old, new, thr, tile, update, cast, scratch)
+    rice, syms, escs = tile_codec._compact_tiles(ns.sum(axis=1), rice_len, n_esc, 2, tile, rice_buf, rstride, sym_buf)
+    fixes = [fix_buf[2 * t * fstride: 2 * (t * fstride + n)].reshape(-1, 2) for t, n in enumerate(nfix.tolist()) if n]
+    fix = np.concatenate(fixes) if fixes else np.empty((0, 2), np.uint16)
+    tile_of = np.repeat(np.flatnonzero(nfix), nfix[nfix > 0])
+    return ContextScan(old.size, ns, ks, rice_len, n_esc, rice, syms, escs, counts,
+                       tile_of * tile + fix[:, 0].astype(np.int64), fix[:, 1].copy(), np.flatnonzero(over).astype(np.int64))
+
+
+def finish_context(tensor: ContextScans) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the ``context`` stream, fixup positions, fixup old bits) of a tensor from the scans of
+    its pieces (at least one change in all)."""
+    scans, thresholds = tensor.pieces, tensor.thresholds
+    if any(s.overflowed.size for s in scans):
+        raise ValueError("a scan with overflowed tiles does not describe its piece; diff those tiles")
+    ns = np.concatenate([s.ns for s in scans])
+    if not ns.any():
+        raise ValueError("finish_context needs at least one change")
+    rice_len = np.concatenate([s.rice_len for s in scans])
+    n_esc = np.concatenate([s.n_esc for s in scans])
+
+    def starts(lengths: np.ndarray) -> np.ndarray:
+        out = np.zeros(lengths.size, np.int64)
+        np.cumsum(lengths[:-1], out=out[1:])
+        return out
+
+    stream = tile_codec._rans_and_assemble(
+        ns, np.concatenate([s.ks for s in scans]), rice_len, n_esc, sum(s.counts for s in scans), 2,
+        np.concatenate([s.rice for s in scans]), starts(rice_len), np.concatenate([s.syms for s in scans]),
+        starts(ns.sum(axis=1)), np.concatenate([s.escs for s in scans]), starts(n_esc * 2),
+        _prefix(np.ascontiguousarray(thresholds, dtype=np.int64)))
+    offsets = np.cumsum([0] + [s.numel for s in scans[:-1]])
+    fix_pos = np.concatenate([s.fix_pos + off for s, off in zip(scans, offsets)])
+    return stream, fix_pos, np.concatenate([s.fix_old for s in scans])
+
+
+def decode_folded(stream: ContextStream, folded: np.ndarray, fix_pos: np.ndarray,
+                  fix_old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, differences) of a stream whose changes were already folded into
+    ``folded`` (the publisher's view): the recorded fixups give back the old classes."""
+    base = folded.copy()
+    base[fix_pos] = fix_old
+    return stream.decode(base)
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)

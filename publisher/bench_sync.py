@@ -364,6 +364,7 @@ class BenchConfig:
     destination: str = "memory"
     work_dir: Path | None = None
     trainer_gc: str = "manual"  # TrainerCollector mode
+    encoding: str = "default"  # the publisher's patch encoding
     network: Any = None  # an IslandNetwork (LoopbackNetwork by default)
     log: Any = None  # callable(str) for human-readable progress lines
 
@@ -419,7 +420,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         results: dict[int, dict[str, Any]] = {}
         with RssSampler() as sampler:
             pub = Publisher(board.address, RUN, token=token, blob_store=store, anchor_every=10_000,
-                            anchor_patch_fraction=0.5, max_pending=2, work_dir=root / "publisher")
+                            anchor_patch_fraction=0.5, max_pending=2, work_dir=root / "publisher", encoding=cfg.encoding)
             pub.attach(trainer.opt)  # publish returns at once; the next optimizer step waits for the read
             t0 = time.time()
             h1 = await asyncio.to_thread(pub.publish, trainer.state(), step=trainer.steps)
@@ -532,6 +533,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     blocked_mean = statistics.fmean(blocked) if blocked else float("nan")
     return {
         "params": trainer.numel,
+        "encoding": cfg.encoding,
         "islands": cfg.islands,
         "versions": len(results),
         "island_destination": cfg.destination,
@@ -565,9 +567,10 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 
 def main_cli(params: int, islands: int, versions: int, destination: str, json_out: bool, work_dir: Path | None,
              wan: bool = False, wan_rate_mbit: float = 100.0, wan_rtt_ms: float = 40.0,
-             wan_slow_start: bool = True, warm_steps: int = 30, trainer_gc: str = "manual") -> dict:
+             wan_slow_start: bool = True, warm_steps: int = 30, trainer_gc: str = "manual",
+             encoding: str = "default") -> dict:
     cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir,
-                      warm_steps=warm_steps, trainer_gc=trainer_gc)
+                      warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding)
     if wan:  # islands in network namespaces behind simulated WAN links (publisher/wan)
         from weftboard.publisher.wan import WanUnavailable
         from weftboard.publisher.wan.bench import WanNetwork, skipped_line

@@ -25,6 +25,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                             help="--wan: TCP slow start over the simulated round trip (restarts after idle)."),
         trainer_gc: str = typer.Option("manual", help="The trainer's garbage collection: manual (off, gc.collect(1) every 10 "
                                                       "steps, as large trainers run) or auto (Python's default)."),
+        encoding: str = typer.Option("default", help="The publisher's patch encoding: default, context or baseline."),
     ) -> None:
         """Publish-to-applied on every island for patches vs full checkpoints; last line JSON."""
         from weftboard.board.logs import configure
@@ -33,4 +34,4 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         configure(json=True, level="WARNING")
         main_cli(params, islands, versions, destination, json_out, work_dir,
                  wan=wan, wan_rate_mbit=wan_rate_mbit, wan_rtt_ms=wan_rtt_ms, wan_slow_start=wan_slow_start,
-                 warm_steps=warm_steps, trainer_gc=trainer_gc)
+                 warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding)

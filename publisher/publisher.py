@@ -166,6 +166,10 @@ class Publisher:
         self.max_pending = max_pending
         self.on_backpressure = on_backpressure
         self.shard_bytes = shard_bytes
+        from weftboard.cuda.codec import ENCODINGS
+
+        if encoding not in ENCODINGS:
+            raise InvalidArgument(f"unknown patch encoding {encoding!r}; expected one of {ENCODINGS}")
         self.encoding = encoding
         self.timeout_s = timeout_s
         self.run_labels = dict(run_labels or {})
@@ -325,7 +329,7 @@ class Publisher:
                 target.fused = {}
             # Encode in the read itself (one pass over old and new bits), unless this read is
             # merged into a queued version or the patch uses another encoding.
-            scan = target is None and self.encoding == "default"
+            scan = target is None and self.encoding in ("default", "context")
             folded = self._project_and_diff(master, anchor=bool(reason), scan=scan)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters
             read_done.set()
@@ -628,7 +632,7 @@ class Publisher:
         for name, t in master.items():
             prev = self._view.get(name)
             if self._is_elementwise(name, t, prev):
-                deltas[name] = _chunked_cast_fold_(prev, t, self._scratch, scan)
+                deltas[name] = _chunked_cast_fold_(prev, t, self._scratch, self._tensor_scan(prev, scan))
                 continue
             for sname, st in self.projector.project_tensor(name, t, anchor=anchor).items():
                 prev = self._view.get(sname)
@@ -637,12 +641,16 @@ class Publisher:
                         f"tensor {sname!r} projects to {tuple(st.shape)} {st.dtype}, but the run's layout has "
                         f"{None if prev is None else (tuple(prev.shape), prev.dtype)}"
                     )
-                deltas[sname] = _fold_pieces_(prev, st.contiguous(), self._scratch, scan, len(st.reshape(-1)))
+                deltas[sname] = _fold_pieces_(prev, st.contiguous(), self._scratch, self._tensor_scan(prev, scan),
+                                              len(st.reshape(-1)))
         self._scratch.clear()
         if len(deltas) != len(self._view):
             missing = sorted(set(self._view) - set(deltas))[:3]
             raise FailedPrecondition(f"the model no longer produces served tensors {missing} of run {self.run}")
         return deltas
+
+    def _tensor_scan(self, prev: torch.Tensor | None, scan: bool) -> "_TensorScan | None":
+        return _TensorScan.for_tensor(self.encoding, prev) if scan and prev is not None else None
 
     def _finish_read(self, folded: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """(deltas, streams) from what the read produced: scanned tensors get their streams
@@ -679,7 +687,9 @@ class Publisher:
         view = self._view
 
         def changed(item: Any) -> int:
-            return item.changed if isinstance(item, TensorDelta) else sum(s.changed for s in item)
+            from weftboard.cuda.codec import scans_changed
+
+            return item.changed if isinstance(item, TensorDelta) else scans_changed(item)
 
         return {n: self._hash_pool.submit(tensor_digest, view[n]) for n, item in folded.items()
                 if changed(item) or n not in self._digest_cache}
@@ -932,7 +942,42 @@ def _release_free_memory() -> None:
 _LIBC: Any = None
 
 
-def _chunked_cast_fold_(prev: torch.Tensor, master: torch.Tensor, scratch: dict, scan: bool = False) -> Any:
+@dataclass(frozen=True)
+class _TensorScan:
+    """How a read encodes one CPU tensor while it folds it in: the ``sparse`` tile scan, or
+    (context encoding, 16-bit floats) the ``context`` scan, whose class thresholds come from
+    the old view before the first piece is folded."""
+
+    thresholds: np.ndarray | None = None
+
+    @staticmethod
+    def for_tensor(encoding: str, prev: torch.Tensor) -> "_TensorScan":
+        from weftboard.cuda import context_codec
+        from weftboard.cuda.diff import bits_view, unsigned_np
+
+        if encoding == "context" and context_codec.supports(prev.dtype) and prev.device.type == "cpu":
+            thresholds = context_codec.choose_thresholds(unsigned_np(bits_view(prev)).reshape(-1), prev.dtype)
+            if thresholds.size:
+                return _TensorScan(thresholds)
+        return _TensorScan()
+
+    def piece(self, view: np.ndarray, new: np.ndarray, scratch: dict, cast: bool = False) -> Any:
+        """Scan and fold one piece (whole tiles)."""
+        from weftboard.cuda import context_codec, tile_codec
+        from weftboard.cuda.codec import CODEC_TILE
+
+        if self.thresholds is None:
+            return tile_codec.scan_tiles(view, new, CODEC_TILE, scratch, update=True, cast=cast)
+        return context_codec.scan_tiles(view, new, self.thresholds, CODEC_TILE, scratch, update=True, cast=cast)
+
+    def tensor(self, pieces: list) -> Any:
+        """The scans of a tensor's pieces, as ``codec.encoded_from_scans`` takes them."""
+        from weftboard.cuda import context_codec
+
+        return pieces if self.thresholds is None else context_codec.ContextScans(self.thresholds, pieces)
+
+
+def _chunked_cast_fold_(prev: torch.Tensor, master: torch.Tensor, scratch: dict, scan: _TensorScan | None = None) -> Any:
     """Cast ``master`` to ``prev``'s dtype chunk by chunk, folding each chunk into ``prev``;
     what changed (see ``_fold_pieces_``).
 
@@ -951,24 +996,21 @@ def _chunked_cast_fold_(prev: torch.Tensor, master: torch.Tensor, scratch: dict,
         return chunk
 
     cast_scan = None
-    if scan and prev.dtype == torch.bfloat16 and flat_m.dtype == torch.float32 and prev.device.type == "cpu" \
-            and flat_m.device.type == "cpu":
+    if scan is not None and prev.dtype == torch.bfloat16 and flat_m.dtype == torch.float32 \
+            and prev.device.type == "cpu" and flat_m.device.type == "cpu":
         # The common case (fp32 master, bf16 served, on the CPU) casts as it scans: the cast
         # is never written out and read back. Tiles the fused cast leaves alone (a NaN or a
         # subnormal) come back as overflowed and go through ``cast`` above.
-        from weftboard.cuda import tile_codec
-        from weftboard.cuda.codec import CODEC_TILE
-
         src = flat_m.view(torch.int32).numpy().view(np.uint32)
 
         def cast_scan(view: np.ndarray, start: int, end: int) -> Any:
-            return tile_codec.scan_tiles(view, src[start:end], CODEC_TILE, scratch, update=True, cast=True)
+            return scan.piece(view, src[start:end], scratch, cast=True)
 
     # Small tensors too go through the reused buffer: no fresh pages to fault in.
     return _fold_pieces_(prev, None, scratch, scan, flat_m.numel(), source=cast, cast_scan=cast_scan)
 
 
-def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, scan: bool, n: int, *,
+def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, scan: _TensorScan | None, n: int, *,
                   source: Any = None, cast_scan: Any = None) -> Any:
     """Fold ``new`` (or the pieces ``source(start, end)`` gives) into ``prev``, ``_CAST_CHUNK``
     elements at a time; returns the TensorDelta, or (``scan`` on CPU) the tensor's tile scans.
@@ -982,7 +1024,6 @@ def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, s
     """
     import dataclasses
 
-    from weftboard.cuda import tile_codec
     from weftboard.cuda.codec import CODEC_TILE, delta_from_scans
     from weftboard.cuda.diff import TensorDelta, bits_view, diff_and_update_, unsigned_np
 
@@ -993,21 +1034,20 @@ def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, s
     def piece_of(start: int, end: int) -> torch.Tensor:
         return source(start, end) if source is not None else flat_n[start:end]
 
-    scan = scan and prev.device.type == "cpu"
+    scan = scan if prev.device.type == "cpu" else None
     parts: list[tuple[int, Any]] = []
     for start in range(0, max(n, 1), _CAST_CHUNK):
         end = min(start + _CAST_CHUNK, n)
         view = flat_p[start:end]
-        if scan and cast_scan is not None:
+        if scan is not None and cast_scan is not None:
             piece = None
             sc = cast_scan(unsigned_np(bits_view(view)), start, end)
         else:
             piece = piece_of(start, end)
-            if not scan:
+            if scan is None:
                 parts.append((start, diff_and_update_(view, piece)))
                 continue
-            sc = tile_codec.scan_tiles(unsigned_np(bits_view(view)), unsigned_np(bits_view(piece)), CODEC_TILE,
-                                       scratch, update=True)
+            sc = scan.piece(unsigned_np(bits_view(view)), unsigned_np(bits_view(piece)), scratch)
         if not sc.overflowed.size:
             parts.append((start, sc))
             continue
@@ -1015,15 +1055,16 @@ def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, s
             piece = piece_of(start, end)
         # The scanned tiles are folded: their delta comes back from the view. The others
         # are untouched: diff them.
-        scanned = delta_from_scans([dataclasses.replace(sc, overflowed=np.empty(0, np.int64))], view)
+        scanned = delta_from_scans(scan.tensor([dataclasses.replace(sc, overflowed=np.empty(0, np.int64))]), view)
         pieces = [(0, scanned)]
         for t in sc.overflowed.tolist():
             lo, hi = t * CODEC_TILE, min((t + 1) * CODEC_TILE, end - start)
             pieces.append((lo, diff_and_update_(view[lo:hi], piece[lo:hi])))
         parts.append((start, _join_deltas(pieces, end - start, prev.dtype)))
-    if scan and all(not isinstance(item, TensorDelta) for _, item in parts):
-        return [item for _, item in parts]
-    deltas = [(start, item if isinstance(item, TensorDelta) else delta_from_scans([item], flat_p[start:start + _CAST_CHUNK]))
+    if scan is not None and all(not isinstance(item, TensorDelta) for _, item in parts):
+        return scan.tensor([item for _, item in parts])
+    deltas = [(start, item if isinstance(item, TensorDelta) else
+               delta_from_scans(scan.tensor([item]), flat_p[start:start + _CAST_CHUNK]))
               for start, item in parts]
     if len(deltas) == 1:
         return deltas[0][1]

@@ -180,3 +180,48 @@ def test_a_damaged_tile_undoes_every_write_of_the_apply() -> None:
             refused += 1
             assert np.array_equal(target, a)
     assert refused >= 10
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_scanning_piece_by_piece_folds_and_gives_the_whole_stream_and_delta(cast: bool) -> None:
+    """The publisher's path: pieces scanned (fp32 masters cast inside the scan) and folded
+    into the view; the stream equals the one-call encoder's, and the view plus the recorded
+    class changes give the exact delta back."""
+    gen = torch.Generator().manual_seed(8)
+    n = 3 * CODEC_TILE + 999
+    master = torch.randn(n, generator=gen) * 0.02
+    master[:64] = torch.linspace(-1e-3, 1e-3, 64)  # crosses many binades: class changes
+    old = master.to(torch.bfloat16)
+    new_master = master + 1e-4 * torch.sign(torch.randn(n, generator=gen))
+    new = new_master.to(torch.bfloat16)
+    a, b = _u16(old), _u16(new)
+    thr = cc.choose_thresholds(a, torch.bfloat16)
+    view = a.copy()
+    src = new_master.view(torch.int32).numpy().view(np.uint32) if cast else b
+    cut = 2 * CODEC_TILE
+    pieces = [cc.scan_tiles(view[lo:hi], src[lo:hi], thr, CODEC_TILE, {}, update=True, cast=cast)
+              for lo, hi in ((0, cut), (cut, n))]
+    assert np.array_equal(view, b)  # folded
+    stream, fix_pos, fix_old = cc.finish_context(cc.ContextScans(thr, pieces))
+    assert np.array_equal(stream, cc.encode_context(a, b, thr, CODEC_TILE)[1])
+    assert fix_pos.size and np.all(a[fix_pos] == fix_old)
+    parsed = cc.ContextStream(stream, n, CODEC_TILE, int((a != b).sum()))
+    pos, diff = cc.decode_folded(parsed, view, fix_pos, fix_old)
+    want = np.flatnonzero(a != b)
+    order = np.argsort(pos)
+    assert np.array_equal(pos[order], want) and np.array_equal(diff[order], (b[want] - a[want]).astype(np.uint16))
+
+
+def test_a_cast_scan_leaves_nan_tiles_to_the_caller_untouched() -> None:
+    gen = torch.Generator().manual_seed(9)
+    n = 2 * CODEC_TILE
+    master = torch.randn(n, generator=gen) * 0.02
+    old = master.to(torch.bfloat16)
+    moved = master + 1e-4
+    moved[CODEC_TILE + 5] = float("nan")
+    view = _u16(old).copy()
+    scan = cc.scan_tiles(view, moved.view(torch.int32).numpy().view(np.uint32), cc.choose_thresholds(view, torch.bfloat16),
+                         CODEC_TILE, update=True, cast=True)
+    assert scan.overflowed.tolist() == [1] and scan.ns[1].sum() == 0
+    assert np.array_equal(view[CODEC_TILE:], _u16(old)[CODEC_TILE:])  # left as it was
+    assert np.array_equal(view[:CODEC_TILE], _u16(moved.to(torch.bfloat16))[:CODEC_TILE])

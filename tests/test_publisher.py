@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from pubsubkit import Trainer, bits_equal, first_difference, zeros_like_layout
 from weftboard.board.blobs import LocalDirBlobStore
 from weftboard.board.client import BoardClient
+from weftboard.cuda.codec import read_patch_info
 from weftboard.proto.errors import FailedPrecondition
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.publisher import Publisher
@@ -118,11 +119,14 @@ class SlowStore(LocalDirBlobStore):
         return await super().put_file(key, path)
 
 
-@pytest.mark.parametrize("mode", ["wait", "skip"])
-async def test_backpressure(board_factory, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode,encoding", [("wait", "default"), ("skip", "default"), ("wait", "context"),
+                                           ("skip", "context")])
+async def test_backpressure(board_factory, tmp_path: Path, mode: str, encoding: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under "skip", merges recover the queued version's delta from its streams: for context
+    streams, through the classes its fold changed."""
     store = SlowStore(tmp_path / "blobs", delay_s=0.4)
     board = await board_factory(blobs=store)
-    trainer = Trainer(lr=1e-4)
+    trainer = Trainer(lr=1e-4 if encoding == "default" else 1e-6)  # context streams pay off on sparse steps
     views: dict[int, dict] = {}
     handles = []
     recovered: list[int] = []  # streams turned back into deltas to merge a queued version
@@ -130,7 +134,7 @@ async def test_backpressure(board_factory, tmp_path: Path, mode: str, monkeypatc
     monkeypatch.setattr(Publisher, "_deltas_of", lambda self, fused: recovered.append(len(fused)) or deltas_of(self, fused))
 
     def train() -> None:
-        with Publisher(board.address, f"bp-{mode}", token=board.admin_token, blob_store=store,
+        with Publisher(board.address, f"bp-{mode}", token=board.admin_token, blob_store=store, encoding=encoding,
                        max_pending=1, on_backpressure=mode, anchor_every=1000, anchor_patch_fraction=100.0) as pub:
             for _ in range(6):
                 trainer.step()
@@ -154,6 +158,15 @@ async def test_backpressure(board_factory, tmp_path: Path, mode: str, monkeypatc
         assert recovered and all(n > 0 for n in recovered)  # merges started from encoded streams
     async with BoardClient(board.address, board.admin_token) as client:
         await _follow_each(client, f"bp-{mode}", store, tmp_path, views)
+        modes = set()
+        for rec in await _records(client, f"bp-{mode}"):
+            for a in rec.artifacts:
+                if a.kind == pb.ARTIFACT_KIND_PATCH:
+                    info = read_patch_info(await store.get_bytes(a.blobs[0].key))
+                    assert info.encoding == encoding
+                    modes |= {t.mode for t in info.tensors}
+        if mode == "wait":  # (merged versions are encoded from deltas, in the default modes)
+            assert ("context" in modes) == (encoding == "context"), modes
 
 
 async def test_restart_resumes_from_head(board, local_store, tmp_path: Path) -> None:
@@ -280,11 +293,18 @@ async def test_fp8_served_format_with_fixed_scales(board, local_store, tmp_path:
         await _follow_each(client, "f8", local_store, tmp_path, views)
 
 
-@pytest.mark.parametrize("scan", [False, True])
-def test_chunked_cast_fold_equals_whole_tensor_path(scan: bool) -> None:
+def _scan_for(encoding: str | None, prev: torch.Tensor):
+    from weftboard.publisher.publisher import _TensorScan
+
+    return None if encoding is None else _TensorScan.for_tensor(encoding, prev)
+
+
+@pytest.mark.parametrize("encoding", [None, "default", "context"])
+def test_chunked_cast_fold_equals_whole_tensor_path(encoding: str | None) -> None:
     """Large tensors are cast in chunks into a reused buffer: same view, same transition
-    (deltas, or tile scans whose stream is the one-call encoder's)."""
-    from weftboard.cuda import codec, tile_codec
+    (deltas, or tile scans whose stream is the one-call encoder's; context scans also give
+    their delta back from the folded view, through the classes the fold changed)."""
+    from weftboard.cuda import codec, context_codec, tile_codec
     from weftboard.cuda.diff import diff_and_update_
     from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_fold_
 
@@ -295,28 +315,36 @@ def test_chunked_cast_fold_equals_whole_tensor_path(scan: bool) -> None:
     prev = (master + torch.randn(n, generator=g) * 1e-4).to(torch.bfloat16)
     a, b = prev.clone(), prev.clone()
     scratch: dict = {}
+    scan = _scan_for(encoding, a)
     d1 = _chunked_cast_fold_(a, master, scratch, scan)
     d2 = diff_and_update_(b, master.to(torch.bfloat16))
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
-    if scan:
-        assert isinstance(d1, list) and len(d1) == 2
+    if scan is not None:
         enc = codec.encoded_from_scans("w", torch.bfloat16, n, d1)
         old_bits, new_bits = (x.view(torch.int16).numpy().view(np.uint16) for x in (prev, b))
-        assert enc is not None and np.array_equal(enc.stream, tile_codec.encode_sparse(old_bits, new_bits, codec.CODEC_TILE)[1])
+        if encoding == "context":
+            assert isinstance(d1, context_codec.ContextScans) and len(d1.pieces) == 2
+            assert enc is not None and enc.mode == "context" and enc.fixups[0].size
+            whole = context_codec.encode_context(old_bits, new_bits, scan.thresholds, codec.CODEC_TILE)[1]
+        else:
+            assert isinstance(d1, list) and len(d1) == 2
+            whole = tile_codec.encode_sparse(old_bits, new_bits, codec.CODEC_TILE)[1]
+        assert enc is not None and np.array_equal(enc.stream, whole)
         d1 = codec.delta_from_scans(d1, a)
     assert torch.equal(d1.positions, d2.positions)
     assert torch.equal(d1.old_bits, d2.old_bits) and torch.equal(d1.new_bits, d2.new_bits)
     assert d1.numel == d2.numel and d1.dtype == d2.dtype and scratch
     small = prev[:1000].clone()
-    _chunked_cast_fold_(small, master[:1000], scratch, scan)
+    _chunked_cast_fold_(small, master[:1000], scratch, _scan_for(encoding, small))
     assert torch.equal(small.view(torch.int16), master[:1000].to(torch.bfloat16).view(torch.int16))
 
 
-def test_tiles_with_nan_or_subnormal_masters_are_cast_by_torch() -> None:
+@pytest.mark.parametrize("encoding", ["default", "context"])
+def test_tiles_with_nan_or_subnormal_masters_are_cast_by_torch(encoding: str) -> None:
     """The fused bf16 cast leaves tiles holding a NaN or a subnormal to torch's cast (whose
     NaN bits differ between its vector and scalar paths): the view is torch's cast exactly."""
     from weftboard.cuda.codec import CODEC_TILE
-    from weftboard.cuda.diff import diff_tensor
+    from weftboard.cuda.diff import TensorDelta, diff_tensor
     from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_fold_
 
     g = torch.Generator().manual_seed(6)
@@ -327,20 +355,21 @@ def test_tiles_with_nan_or_subnormal_masters_are_cast_by_torch() -> None:
                      (n - 1, -1e-39)):
         master[i] = value
     view = prev.clone()
-    delta = _chunked_cast_fold_(view, master, {}, scan=True)
+    delta = _chunked_cast_fold_(view, master, {}, _scan_for(encoding, view))
     want = master.to(torch.bfloat16)
     ref = diff_tensor(prev, want)
     assert torch.equal(view.view(torch.int16), want.view(torch.int16))
-    assert not isinstance(delta, list)
+    assert isinstance(delta, TensorDelta)
     assert torch.equal(delta.positions, ref.positions)
     assert torch.equal(delta.old_bits, ref.old_bits) and torch.equal(delta.new_bits, ref.new_bits)
 
 
-def test_tiles_too_dense_to_scan_turn_the_tensor_into_one_delta() -> None:
+@pytest.mark.parametrize("encoding", ["default", "context"])
+def test_tiles_too_dense_to_scan_turn_the_tensor_into_one_delta(encoding: str) -> None:
     """Tiles that overflow the scan's scratch are diffed; the tiles and chunks scanned around
     them are recovered from the folded view, so the tensor still has one exact delta."""
     from weftboard.cuda.codec import CODEC_TILE
-    from weftboard.cuda.diff import diff_tensor
+    from weftboard.cuda.diff import TensorDelta, diff_tensor
     from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_fold_
 
     g = torch.Generator().manual_seed(4)
@@ -350,9 +379,9 @@ def test_tiles_too_dense_to_scan_turn_the_tensor_into_one_delta() -> None:
     dense = slice(_CAST_CHUNK + 3 * CODEC_TILE + 5, _CAST_CHUNK + 6 * CODEC_TILE)  # far jumps (escapes) in 3 tiles
     master[dense] = -master[dense] * 3.0
     view = prev.clone()
-    delta = _chunked_cast_fold_(view, master, {}, scan=True)
+    delta = _chunked_cast_fold_(view, master, {}, _scan_for(encoding, view))
     ref = diff_tensor(prev, master.to(torch.bfloat16))
-    assert not isinstance(delta, list)
+    assert isinstance(delta, TensorDelta)
     assert torch.equal(delta.positions, ref.positions)
     assert torch.equal(delta.old_bits, ref.old_bits) and torch.equal(delta.new_bits, ref.new_bits)
     assert torch.equal(view.view(torch.int16), master.to(torch.bfloat16).view(torch.int16))
