@@ -725,8 +725,8 @@ def _parse_sparse(entry: Mapping[str, Any], buf: np.ndarray, width: int) -> Spar
     if err:
         raise _sparse_error(entry, entropy.DIR_ERRORS.get(int(err), f"directory error {err}"))
     cum, slot2sym = entropy.decoder_tables(freq[0])
-    return SparseStream(buf, numel, tile, width, np.ascontiguousarray(ns[:, 0]), np.ascontiguousarray(ks[:, 0]), rice,
-                        rans, esc, offs, freq[0], cum, slot2sym)
+    return SparseStream(buf, numel, tile, width, np.ascontiguousarray(ns[:, 0]), np.ascontiguousarray(ks[:, 0]),
+                        np.ascontiguousarray(rice[:, 0]), rans, esc, offs, freq[0], cum, slot2sym)
 
 
 def _parse_context(entry: Mapping[str, Any], buf: np.ndarray) -> context_codec.ContextStream:

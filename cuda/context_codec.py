@@ -16,14 +16,17 @@ Rice and rANS coders, escapes)::
                1 .. 0x7FFF; element x is in class c = #{j : (old_x & 0x7FFF) >= t_j}
     tables     one frequency table per class (nthr + 1 of them), class 0 first; a class
                without changes may have an empty table (nsym 0)
-    directory  per tile: one varint n_c per class; if any is > 0: u8 k_c for each class with
-               n_c > 0, then varint rice_len, varint rans_len, varint n_esc
-    payloads   per tile with changes: rice_len | rans_len | n_esc * 2 bytes
+    directory  per tile: one varint n_c per class; if any is > 0: for each class with n_c > 0
+               u8 k_c and varint rice_len_c, then varint rans_len, varint n_esc
+    payloads   per tile with changes: the classes' Rice pieces in class order | rans_len bytes |
+               n_esc * 2 bytes of escapes
 
 Within a tile, the changes of class c are numbered among the tile's class-c elements in
-position order; the gaps between successive numbers (the first from -1) are Rice(k_c) coded.
-Classes follow one another (class 0 first) in one Rice bit stream per tile; their symbols come
-in the same order in one rANS stream, each coded with its class's table, and escapes likewise.
+position order; the gaps between successive numbers (the first from -1) are Rice(k_c) coded
+in class c's own piece (LSB first, zero-padded to a byte). The symbols of all classes share
+one rANS stream, class after class (class 0 first), each coded with its class's table; the
+escapes follow the same order. (Separate Rice pieces let the encoder walk a tile's changes
+once, in position order, writing each where its class goes.)
 
 Invariants:
 - A class is a function of the old bits alone, and the decoder computes a whole tile's classes
@@ -50,6 +53,9 @@ MAX_THRESHOLDS = 7
 CLASSES = 5  # the encoder's choice: 4.31 position bits per change on the bench model (4.42 with 4, 4.27 with 6)
 _EXPONENT = {torch.bfloat16: (7, 0xFF), torch.float16: (10, 0x1F)}  # shift and mask of the exponent field
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
+# Scan scratch per tile: symbols (1 byte per element) then escapes (2 bytes per element), so no
+# tile can run out of room for them; only the pages a tile writes are ever touched.
+_SYM_STRIDE = 3
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -128,21 +134,27 @@ def _class_of(x, thr):
 
 @nb.njit(parallel=True, cache=True, nogil=True)
 def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast, fix_buf, fstride):
-    """Per tile: change and class masks, then each class's Rice-coded gaps, symbols and escapes
-    (the scratch layout of ``tile_codec.scan_encode_tiles``, whose ``update`` and ``cast`` this
-    shares). A tile that does not fit, or (``cast``) holds a NaN or subnormal master value,
-    sets ``over`` and is left as it was.
+    """Per tile: change and class masks, then one walk over the changes in position order,
+    each coded into its class's Rice piece, symbol run and escape run (per tile: Rice pieces at
+    ``rice_off``, then ``_SYM_STRIDE * tile`` bytes of symbols and escapes; ``update`` and
+    ``cast`` as in ``tile_codec.scan_encode_tiles``).
+
+    Every piece's size is bounded before the walk (Rice bits at most ``sum(gap >> k) + n *
+    (k + 1)`` per class, and the gaps of a class add up to at most its members), so a tile
+    either fits and is coded and folded in one walk, or is left exactly as it was and set in
+    ``over`` (as is, under ``cast``, a tile holding a NaN or subnormal master value).
 
     ``update`` also records each folded change whose class the fold changed (its offset in the
     tile and old bits, at ``fix_buf[2 * t * fstride:]``): with those put back, the folded view
-    has the old classes again, which is what decoding the stream needs (``ContextScan``)."""
+    has the old classes again, which is what decoding the stream needs (``decode_folded``)."""
     numel = a.size
     nclasses = thr.size + 1
     ntiles = (numel + tile - 1) // tile
     ns = np.zeros((ntiles, nclasses), np.int64)
     ks = np.zeros((ntiles, nclasses), np.int64)
-    rice_len = np.zeros(ntiles, np.int64)
-    n_esc = np.zeros(ntiles, np.int64)
+    rice_off = np.zeros((ntiles, nclasses), np.int64)
+    rice_len = np.zeros((ntiles, nclasses), np.int64)
+    n_esc = np.zeros((ntiles, nclasses), np.int64)
     nfix = np.zeros(ntiles, np.int64)
     over = np.zeros(ntiles, np.int64)
     hist = np.zeros((ntiles, nclasses, NSYM), np.int64)
@@ -155,7 +167,6 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
         masks = np.empty(nblocks, np.uint64)
         cls = np.empty((nclasses, nblocks), np.uint64)
         members = np.zeros(nclasses, np.int64)
-        lastidx = np.zeros(nclasses, np.int64)
         total = 0
         special = np.uint64(0)
         for bi in range(nblocks):
@@ -176,112 +187,88 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
             _class_masks(a, bs, e, thr, cls, bi)
             for c in range(nclasses):
                 cm = cls[c, bi]
-                ch = m & cm
-                if ch != 0:
-                    ns[t, c] += np.int64(ctpop64(ch))
-                    upto = _ALL >> ctlz64(ch)  # bits up to the class's last change here
-                    lastidx[c] = members[c] + np.int64(ctpop64(cm & upto)) - 1
+                ns[t, c] += np.int64(ctpop64(m & cm))
                 members[c] += np.int64(ctpop64(cm))
             total += np.int64(ctpop64(m))
-        if special:
-            over[t] = 1
+        if special or total == 0:
+            over[t] = np.int64(special != 0)
             ns[t, :] = 0
             continue
-        if total == 0:
-            continue
-        bound = 0  # Rice bits at most: sum(gap >> k) + n * (k + 1) per class
-        for c in range(nclasses):
-            if ns[t, c]:
-                k = tile_codec.rice_k(lastidx[c] + 1 - ns[t, c], ns[t, c])
-                ks[t, c] = k
-                bound += ((lastidx[c] + 1 - ns[t, c]) >> k) + ns[t, c] * (k + 1)
-        # Fold while walking when the tile provably fits, otherwise only after the walk
-        # succeeded, so a tile that overflows is left as it was.
-        fold_now = update and total * 2 <= tile and total <= fstride and (bound >> 3) + 48 <= rstride - 16
         p0 = t * rstride
-        p = p0
-        pend = p0 + rstride - 16
-        sb = 2 * t * tile
-        eb = sb + tile
-        eend = sb + 2 * tile
-        fb = 2 * t * fstride
-        acc = 0
-        nbits = 0
-        j = 0
-        ne = 0
-        nf = 0
-        bad = False
+        need = 0
         for c in range(nclasses):
-            if ns[t, c] == 0:
-                continue
-            k = ks[t, c]
-            lowmask = (1 << k) - 1
-            h = hist[t, c]
-            count = 0
-            last = -1
-            for bi in range(nblocks):
-                cm = cls[c, bi]
-                mm = masks[bi] & cm
-                while mm != 0:
-                    bit = cttz64(mm)
-                    mm &= mm - np.uint64(1)
-                    idx = count + np.int64(ctpop64(cm & ((np.uint64(1) << bit) - np.uint64(1))))
-                    g = idx - last - 1
-                    last = idx
-                    if p + (((g >> k) + k) >> 3) + 8 > pend:
-                        bad = True
-                        break
-                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g, k, lowmask)
-                    i = s + 64 * bi + np.int64(bit)
-                    nv = tile_codec._new_bits(b, src, i, cast)
-                    d = (nv - np.uint64(a[i])) & mask
-                    if update and _class_of(nv, thr) != c:
-                        if nf >= fstride:
-                            bad = True
-                            break
-                        fix_buf[fb + 2 * nf] = i - s
-                        fix_buf[fb + 2 * nf + 1] = a[i]
-                        nf += 1
-                    if fold_now:
-                        a[i] = nv
-                    sym = entropy.symbol(d, mask, wbits)
-                    sym_buf[sb + j] = sym
-                    j += 1
-                    h[sym] += 1
-                    if sym == ESC:
-                        q = eb + 2 * ne
-                        if q + 2 > eend:
-                            bad = True
-                            break
-                        sym_buf[q] = np.uint8(d & np.uint64(0xFF))
-                        sym_buf[q + 1] = np.uint8(d >> np.uint64(8))
-                        ne += 1
-                if bad:
-                    break
-                count += np.int64(ctpop64(cm))
-            if bad:
-                break
-        if bad:
+            n = ns[t, c]
+            if n:
+                k = tile_codec.rice_k(members[c] - n, n)
+                ks[t, c] = k
+                rice_off[t, c] = p0 + need
+                need += ((((members[c] - n) >> k) + n * (k + 1)) >> 3) + 16  # + slack for rice_put's stores
+        if need > rstride or (update and total > fstride):
             over[t] = 1
             ns[t, :] = 0
-            hist[t, :, :] = 0
             continue
-        if update and not fold_now:
-            for bi in range(nblocks):
-                m = masks[bi]
-                while m != 0:
-                    i = s + 64 * bi + np.int64(cttz64(m))
-                    m &= m - np.uint64(1)
-                    a[i] = tile_codec._new_bits(b, src, i, cast)
-        while nbits > 0:
-            rice_buf[p] = acc & 0xFF
-            p += 1
-            acc >>= 8
-            nbits -= 8
-        rice_len[t] = p - p0
-        n_esc[t] = ne
+        rp = rice_off[t].copy()
+        racc = np.zeros(nclasses, np.int64)
+        rnb = np.zeros(nclasses, np.int64)
+        last = np.full(nclasses, -1, np.int64)
+        count = np.zeros(nclasses, np.int64)
+        sp = np.empty(nclasses, np.int64)  # each class's next symbol, then escape, slot
+        ep = np.empty(nclasses, np.int64)
+        sb = _SYM_STRIDE * t * tile
+        run = 0
+        for c in range(nclasses):
+            sp[c] = sb + run
+            ep[c] = sb + tile + 2 * run
+            run += ns[t, c]
+        fb = 2 * t * fstride
+        nf = 0
+        for bi in range(nblocks):
+            m = masks[bi]
+            while m != 0:
+                bit = cttz64(m)
+                m &= m - np.uint64(1)
+                i = s + 64 * bi + np.int64(bit)
+                ov = np.uint64(a[i])
+                c = _class_of(ov, thr)
+                idx = count[c] + np.int64(ctpop64(cls[c, bi] & ((np.uint64(1) << bit) - np.uint64(1))))
+                k = ks[t, c]
+                rp[c], racc[c], rnb[c] = entropy.rice_put(rice_buf, rp[c], racc[c], rnb[c], idx - last[c] - 1, k,
+                                                          (1 << k) - 1)
+                last[c] = idx
+                nv = tile_codec._new_bits(b, src, i, cast)
+                d = (nv - ov) & mask
+                if update:
+                    if _class_of(nv, thr) != c:
+                        fix_buf[fb + 2 * nf] = i - s
+                        fix_buf[fb + 2 * nf + 1] = ov
+                        nf += 1
+                    a[i] = nv
+                sym = entropy.symbol(d, mask, wbits)
+                sym_buf[sp[c]] = sym
+                sp[c] += 1
+                hist[t, c, sym] += 1
+                if sym == ESC:
+                    q = ep[c]
+                    sym_buf[q] = np.uint8(d & np.uint64(0xFF))
+                    sym_buf[q + 1] = np.uint8(d >> np.uint64(8))
+                    ep[c] = q + 2
+            for c in range(nclasses):
+                count[c] += np.int64(ctpop64(cls[c, bi]))
+        run = 0
+        for c in range(nclasses):
+            p = rp[c]
+            acc = racc[c]
+            nbits = rnb[c]
+            while nbits > 0:
+                rice_buf[p] = acc & 0xFF
+                p += 1
+                acc >>= 8
+                nbits -= 8
+            rice_len[t, c] = p - rice_off[t, c]
+            n_esc[t, c] = (ep[c] - (sb + tile + 2 * run)) // 2
+            run += ns[t, c]
         nfix[t] = nf
-    return ns, ks, rice_len, n_esc, nfix, hist.sum(axis=0), over
+    return ns, ks, rice_off, rice_len, n_esc, nfix, hist.sum(axis=0), over
 
 
 def _check_thresholds(thr: np.ndarray) -> None:
@@ -317,8 +304,8 @@ def _run_scan(old: np.ndarray, new: np.ndarray, thr: np.ndarray, tile: int, upda
     _check_thresholds(thr)
     _check_pair(old, new, cast, tile)
     ntiles = (old.size + tile - 1) // tile
-    rstride, fstride = tile + tile_codec._RICE_SLACK, tile // 2
-    need = (ntiles * rstride, ntiles * 2 * tile, ntiles * 2 * fstride)
+    rstride, fstride = tile + tile_codec._RICE_SLACK, tile
+    need = (ntiles * rstride, ntiles * _SYM_STRIDE * tile, ntiles * 2 * fstride)
     bufs = None if scratch is None else scratch.get("context_scan")
     if bufs is None or any(buf.size < n for buf, n in zip(bufs, need)):
         bufs = (tile_codec._scratch(need[0]), tile_codec._scratch(need[1]),
@@ -328,7 +315,13 @@ def _run_scan(old: np.ndarray, new: np.ndarray, thr: np.ndarray, tile: int, upda
     rice_buf, sym_buf, fix_buf = bufs
     b, src = (old[:0], new) if cast else (new, np.empty(0, np.uint32))
     out = _scan_encode(old, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast, fix_buf, fstride)
-    return out, rice_buf, rstride, sym_buf, fix_buf, fstride
+    return out, rice_buf, sym_buf, fix_buf, fstride
+
+
+def _escape_offsets(ns: np.ndarray, tile: int) -> np.ndarray:
+    """Where each (tile, class) escape run starts in the scan's scratch (see ``_scan_encode``)."""
+    before = np.cumsum(ns, axis=1) - ns
+    return _SYM_STRIDE * tile * np.arange(ns.shape[0], dtype=np.int64)[:, None] + tile + 2 * before
 
 
 def encode_context(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, tile: int) -> tuple[int, np.ndarray | None]:
@@ -336,14 +329,16 @@ def encode_context(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, til
     float tensor, in one read of both. The stream is None when nothing changed or a tile did
     not fit its scratch (a pathologically dense tile): the caller picks another mode."""
     thr = np.ascontiguousarray(thresholds, dtype=np.int64)
-    (ns, ks, rice_len, n_esc, _, counts, over), rice_buf, rstride, sym_buf, _, _ = _run_scan(
+    (ns, ks, rice_off, rice_len, n_esc, _, counts, over), rice_buf, sym_buf, _, _ = _run_scan(
         old, new, thr, tile, False, False, None)
     total = int(ns.sum())
-    if total == 0 or over.any():
-        return total, None
-    tiles = np.arange(ns.shape[0], dtype=np.int64)
-    return total, tile_codec._rans_and_assemble(ns, ks, rice_len, n_esc, counts, 2, rice_buf, rstride * tiles, sym_buf,
-                                                2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, _prefix(thr))
+    if over.any():
+        return int((old != new).sum()), None
+    if total == 0:
+        return 0, None
+    return total, tile_codec._rans_and_assemble(ns, ks, rice_len, n_esc, counts, 2, rice_buf, rice_off, sym_buf,
+                                                _SYM_STRIDE * tile * np.arange(ns.shape[0], dtype=np.int64), sym_buf,
+                                                _escape_offsets(ns, tile), _prefix(thr))
 
 
 @dataclass(frozen=True)
@@ -355,8 +350,8 @@ class ContextScan:
     tiles left alone (too dense, or a NaN or subnormal master value under ``cast``)."""
 
     numel: int
-    ns: np.ndarray  # (tiles, classes)
-    ks: np.ndarray  # (tiles, classes)
+    ns: np.ndarray  # (tiles, classes), as are the next three
+    ks: np.ndarray
     rice_len: np.ndarray
     n_esc: np.ndarray
     rice: np.ndarray
@@ -390,9 +385,11 @@ def scan_tiles(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, tile: i
     (every piece of a tensor must use the same); ``update`` folds ``new`` into ``old``; ``cast``:
     ``new`` holds fp32 bits whose bf16 cast is the new version (as ``tile_codec.scan_tiles``)."""
     thr = np.ascontiguousarray(thresholds, dtype=np.int64)
-    (ns, ks, rice_len, n_esc, nfix, counts, over), rice_buf, rstride, sym_buf, fix_buf, fstride = _run_scan(
+    (ns, ks, rice_off, rice_len, n_esc, nfix, counts, over), rice_buf, sym_buf, fix_buf, fstride = _run_scan(
         old, new, thr, tile, update, cast, scratch)
-    rice, syms, escs = tile_codec._compact_tiles(ns.sum(axis=1), rice_len, n_esc, 2, tile, rice_buf, rstride, sym_buf)
+    rice, syms, escs = tile_codec._compact_tiles(ns.sum(axis=1), rice_len, n_esc, 2, rice_buf, rice_off, sym_buf,
+                                                 _SYM_STRIDE * tile * np.arange(ns.shape[0], dtype=np.int64),
+                                                 _escape_offsets(ns, tile))
     fixes = [fix_buf[2 * t * fstride: 2 * (t * fstride + n)].reshape(-1, 2) for t, n in enumerate(nfix.tolist()) if n]
     fix = np.concatenate(fixes) if fixes else np.empty((0, 2), np.uint16)
     tile_of = np.repeat(np.flatnonzero(nfix), nfix[nfix > 0])
@@ -411,16 +408,11 @@ def finish_context(tensor: ContextScans) -> tuple[np.ndarray, np.ndarray, np.nda
         raise ValueError("finish_context needs at least one change")
     rice_len = np.concatenate([s.rice_len for s in scans])
     n_esc = np.concatenate([s.n_esc for s in scans])
-
-    def starts(lengths: np.ndarray) -> np.ndarray:
-        out = np.zeros(lengths.size, np.int64)
-        np.cumsum(lengths[:-1], out=out[1:])
-        return out
-
+    packed = tile_codec.packed_offsets
     stream = tile_codec._rans_and_assemble(
         ns, np.concatenate([s.ks for s in scans]), rice_len, n_esc, sum(s.counts for s in scans), 2,
-        np.concatenate([s.rice for s in scans]), starts(rice_len), np.concatenate([s.syms for s in scans]),
-        starts(ns.sum(axis=1)), np.concatenate([s.escs for s in scans]), starts(n_esc * 2),
+        np.concatenate([s.rice for s in scans]), packed(rice_len), np.concatenate([s.syms for s in scans]),
+        packed(ns.sum(axis=1)), np.concatenate([s.escs for s in scans]), packed(n_esc * 2),
         _prefix(np.ascontiguousarray(thresholds, dtype=np.int64)))
     offsets = np.cumsum([0] + [s.numel for s in scans[:-1]])
     fix_pos = np.concatenate([s.fix_pos + off for s, off in zip(scans, offsets)])
@@ -469,9 +461,7 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
         cls = np.empty((nclasses, nblocks), np.uint64)
         for bi in range(nblocks):
             _class_masks(old, tile_start + 64 * bi, tile_end, thr, cls, bi)
-        p = offs[t]
-        rend = p + rice[t]
-        pa = rend
+        pa = offs[t] + rice[t].sum()
         aend = pa + rans[t]
         if aend - pa < 4:
             errs[t] = 4
@@ -484,10 +474,13 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
         e = aend
         eend = aend + esc[t] * 2
         n_esc = 0
-        acc = 0
-        nbits = 0
         o = starts[t]
-        for c in range(nclasses):
+        rend = offs[t]
+        for c in range(nclasses):  # class c's Rice piece follows class c-1's
+            p = rend
+            rend = p + rice[t, c]
+            acc = 0
+            nbits = 0
             k = ks[t, c]
             lowmask = (1 << k) - 1
             bi = 0
@@ -529,12 +522,12 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
                 if write:
                     old[i] = old[i] + d
                 o += 1
+            if err == 0 and (p != rend or nbits >= 8 or acc != 0):
+                err = 3
             if err:
                 break
         if err == 0:
-            if p != rend or nbits >= 8 or acc != 0:
-                err = 3
-            elif pa != aend or x != RANS_L:
+            if pa != aend or x != RANS_L:
                 err = 7
             elif n_esc != esc[t]:
                 err = 8

@@ -380,7 +380,7 @@ def parse_table_and_directory(buf, p, nclasses, numel, tile, width, changed):
     freq = np.zeros((nclasses, NSYM), np.int64)
     ns = np.zeros((ntiles, nclasses), np.int64)
     ks = np.zeros((ntiles, nclasses), np.int64)
-    rice = np.zeros(ntiles, np.int64)
+    rice = np.zeros((ntiles, nclasses), np.int64)
     rans = np.zeros(ntiles, np.int64)
     esc = np.zeros(ntiles, np.int64)
     offs = np.zeros(ntiles + 1, np.int64)
@@ -411,17 +411,16 @@ def parse_table_and_directory(buf, p, nclasses, numel, tile, width, changed):
                 if p >= end:
                     return 3, freq, ns, ks, rice, rans, esc, offs
                 ks[t, c] = buf[p]
-                p += 1
-        r, p = _varint(buf, p, end)
-        if r < 0:
-            return 3, freq, ns, ks, rice, rans, esc, offs
+                r, p = _varint(buf, p + 1, end)
+                if r < 0:
+                    return 3, freq, ns, ks, rice, rans, esc, offs
+                rice[t, c] = r
         a, p = _varint(buf, p, end)
         if a < 0:
             return 3, freq, ns, ks, rice, rans, esc, offs
         e, p = _varint(buf, p, end)
         if e < 0 or e > n:
             return 3, freq, ns, ks, rice, rans, esc, offs
-        rice[t] = r
         rans[t] = a
         esc[t] = e
     if count != changed:
@@ -431,7 +430,7 @@ def parse_table_and_directory(buf, p, nclasses, numel, tile, width, changed):
             return 2, freq, ns, ks, rice, rans, esc, offs
     offs[0] = p
     for t in range(ntiles):
-        offs[t + 1] = offs[t] + rice[t] + rans[t] + esc[t] * width
+        offs[t + 1] = offs[t] + rice[t].sum() + rans[t] + esc[t] * width
         if offs[t + 1] > end:
             return 5, freq, ns, ks, rice, rans, esc, offs
     if offs[ntiles] != end:

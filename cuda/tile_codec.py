@@ -283,18 +283,19 @@ def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
 def assemble_tiles(prefix, freq, ns, ks, rice_len, rans_start, rans_off, n_esc, width, rice_buf, rice_off, esc_buf,
                    esc_off, rans_buf):
     """Pass 3: ``prefix``, one table per class and the directory (serial), then every tile's
-    Rice | rANS | escapes (parallel); tile ``t``'s Rice bytes start at ``rice_buf[rice_off[t]]``,
-    its escapes at ``esc_buf[esc_off[t]]``. ``freq`` is (classes, NSYM), ``ns`` and ``ks``
-    (tiles, classes); with one class this is the ``sparse`` layout."""
+    Rice pieces | rANS | escape pieces (parallel). ``freq`` is (classes, NSYM); ``ns``, ``ks``
+    and each class's Rice and escape pieces (lengths and where they lie in ``rice_buf`` and
+    ``esc_buf``) are (tiles, classes). With one class this is the ``sparse`` layout."""
     ntiles, nclasses = ns.shape
     tot = np.zeros(ntiles, np.int64)
-    payload = 0
+    size = np.zeros(ntiles, np.int64)
     for t in range(ntiles):
         for c in range(nclasses):
             tot[t] += ns[t, c]
+            size[t] += rice_len[t, c] + n_esc[t, c] * width
         if tot[t]:
-            payload += rice_len[t] + (rans_off[t + 1] - rans_start[t]) + n_esc[t] * width
-    out = np.empty(prefix.size + nclasses * (10 + NSYM * 20) + ntiles * (31 + 10 * nclasses) + payload, np.uint8)
+            size[t] += rans_off[t + 1] - rans_start[t]
+    out = np.empty(prefix.size + nclasses * (10 + NSYM * 20) + ntiles * (20 + 20 * nclasses) + size.sum(), np.uint8)
     p = prefix.size
     out[:p] = prefix
     for c in range(nclasses):
@@ -307,30 +308,31 @@ def assemble_tiles(prefix, freq, ns, ks, rice_len, rans_start, rans_off, n_esc, 
         for c in range(nclasses):
             if ns[t, c]:
                 out[p] = ks[t, c]
-                p += 1
-        p = entropy._write_varint(out, p, rice_len[t])
+                p = entropy._write_varint(out, p + 1, rice_len[t, c])
         p = entropy._write_varint(out, p, rans_off[t + 1] - rans_start[t])
-        p = entropy._write_varint(out, p, n_esc[t])
+        p = entropy._write_varint(out, p, n_esc[t].sum())
     dest = np.zeros(ntiles, np.int64)
     for t in range(ntiles):
         dest[t] = p
-        if tot[t]:
-            p += rice_len[t] + (rans_off[t + 1] - rans_start[t]) + n_esc[t] * width
+        p += size[t]
     for t in nb.prange(ntiles):
         if tot[t] == 0:
             continue
         o = dest[t]
-        r0 = rice_off[t]
-        for c in range(rice_len[t]):
-            out[o + c] = rice_buf[r0 + c]
-        o += rice_len[t]
+        for c in range(nclasses):
+            r0 = rice_off[t, c]
+            for j in range(rice_len[t, c]):
+                out[o + j] = rice_buf[r0 + j]
+            o += rice_len[t, c]
         m = rans_off[t + 1] - rans_start[t]
-        for c in range(m):
-            out[o + c] = rans_buf[rans_start[t] + c]
+        for j in range(m):
+            out[o + j] = rans_buf[rans_start[t] + j]
         o += m
-        e0 = esc_off[t]
-        for c in range(n_esc[t] * width):
-            out[o + c] = esc_buf[e0 + c]
+        for c in range(nclasses):
+            e0 = esc_off[t, c]
+            for j in range(n_esc[t, c] * width):
+                out[o + j] = esc_buf[e0 + j]
+            o += n_esc[t, c] * width
     return out[:p]
 
 
@@ -379,11 +381,14 @@ def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym
 
 def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off,
                        prefix=None):
-    """Passes 2 and 3 over scanned tiles wherever their bytes lie (offsets per tile). One
-    class (the ``sparse`` stream): ``ns``, ``ks`` per tile and one histogram ``counts``;
-    several (``context``): ``ns``, ``ks`` (tiles, classes), ``counts`` (classes, NSYM) and the
-    stream's ``prefix``."""
-    ns, ks, counts = ns.reshape(ns.shape[0], -1), ks.reshape(ks.shape[0], -1), counts.reshape(-1, NSYM)
+    """Passes 2 and 3 over scanned tiles wherever their bytes lie. One class (the ``sparse``
+    stream): every argument per tile and one histogram ``counts``; several (``context``):
+    ``ns``, ``ks`` and the Rice and escape pieces per (tile, class), ``counts`` (classes,
+    NSYM), and the stream's ``prefix``; ``sym_off`` is per tile either way."""
+    ntiles = ns.shape[0]
+    ns, ks, rice_len, n_esc, rice_off, esc_off = (np.asarray(x).reshape(ntiles, -1)
+                                                  for x in (ns, ks, rice_len, n_esc, rice_off, esc_off))
+    counts = counts.reshape(-1, NSYM)
     freq = np.stack([entropy.quantize_freqs(c) for c in counts])
     rtab = np.stack([entropy.rans_encoder_tables(f) for f in freq])
     total = ns.sum(axis=1)
@@ -393,6 +398,14 @@ def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_of
     starts = rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf)
     return assemble_tiles(np.empty(0, np.uint8) if prefix is None else prefix, freq, ns, ks, rice_len, starts,
                           rans_off, n_esc, width, rice_buf, rice_off, esc_buf, esc_off, rans_buf)
+
+
+def packed_offsets(lengths: np.ndarray) -> np.ndarray:
+    """Where each piece starts when pieces of these lengths (any shape, C order) are packed."""
+    flat = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1)
+    out = np.zeros(flat.size, np.int64)
+    np.cumsum(flat[:-1], out=out[1:])
+    return out.reshape(lengths.shape)
 
 
 @dataclass(frozen=True)
@@ -443,7 +456,9 @@ def scan_tiles(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None
     ns, ks, rice_len, n_esc, counts, over = _scan(old, new, tile, rice_buf, sym_buf, update, cast)
     overflowed = np.flatnonzero(over).astype(np.int64)
     ns[overflowed] = 0  # their Rice lengths and escapes are 0 already, their symbols uncounted
-    rice, syms, escs = _compact_tiles(ns, rice_len, n_esc, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf)
+    tiles = np.arange(ns.size, dtype=np.int64)[:, None]
+    rice, syms, escs = _compact_tiles(ns, rice_len[:, None], n_esc[:, None], old.itemsize, rice_buf,
+                                      (tile + _RICE_SLACK) * tiles, sym_buf, 2 * tile * tiles[:, 0], 2 * tile * tiles + tile)
     return TileScan(ns, ks, rice_len, n_esc, rice, syms, escs, counts, overflowed)
 
 
@@ -457,42 +472,42 @@ def finish_sparse(scans: Sequence[TileScan], width: int) -> np.ndarray:
         raise ValueError("finish_sparse needs at least one change")
     rice_len = np.concatenate([s.rice_len for s in scans])
     n_esc = np.concatenate([s.n_esc for s in scans])
-
-    def starts(lengths: np.ndarray) -> np.ndarray:
-        out = np.zeros(lengths.size, np.int64)
-        np.cumsum(lengths[:-1], out=out[1:])
-        return out
-
     return _rans_and_assemble(
         ns, np.concatenate([s.ks for s in scans]), rice_len, n_esc, sum(s.counts for s in scans), width,
-        np.concatenate([s.rice for s in scans]), starts(rice_len),
-        np.concatenate([s.syms for s in scans]), starts(ns),
-        np.concatenate([s.escs for s in scans]), starts(n_esc * width),
+        np.concatenate([s.rice for s in scans]), packed_offsets(rice_len),
+        np.concatenate([s.syms for s in scans]), packed_offsets(ns),
+        np.concatenate([s.escs for s in scans]), packed_offsets(n_esc * width),
     )
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _compact_tiles(ns, rice_len, n_esc, width, tile, rice_buf, rstride, sym_buf):
-    """Copy each tile's Rice bytes, symbols and escapes out of the strided scratch, packed."""
-    ntiles = ns.size
+def _compact_tiles(ns, rice_len, n_esc, width, rice_buf, rice_off, sym_buf, sym_off, esc_off):
+    """Copy each tile's Rice pieces, symbols and escape pieces out of the scratch, packed in
+    (tile, class) order. ``ns`` is per tile; ``rice_len``, ``n_esc`` and the pieces' offsets
+    are (tiles, classes)."""
+    ntiles, nclasses = rice_len.shape
     ro = np.zeros(ntiles + 1, np.int64)
     so = np.zeros(ntiles + 1, np.int64)
     eo = np.zeros(ntiles + 1, np.int64)
     for t in range(ntiles):
-        ro[t + 1] = ro[t] + rice_len[t]
+        ro[t + 1] = ro[t] + rice_len[t].sum()
         so[t + 1] = so[t] + ns[t]
-        eo[t + 1] = eo[t] + n_esc[t] * width
+        eo[t + 1] = eo[t] + n_esc[t].sum() * width
     rice = np.empty(ro[ntiles], np.uint8)
     syms = np.empty(so[ntiles], np.uint8)
     escs = np.empty(eo[ntiles], np.uint8)
     for t in nb.prange(ntiles):
-        for c in range(rice_len[t]):
-            rice[ro[t] + c] = rice_buf[t * rstride + c]
-        sb = 2 * t * tile
-        for c in range(ns[t]):
-            syms[so[t] + c] = sym_buf[sb + c]
-        for c in range(n_esc[t] * width):
-            escs[eo[t] + c] = sym_buf[sb + tile + c]
+        r = ro[t]
+        e = eo[t]
+        for c in range(nclasses):
+            for j in range(rice_len[t, c]):
+                rice[r + j] = rice_buf[rice_off[t, c] + j]
+            r += rice_len[t, c]
+            for j in range(n_esc[t, c] * width):
+                escs[e + j] = sym_buf[esc_off[t, c] + j]
+            e += n_esc[t, c] * width
+        for j in range(ns[t]):
+            syms[so[t] + j] = sym_buf[sym_off[t] + j]
     return rice, syms, escs
 
 

@@ -364,7 +364,7 @@ def test_tiles_with_nan_or_subnormal_masters_are_cast_by_torch(encoding: str) ->
     assert torch.equal(delta.old_bits, ref.old_bits) and torch.equal(delta.new_bits, ref.new_bits)
 
 
-@pytest.mark.parametrize("encoding", ["default", "context"])
+@pytest.mark.parametrize("encoding", ["default"])  # context scans have room for any tile (only NaNs overflow)
 def test_tiles_too_dense_to_scan_turn_the_tensor_into_one_delta(encoding: str) -> None:
     """Tiles that overflow the scan's scratch are diffed; the tiles and chunks scanned around
     them are recovered from the folded view, so the tensor still has one exact delta."""
