@@ -12,8 +12,10 @@ at the bench's 4% density (i.i.d. positions cannot do better than 6.0: the "entr
 Layout, after the ``sparse`` stream's conventions (``weftboard.cuda.entropy``: varints, tables,
 Rice and rANS coders, escapes)::
 
-    classes    varint nthr (1 .. MAX_THRESHOLDS), nthr strictly ascending varint thresholds in
-               1 .. 0x7FFF; element x is in class c = #{j : (old_x & 0x7FFF) >= t_j}
+    classes    varint nthr (1 .. MAX_THRESHOLDS), nthr strictly ascending varint thresholds, each
+               a multiple of 0x80 below 0x8000 (a bf16 binade; fp16 binades are multiples too,
+               so a class depends on the exponent bits alone); element x is in class
+               c = #{j : (old_x & 0x7FFF) >= t_j}
     tables     one frequency table per class (nthr + 1 of them), class 0 first; a class
                without changes may have an empty table (nsym 0)
     directory  per tile: one varint n_c per class; if any is > 0: for each class with n_c > 0
@@ -166,7 +168,7 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
         nblocks = (e - s + 63) // 64
         masks = np.empty(nblocks, np.uint64)
         cls = np.empty((nclasses, nblocks), np.uint64)
-        members = np.zeros(nclasses, np.int64)
+        planes = np.zeros((3, nblocks), np.uint64)  # bit j of each element's class, per block
         total = 0
         special = np.uint64(0)
         for bi in range(nblocks):
@@ -185,10 +187,10 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
                 m = tile_codec.block_mask(a, b, bs, e)
             masks[bi] = m
             _class_masks(a, bs, e, thr, cls, bi)
-            for c in range(nclasses):
-                cm = cls[c, bi]
-                ns[t, c] += np.int64(ctpop64(m & cm))
-                members[c] += np.int64(ctpop64(cm))
+            for c in range(1, nclasses):
+                for j in range(3):
+                    if (c >> j) & 1:
+                        planes[j, bi] |= cls[c, bi]
             total += np.int64(ctpop64(m))
         if special or total == 0:
             over[t] = np.int64(special != 0)
@@ -196,8 +198,16 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
             continue
         p0 = t * rstride
         need = 0
-        for c in range(nclasses):
-            n = ns[t, c]
+        members = np.zeros(nclasses, np.int64)
+        for c in range(nclasses):  # class by class: the sums stay in registers
+            n = 0
+            mc = 0
+            for bi in range(nblocks):
+                cm = cls[c, bi]
+                n += np.int64(ctpop64(masks[bi] & cm))
+                mc += np.int64(ctpop64(cm))
+            ns[t, c] = n
+            members[c] = mc
             if n:
                 k = tile_codec.rice_k(members[c] - n, n)
                 ks[t, c] = k
@@ -207,9 +217,7 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
             over[t] = 1
             ns[t, :] = 0
             continue
-        rp = rice_off[t].copy()
-        racc = np.zeros(nclasses, np.int64)
-        rnb = np.zeros(nclasses, np.int64)
+        gaps = np.empty(total, np.int64)  # Rice-coded class by class after the walk
         last = np.full(nclasses, -1, np.int64)
         count = np.zeros(nclasses, np.int64)
         sp = np.empty(nclasses, np.int64)  # each class's next symbol, then escape, slot
@@ -229,16 +237,16 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
                 m &= m - np.uint64(1)
                 i = s + 64 * bi + np.int64(bit)
                 ov = np.uint64(a[i])
-                c = _class_of(ov, thr)
+                c = np.int64(((planes[0, bi] >> bit) & np.uint64(1)) | (((planes[1, bi] >> bit) & np.uint64(1)) << np.uint64(1))
+                             | (((planes[2, bi] >> bit) & np.uint64(1)) << np.uint64(2)))
                 idx = count[c] + np.int64(ctpop64(cls[c, bi] & ((np.uint64(1) << bit) - np.uint64(1))))
-                k = ks[t, c]
-                rp[c], racc[c], rnb[c] = entropy.rice_put(rice_buf, rp[c], racc[c], rnb[c], idx - last[c] - 1, k,
-                                                          (1 << k) - 1)
+                gaps[sp[c] - sb] = idx - last[c] - 1
                 last[c] = idx
                 nv = tile_codec._new_bits(b, src, i, cast)
                 d = (nv - ov) & mask
                 if update:
-                    if _class_of(nv, thr) != c:
+                    # Classes change only with the exponent (thresholds are powers of two).
+                    if (nv ^ ov) & np.uint64(0x7F80) and _class_of(nv, thr) != c:
                         fix_buf[fb + 2 * nf] = i - s
                         fix_buf[fb + 2 * nf + 1] = ov
                         nf += 1
@@ -256,9 +264,13 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
                 count[c] += np.int64(ctpop64(cls[c, bi]))
         run = 0
         for c in range(nclasses):
-            p = rp[c]
-            acc = racc[c]
-            nbits = rnb[c]
+            p = rice_off[t, c]
+            acc = 0
+            nbits = 0
+            k = ks[t, c]
+            lowmask = (1 << k) - 1
+            for j in range(run, run + ns[t, c]):
+                p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, gaps[j], k, lowmask)
             while nbits > 0:
                 rice_buf[p] = acc & 0xFF
                 p += 1
@@ -272,9 +284,10 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
 
 
 def _check_thresholds(thr: np.ndarray) -> None:
-    if not 1 <= thr.size <= MAX_THRESHOLDS or thr[0] < 1 or thr[-1] > 0x7FFF or np.any(thr[1:] <= thr[:-1]):
-        raise ValueError(f"context thresholds must be 1 to {MAX_THRESHOLDS} strictly ascending values in "
-                         f"1..0x7FFF, got {thr.tolist()}")
+    if (not 1 <= thr.size <= MAX_THRESHOLDS or thr[0] < 1 or thr[-1] > 0x7FFF or np.any(thr[1:] <= thr[:-1])
+            or np.any(thr % 0x80)):
+        raise ValueError(f"context thresholds must be 1 to {MAX_THRESHOLDS} strictly ascending multiples of 0x80 "
+                         f"below 0x8000, got {thr.tolist()}")
 
 
 def _check_pair(old: np.ndarray, new: np.ndarray, cast: bool, tile: int) -> None:

@@ -88,7 +88,7 @@ def test_thresholds_are_checked_and_chosen_below_the_median_binade() -> None:
     exponent = (int(a[0]) >> 7) & 0xFF
     assert list(thr) == [(exponent - cc.CLASSES + 1 + j) << 7 for j in range(cc.CLASSES - 1)]
     assert cc.choose_thresholds(np.zeros(100, np.uint16), torch.bfloat16).size == 0
-    for bad in ([], [0], [5, 5], [0x8000], list(range(1, 10))):
+    for bad in ([], [0], [0x80, 0x80], [0x8000], [0x3F81], [0x80 * j for j in range(1, 10)]):
         with pytest.raises(ValueError, match="thresholds"):
             cc.encode_context(a, a, np.array(bad, np.int64), CODEC_TILE)
 
