@@ -442,9 +442,9 @@ def decode_folded(stream: ContextStream, folded: np.ndarray, fix_pos: np.ndarray
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, out_pos, out_diff, write):
-    """Each tile's changes into ``out_pos``/``out_diff`` at the prefix sums of its change
-    counts, classes from ``old``, which ``write`` also patches in place (each tile's classes
+def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, out_off, out_diff, write):
+    """Each tile's changes into ``out_off`` (offsets in the tile, uint16: tiles are at most
+    65536 elements) and ``out_diff`` at the prefix sums of its change counts, classes from ``old``, which ``write`` also patches in place (each tile's classes
     are taken before its first write); (an ``entropy.ERRORS`` code per tile, changes written
     per tile)."""
     ntiles, nclasses = ns.shape
@@ -529,9 +529,9 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
                     break
                 bit = _select(cm, g)
                 cm &= (_ALL << np.uint64(bit)) << np.uint64(1)  # members after this one
-                i = tile_start + 64 * bi + bit
-                out_pos[o] = i
+                out_off[o] = 64 * bi + bit
                 out_diff[o] = d
+                i = tile_start + 64 * bi + bit
                 if write:
                     old[i] = old[i] + d
                 o += 1
@@ -550,7 +550,7 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
 
 
 @nb.njit(parallel=True, cache=True, nogil=True)
-def _unapply(target, pos, diff, ns, done):
+def _unapply(target, off, diff, ns, done, tile):
     """Subtract the first ``done[t]`` differences of each tile (laid out as ``_decode`` wrote
     them) from ``target``."""
     ntiles = ns.shape[0]
@@ -559,7 +559,8 @@ def _unapply(target, pos, diff, ns, done):
         starts[t + 1] = starts[t] + ns[t].sum()
     for t in nb.prange(ntiles):
         for o in range(starts[t], starts[t] + done[t]):
-            target[pos[o]] = target[pos[o]] - diff[o]
+            i = t * tile + np.int64(off[o])
+            target[i] = target[i] - diff[o]
 
 
 class ContextStream:
@@ -578,6 +579,8 @@ class ContextStream:
             _check_thresholds(thr)
         except ValueError as exc:
             raise ValueError(f"bad class thresholds: {exc}") from None
+        if tile > 1 << 16:
+            raise ValueError(f"context streams need tiles of at most 65536 elements, not {tile}")
         if (numel + tile - 1) // tile > buf.size - p:  # every tile has at least one directory byte
             raise ValueError(f"{buf.size} bytes cannot hold the directory of {numel} elements in tiles of {tile}")
         err, freq, ns, ks, rice, rans, esc, offs = entropy.parse_table_and_directory(buf, p, nthr + 1, numel, tile, 2,
@@ -593,40 +596,41 @@ class ContextStream:
     def decode(self, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(positions, differences as uint16) against ``old``, the uint16 bits the stream
         applies to; raises ValueError naming the first bad tile."""
-        return self._run(old, False)
+        off, diff = self._run(old, False)
+        tile_starts = np.repeat(np.arange(self.ns.shape[0], dtype=np.int64) * self.tile, self.ns.sum(axis=1))
+        return tile_starts + off, diff
 
     def apply_(self, target: np.ndarray) -> "ContextUndo":
-        """Patch the uint16 bits ``target`` in place; what it takes to undo it. On a bad tile
-        every write is undone before ValueError is raised."""
-        return ContextUndo(target, *self._run(target, True))
+        """Patch the uint16 bits ``target`` in place; what it takes to undo it (4 bytes per
+        change). On a bad tile every write is undone before ValueError is raised."""
+        return ContextUndo(target, *self._run(target, True), self.ns, self.tile)
 
     def _run(self, old: np.ndarray, write: bool) -> tuple[np.ndarray, np.ndarray]:
         if old.dtype != np.uint16 or old.size != self.numel or not old.flags.c_contiguous:
             raise ValueError(f"context streams decode against the {self.numel} old uint16 bits they apply to, got "
                              f"{old.dtype}/{old.size}")
-        pos = np.empty(self.changed, np.int64)
+        off = np.empty(self.changed, np.uint16)
         diff = np.empty(self.changed, np.uint16)
         errs, done = _decode(self.buf, old, self.numel, self.tile, self.thr, self.ns, self.ks, self.rice, self.rans,
-                             self.esc, self.offs, self.freq, self.cum, self.slot2sym, pos, diff, write)
+                             self.esc, self.offs, self.freq, self.cum, self.slot2sym, off, diff, write)
         bad = np.flatnonzero(errs)
         if bad.size:
             if write:
-                _unapply(old, pos, diff, self.ns, done)
+                _unapply(old, off, diff, self.ns, done, self.tile)
             t = int(bad[0])
             raise ValueError(f"tile {t} ({bad.size} bad tiles): {entropy.ERRORS.get(int(errs[t]), 'unknown error')}")
-        return pos, diff
+        return off, diff
 
 
 class ContextUndo:
-    """The (position, difference) pairs one ``apply_`` wrote: the new bits alone do not give
-    the old classes back, so this is how a context stream is taken out again."""
+    """The (offset in tile, difference) pairs one ``apply_`` wrote: the new bits alone do not
+    give the old classes back, so this is how a context stream is taken out again."""
 
-    def __init__(self, target: np.ndarray, pos: np.ndarray, diff: np.ndarray) -> None:
-        self.target, self.pos, self.diff = target, pos, diff
+    def __init__(self, target: np.ndarray, off: np.ndarray, diff: np.ndarray, ns: np.ndarray, tile: int) -> None:
+        self.target, self.off, self.diff, self.ns, self.tile = target, off, diff, ns, tile
 
     def __call__(self) -> None:
-        ns = np.array([[self.pos.size]], np.int64)
-        _unapply(self.target, self.pos, self.diff, ns, ns[:, 0])
+        _unapply(self.target, self.off, self.diff, self.ns, self.ns.sum(axis=1), self.tile)
 
 
 assert MAX_DELTA < 0x8000  # sym2diff above writes magnitudes as uint16 two's complement
