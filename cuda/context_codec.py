@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from weftboard.cuda import entropy, tile_codec
-from weftboard.cuda.bitops import cast_ne_mask64, cast_special64, ctlz64, ctpop64, cttz64, mag_ge_mask64
+from weftboard.cuda.bitops import ctpop64, cttz64, mag_ge_mask64
 from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM, RANS_L
 
 MAX_THRESHOLDS = 7
@@ -173,18 +173,8 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
         special = np.uint64(0)
         for bi in range(nblocks):
             bs = s + 64 * bi
-            if cast:
-                if bs + 64 <= e:
-                    special |= cast_special64(src, bs)
-                    m = cast_ne_mask64(a, bs, src, bs)
-                else:
-                    m = np.uint64(0)
-                    for j in range(e - bs):
-                        special |= np.uint64(tile_codec.cast_special(src[bs + j]))
-                        if np.uint64(a[bs + j]) != np.uint64(tile_codec.bf16_rne(src[bs + j])):
-                            m |= np.uint64(1) << np.uint64(j)
-            else:
-                m = tile_codec.block_mask(a, b, bs, e)
+            m, sp = tile_codec.scan_block(a, b, src, bs, e, cast)
+            special |= sp
             masks[bi] = m
             _class_masks(a, bs, e, thr, cls, bi)
             for c in range(1, nclasses):
@@ -476,13 +466,9 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
             _class_masks(old, tile_start + 64 * bi, tile_end, thr, cls, bi)
         pa = offs[t] + rice[t].sum()
         aend = pa + rans[t]
-        if aend - pa < 4:
-            errs[t] = 4
-            continue
-        x = np.int64(buf[pa]) | (np.int64(buf[pa + 1]) << 8) | (np.int64(buf[pa + 2]) << 16) | (np.int64(buf[pa + 3]) << 24)
-        pa += 4
-        if x < RANS_L or x >= (RANS_L << 8):
-            errs[t] = 5
+        x, pa, err = tile_codec.rans_start(buf, pa, aend)
+        if err:
+            errs[t] = err
             continue
         e = aend
         eend = aend + esc[t] * 2

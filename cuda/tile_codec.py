@@ -106,6 +106,25 @@ def _new_bits(b, src, i, cast):
     return np.uint64(b[i])
 
 
+@nb.njit(inline="always", cache=True)
+def scan_block(a, b, src, bs, e, cast):
+    """(change mask, special) of elements ``bs .. min(bs + 64, e) - 1``: ``b`` against ``a``,
+    or (``cast``) the bf16 cast of the fp32 bits ``src``, with ``special`` non-zero when one of
+    those is a NaN or subnormal (``cast_special``)."""
+    if not cast:
+        return block_mask(a, b, bs, e), np.uint64(0)
+    if bs + 64 <= e:
+        return cast_ne_mask64(a, bs, src, bs), cast_special64(src, bs)
+    m = np.uint64(0)
+    special = np.uint64(0)
+    for j in range(e - bs):
+        u = src[bs + j]
+        special |= np.uint64(cast_special(u))
+        if np.uint64(a[bs + j]) != np.uint64(bf16_rne(u)):
+            m |= np.uint64(1) << np.uint64(j)
+    return m, special
+
+
 @nb.njit(parallel=True, cache=True, nogil=True)
 def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src, cast):
     """Pass 1: per tile, change masks, then Rice-coded gaps, symbols and escapes.
@@ -141,20 +160,8 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src
         last = -1
         special = np.uint64(0)
         for bi in range(nblocks):
-            bs = s + 64 * bi
-            if cast:
-                if bs + 64 <= e:
-                    special |= cast_special64(src, bs)
-                    m = cast_ne_mask64(a, bs, src, bs)
-                else:
-                    m = np.uint64(0)
-                    for j in range(e - bs):
-                        u = src[bs + j]
-                        special |= np.uint64(cast_special(u))
-                        if np.uint64(a[bs + j]) != np.uint64(bf16_rne(u)):
-                            m |= np.uint64(1) << np.uint64(j)
-            else:
-                m = block_mask(a, b, bs, e)
+            m, sp = scan_block(a, b, src, s + 64 * bi, e, cast)
+            special |= sp
             masks[bi] = m
             if m != 0:
                 cnt += np.int64(ctpop64(m))
@@ -512,6 +519,19 @@ def _compact_tiles(ns, rice_len, n_esc, width, rice_buf, rice_off, sym_buf, sym_
 
 
 @nb.njit(inline="always", cache=True)
+def rans_start(buf, pa, aend):
+    """The initial rANS state of a tile's stream ``buf[pa:aend]`` (its first 4 bytes): returns
+    ``(x, pa, err)``, ``err`` 4 when the stream is shorter than that and 5 when the state is
+    out of range."""
+    if aend - pa < 4:
+        return 0, pa, 4
+    x = np.int64(buf[pa]) | (np.int64(buf[pa + 1]) << 8) | (np.int64(buf[pa + 2]) << 16) | (np.int64(buf[pa + 3]) << 24)
+    if x < RANS_L or x >= (RANS_L << 8):
+        return x, pa + 4, 5
+    return x, pa + 4, 0
+
+
+@nb.njit(inline="always", cache=True)
 def rans_symbol(buf, x, pa, aend, freq, cum, slot2sym):
     """Decode one symbol from the rANS state ``x`` reading at ``buf[pa:aend]``: returns
     ``(symbol, x, pa, err)``, ``err`` 6 when the stream runs out."""
@@ -629,13 +649,9 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
         rend = p + rice[t]
         pa = rend
         aend = pa + rans[t]
-        if aend - pa < 4:
-            errs[t] = 4
-            continue
-        x = np.int64(buf[pa]) | (np.int64(buf[pa + 1]) << 8) | (np.int64(buf[pa + 2]) << 16) | (np.int64(buf[pa + 3]) << 24)
-        pa += 4
-        if x < RANS_L or x >= (RANS_L << 8):
-            errs[t] = 5
+        x, pa, err = rans_start(buf, pa, aend)
+        if err:
+            errs[t] = err
             continue
         e = aend
         eend = aend + esc[t] * width
