@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from weftboard.cuda.codec import apply_patch_, apply_patch_arriving_, encode_patch
+from weftboard.cuda.codec import apply_patch_, apply_patch_arriving_, encode_patch, read_patch_info
 from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch, InvalidArgument, Unavailable
 from weftboard.subscriber.arriving import ArrivingBytes
 from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
@@ -66,8 +66,9 @@ def test_a_failed_download_wakes_every_waiter() -> None:
         blob.wait_verified()
 
 
-def _patch_bytes(old: dict, new: dict) -> bytes:
-    return encode_patch([(n, old[n], new[n]) for n in old], base_version=1, target_version=2, target_root="xxh3-128:0").data
+def _patch_bytes(old: dict, new: dict, encoding: str = "default") -> bytes:
+    return encode_patch([(n, old[n], new[n]) for n in old], base_version=1, target_version=2, target_root="xxh3-128:0",
+                        encoding=encoding).data
 
 
 def _feed(blob: ArrivingBytes, data: bytes, chunk: int, seed: int, *, fail_after: int | None = None,
@@ -89,11 +90,12 @@ def _feed(blob: ArrivingBytes, data: bytes, chunk: int, seed: int, *, fail_after
     return t
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_arriving_apply_equals_the_whole_patch_apply_in_any_arrival_order(seed: int) -> None:
+@pytest.mark.parametrize("seed,encoding", [(0, "default"), (1, "default"), (2, "default"), (3, "context")])
+def test_arriving_apply_equals_the_whole_patch_apply_in_any_arrival_order(seed: int, encoding: str) -> None:
     old = _view(seed)
     new = _step(old, 100 + seed, frac=0.2)
-    data = _patch_bytes(old, new)
+    data = _patch_bytes(old, new, encoding)
+    assert ("context" in {t.mode for t in read_patch_info(data).tensors}) == (encoding == "context")
     whole = {n: t.clone() for n, t in old.items()}
     apply_patch_(whole, data)
     live = {n: t.clone() for n, t in old.items()}
@@ -108,10 +110,11 @@ def test_arriving_apply_equals_the_whole_patch_apply_in_any_arrival_order(seed: 
     assert _equal(live, old)
 
 
-def test_arriving_apply_undoes_everything_on_a_damaged_stream_or_a_failed_download() -> None:
+@pytest.mark.parametrize("encoding", ["default", "context"])
+def test_arriving_apply_undoes_everything_on_a_damaged_stream_or_a_failed_download(encoding: str) -> None:
     old = _view(5)
     new = _step(old, 6, frac=0.2)
-    data = _patch_bytes(old, new)
+    data = _patch_bytes(old, new, encoding)
     damaged = bytearray(data)
     damaged[-3] ^= 0x40  # inside the last stream: earlier tensors are written by then
     live = {n: t.clone() for n, t in old.items()}
