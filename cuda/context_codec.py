@@ -32,9 +32,11 @@ once, in position order, writing each where its class goes.)
 
 Invariants:
 - A class is a function of the old bits alone, and the decoder computes a whole tile's classes
-  before it decodes any change of the tile, so (position, difference) pairs come out right
-  even when applying them changes an element's class. Reverting needs those pairs (the new
-  bits alone do not give the old classes back), which is why this mode decodes to arrays.
+  before it decodes any change of the tile, so it can write in place even when a change moves
+  an element to another class. Taking a patch out again needs the (position, difference)
+  pairs, because the new bits alone do not give the old classes back: an apply keeps them
+  (``ContextUndo``, 4 bytes per change), and a publisher that folded a version in keeps the
+  few changes whose class moved (``decode_folded``).
 - Decoded positions are unique and grouped by class inside a tile, not ascending.
 - Every read is bounds-checked; errors are ``entropy.ERRORS`` codes per tile, as in ``sparse``.
 """
