@@ -405,20 +405,8 @@ def scan_tiles(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, tile: i
 def finish_context(tensor: ContextScans) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(the ``context`` stream, fixup positions, fixup old bits) of a tensor from the scans of
     its pieces (at least one change in all)."""
-    scans, thresholds = tensor.pieces, tensor.thresholds
-    if any(s.overflowed.size for s in scans):
-        raise ValueError("a scan with overflowed tiles does not describe its piece; diff those tiles")
-    ns = np.concatenate([s.ns for s in scans])
-    if not ns.any():
-        raise ValueError("finish_context needs at least one change")
-    rice_len = np.concatenate([s.rice_len for s in scans])
-    n_esc = np.concatenate([s.n_esc for s in scans])
-    packed = tile_codec.packed_offsets
-    stream = tile_codec._rans_and_assemble(
-        ns, np.concatenate([s.ks for s in scans]), rice_len, n_esc, sum(s.counts for s in scans), 2,
-        np.concatenate([s.rice for s in scans]), packed(rice_len), np.concatenate([s.syms for s in scans]),
-        packed(ns.sum(axis=1)), np.concatenate([s.escs for s in scans]), packed(n_esc * 2),
-        _prefix(np.ascontiguousarray(thresholds, dtype=np.int64)))
+    scans = tensor.pieces
+    stream = tile_codec.finish_pieces(scans, 2, _prefix(np.ascontiguousarray(tensor.thresholds, dtype=np.int64)))
     offsets = np.cumsum([0] + [s.numel for s in scans[:-1]])
     fix_pos = np.concatenate([s.fix_pos + off for s, off in zip(scans, offsets)])
     return stream, fix_pos, np.concatenate([s.fix_old for s in scans])

@@ -472,18 +472,24 @@ def scan_tiles(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None
 def finish_sparse(scans: Sequence[TileScan], width: int) -> np.ndarray:
     """The ``sparse`` stream of a tensor from the scans of its pieces, in order (at least one
     change in all)."""
+    return finish_pieces(scans, width)
+
+
+def finish_pieces(scans: Sequence, width: int, prefix: np.ndarray | None = None) -> np.ndarray:
+    """Passes 2 and 3 over the scans of a tensor's pieces, in order: ``TileScan`` (the
+    ``sparse`` stream) or ``context_codec.ContextScan`` with the stream's ``prefix``."""
     if any(s.overflowed.size for s in scans):
         raise ValueError("a scan with overflowed tiles does not describe its piece; diff those tiles")
     ns = np.concatenate([s.ns for s in scans])
     if not ns.any():
-        raise ValueError("finish_sparse needs at least one change")
+        raise ValueError("a stream needs at least one change")
     rice_len = np.concatenate([s.rice_len for s in scans])
     n_esc = np.concatenate([s.n_esc for s in scans])
     return _rans_and_assemble(
         ns, np.concatenate([s.ks for s in scans]), rice_len, n_esc, sum(s.counts for s in scans), width,
         np.concatenate([s.rice for s in scans]), packed_offsets(rice_len),
-        np.concatenate([s.syms for s in scans]), packed_offsets(ns),
-        np.concatenate([s.escs for s in scans]), packed_offsets(n_esc * width),
+        np.concatenate([s.syms for s in scans]), packed_offsets(ns.reshape(ns.shape[0], -1).sum(axis=1)),
+        np.concatenate([s.escs for s in scans]), packed_offsets(n_esc * width), prefix,
     )
 
 
