@@ -13,8 +13,10 @@ Invariants:
   served as bf16 on the CPU is cast inside the scan itself, ``scan_tiles(cast=True)``) and
   folded into that view in one pass that also records the transition, so the view always equals
   the newest published version. On CPU views in the default encoding that pass *encodes*
-  as it compares (``tile_codec`` scans: Rice-coded gaps and symbols), and only the rANS
-  pass and the container are left for later; elsewhere it keeps deltas
+  as it compares (``tile_codec`` scans: Rice-coded gaps and symbols; in the context
+  encoding, ``context_codec`` scans for bf16 and fp16 tensors, whose class bounds come from
+  the view before it is folded), and only the rANS pass and the container are left for
+  later; elsewhere it keeps deltas
   (``diff_and_update_``, Triton on CUDA). That read is all
   the trainer waits for; with ``attach(optimizer)`` it even overlaps the next forward and
   backward pass, and only the optimizer's next ``step()`` waits for it (``blocked_s``).
@@ -24,7 +26,8 @@ Invariants:
   changes it), then an asyncio loop on its own
   thread for the *upload* stage (encode what is left, upload, commit), which needs only
   the deltas and streams. Merging a version into the next (``"skip"``) works on deltas:
-  the queued version's streams are decoded back to deltas against the view first.
+  the queued version's streams are decoded back to deltas against the view first (context
+  streams with the changes whose class the fold moved, which their scans recorded).
 - Versions are consecutive and committed in order; a failure that cannot be retried
   poisons the publisher (every later ``publish`` raises it), because a gap would break
   the chain islands follow.
