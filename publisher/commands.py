@@ -29,7 +29,11 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     ) -> None:
         """Publish-to-applied on every island for patches vs full checkpoints; last line JSON."""
         from weftboard.board.logs import configure
+        from weftboard.cuda.codec import ENCODINGS
         from weftboard.publisher.bench_sync import main_cli
+
+        if encoding not in ENCODINGS:
+            raise typer.BadParameter(f"choose one of {', '.join(ENCODINGS)}", param_hint="--encoding")
 
         configure(json=True, level="WARNING")
         main_cli(params, islands, versions, destination, json_out, work_dir,

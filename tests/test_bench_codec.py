@@ -42,3 +42,13 @@ def test_bench_codec_quantized_format_reports_scales() -> None:
     assert result["format"] == "mxfp4"
     assert "density_recompute_scales" in result and result["density_recompute_scales"] >= result["density"] * 0.5
     assert any("density" in line for line in lines)
+
+
+def test_bench_codec_context_encoding_is_lossless_and_smaller() -> None:
+    """``--encoding context`` measures the context streams: lossless, and on a realistic step
+    below the default's bytes per change (the i.i.d. bound is not a floor for it)."""
+    default = bench_codec.run(fmt="bf16", params=600_000, repeat=1, log=lambda _: None)
+    context = bench_codec.run(fmt="bf16", params=600_000, repeat=1, encoding="context", log=lambda _: None)
+    assert context["encoding"] == "context" and context["lossless"] is True
+    assert context["changed"] == default["changed"]
+    assert context["bytes_per_change"] < default["bytes_per_change"]

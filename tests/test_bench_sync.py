@@ -21,16 +21,17 @@ KEYS = {
 }
 
 
-def test_bench_sync_smoke(tmp_path: Path) -> None:
+@pytest.mark.parametrize("encoding", ["default", "context"])
+def test_bench_sync_smoke(tmp_path: Path, encoding: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "weftboard.board.cli", "bench", "sync", "--params", "1000000", "--islands", "2",
-         "--versions", "2", "--warm-steps", "2", "--json", "--work-dir", str(tmp_path / "work")],
+         "--versions", "2", "--warm-steps", "2", "--json", "--work-dir", str(tmp_path / "work"), "--encoding", encoding],
         capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert KEYS <= set(result)
-    assert result["bitwise_ok"] is True
+    assert result["bitwise_ok"] is True and result["encoding"] == encoding
     assert result["islands"] == 2 and result["versions"] == 2
     assert result["params"] >= 1_000_000 * 0.8
     assert 0 < result["delta_bytes_per_version"] < result["full_bytes_per_version"]
