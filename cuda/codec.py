@@ -304,9 +304,10 @@ def encoded_from_scans(name: str, dtype: torch.dtype, numel: int, scans: Scans) 
 
 
 def delta_from_encoded(encoded: EncodedTensor, target: torch.Tensor) -> TensorDelta:
-    """The delta of an ``empty`` or ``sparse`` stream, given the tensor it leads to (its old
-    bits are the target's minus the stream's differences): what a publisher that kept streams
-    instead of deltas needs to merge a version into the next one."""
+    """The delta of an ``empty``, ``sparse`` or folded ``context`` stream (one that carries its
+    ``fixups``), given the tensor it leads to (its old bits are the target's minus the stream's
+    differences): what a publisher that kept streams instead of deltas needs to merge a version
+    into the next one."""
     if encoded.mode not in ("empty", "sparse", "context") or (encoded.mode == "context" and encoded.fixups is None):
         raise InvalidArgument(f"only empty, sparse and folded context streams carry their old bits, not {encoded.mode!r}")
     bits = bits_view(target.detach())
