@@ -237,7 +237,7 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
                 nv = tile_codec._new_bits(b, src, i, cast)
                 d = (nv - ov) & mask
                 if update:
-                    # Classes change only with the exponent (thresholds are powers of two).
+                    # Classes change only with the exponent bits (thresholds are binade bounds).
                     if (nv ^ ov) & np.uint64(0x7F80) and _class_of(nv, thr) != c:
                         fix_buf[fb + 2 * nf] = i - s
                         fix_buf[fb + 2 * nf + 1] = ov
@@ -263,12 +263,7 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
             lowmask = (1 << k) - 1
             for j in range(run, run + ns[t, c]):
                 p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, gaps[j], k, lowmask)
-            while nbits > 0:
-                rice_buf[p] = acc & 0xFF
-                p += 1
-                acc >>= 8
-                nbits -= 8
-            rice_len[t, c] = p - rice_off[t, c]
+            rice_len[t, c] = entropy.rice_flush(rice_buf, p, acc, nbits) - rice_off[t, c]
             n_esc[t, c] = (ep[c] - (sb + tile + 2 * run)) // 2
             run += ns[t, c]
         nfix[t] = nf
@@ -283,17 +278,11 @@ def _check_thresholds(thr: np.ndarray) -> None:
 
 
 def _check_pair(old: np.ndarray, new: np.ndarray, cast: bool, tile: int) -> None:
-    if cast:
-        if old.dtype != np.uint16 or new.dtype != np.uint32 or old.size != new.size:
-            raise ValueError(f"a cast scan needs bf16 bits (uint16) and fp32 bits (uint32) of one size, got "
-                             f"{old.dtype}/{old.size} and {new.dtype}/{new.size}")
-    elif old.dtype != np.uint16 or new.dtype != np.uint16 or old.size != new.size:
-        raise ValueError(f"context coding needs two uint16 arrays of one size, got {old.dtype}/{old.size} and "
-                         f"{new.dtype}/{new.size}")
-    if not (old.flags.c_contiguous and new.flags.c_contiguous):
-        raise ValueError("old and new must be C-contiguous (flat views of contiguous tensors)")
-    if tile % 64 or tile > 1 << 16:
-        raise ValueError(f"tile must be a multiple of 64 and at most 65536, got {tile}")
+    tile_codec.check_scan_pair(old, new, tile, cast)
+    if old.dtype != np.uint16:
+        raise ValueError(f"context coding needs 16-bit float bits (uint16), got {old.dtype}")
+    if tile > 1 << 16:
+        raise ValueError(f"context tiles are at most 65536 elements (offsets are uint16), got {tile}")
 
 
 def _prefix(thr: np.ndarray) -> np.ndarray:

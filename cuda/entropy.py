@@ -258,6 +258,17 @@ def rice_put(buf, p, acc, nbits, g, k, lowmask):
     return p + (full << 2), acc >> (full << 5), nbits - (full << 5)
 
 
+@nb.njit(inline="always", cache=True)
+def rice_flush(buf, p, acc, nbits):
+    """Write the Rice writer's pending bits (zero-padded to a byte); returns the end."""
+    while nbits > 0:
+        buf[p] = acc & 0xFF
+        p += 1
+        acc >>= 8
+        nbits -= 8
+    return p
+
+
 @nb.njit(parallel=True, cache=True, nogil=True)
 def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, rtab, scratch):
     """Pass 2: write each tile's Rice | rANS | escapes at ``scratch_off[t]``; returns rans_len."""
@@ -298,12 +309,7 @@ def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_
                     scratch[q] = x & 0xFF
                     x >>= 8
             x = x + rtab[s, 3] + (((x * rtab[s, 1]) >> 32) >> rtab[s, 2]) * rtab[s, 4]
-        while nbits > 0:
-            scratch[p] = acc & 0xFF
-            p += 1
-            acc >>= 8
-            nbits -= 8
-        rice_end = p
+        rice_end = rice_flush(scratch, p, acc, nbits)
         q -= 4
         for b in range(4):  # the final state, little-endian, read first by the decoder
             scratch[q + b] = (x >> (8 * b)) & 0xFF

@@ -236,12 +236,7 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src
                     i = s + 64 * bi + np.int64(cttz64(m))
                     m &= m - np.uint64(1)
                     a[i] = _new_bits(b, src, i, cast)
-        while nbits > 0:
-            rice_buf[p] = acc & 0xFF
-            p += 1
-            acc >>= 8
-            nbits -= 8
-        rice_len[t] = p - p0
+        rice_len[t] = entropy.rice_flush(rice_buf, p, acc, nbits) - p0
         n_esc[t] = ne
     return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
 
@@ -368,8 +363,8 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int) -> tuple[int, np.
                                      sym_buf, 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile)
 
 
-def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym_buf: np.ndarray,
-          update: bool = False, cast: bool = False) -> tuple:
+def check_scan_pair(old: np.ndarray, new: np.ndarray, tile: int, cast: bool) -> None:
+    """What every scan needs of its inputs (this one's and ``context_codec``'s)."""
     if tile % 64:
         raise ValueError("tile must be a multiple of 64")
     if cast:
@@ -380,6 +375,11 @@ def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym
         raise ValueError(f"old and new must have one dtype and size, got {old.dtype}/{old.size} and {new.dtype}/{new.size}")
     if not (old.flags.c_contiguous and new.flags.c_contiguous):
         raise ValueError("old and new must be C-contiguous (flat views of contiguous tensors)")
+
+
+def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym_buf: np.ndarray,
+          update: bool = False, cast: bool = False) -> tuple:
+    check_scan_pair(old, new, tile, cast)
     if cast:
         return scan_encode_tiles(old, old[:0], 2, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update, new, True)
     return scan_encode_tiles(old, new, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update,
