@@ -31,6 +31,7 @@ METHOD_ROLES: dict[str, frozenset[int]] = {
     "ListRuns": frozenset({READER}),
     "PresignUpload": frozenset({PUBLISHER}),
     "CommitVersion": frozenset({PUBLISHER}),
+    "StagePart": frozenset({PUBLISHER}),
     "GetVersion": frozenset({READER, ISLAND, PUBLISHER}),
     "GetHead": frozenset({READER, ISLAND, PUBLISHER}),
     "ListVersions": frozenset({READER, ISLAND, PUBLISHER}),

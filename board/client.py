@@ -164,6 +164,10 @@ class BoardClient:
 
     # -- reading ----------------------------------------------------------
 
+    async def stage_part(self, run: str, version: int, blob: pb.BlobRef) -> pb.StagePartResponse:
+        """Tell watching islands that a part of ``version``'s patch is uploaded (a hint)."""
+        return await self._call("StagePart", pb.StagePartRequest(run=run, version=version, blob=blob))
+
     async def get_version(self, run: str, version: int) -> pb.VersionRecord:
         return await self._call("GetVersion", pb.GetVersionRequest(run=run, version=version))
 
@@ -199,8 +203,10 @@ class BoardClient:
         progress_interval_ms: int = 0,
         reconnect: bool = True,
         max_backoff_s: float = 5.0,
+        staged_parts: bool = False,
     ) -> AsyncIterator[pb.WatchEvent]:
-        """Every version committed after ``after_version`` in order, plus Progress events.
+        """Every version committed after ``after_version`` in order, plus Progress events
+        (and, with ``staged_parts``, StagedPart hints for the version after the last one).
 
         Reconnects with jittered exponential backoff when the board is unreachable,
         resuming after the last version yielded. Other errors (OUT_OF_RANGE below the
@@ -210,7 +216,8 @@ class BoardClient:
         backoff = 0.05
         while True:
             call = self._stub.Watch(
-                pb.WatchRequest(run=run, after_version=last, progress_interval_ms=progress_interval_ms),
+                pb.WatchRequest(run=run, after_version=last, progress_interval_ms=progress_interval_ms,
+                                staged_parts=staged_parts),
                 metadata=self._metadata,
             )
             try:

@@ -19,6 +19,10 @@ Invariants (what makes Watch gap-free and duplicate-free):
 - Idle streams get a ``TICK`` from one ticker task per feed (at most one pending per
   subscription) once they have written nothing for their progress interval; no stream
   holds a timer of its own.
+- Staged-part hints (``StagePart``) come over Redis Pub/Sub, not the durable log: a feed
+  listens only while one of its subscriptions asked for them, and only those get them. They
+  may be lost (a hint: the committed record is what counts), never reordered with respect
+  to one publisher's calls.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Union
 
 import structlog
 
-from weftboard.board.store import RedisStore, event_record, k_events
+from weftboard.board.store import RedisStore, event_record, k_events, k_staged
 from weftboard.proto.v1 import board_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -42,7 +46,13 @@ class FeedEvent:
     payload: bytes  # a serialized WatchEvent carrying the VersionRecord
 
 
-FeedItem = Union[FeedEvent, "_Tick", BaseException]
+@dataclass(frozen=True)
+class StagedEvent:
+    version: int  # the uncommitted version the part belongs to
+    payload: bytes  # a serialized WatchEvent carrying the StagedPart
+
+
+FeedItem = Union[FeedEvent, StagedEvent, "_Tick", BaseException]
 
 
 class _Tick:
@@ -56,6 +66,7 @@ TICK = _Tick()
 class Subscription:
     feed: "RunFeed"
     interval_s: float
+    staged: bool = False  # also receives StagedEvent hints
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     last_write: float = 0.0  # loop time of the last message written to the stream
     tick_pending: bool = False
@@ -86,13 +97,19 @@ class RunFeed:
         self.start_error: BaseException | None = None
         self.task: asyncio.Task | None = None
         self.ticker: asyncio.Task | None = None
+        self.staged_task: asyncio.Task | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name=f"weftboard-feed-{self.run}")
         self.ticker = asyncio.create_task(self._tick(), name=f"weftboard-ticker-{self.run}")
 
+    def listen_staged(self) -> None:
+        """Start relaying staged-part hints (once per feed, on its first subscription asking)."""
+        if self.staged_task is None or self.staged_task.done():
+            self.staged_task = asyncio.create_task(self._run_staged(), name=f"weftboard-staged-{self.run}")
+
     def cancel(self) -> list[asyncio.Task]:
-        tasks = [t for t in (self.task, self.ticker) if t is not None]
+        tasks = [t for t in (self.task, self.ticker, self.staged_task) if t is not None]
         for task in tasks:
             task.cancel()
         return tasks
@@ -138,6 +155,35 @@ class RunFeed:
                 sub.queue.put_nowait(exc)
 
 
+    async def _run_staged(self) -> None:
+        pubsub = self.store.staged_listener()
+        try:
+            await pubsub.subscribe(k_staged(self.run))
+            while True:
+                message = await pubsub.get_message(timeout=None)
+                if message is None or message.get("type") != "message":
+                    continue
+                payload = message["data"]
+                try:
+                    version = pb.WatchEvent.FromString(payload).staged.version
+                except Exception:  # noqa: BLE001 - a malformed hint is dropped, not fatal
+                    log.warning("dropping a malformed staged-part hint", run=self.run)
+                    continue
+                event = StagedEvent(version, payload)
+                for sub in tuple(self.subs):
+                    if sub.staged:
+                        sub.queue.put_nowait(event)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - hints are best effort; versions still flow
+            log.warning("staged-part feed failed; hints stop until the next watcher", run=self.run, error=str(exc))
+        finally:
+            try:
+                await pubsub.aclose()
+            except Exception:  # noqa: BLE001
+                pass
+
+
 class FanOut:
     """Per-run feeds shared by every Watch stream of this board process."""
 
@@ -147,7 +193,7 @@ class FanOut:
         self.tick_s = tick_s
         self._feeds: dict[str, RunFeed] = {}
 
-    async def subscribe(self, run: str, interval_s: float) -> Subscription:
+    async def subscribe(self, run: str, interval_s: float, *, staged: bool = False) -> Subscription:
         feed = self._feeds.get(run)
         if feed is None or feed.task is None or feed.task.done():
             if feed is not None:
@@ -155,9 +201,11 @@ class FanOut:
             feed = RunFeed(self.store, run, self.block_ms, self.tick_s)
             self._feeds[run] = feed
             feed.start()
-        sub = Subscription(feed, interval_s)
+        sub = Subscription(feed, interval_s, staged=staged)
         sub.wrote()
         feed.subs.add(sub)
+        if staged:
+            feed.listen_staged()
         await feed.started.wait()
         if feed.start_error is not None:
             self.unsubscribe(sub)

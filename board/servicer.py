@@ -10,7 +10,10 @@ Invariants:
   race and must re-read the head) and ALREADY_EXISTS once n is older (history is
   immutable); an identical record always succeeds with already_committed.
 - Watch sends history from XRANGE, then live events from the run's shared feed, never
-  a version twice and never with a gap (see fanout.py).
+  a version twice and never with a gap (see fanout.py). Staged-part hints go only to
+  watchers that asked, and only for the version right after the last one sent.
+- StagePart stores nothing: it checks the part exists (so an island's download finds it)
+  and relays the hint; a commit still checks every blob it names.
 - Nothing here blocks the event loop: Redis and the blob store are awaited.
 """
 
@@ -25,7 +28,7 @@ import structlog
 from weftboard.board import gc as gcmod
 from weftboard.board import validate
 from weftboard.board.auth import Authenticator
-from weftboard.board.fanout import TICK, FanOut
+from weftboard.board.fanout import TICK, FanOut, StagedEvent
 from weftboard.board.metrics import BoardMetrics
 from weftboard.board.store import RedisStore, already_exists_message, canonical_record, now_ms
 from weftboard.proto.domain import StepKind, VersionArtifacts, blob_key, check_digest, check_name, lag, plan_catch_up
@@ -179,6 +182,33 @@ class BoardServicer(pb_grpc.BoardServicer):
             log.info("version committed", artifacts=len(record.artifacts))
         return pb.CommitVersionResponse(record=stored, already_committed=outcome.status == "already_committed")
 
+    async def StagePart(self, request: pb.StagePartRequest, context) -> pb.StagePartResponse:
+        check_name("run", request.run)
+        run = await self._run_and_state(request.run)
+        if request.version != run.head + 1 or request.version < 2:
+            raise FailedPrecondition(
+                f"version {request.version} of run {request.run!r} cannot stage a patch part: the head is "
+                f"{run.head}, so the version being published is {run.head + 1}"
+                + ("" if run.head else " (and version 1 is an anchor, not a patch)")
+            )
+        blob = request.blob
+        check_digest("blob.digest", blob.digest)
+        expected = blob_key(request.run, blob.digest)
+        if blob.key != expected:
+            raise InvalidArgument(f"blob.key is {blob.key!r}; the content-addressed key is {expected!r}")
+        if blob.size <= 0 or blob.url or blob.name:
+            raise InvalidArgument("a staged part has a positive size and no url or file name")
+        size = await self.blobs.stat(blob.key)
+        if size != blob.size:
+            raise FailedPrecondition(
+                f"blob {blob.key!r} " + ("does not exist" if size is None else f"has {size} bytes, not {blob.size}")
+                + f" in {self.blobs.describe()}; upload it before staging it"
+            )
+        staged = pb.StagedPart(version=request.version, base_version=request.version - 1,
+                               blob=pb.BlobRef(key=blob.key, digest=blob.digest, size=blob.size))
+        await self.store.publish_staged(request.run, pb.WatchEvent(staged=staged).SerializeToString())
+        return pb.StagePartResponse(head=run.head)
+
     # -- reading ----------------------------------------------------------
 
     async def _run_and_state(self, run: str) -> pb.Run:
@@ -259,7 +289,7 @@ class BoardServicer(pb_grpc.BoardServicer):
             )
         if after > run.head:
             raise OutOfRange(f"after_version {after} is beyond the head ({run.head}) of run {request.run!r}")
-        sub = await self.fanout.subscribe(request.run, interval_ms / 1000.0)
+        sub = await self.fanout.subscribe(request.run, interval_ms / 1000.0, staged=request.staged_parts)
         self.metrics.watch_streams.inc()
         last = after
         try:
@@ -276,6 +306,10 @@ class BoardServicer(pb_grpc.BoardServicer):
                     await write(pb.WatchEvent(progress=progress))
                 elif isinstance(item, BaseException):
                     raise Unavailable(f"the board lost its Redis feed for run {request.run!r}; reconnect and resume")
+                elif isinstance(item, StagedEvent):
+                    if item.version != last + 1:  # a hint for a version this stream is not at
+                        continue
+                    await write(item.payload)
                 elif item.version <= last:
                     continue
                 elif item.version > last + 1:  # fill a hole from the durable log

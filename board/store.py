@@ -77,6 +77,11 @@ def k_events(run: str) -> str:
     return f"wb:{{{run}}}:events"
 
 
+def k_staged(run: str) -> str:
+    """Pub/Sub channel of a run's staged-part hints (not a key: nothing is stored)."""
+    return f"wb:{{{run}}}:staged"
+
+
 def k_islands(run: str) -> str:
     return f"wb:{{{run}}}:islands"
 
@@ -327,6 +332,15 @@ class RedisStore:
         """Commit events of versions > ``after`` in order (XRANGE of the events stream)."""
         entries = await self.redis.xrange(k_events(run), min=f"({after}-1", max="+", count=count)
         return [event_record(fields) for _, fields in entries]
+
+    async def publish_staged(self, run: str, payload: bytes) -> int:
+        """Hand a serialized ``WatchEvent`` (a staged part) to every board process's feed of
+        ``run``; returns how many Redis subscribers got it (feeds, not watchers)."""
+        return int(await self.redis.publish(k_staged(run), payload))
+
+    def staged_listener(self) -> "aioredis.client.PubSub":
+        """A Pub/Sub connection for ``k_staged`` channels (the caller subscribes and closes it)."""
+        return self.redis.pubsub(ignore_subscribe_messages=True)
 
     async def last_event_id(self, run: str) -> bytes:
         entries = await self.redis.xrevrange(k_events(run), max="+", min="-", count=1)

@@ -77,8 +77,10 @@ def _check_artifacts(record: pb.VersionRecord) -> None:
                 raise InvalidArgument(
                     f"{where}.base_version is {artifact.base_version}; a patch of {n} applies to {n - 1}"
                 )
-            if len(artifact.blobs) != 1:
-                raise InvalidArgument(f"{where}: a PATCH has exactly one blob, got {len(artifact.blobs)}")
+            if not artifact.blobs:
+                raise InvalidArgument(f"{where}: a PATCH needs at least one part blob")
+            if len({b.digest for b in artifact.blobs}) != len(artifact.blobs):
+                raise InvalidArgument(f"{where}: a PATCH names the same part twice")
         elif artifact.kind == pb.ARTIFACT_KIND_ANCHOR:
             if artifact.base_version != 0:
                 raise InvalidArgument(f"{where}.base_version must be 0 for an ANCHOR")

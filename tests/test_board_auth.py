@@ -34,6 +34,7 @@ REQUESTS = {
     "ListRuns": pb.ListRunsRequest(),
     "PresignUpload": pb.PresignUploadRequest(run="authrun", digest="xxh3-128:" + "0" * 32, size=1),
     "CommitVersion": pb.CommitVersionRequest(record=pb.VersionRecord(run="authrun", version=1)),
+    "StagePart": pb.StagePartRequest(run="authrun", version=2),
     "GetVersion": pb.GetVersionRequest(run="authrun", version=1),
     "GetHead": pb.GetHeadRequest(run="authrun"),
     "ListVersions": pb.ListVersionsRequest(run="authrun"),

@@ -209,8 +209,11 @@ def _mutations():
     def patch_base(r):
         r.artifacts[0].base_version = 0
 
-    def two_patch_blobs(r):
+    def same_part_twice(r):
         r.artifacts[0].blobs.append(r.artifacts[0].blobs[0])
+
+    def no_patch_blobs(r):
+        r.artifacts[0].ClearField("blobs")
 
     def wrong_key(r):
         r.artifacts[0].blobs[0].key = "r/blobs/other"
@@ -230,7 +233,8 @@ def _mutations():
         (parent, errors.InvalidArgument, "parent"),
         (no_artifacts, errors.InvalidArgument, "artifacts"),
         (patch_base, errors.InvalidArgument, "base_version"),
-        (two_patch_blobs, errors.InvalidArgument, "exactly one blob"),
+        (same_part_twice, errors.InvalidArgument, "same part twice"),
+        (no_patch_blobs, errors.InvalidArgument, "at least one part"),
         (wrong_key, errors.InvalidArgument, "content-addressed"),
         (kind_unspecified, errors.InvalidArgument, "kind"),
         (bad_run, errors.InvalidArgument, "record.run"),

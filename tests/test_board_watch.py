@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from boardkit import make_run, publish
+from boardkit import make_record, make_run, publish, upload
 from weftboard.board.client import BoardClient
 from weftboard.proto import errors
 from weftboard.proto.v1 import board_pb2 as pb
@@ -128,3 +128,64 @@ async def test_watch_errors(board, local_store):
             await collect(client.watch("r", after_version=7), 1)
         with pytest.raises(errors.InvalidArgument, match="run"):
             await collect(client.watch("bad run"), 1)
+
+
+def kinds(events) -> list[str]:
+    return [e.WhichOneof("event") for e in events]
+
+
+async def test_staged_parts_reach_only_watchers_that_asked_then_the_commit_names_them(board, local_store):
+    """StagePart relays a hint for head+1 to opted-in watchers; the commit of that version may
+    name several part blobs; a hint for a version already committed is refused."""
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run("r"))
+        await publish(client, local_store, "r", [1, 2])
+        asking = client.watch("r", after_version=2, staged_parts=True, progress_interval_ms=5000).__aiter__()
+        plain = client.watch("r", after_version=2, progress_interval_ms=5000).__aiter__()
+        got_asking = asyncio.create_task(collect(asking, 3))
+        got_plain = asyncio.create_task(collect(plain, 1))
+        await asyncio.sleep(0.5)  # let both streams open (a hint sent before that is lost, by design)
+        part_a = await upload(local_store, "r", b"part a of version 3")
+        part_b = await upload(local_store, "r", b"part b of version 3, longer")
+        assert (await client.stage_part("r", 3, part_a)).head == 2
+        await client.stage_part("r", 3, part_b)
+        record = await make_record(local_store, "r", 3)
+        record.artifacts[0].ClearField("blobs")
+        record.artifacts[0].blobs.extend([part_a, part_b])
+        await client.commit_version(record)
+        events = await got_asking
+        assert kinds(events) == ["staged", "staged", "version"]
+        assert [e.staged.blob.digest for e in events[:2]] == [part_a.digest, part_b.digest]
+        assert all(e.staged.version == 3 and e.staged.base_version == 2 for e in events[:2])
+        assert [b.digest for b in events[2].version.artifacts[0].blobs] == [part_a.digest, part_b.digest]
+        assert kinds(await got_plain) == ["version"]  # no hints for a stream that did not ask
+        with pytest.raises(errors.FailedPrecondition, match="the head is 3"):
+            await client.stage_part("r", 3, part_a)  # version 3 is committed: nothing to stage
+        await asking.aclose()
+        await plain.aclose()
+
+
+async def test_stage_part_refuses_what_no_commit_could_name(board, local_store):
+    from weftboard.proto.domain import blob_key
+
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run("r"))
+        part = await upload(local_store, "r", b"a part")
+        with pytest.raises(errors.FailedPrecondition, match="version 1 is an anchor"):
+            await client.stage_part("r", 1, part)
+        await publish(client, local_store, "r", [1])
+        with pytest.raises(errors.FailedPrecondition, match="being published is 2"):
+            await client.stage_part("r", 3, part)
+        missing = pb.BlobRef(digest="xxh3-128:" + "0" * 32, size=part.size)
+        missing.key = blob_key("r", missing.digest)
+        with pytest.raises(errors.FailedPrecondition, match="does not exist"):
+            await client.stage_part("r", 2, missing)
+        with pytest.raises(errors.FailedPrecondition, match="has 6 bytes, not 7"):
+            await client.stage_part("r", 2, pb.BlobRef(key=part.key, digest=part.digest, size=7))
+        with pytest.raises(errors.InvalidArgument, match="content-addressed key"):
+            await client.stage_part("r", 2, pb.BlobRef(key="elsewhere", digest=part.digest, size=part.size))
+        assert (await client.stage_part("r", 2, part)).head == 1
+        twice = await make_record(local_store, "r", 2)
+        twice.artifacts[0].blobs.append(twice.artifacts[0].blobs[0])
+        with pytest.raises(errors.InvalidArgument, match="same part twice"):
+            await client.commit_version(twice)

@@ -309,6 +309,32 @@ class CommitVersionRequest(_message.Message):
     record: VersionRecord
     def __init__(self, record: _Optional[_Union[VersionRecord, _Mapping]] = ...) -> None: ...
 
+class StagePartRequest(_message.Message):
+    __slots__ = ("run", "version", "blob")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    version: int
+    blob: BlobRef
+    def __init__(self, run: _Optional[str] = ..., version: _Optional[int] = ..., blob: _Optional[_Union[BlobRef, _Mapping]] = ...) -> None: ...
+
+class StagePartResponse(_message.Message):
+    __slots__ = ("head",)
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    head: int
+    def __init__(self, head: _Optional[int] = ...) -> None: ...
+
+class StagedPart(_message.Message):
+    __slots__ = ("version", "base_version", "blob")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    base_version: int
+    blob: BlobRef
+    def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., blob: _Optional[_Union[BlobRef, _Mapping]] = ...) -> None: ...
+
 class CommitVersionResponse(_message.Message):
     __slots__ = ("record", "already_committed")
     RECORD_FIELD_NUMBER: _ClassVar[int]
@@ -366,14 +392,16 @@ class ListVersionsResponse(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("run", "after_version", "progress_interval_ms")
+    __slots__ = ("run", "after_version", "progress_interval_ms", "staged_parts")
     RUN_FIELD_NUMBER: _ClassVar[int]
     AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_PARTS_FIELD_NUMBER: _ClassVar[int]
     run: str
     after_version: int
     progress_interval_ms: int
-    def __init__(self, run: _Optional[str] = ..., after_version: _Optional[int] = ..., progress_interval_ms: _Optional[int] = ...) -> None: ...
+    staged_parts: bool
+    def __init__(self, run: _Optional[str] = ..., after_version: _Optional[int] = ..., progress_interval_ms: _Optional[int] = ..., staged_parts: _Optional[bool] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("head", "server_time_ms")
@@ -384,12 +412,14 @@ class Progress(_message.Message):
     def __init__(self, head: _Optional[int] = ..., server_time_ms: _Optional[int] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
-    __slots__ = ("version", "progress")
+    __slots__ = ("version", "progress", "staged")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     version: VersionRecord
     progress: Progress
-    def __init__(self, version: _Optional[_Union[VersionRecord, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
+    staged: StagedPart
+    def __init__(self, version: _Optional[_Union[VersionRecord, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., staged: _Optional[_Union[StagedPart, _Mapping]] = ...) -> None: ...
 
 class PlanStep(_message.Message):
     __slots__ = ("kind", "from_version", "to_version", "blobs", "root_digest")

@@ -60,6 +60,11 @@ class BoardStub:
                 request_serializer=weftboard_dot_v1_dot_board__pb2.CommitVersionRequest.SerializeToString,
                 response_deserializer=weftboard_dot_v1_dot_board__pb2.CommitVersionResponse.FromString,
                 _registered_method=True)
+        self.StagePart = channel.unary_unary(
+                '/weftboard.v1.Board/StagePart',
+                request_serializer=weftboard_dot_v1_dot_board__pb2.StagePartRequest.SerializeToString,
+                response_deserializer=weftboard_dot_v1_dot_board__pb2.StagePartResponse.FromString,
+                _registered_method=True)
         self.GetVersion = channel.unary_unary(
                 '/weftboard.v1.Board/GetVersion',
                 request_serializer=weftboard_dot_v1_dot_board__pb2.GetVersionRequest.SerializeToString,
@@ -155,6 +160,12 @@ class BoardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CommitVersion(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StagePart(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -265,6 +276,11 @@ def add_BoardServicer_to_server(servicer, server):
                     servicer.CommitVersion,
                     request_deserializer=weftboard_dot_v1_dot_board__pb2.CommitVersionRequest.FromString,
                     response_serializer=weftboard_dot_v1_dot_board__pb2.CommitVersionResponse.SerializeToString,
+            ),
+            'StagePart': grpc.unary_unary_rpc_method_handler(
+                    servicer.StagePart,
+                    request_deserializer=weftboard_dot_v1_dot_board__pb2.StagePartRequest.FromString,
+                    response_serializer=weftboard_dot_v1_dot_board__pb2.StagePartResponse.SerializeToString,
             ),
             'GetVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.GetVersion,
@@ -467,6 +483,33 @@ class Board:
             '/weftboard.v1.Board/CommitVersion',
             weftboard_dot_v1_dot_board__pb2.CommitVersionRequest.SerializeToString,
             weftboard_dot_v1_dot_board__pb2.CommitVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StagePart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weftboard.v1.Board/StagePart',
+            weftboard_dot_v1_dot_board__pb2.StagePartRequest.SerializeToString,
+            weftboard_dot_v1_dot_board__pb2.StagePartResponse.FromString,
             options,
             channel_credentials,
             insecure,
