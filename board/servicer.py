@@ -11,7 +11,7 @@ Invariants:
   immutable); an identical record always succeeds with already_committed.
 - Watch sends history from XRANGE, then live events from the run's shared feed, never
   a version twice and never with a gap (see fanout.py). Staged-part hints go only to
-  watchers that asked, and only for the version right after the last one sent.
+  watchers that asked, and only for versions after the last one sent.
 - StagePart stores nothing: it checks the part exists (so an island's download finds it)
   and relays the hint; a commit still checks every blob it names.
 - Nothing here blocks the event loop: Redis and the blob store are awaited.
@@ -185,11 +185,11 @@ class BoardServicer(pb_grpc.BoardServicer):
     async def StagePart(self, request: pb.StagePartRequest, context) -> pb.StagePartResponse:
         check_name("run", request.run)
         run = await self._run_and_state(request.run)
-        if request.version != run.head + 1 or request.version < 2:
+        if request.version <= run.head or request.version < 2:
             raise FailedPrecondition(
                 f"version {request.version} of run {request.run!r} cannot stage a patch part: the head is "
-                f"{run.head}, so the version being published is {run.head + 1}"
-                + ("" if run.head else " (and version 1 is an anchor, not a patch)")
+                f"{run.head}, so only versions after it are being published"
+                + (" (and version 1 is an anchor, not a patch)" if request.version < 2 else "")
             )
         blob = request.blob
         check_digest("blob.digest", blob.digest)
@@ -307,9 +307,8 @@ class BoardServicer(pb_grpc.BoardServicer):
                 elif isinstance(item, BaseException):
                     raise Unavailable(f"the board lost its Redis feed for run {request.run!r}; reconnect and resume")
                 elif isinstance(item, StagedEvent):
-                    if item.version != last + 1:  # a hint for a version this stream is not at
-                        continue
-                    await write(item.payload)
+                    if item.version > last:  # never a hint for a version this stream has sent
+                        await write(item.payload)
                 elif item.version <= last:
                     continue
                 elif item.version > last + 1:  # fill a hole from the durable log

@@ -14,7 +14,13 @@ JSON text is the patch header::
                   "stream_bytes", "xxh3_64" (hex of the stream), "tile", "index_bytes"}, ...]}
 
 ``tensors`` lists every tensor passed to the encoder, in the order given; a tensor with
-``changed == 0`` has mode ``empty`` and no stream. Modes and their streams:
+``changed == 0`` has mode ``empty`` and no stream.
+
+A version's patch may come in **parts**: containers over disjoint sets of tensors with the
+same header fields, applied together (``apply_patch_arriving_`` takes them all, ``join_patches``
+makes them one container). A part the publisher uploads before the version's root digest is
+known carries ``"target_root": ""``; the version record names the root either way, and it is
+the record, never the header, that an island verifies against. Modes and their streams:
 
 - ``sparse`` (default encoding): Rice-coded position gaps + rANS-coded integer differences of
   the raw bits, per tile of ``tile`` elements; byte layout in ``weftboard.cuda.entropy``.
@@ -802,38 +808,92 @@ def apply_patch_(tensors: Mapping[str, torch.Tensor], data: bytes | bytearray | 
     return applied
 
 
-def apply_patch_arriving_(tensors: Mapping[str, torch.Tensor], blob: Any, *,
+def apply_patch_arriving_(tensors: Mapping[str, torch.Tensor], parts: Sequence[Any], *,
                           on_tensor: Callable[[str], None] | None = None, timeout_s: float | None = None) -> AppliedPatch:
-    """Write a patch into ``tensors`` in place while its bytes are still arriving.
+    """Write a patch (its parts, in order) into ``tensors`` in place while its bytes are
+    still arriving.
 
-    ``blob`` has the container's ``size`` and blocks in ``wait(start, end)`` (the bytes) and
+    Each part has its container's ``size`` and blocks in ``wait(start, end)`` (the bytes) and
     ``wait_any(spans)`` (indices of spans fully arrived) until bytes are there, raising why
-    when they never will be (``subscriber.arriving.ArrivingBytes``). The header is checked
-    whole, and every target against it, before the first write; then each tensor's stream is
-    checked (xxh3-64) and applied as soon as it has arrived, in whatever order the bytes come,
-    and ``on_tensor(name)`` is called after each changed tensor is written. Any failure
-    (a damaged stream, a download that gave up) undoes every write of this call before it
-    is raised. The caller still owes the blob's digest check before trusting the result.
+    when they never will be (``subscriber.arriving.ArrivingBytes``). A part's header is
+    checked whole, and every target against it, before its first write (and against the
+    parts before it: same transition, no tensor twice); then each tensor's stream is checked
+    (xxh3-64) and applied as soon as it has arrived, in whatever order the bytes come, and
+    ``on_tensor(name)`` is called after each changed tensor is written. Any failure (a
+    damaged stream, a download that gave up) undoes every write of this call, in every part,
+    before it is raised. The caller still owes each part's digest check before trusting the
+    result.
     """
-    hlen = _header_length(blob.wait(0, min(8, blob.size), timeout_s), blob.size)
-    header, entries, spans = _parse_container_header(blob.wait(8, 8 + hlen, timeout_s), blob.size)
-    targets = {e["name"]: (_checked_target(tensors, e), e) for e in entries}
-    applied = _applied_patch(header, entries)
-    pending = [e["name"] for e in entries if e["mode"] != "empty"]
+    if not parts:
+        raise InvalidArgument("a patch has at least one part")
+    applied: AppliedPatch | None = None
     try:
-        while pending:
-            ready = set(blob.wait_any([spans[n] for n in pending], timeout_s))
-            for i in sorted(ready):
-                name = pending[i]
-                target, entry = targets[name]
-                _write_step(applied, target, entry, _parsed_step(target, entry, blob.wait(*spans[name])))
-                if on_tensor is not None:
-                    on_tensor(name)
-            pending = [n for i, n in enumerate(pending) if i not in ready]
+        for blob in parts:
+            hlen = _header_length(blob.wait(0, min(8, blob.size), timeout_s), blob.size)
+            header, entries, spans = _parse_container_header(blob.wait(8, 8 + hlen, timeout_s), blob.size)
+            targets = {e["name"]: (_checked_target(tensors, e), e) for e in entries}
+            applied = _applied_patch(header, entries) if applied is None else _with_part(applied, header, entries)
+            pending = [e["name"] for e in entries if e["mode"] != "empty"]
+            while pending:
+                ready = set(blob.wait_any([spans[n] for n in pending], timeout_s))
+                for i in sorted(ready):
+                    name = pending[i]
+                    target, entry = targets[name]
+                    _write_step(applied, target, entry, _parsed_step(target, entry, blob.wait(*spans[name])))
+                    if on_tensor is not None:
+                        on_tensor(name)
+                pending = [n for i, n in enumerate(pending) if i not in ready]
     except BaseException:
-        applied.revert()
+        if applied is not None:
+            applied.revert()
         raise
     return applied
+
+
+def _with_part(applied: AppliedPatch, header: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]) -> AppliedPatch:
+    """``applied`` extended by one more part of the same patch (refused unless it is one)."""
+    _check_same_transition(applied.base_version, applied.target_version, header)
+    twice = sorted(set(applied.changed) & {e["name"] for e in entries})
+    if twice:
+        raise CorruptData(f"patch parts both hold tensor {twice[0]!r}")
+    applied.changed.update((e["name"], e["changed"]) for e in entries)
+    applied.target_root = applied.target_root or header["target_root"]
+    return applied
+
+
+def _check_same_transition(base_version: int, target_version: int, header: Mapping[str, Any]) -> None:
+    if (header["base_version"], header["target_version"]) != (base_version, target_version):
+        raise CorruptData(
+            f"patch parts disagree: one goes from {base_version} to {target_version}, another from "
+            f"{header['base_version']} to {header['target_version']}"
+        )
+
+
+def join_patches(parts: Sequence[bytes | bytearray | memoryview]) -> bytes:
+    """The parts of one patch as one container (their tensors in part order): for a reader
+    that takes a single container. Every part is checked as ``read_patch_info`` would."""
+    if not parts:
+        raise InvalidArgument("a patch has at least one part")
+    containers = [_read_container(p) for p in parts]
+    first = containers[0].header
+    header = {k: first[k] for k in ("format", "format_version", "encoding", "base_version", "target_version")}
+    header["target_root"] = next((c.header["target_root"] for c in containers if c.header["target_root"]), "")
+    seen: set[str] = set()
+    entries: list[dict[str, Any]] = []
+    streams: list[tuple[str, bytes]] = []
+    for c in containers:
+        _check_same_transition(first["base_version"], first["target_version"], c.header)
+        if c.header["encoding"] != first["encoding"]:
+            raise CorruptData(f"patch parts disagree on the encoding: {first['encoding']!r} and {c.header['encoding']!r}")
+        for e in c.entries:
+            if e["name"] in seen:
+                raise CorruptData(f"patch parts both hold tensor {e['name']!r}")
+            seen.add(e["name"])
+            entries.append(e)
+            if e["mode"] != "empty":
+                streams.append((e["name"], bytes(c.streams[e["name"]])))
+    header["tensors"] = entries
+    return _write_container(header, streams)
 
 
 def _checked_target(tensors: Mapping[str, torch.Tensor], entry: Mapping[str, Any]) -> torch.Tensor:

@@ -128,21 +128,22 @@ class ArrivingApplier:
 
     Its own thread, not the loop's default pool: the apply blocks until bytes arrive, and the
     download that brings them may need a worker of that pool. Cancelled, ``run`` fails the
-    blob so the apply undoes its work and ends, and waits for that before re-raising: a
-    destination's lock is never let go while its apply still runs.
+    blobs (a patch's parts) so the apply undoes its work and ends, and waits for that before
+    re-raising: a destination's lock is never let go while its apply still runs.
     """
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
 
-    async def run(self, blob: ArrivingBytes, fn: Callable[..., T], *args: Any, what: str = "the apply") -> T:
+    async def run(self, parts: Sequence[ArrivingBytes], fn: Callable[..., T], *args: Any, what: str = "the apply") -> T:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="weftboard-apply")
         work = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
-            blob.fail(ApplyError(f"{what} was cancelled"))
+            for blob in parts:
+                blob.fail(ApplyError(f"{what} was cancelled"))
             await asyncio.wait([work])
             if not work.cancelled():
                 work.exception()  # the thread's echo of the cancellation: retrieved, not logged

@@ -132,13 +132,13 @@ class CheckpointDirDestination:
             digests = await asyncio.to_thread(self._apply_patch, patch, target)
             self._digests, self._held = digests, target.version
 
-    async def apply_patch_arriving(self, blob: ArrivingBytes, target: VersionTarget) -> None:
-        """Apply a patch while it downloads: the held version is read into memory and each
-        tensor patched as its stream arrives; the new version is written aside and swapped in
-        only after the fetcher verified the blob's digest and the result verified."""
+    async def apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> None:
+        """Apply a patch while its parts download: the held version is read into memory and
+        each tensor patched as its stream arrives; the new version is written aside and swapped
+        in only after the fetcher verified every part's digest and the result verified."""
         async with self._lock:
             require_parent(self._held, target, str(self.root))
-            digests = await self._arriving.run(blob, self._apply_patch_arriving, blob, target,
+            digests = await self._arriving.run(parts, self._apply_patch_arriving, parts, target,
                                                what=f"applying version {target.version} in {self.root}")
             self._digests, self._held = digests, target.version
 
@@ -181,12 +181,13 @@ class CheckpointDirDestination:
         data = patch.read_bytes()
         return self._patched_copy(target, lambda tensors: apply_patch_(tensors, data))
 
-    def _apply_patch_arriving(self, blob: ArrivingBytes, target: VersionTarget) -> dict[str, str]:
+    def _apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> dict[str, str]:
         from weftboard.cuda.codec import apply_patch_arriving_
 
         def apply(tensors: dict[str, torch.Tensor]) -> Any:
-            applied = apply_patch_arriving_(tensors, blob)
-            blob.wait_verified()  # the whole blob hashed to its record before its result counts
+            applied = apply_patch_arriving_(tensors, parts)
+            for blob in parts:
+                blob.wait_verified()  # each whole part hashed to its record before the result counts
             return applied
 
         return self._patched_copy(target, apply)

@@ -10,8 +10,8 @@ Invariants:
   written, the tensors it touched are hashed and checked against the record, and a mismatch
   is undone with ``AppliedPatch.revert()`` before the error is raised: the held version's
   bytes are back, bit for bit.
-- ``apply_patch_arriving`` writes tensors while the patch downloads; the version is held
-  only once the blob's digest, the tensor digests and the root check out, and any failure
+- ``apply_patch_arriving`` writes tensors while the patch (its parts) downloads; the version
+  is held only once every part's digest, the tensor digests and the root check out, and any failure
   (including a download that gives up or a cancelled step) reverts every write first.
 - An anchor is verified in its files first (tensor digests and root), and only then copied
   into the live tensors with ``copy_``.
@@ -88,18 +88,18 @@ class LiveTensorsDestination:
             digests = await asyncio.to_thread(self._apply, patch, target)
             self._digests, self._held = digests, target.version
 
-    async def apply_patch_arriving(self, blob: ArrivingBytes, target: VersionTarget) -> None:
-        """Apply a patch while it downloads (``blob`` fills as bytes arrive; the fetcher marks
+    async def apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> None:
+        """Apply a patch while its parts download (each fills as bytes arrive; the fetcher marks
         it verified once its digest matched): each tensor is written and hashed as soon as
-        its stream is here, and the version is held only after the blob's digest, every
+        its stream is here, and the version is held only after every part's digest, every
         tensor digest and the root check out; anything else is reverted and raised."""
         async with self._lock:
             require_parent(self._held, target, "the destination")
-            digests = await self._arriving.run(blob, self._apply_arriving, blob, target,
+            digests = await self._arriving.run(parts, self._apply_arriving, parts, target,
                                                what=f"applying version {target.version}")
             self._digests, self._held = digests, target.version
 
-    def _apply_arriving(self, blob: ArrivingBytes, target: VersionTarget) -> dict[str, str]:
+    def _apply_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> dict[str, str]:
         from weftboard.cuda.codec import apply_patch_arriving_
         from weftboard.cuda.digest import tensor_digest
 
@@ -110,11 +110,12 @@ class LiveTensorsDestination:
             def hash_soon(name: str) -> None:
                 hashing[name] = hasher.submit(tensor_digest, self.tensors[name])
 
-            applied = apply_patch_arriving_(self.tensors, blob, on_tensor=hash_soon)  # reverts itself on failure
+            applied = apply_patch_arriving_(self.tensors, parts, on_tensor=hash_soon)  # reverts itself on failure
             try:
                 require_transition(applied.base_version, applied.target_version, target)
                 fresh = {n: f.result() for n, f in hashing.items()}
-                blob.wait_verified()  # the whole blob hashed to its record
+                for blob in parts:
+                    blob.wait_verified()  # each whole part hashed to its record
                 return verify_tensors(self.tensors, target, rehash=(), cache={**self._digests, **fresh})
             except BaseException as exc:
                 for f in hashing.values():

@@ -7,7 +7,13 @@ Invariants:
   earlier steps apply (pipelined), bounded by ``parallel`` concurrent transfers. A plan of
   one patch (a following island's every version) from a far store goes further where the
   destination can (``apply_patch_arriving``): tensors are applied as their bytes arrive, and
-  the version is held only after the blob's digest and the result's root are verified.
+  the version is held only after every part's digest and the result's root are verified.
+- Staged parts (hints the publisher sends while it is still encoding a version) are
+  downloaded at once, but nothing of them is written anywhere before the version commits,
+  and then only the parts its record names; once the island holds a version, the parts
+  downloaded for it and older ones are dropped (a version that committed other parts than
+  it staged leaves its staged ones unused). A download is never started twice for one blob:
+  the plan's step takes over a running one.
 - A bad blob or a failed apply is never served. Recovery is: refetch (the cached blobs of
   the failed step are dropped) with a fresh plan, then a plan from nothing (an anchor);
   each failure is logged at error level and heartbeated as ERROR with its message. Only
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,12 +44,24 @@ from weftboard.proto.errors import (
     WeftboardError,
 )
 from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.subscriber.arriving import ArrivingBytes
 from weftboard.subscriber.destination import Destination, TensorEntry, VersionTarget
-from weftboard.subscriber.fetch import Fetcher
+from weftboard.subscriber.fetch import Fetcher, cache_path
 
 log = structlog.get_logger("weftboard.subscriber")
 
 _RECOVERABLE = (CorruptData, ApplyError, NotFound)
+MAX_PREFETCHED = 64  # staged parts downloading or waiting for their commit; later hints are ignored
+
+
+@dataclass
+class _Download:
+    """One blob on its way into the cache, its bytes visible as they land."""
+
+    version: int  # the version whose step (or staged part) it belongs to
+    ref: pb.BlobRef
+    bytes: ArrivingBytes
+    task: asyncio.Future  # -> (final path, perf_counter time it was verified)
 
 
 class Subscriber:
@@ -83,6 +102,7 @@ class Subscriber:
         self._sync_lock = asyncio.Lock()
         self.applied_at: dict[int, float] = {}  # version -> time.time() when verified and held
         self._records: dict[int, pb.VersionRecord] = {}  # records already received (watch events)
+        self._prefetched: dict[str, _Download] = {}  # digest -> a staged part's download
         # version -> where its sync spent the time: "seen" (unix time the watch event arrived),
         # "fetched_s" (plan to blobs on disk), "apply_s" (apply + verify; for a patch applied
         # while it downloaded, "streamed", only what came after its last byte); for logs and benchmarks.
@@ -109,6 +129,7 @@ class Subscriber:
 
     async def _changed(self, version: int) -> None:
         self.applied_at[version] = time.time()
+        self._drop_prefetched(upto=version)
         for old in [v for v in self.timings if v <= version - 64]:  # a daemon runs for months
             del self.timings[old]
         self.version_changed.set()
@@ -179,12 +200,77 @@ class Subscriber:
         if self.blob_store is None or held == 0 or record.version != held + 1:
             return None
         for a in record.artifacts:
-            if a.kind == pb.ARTIFACT_KIND_PATCH and a.base_version == held and len(a.blobs) == 1:
+            if a.kind == pb.ARTIFACT_KIND_PATCH and a.base_version == held and a.blobs:
                 self._records[record.version] = record
                 return pb.CatchUpPlan(run=self.run_name, from_version=held, to_version=record.version, steps=[
                     pb.PlanStep(kind=pb.ARTIFACT_KIND_PATCH, from_version=held, to_version=record.version,
-                                blobs=a.blobs, root_digest=record.root_digest)], total_bytes=a.blobs[0].size)
+                                blobs=a.blobs, root_digest=record.root_digest)], total_bytes=sum(b.size for b in a.blobs))
         return None
+
+    # -- downloads ------------------------------------------------------------------------
+
+    def _start_download(self, version: int, ref: pb.BlobRef) -> _Download:
+        blob = ArrivingBytes(ref.size)
+
+        async def download() -> tuple[Path, float]:
+            try:
+                path = await self.fetcher.fetch(ref, on_chunk=blob.put)
+            except BaseException as exc:
+                blob.fail(exc if isinstance(exc, Exception) else ApplyError("the download was cancelled"))
+                raise
+            blob.verified()
+            return path, time.perf_counter()
+
+        return _Download(version, ref, blob, asyncio.ensure_future(download()))
+
+    def _download_for(self, step: pb.PlanStep, ref: pb.BlobRef) -> _Download:
+        """The download of one of ``step``'s blobs: a staged part's (same digest, same bytes),
+        if one runs or ran well."""
+        pre = self._prefetched.pop(ref.digest, None)
+        if pre is not None:
+            if not (pre.task.done() and (pre.task.cancelled() or pre.task.exception() is not None)):
+                return pre
+        return self._start_download(step.to_version, ref)
+
+    async def _fetched(self, step: pb.PlanStep, ref: pb.BlobRef) -> Path:
+        """The verified file of one of ``step``'s blobs (a staged part's download, if any)."""
+        if ref.digest in self._prefetched:
+            return (await self._download_for(step, ref).task)[0]
+        return await self.fetcher.fetch(ref)
+
+    async def _one_container(self, step: pb.PlanStep, paths: list[Path]) -> Path:
+        """A patch step's parts as one container file, for ``Destination.apply_patch``."""
+        if len(paths) == 1:
+            return paths[0]
+        from weftboard.cuda.codec import join_patches
+
+        def join() -> Path:
+            out = self.fetcher.cache_dir / f"joined-v{step.to_version}.patch"
+            out.write_bytes(join_patches([p.read_bytes() for p in paths]))
+            return out
+
+        return await asyncio.to_thread(join)
+
+    def _prefetch(self, part: pb.StagedPart) -> None:
+        """Start downloading a staged part of a version after the held one (a hint)."""
+        if (self.blob_store is None or part.version <= self.held_version or part.blob.digest in self._prefetched
+                or len(self._prefetched) >= MAX_PREFETCHED):
+            return
+        self._prefetched[part.blob.digest] = self._start_download(part.version, part.blob)
+
+    def _drop_prefetched(self, upto: int) -> None:
+        """Cancel and forget the staged parts' downloads of versions up to ``upto``."""
+        for digest, pre in list(self._prefetched.items()):
+            if pre.version <= upto:
+                del self._prefetched[digest]
+                pre.task.cancel()
+
+                def forget(task: asyncio.Future, ref: pb.BlobRef = pre.ref) -> None:
+                    if not task.cancelled():
+                        task.exception()  # retrieved, not logged: nobody waits for this part
+                    self.fetcher.forget(ref)
+
+                pre.task.add_done_callback(forget)
 
     async def sync_to(self, want: int = 0, *, record: pb.VersionRecord | None = None) -> int:
         """Catch up to ``want`` (0: the head); returns the verified version held after.
@@ -233,8 +319,6 @@ class Subscriber:
             raise ApplyError(f"island {self.island_id} could not reach version {want or 'head'}: {message}")
 
     async def _execute(self, plan: pb.CatchUpPlan) -> None:
-        from weftboard.subscriber.fetch import cache_path
-
         steps = list(plan.steps)
         if self.progress is not None:
             for s in steps:
@@ -245,10 +329,11 @@ class Subscriber:
             await self._execute_streaming(steps[0], t_plan)
             return
         targets = [asyncio.ensure_future(self._step_target(s)) for s in steps]
-        downloads = [asyncio.ensure_future(asyncio.gather(*(self.fetcher.fetch(b) for b in s.blobs))) for s in steps]
+        downloads = [asyncio.ensure_future(asyncio.gather(*(self._fetched(s, b) for b in s.blobs))) for s in steps]
         try:
             for step, target_f, download in zip(steps, targets, downloads):
                 target = await target_f
+                joined: Path | None = None
                 try:
                     paths = await download
                     fetched_s = time.perf_counter() - t_plan
@@ -258,11 +343,15 @@ class Subscriber:
                     if step.kind == pb.ARTIFACT_KIND_ANCHOR:
                         await self.destination.load_anchor(paths, target)
                     else:
-                        await self.destination.apply_patch(paths[0], target)
+                        joined = await self._one_container(step, paths)
+                        await self.destination.apply_patch(joined, target)
                 except _RECOVERABLE:
                     for b in step.blobs:
                         self.fetcher.forget(b)
                     raise
+                finally:
+                    if joined is not None and joined not in paths:
+                        joined.unlink(missing_ok=True)
                 for b in step.blobs:
                     self.fetcher.forget(b)
                 await self._step_applied(step, fetched_s, time.perf_counter() - t0)
@@ -304,55 +393,50 @@ class Subscriber:
         store the download is too short to hide anything behind, and applying alongside it
         only makes the two contend (measured on loopback, three islands: checkpoint
         directories took 2.0 s instead of 1.7 s from publish to applied; live tensors the same)."""
-        return (len(steps) == 1 and steps[0].kind == pb.ARTIFACT_KIND_PATCH and len(steps[0].blobs) == 1
+        return (len(steps) == 1 and steps[0].kind == pb.ARTIFACT_KIND_PATCH
                 and hasattr(self.destination, "apply_patch_arriving") and self.fetcher.far())
 
     async def _execute_streaming(self, step: pb.PlanStep, t_plan: float) -> None:
-        """One patch step, applied tensor by tensor as its bytes arrive; the destination holds
-        the version only after the fetcher verified the blob and it verified the result."""
-        from weftboard.subscriber.arriving import ArrivingBytes
-
-        ref = step.blobs[0]
-        blob = ArrivingBytes(ref.size)
-        fetched_at: list[float] = []
-
-        async def download() -> None:
-            try:
-                await self.fetcher.fetch(ref, on_chunk=blob.put)
-            except BaseException as exc:
-                blob.fail(exc if isinstance(exc, Exception) else ApplyError("the download was cancelled"))
-                raise
-            fetched_at.append(time.perf_counter())
-            if self.progress is not None:
-                self.progress.applying(step.to_version)
-            blob.verified()
-
-        fetching = asyncio.ensure_future(download())
+        """One patch step, applied tensor by tensor as its parts' bytes arrive (staged parts
+        may have arrived already); the destination holds the version only after the fetcher
+        verified every part and it verified the result."""
+        downloads = [self._download_for(step, ref) for ref in step.blobs]
+        parts = [d.bytes for d in downloads]
+        fetching = asyncio.ensure_future(asyncio.gather(*(d.task for d in downloads)))
+        if self.progress is not None:
+            fetching.add_done_callback(lambda f: f.cancelled() or f.exception() or self.progress.applying(step.to_version))
         try:
             target = await self._step_target(step)
-            await self.destination.apply_patch_arriving(blob, target)
-            await fetching
+            await self.destination.apply_patch_arriving(parts, target)
+            fetched_at = max(t for _, t in await fetching)
         except CorruptData as exc:
-            # A stream failed its check: the blob's own digest tells whether it was damaged
+            # A stream failed its check: the parts' own digests tell whether one was damaged
             # after it was published (DigestMismatch, the precise report) or published so.
             await asyncio.wait([fetching])
-            self._drop_streamed(step, ref)
-            cause = None if fetching.cancelled() else fetching.exception()
-            if isinstance(cause, DigestMismatch) and cause is not exc:
+            causes = [d.task.exception() for d in downloads if d.task.done() and not d.task.cancelled()]
+            await self._drop_streamed(step, downloads, fetching)
+            cause = next((c for c in causes if isinstance(c, DigestMismatch)), None)
+            if cause is not None and cause is not exc:
                 raise cause from exc
             raise
         except BaseException as exc:
-            blob.fail(exc if isinstance(exc, Exception) else ApplyError("the step was cancelled"))
-            fetching.cancel()
-            await asyncio.gather(fetching, return_exceptions=True)
-            self._drop_streamed(step, ref)
+            for blob in parts:
+                blob.fail(exc if isinstance(exc, Exception) else ApplyError("the step was cancelled"))
+            await self._drop_streamed(step, downloads, fetching)
             raise
-        self.fetcher.forget(ref)
-        # apply_s: what the apply added after the last byte arrived (the rest overlapped it).
-        await self._step_applied(step, fetched_at[0] - t_plan, time.perf_counter() - fetched_at[0], streamed=True)
+        for ref in step.blobs:
+            self.fetcher.forget(ref)
+        # apply_s: what the apply added after the last byte arrived (the rest overlapped it);
+        # fetched_s is 0 when staged parts were all here before the version committed.
+        await self._step_applied(step, max(fetched_at - t_plan, 0.0), time.perf_counter() - fetched_at, streamed=True)
 
-    def _drop_streamed(self, step: pb.PlanStep, ref: pb.BlobRef) -> None:
-        self.fetcher.forget(ref)
+    async def _drop_streamed(self, step: pb.PlanStep, downloads: list[_Download], fetching: asyncio.Future) -> None:
+        fetching.cancel()
+        for d in downloads:
+            d.task.cancel()
+        await asyncio.gather(fetching, *(d.task for d in downloads), return_exceptions=True)
+        for d in downloads:
+            self.fetcher.forget(d.ref)
         if self.progress is not None:
             self.progress.end(step.to_version)
 
@@ -372,6 +456,7 @@ class Subscriber:
                     log.error("follow loop error; retrying", island=self.island_id, error=str(exc))
                     await asyncio.sleep(1.0)
         finally:
+            self._drop_prefetched(upto=1 << 62)
             if hb is not None:
                 hb.cancel()
                 await asyncio.gather(hb, return_exceptions=True)
@@ -383,9 +468,12 @@ class Subscriber:
             await self.sync_to(head)
         elif self.held_version:
             await self._set_state(pb.ISLAND_STATE_READY)
-        async for event in self.client.watch(self.run_name, after_version=self.held_version, progress_interval_ms=1000):
+        async for event in self.client.watch(self.run_name, after_version=self.held_version, progress_interval_ms=1000,
+                                             staged_parts=self.blob_store is not None):
             kind = event.WhichOneof("event")
-            if kind == "version":
+            if kind == "staged":
+                self._prefetch(event.staged)
+            elif kind == "version":
                 v = event.version.version
                 self.head = max(self.head, v)
                 if v > self.held_version:

@@ -102,7 +102,7 @@ def test_arriving_apply_equals_the_whole_patch_apply_in_any_arrival_order(seed: 
     blob = ArrivingBytes(len(data))
     seen: list[str] = []
     feeder = _feed(blob, data, chunk=37, seed=seed)
-    applied = apply_patch_arriving_(live, blob, on_tensor=seen.append, timeout_s=10)
+    applied = apply_patch_arriving_(live, [blob], on_tensor=seen.append, timeout_s=10)
     feeder.join()
     assert _equal(live, new) and _equal(whole, new)
     assert sorted(seen) == sorted(n for n, c in applied.changed.items() if c)
@@ -122,16 +122,90 @@ def test_arriving_apply_undoes_everything_on_a_damaged_stream_or_a_failed_downlo
     written: list[str] = []
     feeder = _feed(blob, bytes(damaged), chunk=len(data), seed=0)
     with pytest.raises(CorruptData, match="xxh3-64"):
-        apply_patch_arriving_(live, blob, on_tensor=written.append, timeout_s=10)
+        apply_patch_arriving_(live, [blob], on_tensor=written.append, timeout_s=10)
     feeder.join()
     assert written and _equal(live, old)  # tensors had been written, and were put back
 
     blob = ArrivingBytes(len(data))
     feeder = _feed(blob, data, chunk=64, seed=3, fail_after=len(data) // 64 - 2)
     with pytest.raises(Unavailable, match="gave up"):
-        apply_patch_arriving_(live, blob, timeout_s=10)
+        apply_patch_arriving_(live, [blob], timeout_s=10)
     feeder.join()
     assert _equal(live, old)
+
+
+def _part_bytes(old: dict, new: dict, groups: list[list[str]], encoding: str = "default", *,
+                base: int = 1) -> list[bytes]:
+    """A patch in parts, one per group of tensor names; only the last part knows the root."""
+    return [encode_patch([(n, old[n], new[n]) for n in names], base_version=base, target_version=base + 1,
+                         target_root="xxh3-128:0" if i == len(groups) - 1 else "", encoding=encoding).data
+            for i, names in enumerate(groups)]
+
+
+def _groups(names: list[str], k: int) -> list[list[str]]:
+    return [names[i::k] for i in range(k)]
+
+
+@pytest.mark.parametrize("seed,encoding", [(0, "default"), (1, "context")])
+def test_a_patch_in_parts_applies_as_its_parts_arrive_and_joins_into_one_container(seed: int, encoding: str) -> None:
+    from weftboard.cuda.codec import join_patches
+
+    old = _view(seed)
+    new = _step(old, 200 + seed, frac=0.2)
+    parts = _part_bytes(old, new, _groups(sorted(old), 3), encoding)
+    live = {n: t.clone() for n, t in old.items()}
+    blobs = [ArrivingBytes(len(p)) for p in parts]
+    feeders = [_feed(b, p, chunk=29, seed=seed + i) for i, (b, p) in enumerate(zip(blobs, parts))]  # all at once
+    seen: list[str] = []
+    applied = apply_patch_arriving_(live, blobs, on_tensor=seen.append, timeout_s=10)
+    for f in feeders:
+        f.join()
+    assert _equal(live, new)
+    assert sorted(applied.changed) == sorted(old) and applied.target_root == "xxh3-128:0"
+    assert sorted(seen) == sorted(n for n, c in applied.changed.items() if c)
+    applied.revert()
+    assert _equal(live, old)
+    joined = join_patches(parts)
+    info = read_patch_info(joined)
+    assert [t.name for t in info.tensors] == [n for g in _groups(sorted(old), 3) for n in g]
+    assert info.target_root == "xxh3-128:0" and info.encoding == encoding
+    apply_patch_(live, joined)
+    assert _equal(live, new)
+
+
+def test_parts_that_are_not_one_patch_are_refused_and_a_damaged_part_undoes_the_others() -> None:
+    from weftboard.cuda.codec import join_patches
+
+    old = _view(7)
+    new = _step(old, 8, frac=0.2)
+    names = sorted(old)
+    parts = _part_bytes(old, new, _groups(names, 2))
+    damaged = bytearray(parts[1])
+    damaged[-3] ^= 0x40
+    live = {n: t.clone() for n, t in old.items()}
+    blobs = [ArrivingBytes(len(parts[0])), ArrivingBytes(len(damaged))]
+    blobs[0].put(0, parts[0])
+    blobs[1].put(0, bytes(damaged))
+    written: list[str] = []
+    with pytest.raises(CorruptData, match="xxh3-64"):
+        apply_patch_arriving_(live, blobs, on_tensor=written.append, timeout_s=10)
+    assert set(written) & set(_groups(names, 2)[0]) and _equal(live, old)  # the first part was written, then undone
+
+    other_step = _part_bytes(old, new, _groups(names, 2), base=4)
+    overlapping = _part_bytes(old, new, [names[:3], names[2:]])
+    for bad, match in (([parts[0], other_step[1]], "disagree"), (overlapping, "both hold")):
+        blobs = [ArrivingBytes(len(p)) for p in bad]
+        for b, p in zip(blobs, bad):
+            b.put(0, p)
+        with pytest.raises(CorruptData, match=match):
+            apply_patch_arriving_(live, blobs, timeout_s=10)
+        assert _equal(live, old)
+        with pytest.raises(CorruptData, match=match):
+            join_patches(bad)
+    with pytest.raises(InvalidArgument, match="at least one part"):
+        join_patches([])
+    with pytest.raises(InvalidArgument, match="at least one part"):
+        apply_patch_arriving_(live, [], timeout_s=1)
 
 
 async def _refuse_a_bad_blob_and_a_cancelled_download(dest: Any, data: bytes, target: Any) -> None:
@@ -140,7 +214,7 @@ async def _refuse_a_bad_blob_and_a_cancelled_download(dest: Any, data: bytes, ta
     its version (the callers check its bytes)."""
     blob = ArrivingBytes(len(data))
     blob.put(0, data)
-    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, target))
+    task = asyncio.ensure_future(dest.apply_patch_arriving([blob], target))
     await asyncio.sleep(0.2)
     assert not task.done()  # applied, waiting for the blob's verdict
     blob.fail(DigestMismatch("blob hashes to something else"))
@@ -150,7 +224,7 @@ async def _refuse_a_bad_blob_and_a_cancelled_download(dest: Any, data: bytes, ta
 
     blob = ArrivingBytes(len(data))
     blob.put(0, data[: len(data) // 2])
-    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, target))
+    task = asyncio.ensure_future(dest.apply_patch_arriving([blob], target))
     await asyncio.sleep(0.2)
     task.cancel()  # the thread undoes its work before the destination's lock is let go
     with pytest.raises(asyncio.CancelledError):
@@ -176,13 +250,13 @@ async def test_live_tensors_hold_an_arriving_patch_only_after_the_blob_is_verifi
     blob.put(0, bad)
     blob.verified()
     with pytest.raises(DigestMismatch):
-        await dest.apply_patch_arriving(blob, t2)
+        await dest.apply_patch_arriving([blob], t2)
     assert dest.held_version() == 1 and _equal(live, v1)
 
     # And the good one, arriving in pieces, is held once verified.
     blob = ArrivingBytes(len(data))
     feeder = _feed(blob, data, chunk=101, seed=4)
-    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
+    task = asyncio.ensure_future(dest.apply_patch_arriving([blob], t2))
     await asyncio.to_thread(feeder.join)
     await asyncio.sleep(0.05)
     assert not task.done()
@@ -191,7 +265,7 @@ async def test_live_tensors_hold_an_arriving_patch_only_after_the_blob_is_verifi
     assert dest.held_version() == 2 and _equal(live, v2)
 
     with pytest.raises(ApplyError, match="destination holds 2"):
-        await dest.apply_patch_arriving(ArrivingBytes(len(data)), t2)
+        await dest.apply_patch_arriving([ArrivingBytes(len(data))], t2)
 
 
 async def test_checkpoint_dir_swaps_in_an_arriving_patch_only_after_the_blob_is_verified(tmp_path) -> None:
@@ -211,7 +285,7 @@ async def test_checkpoint_dir_swaps_in_an_arriving_patch_only_after_the_blob_is_
     # Arriving in pieces, then verified: swapped in.
     blob = ArrivingBytes(len(data))
     feeder = _feed(blob, data, chunk=97, seed=8)
-    task = asyncio.ensure_future(dest.apply_patch_arriving(blob, t2))
+    task = asyncio.ensure_future(dest.apply_patch_arriving([blob], t2))
     await asyncio.to_thread(feeder.join)
     await asyncio.sleep(0.05)
     assert not task.done() and dest.held_version() == 1

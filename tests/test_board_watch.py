@@ -174,8 +174,9 @@ async def test_stage_part_refuses_what_no_commit_could_name(board, local_store):
         with pytest.raises(errors.FailedPrecondition, match="version 1 is an anchor"):
             await client.stage_part("r", 1, part)
         await publish(client, local_store, "r", [1])
-        with pytest.raises(errors.FailedPrecondition, match="being published is 2"):
-            await client.stage_part("r", 3, part)
+        with pytest.raises(errors.FailedPrecondition, match="the head is 1"):
+            await client.stage_part("r", 1, part)
+        assert (await client.stage_part("r", 3, part)).head == 1  # a version after the next: max_pending > 1
         missing = pb.BlobRef(digest="xxh3-128:" + "0" * 32, size=part.size)
         missing.key = blob_key("r", missing.digest)
         with pytest.raises(errors.FailedPrecondition, match="does not exist"):

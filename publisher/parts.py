@@ -1,0 +1,59 @@
+"""Cutting a version's patch into parts while its streams are finished, so islands can start
+downloading before the version commits.
+
+A patch's streams are finished one tensor at a time after the read; waiting for the last one
+and the root digest before uploading anything leaves a far island idle for all of that time.
+A ``PartCutter`` collects finished streams and, once they hold ``part_bytes`` of streams, makes
+them one part (a patch container with an empty root, ``weftboard.cuda.codec``) and hands it to
+``ship`` (upload, then ``StagePart`` on the board), which returns at once with a future of the
+part's ``BlobRef``. The version's commit names these parts plus one last part with every
+tensor not staged yet (and the root).
+
+Invariants:
+- Parts hold disjoint tensors, in the order their streams were finished; a tensor's stream is
+  in exactly one part of the committed patch.
+- Cutting never waits for an upload: the caller (the publisher's read thread) only assembles.
+- A staged part is a hint until the commit names it: a version merged into a later one
+  (``on_backpressure="skip"``) commits other parts and leaves its staged ones unused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Callable
+
+from weftboard.proto.errors import InvalidArgument
+
+Ship = Callable[[bytes], "concurrent.futures.Future[Any]"]
+
+
+class PartCutter:
+    def __init__(self, version: int, encoding: str, part_bytes: int, ship: Ship) -> None:
+        if part_bytes <= 0:
+            raise InvalidArgument(f"part_bytes must be > 0, got {part_bytes}")
+        self.version = version
+        self.encoding = encoding
+        self.part_bytes = part_bytes
+        self.ship = ship
+        self.parts: list[tuple[list[str], concurrent.futures.Future]] = []  # (tensor names, future BlobRef)
+        self._pending: list[Any] = []
+        self._pending_bytes = 0
+
+    def add(self, encoded: Any) -> None:
+        """One finished tensor stream (``EncodedTensor``); ships a part once enough are here."""
+        self._pending.append(encoded)
+        self._pending_bytes += int(encoded.stream.nbytes)
+        if self._pending_bytes >= self.part_bytes:
+            self._cut()
+
+    def staged(self) -> set[str]:
+        """Names of the tensors in parts already shipped."""
+        return {name for names, _ in self.parts for name in names}
+
+    def _cut(self) -> None:
+        from weftboard.cuda.codec import assemble_patch
+
+        data = assemble_patch(self._pending, base_version=self.version - 1, target_version=self.version,
+                              target_root="", encoding=self.encoding).data
+        self.parts.append(([e.name for e in self._pending], self.ship(data)))
+        self._pending, self._pending_bytes = [], 0

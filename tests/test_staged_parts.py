@@ -1,0 +1,165 @@
+"""Patches in parts, staged before their commit: the publisher cuts and stages them, a watcher
+sees the hints first, islands download early but apply only what a committed record names.
+
+Real board (real Redis), real blob store, real AdamW steps on a small model; ``part_bytes`` is
+set small so a small model's patch comes in several parts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from boardkit import upload
+from pubsubkit import Trainer, bits_equal, first_difference, zeros_like_layout
+from weftboard.board.client import BoardClient
+from weftboard.cuda.codec import join_patches, read_patch_info
+from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.publisher.publisher import Publisher
+from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
+from weftboard.subscriber.live_tensors import LiveTensorsDestination
+from weftboard.subscriber.subscriber import Subscriber
+
+PART_BYTES = 2048
+
+
+async def _watch_all(client: BoardClient, run: str, until: int, out: list[pb.WatchEvent]) -> None:
+    async for event in client.watch(run, after_version=1, staged_parts=True, progress_interval_ms=5000):
+        out.append(event)
+        if event.WhichOneof("event") == "version" and event.version.version >= until:
+            return
+
+
+def _patch_blobs(record: pb.VersionRecord) -> list[pb.BlobRef]:
+    return [b for a in record.artifacts if a.kind == pb.ARTIFACT_KIND_PATCH for b in a.blobs]
+
+
+async def test_parts_are_staged_before_the_commit_and_islands_follow_bitwise(board, local_store, tmp_path: Path) -> None:
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+    published = threading.Event()
+    go = threading.Event()
+
+    def train() -> None:
+        with Publisher(board.address, "p", token=board.admin_token, blob_store=local_store, part_bytes=PART_BYTES) as pub:
+            trainer.step()
+            views[pub.publish(trainer.model, step=1).version] = trainer.served()
+            pub.flush()
+            published.set()
+            go.wait(30)  # the watcher is listening: hints sent from now on reach it
+            for _ in range(3):
+                trainer.step()
+                views[pub.publish(trainer.model, step=trainer.step_no).version] = trainer.served()
+                pub.flush()
+
+    task = asyncio.ensure_future(asyncio.to_thread(train))
+    async with BoardClient(board.address, board.admin_token) as client:
+        await asyncio.to_thread(published.wait, 30)
+        events: list[pb.WatchEvent] = []
+        watching = asyncio.ensure_future(_watch_all(client, "p", 4, events))
+        await asyncio.sleep(0.5)  # the stream is open before the first hint
+        go.set()
+        await asyncio.wait_for(watching, 60)
+        await task
+        records = {e.version.version: e.version for e in events if e.WhichOneof("event") == "version"}
+        assert sorted(records) == [2, 3, 4]
+        for v, record in records.items():
+            blobs = _patch_blobs(record)
+            assert len(blobs) >= 3, f"version {v}: a patch of {record.stats.patch_bytes} bytes in {len(blobs)} parts"
+            assert record.stats.patch_bytes == sum(b.size for b in blobs)
+            # Every part but the last was hinted before the commit; the hint names the blob exactly.
+            order = [i for i, e in enumerate(events) if e.WhichOneof("event") == "staged" and e.staged.version == v]
+            commit_at = next(i for i, e in enumerate(events) if e.WhichOneof("event") == "version" and e.version.version == v)
+            hinted = [events[i].staged.blob for i in order]
+            assert hinted == blobs[:-1] and all(i < commit_at for i in order)
+            assert all(events[i].staged.base_version == v - 1 for i in order)
+            datas = [await local_store.get_bytes(b.key) for b in blobs]
+            infos = [read_patch_info(d) for d in datas]
+            assert [i.target_root for i in infos] == [""] * (len(infos) - 1) + [record.root_digest]
+            joined = read_patch_info(join_patches(datas))
+            assert sorted(t.name for t in joined.tensors) == sorted(views[v])  # every tensor exactly once
+            assert joined.target_root == record.root_digest and joined.base_version == v - 1
+
+        # Islands reach every version bitwise: one applying parts as they arrive (live
+        # tensors), one through the joined container (a checkpoint directory, near store).
+        live = LiveTensorsDestination(zeros_like_layout(views[4]))
+        streaming = Subscriber(client, "p", live, island_id="live", blob_store=local_store,
+                               cache_dir=tmp_path / "c1", heartbeat=False)
+        directory = CheckpointDirDestination(tmp_path / "ckpt")
+        joining = Subscriber(client, "p", directory, island_id="dir", blob_store=local_store,
+                             cache_dir=tmp_path / "c2", heartbeat=False)
+        joining.fetcher.far = lambda: False  # type: ignore[method-assign]
+        for v in range(1, 5):
+            assert await streaming.sync_to(v) == v and await joining.sync_to(v) == v
+            assert bits_equal(live.tensors, views[v]), f"version {v}: {first_difference(live.tensors, views[v])}"
+            assert streaming.timings[v].get("streamed", 0.0) == (1.0 if v > 1 else 0.0)
+        from safetensors.torch import load_file
+
+        on_disk = load_file(directory.current_dir() / "model.safetensors")
+        assert bits_equal(on_disk, views[4]), first_difference(on_disk, views[4])
+        assert not list((tmp_path / "c2").glob("joined-*")), "the joined container is removed after its apply"
+
+
+async def test_an_island_downloads_staged_parts_early_and_applies_only_after_the_commit(
+    board, local_store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit is held back: the following island has the hinted parts (and one bogus hint's
+    blob) on hand, still serves the previous version bit for bit, and after the commit holds the
+    new version having downloaded each committed byte once; the bogus part is dropped."""
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+    release = threading.Event()
+    holding = threading.Event()
+
+    async with BoardClient(board.address, board.admin_token) as client:
+        pub = Publisher(board.address, "q", token=board.admin_token, blob_store=local_store, part_bytes=PART_BYTES)
+        try:
+            trainer.step()
+            views[1] = trainer.served()
+            await asyncio.to_thread(lambda: (pub.publish(trainer.model, step=1), pub.flush()))
+            dest = LiveTensorsDestination(zeros_like_layout(views[1]))
+            sub = Subscriber(client, "q", dest, island_id="early", blob_store=local_store,
+                             cache_dir=tmp_path / "cache", heartbeat=False)
+            following = asyncio.ensure_future(sub.run())
+            await sub.wait_for_version(1, 30)
+            await asyncio.sleep(0.5)  # its watch stream is open
+
+            real_commit = pub._client.commit_version
+
+            async def held_commit(record: pb.VersionRecord) -> Any:
+                holding.set()
+                await asyncio.to_thread(release.wait, 30)
+                return await real_commit(record)
+
+            monkeypatch.setattr(pub._client, "commit_version", held_commit)
+            bogus = await upload(local_store, "q", b"a part no record will name")
+            await client.stage_part("q", 2, bogus)
+            trainer.step()
+            views[2] = trainer.served()
+            handle = await asyncio.to_thread(pub.publish, trainer.model, step=2)
+            await asyncio.to_thread(holding.wait, 30)
+            for _ in range(100):  # the hinted downloads finish while the commit waits
+                if len(sub._prefetched) >= 3 and all(d.task.done() for d in sub._prefetched.values()):
+                    break
+                await asyncio.sleep(0.05)
+            assert bogus.digest in sub._prefetched and len(sub._prefetched) >= 3
+            assert sub.held_version == 1 and bits_equal(dest.tensors, views[1])  # nothing applied early
+            downloaded_before = sub.fetcher.bytes_downloaded
+            release.set()
+            record = await asyncio.to_thread(handle.result, 30)
+            await sub.wait_for_version(2, 30)
+            assert bits_equal(dest.tensors, views[2]), first_difference(dest.tensors, views[2])
+            parts = _patch_blobs(record)
+            staged = [b for b in parts if b.digest != parts[-1].digest]
+            assert sub.fetcher.bytes_downloaded == downloaded_before + parts[-1].size  # staged parts came once
+            assert sum(b.size for b in staged) + len(b"a part no record will name") <= downloaded_before
+            assert sub._prefetched == {}  # the unused hint's download is gone with version 2
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+        finally:
+            release.set()
+            await asyncio.to_thread(pub.close)
