@@ -12,8 +12,10 @@ Invariants:
 - Watch sends history from XRANGE, then live events from the run's shared feed, never
   a version twice and never with a gap (see fanout.py). Staged-part hints go only to
   watchers that asked, and only for versions after the last one sent.
-- StagePart stores nothing: it checks the part exists (so an island's download finds it)
-  and relays the hint; a commit still checks every blob it names.
+- StagePart checks the part exists (so an island's download finds it), notes that for
+  ``CHECKED_TTL_S`` and relays the hint. A commit checks every blob it names, taking such a
+  recent note for a part instead of asking the store again: keys are content addressed, so
+  a blob never changes, and GC deletes only keys of collected versions, never a staged part.
 - Nothing here blocks the event loop: Redis and the blob store are awaited.
 """
 
@@ -132,6 +134,8 @@ class BoardServicer(pb_grpc.BoardServicer):
 
     async def _check_blobs(self, record: pb.VersionRecord) -> None:
         refs = [b for a in record.artifacts for b in a.blobs]
+        checked = await self.store.checked_sizes(record.run, [b.key for b in refs])
+        refs = [b for b in refs if checked.get(b.key) != b.size]  # staged parts were found moments ago
         sizes = await asyncio.gather(*(self.blobs.stat(b.key) for b in refs))
         for ref, size in zip(refs, sizes):
             if size is None:
@@ -206,7 +210,7 @@ class BoardServicer(pb_grpc.BoardServicer):
             )
         staged = pb.StagedPart(version=request.version, base_version=request.version - 1,
                                blob=pb.BlobRef(key=blob.key, digest=blob.digest, size=blob.size))
-        await self.store.publish_staged(request.run, pb.WatchEvent(staged=staged).SerializeToString())
+        await self.store.publish_staged(request.run, blob.key, blob.size, pb.WatchEvent(staged=staged).SerializeToString())
         return pb.StagePartResponse(head=run.head)
 
     # -- reading ----------------------------------------------------------

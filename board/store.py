@@ -82,6 +82,14 @@ def k_staged(run: str) -> str:
     return f"wb:{{{run}}}:staged"
 
 
+def k_checked(run: str) -> str:
+    """Hash: blob key -> size, for parts StagePart found in the blob store (expires)."""
+    return f"wb:{{{run}}}:checked"
+
+
+CHECKED_TTL_S = 900  # how long a StagePart's existence check stands in for the commit's
+
+
 def k_islands(run: str) -> str:
     return f"wb:{{{run}}}:islands"
 
@@ -333,10 +341,22 @@ class RedisStore:
         entries = await self.redis.xrange(k_events(run), min=f"({after}-1", max="+", count=count)
         return [event_record(fields) for _, fields in entries]
 
-    async def publish_staged(self, run: str, payload: bytes) -> int:
-        """Hand a serialized ``WatchEvent`` (a staged part) to every board process's feed of
-        ``run``; returns how many Redis subscribers got it (feeds, not watchers)."""
-        return int(await self.redis.publish(k_staged(run), payload))
+    async def publish_staged(self, run: str, key: str, size: int, payload: bytes) -> int:
+        """Note that blob ``key`` was found with ``size`` bytes, and hand a serialized
+        ``WatchEvent`` (the staged part) to every board process's feed of ``run``, in one round
+        trip; returns how many Redis subscribers got it (feeds, not watchers)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(k_checked(run), key, size)
+        pipe.expire(k_checked(run), CHECKED_TTL_S)
+        pipe.publish(k_staged(run), payload)
+        return int((await pipe.execute())[-1])
+
+    async def checked_sizes(self, run: str, keys: Sequence[str]) -> dict[str, int]:
+        """Sizes StagePart found for these blob keys within ``CHECKED_TTL_S`` (others absent)."""
+        if not keys:
+            return {}
+        sizes = await self.redis.hmget(k_checked(run), list(keys))
+        return {k: int(s) for k, s in zip(keys, sizes) if s is not None}
 
     def staged_listener(self) -> "aioredis.client.PubSub":
         """A Pub/Sub connection for ``k_staged`` channels (the caller subscribes and closes it)."""

@@ -43,7 +43,9 @@ from typing import Any, Sequence
 
 import torch
 
+from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.islands import IslandProcess, IslandSpec
+from weftboard.publisher.parts import DEFAULT_PART_BYTES
 
 RUN = "bench-sync"
 
@@ -365,6 +367,7 @@ class BenchConfig:
     work_dir: Path | None = None
     trainer_gc: str = "manual"  # TrainerCollector mode
     encoding: str = "default"  # the publisher's patch encoding
+    part_bytes: int = DEFAULT_PART_BYTES  # the publisher's staged patch parts (0: none)
     network: Any = None  # an IslandNetwork (LoopbackNetwork by default)
     log: Any = None  # callable(str) for human-readable progress lines
 
@@ -420,7 +423,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         results: dict[int, dict[str, Any]] = {}
         with RssSampler() as sampler:
             pub = Publisher(board.address, RUN, token=token, blob_store=store, anchor_every=10_000,
-                            anchor_patch_fraction=0.5, max_pending=2, work_dir=root / "publisher", encoding=cfg.encoding)
+                            anchor_patch_fraction=0.5, max_pending=2, work_dir=root / "publisher", encoding=cfg.encoding,
+                            part_bytes=cfg.part_bytes)
             pub.attach(trainer.opt)  # publish returns at once; the next optimizer step waits for the read
             t0 = time.time()
             h1 = await asyncio.to_thread(pub.publish, trainer.state(), step=trainer.steps)
@@ -462,6 +466,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     "island_fetched_s": statistics.fmean(e.get("fetched_s", float("nan")) for e in events),
                     "island_apply_s": statistics.fmean(e.get("apply_s", float("nan")) for e in events), "blocked_s": handle.blocked_s, "read_s": handle.read_s,
                     "patch_bytes": record.stats.patch_bytes,
+                    "parts": sum(len(a.blobs) for a in record.artifacts if a.kind == pb.ARTIFACT_KIND_PATCH),
                     "density": record.stats.density, "changed": record.stats.changed_elements,
                 }
                 say(f"v{handle.version}: patch {record.stats.patch_bytes / 1e6:.2f} MB, density {record.stats.density:.4%}, "
@@ -534,12 +539,14 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     return {
         "params": trainer.numel,
         "encoding": cfg.encoding,
+        "part_bytes": cfg.part_bytes,
         "islands": cfg.islands,
         "versions": len(results),
         "island_destination": cfg.destination,
         **net.describe(),
         "density": statistics.fmean(r["density"] for r in results.values()) if results else 0.0,
         "delta_bytes_per_version": int(statistics.fmean(patch_bytes)) if patch_bytes else 0,
+        "patch_parts_per_version": round(statistics.fmean(r["parts"] for r in results.values()), 2) if results else 0,
         "full_bytes_per_version": full_bytes,
         "delta_sync_p50_s": round(delta_p50, 4),
         "delta_sync_p99_s": round(_pct(delta_sync, 0.99), 4),
@@ -568,9 +575,9 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 def main_cli(params: int, islands: int, versions: int, destination: str, json_out: bool, work_dir: Path | None,
              wan: bool = False, wan_rate_mbit: float = 100.0, wan_rtt_ms: float = 40.0,
              wan_slow_start: bool = True, warm_steps: int = 30, trainer_gc: str = "manual",
-             encoding: str = "default") -> dict:
+             encoding: str = "default", part_bytes: int = DEFAULT_PART_BYTES) -> dict:
     cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir,
-                      warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding)
+                      warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes)
     if wan:  # islands in network namespaces behind simulated WAN links (publisher/wan)
         from weftboard.publisher.wan import WanUnavailable
         from weftboard.publisher.wan.bench import WanNetwork, skipped_line

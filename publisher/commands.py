@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from weftboard.publisher.parts import DEFAULT_PART_BYTES
+
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     @bench.command("sync")
@@ -26,6 +28,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         trainer_gc: str = typer.Option("manual", help="The trainer's garbage collection: manual (off, gc.collect(1) every 10 "
                                                       "steps, as large trainers run) or auto (Python's default)."),
         encoding: str = typer.Option("default", help="The publisher's patch encoding: default, context or baseline."),
+        part_bytes: int = typer.Option(DEFAULT_PART_BYTES, help="Streams per staged patch part (0: one patch blob, "
+                                                                "nothing staged before the commit)."),
     ) -> None:
         """Publish-to-applied on every island for patches vs full checkpoints; last line JSON."""
         from weftboard.board.logs import configure
@@ -34,8 +38,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         if encoding not in ENCODINGS:
             raise typer.BadParameter(f"choose one of {', '.join(ENCODINGS)}", param_hint="--encoding")
+        if part_bytes < 0:
+            raise typer.BadParameter("must be >= 0", param_hint="--part-bytes")
 
         configure(json=True, level="WARNING")
         main_cli(params, islands, versions, destination, json_out, work_dir,
                  wan=wan, wan_rate_mbit=wan_rate_mbit, wan_rtt_ms=wan_rtt_ms, wan_slow_start=wan_slow_start,
-                 warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding)
+                 warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes)

@@ -65,17 +65,13 @@ from weftboard.proto.domain import check_name, format_digest
 from weftboard.proto.errors import FailedPrecondition, InvalidArgument, NotFound, WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.anchors import DEFAULT_SHARD_BYTES, WrittenFile, write_checkpoint
-from weftboard.publisher.parts import PartCutter
+from weftboard.publisher.parts import DEFAULT_PART_BYTES, PartCutter
 from weftboard.publisher.policy import AnchorPolicy, AnchorReason, decide_anchor
 from weftboard.publisher.uploader import FAST_RECONNECT, Uploader, with_retries
 
 log = structlog.get_logger("weftboard.publisher")
 
 _ESTIMATE_BYTES_PER_CHANGE = 1.5
-# Streams per staged patch part. Each part costs one upload, one StagePart and one download per
-# island; a few hundred kB keeps that under a millisecond of link time at 100 Mbit/s while a
-# 3 MB patch still starts downloading after its first eighth is finished.
-DEFAULT_PART_BYTES = 384 << 10
 
 
 
@@ -233,6 +229,7 @@ class Publisher:
         # stage: encoding needs only the deltas, and just the container waits for the root.
         self._encode_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weftboard-encode")
         self._wake: asyncio.Event | None = None
+        self._staging: set[asyncio.Future] = set()  # StagePart calls in flight (held so they are not collected)
         self._client = None
         self._uploader: Uploader | None = None
         self._worker: concurrent.futures.Future | None = None
@@ -475,7 +472,7 @@ class Publisher:
                 self._worker.cancel()
             if self._client is not None:
                 try:
-                    asyncio.run_coroutine_threadsafe(self._client.close(), self._loop).result(10)
+                    asyncio.run_coroutine_threadsafe(self._close_client(), self._loop).result(10)
                 except Exception:  # closing is best effort once the work is done
                     pass
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -485,6 +482,12 @@ class Publisher:
             self._encode_pool.shutdown(wait=True)
             if self._own_work_dir:
                 shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    async def _close_client(self) -> None:
+        for task in list(self._staging):  # hints for versions that are committed or never will be
+            task.cancel()
+        await asyncio.gather(*self._staging, return_exceptions=True)
+        await self._client.close()
 
     # -- connect / resume ---------------------------------------------------------------
 
@@ -698,6 +701,8 @@ class Publisher:
                 fused[name] = enc
                 if cutter is not None:
                     cutter.add(enc)
+        if cutter is not None:
+            cutter.flush()
         return deltas, fused
 
     def _ship_part(self, version: int) -> Any:
@@ -708,16 +713,24 @@ class Publisher:
         return ship
 
     async def _upload_and_stage(self, version: int, data: bytes) -> pb.BlobRef:
-        """Upload one patch part and tell the board's watchers (a hint: a refused or failed
-        StagePart only means islands fetch the part after the commit)."""
+        """Upload one patch part, then tell the board's watchers without waiting for that: the
+        commit needs only the upload, and a hint is worth nothing after it (a refused or
+        failed StagePart only means islands fetch the part after the commit)."""
         assert self._uploader is not None and self._client is not None
         digest = format_digest(xxhash.xxh3_128(data).digest())
-        ref = pb.BlobRef(key=await self._uploader.upload(digest, len(data), data=data), digest=digest, size=len(data))
-        try:
-            await self._client.stage_part(self.run, version, ref)
-        except WeftboardError as exc:
-            log.info("patch part not staged; islands fetch it after the commit", run=self.run, version=version,
-                     error=str(exc))
+        key = await self._uploader.upload(digest, len(data), data=data, skip_existing=False)
+        ref = pb.BlobRef(key=key, digest=digest, size=len(data))
+
+        async def stage() -> None:
+            try:
+                await self._client.stage_part(self.run, version, ref)
+            except WeftboardError as exc:
+                log.info("patch part not staged; islands fetch it after the commit", run=self.run, version=version,
+                         error=str(exc))
+
+        task = asyncio.ensure_future(stage())
+        self._staging.add(task)
+        task.add_done_callback(self._staging.discard)
         return ref
 
     def _hash_changed(self, folded: dict[str, Any]) -> dict[str, concurrent.futures.Future]:

@@ -64,12 +64,16 @@ class Uploader:
         self.store = store
         self.timeout_s = timeout_s
 
-    async def upload(self, digest: str, size: int, *, path: Path | None = None, data: bytes | None = None) -> str:
-        """Upload a file or bytes whose xxh3-128 is ``digest``; returns the key."""
+    async def upload(self, digest: str, size: int, *, path: Path | None = None, data: bytes | None = None,
+                     skip_existing: bool = True) -> str:
+        """Upload a file or bytes whose xxh3-128 is ``digest``; returns the key.
+
+        ``skip_existing``: first ask whether the key holds the blob already (a retried
+        publish); a caller whose bytes are new (a patch part) saves that round trip."""
         key = blob_key(self.run, digest)
         if self.store is not None:
             async def direct() -> None:
-                if await self.store.stat(key) == size:
+                if skip_existing and await self.store.stat(key) == size:
                     return
                 if path is not None:
                     await asyncio.wait_for(self.store.put_file(key, path), self.timeout_s)

@@ -15,11 +15,14 @@ Invariants:
 - ``on_chunk`` sees every byte of the blob once at least (as it lands when the store streams,
   else from disk), before the digest is checked: whoever uses those bytes early must wait
   for ``fetch`` to return before trusting them (``arriving.ArrivingBytes.verified``).
+- Two fetches of one blob never write its files at once: the second waits for the first and
+  then finds the verified file (a staged part's download and a plan's, say).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -76,6 +79,21 @@ class Fetcher:
         self.on_bytes = on_bytes
         self.ranges = ranges  # byte ranges on parallel connections for a fresh download of one blob
         self.bytes_downloaded = 0
+        self._busy: dict[Path, tuple[asyncio.Lock, int]] = {}  # cache file -> (its lock, fetches holding or awaiting it)
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, path: Path):
+        lock, users = self._busy.get(path, (asyncio.Lock(), 0))
+        self._busy[path] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._busy[path]
+            if users == 1:
+                del self._busy[path]
+            else:
+                self._busy[path] = (lock, users - 1)
 
     def far(self) -> bool:
         """Whether the blob store is far enough for parallel ranges (and applying while
@@ -95,6 +113,10 @@ class Fetcher:
         are not verified until this returns (see ``arriving.ArrivingBytes``).
         """
         final = cache_path(self.cache_dir, ref)
+        async with self._exclusive(final):
+            return await self._fetch(ref, final, on_chunk)
+
+    async def _fetch(self, ref: Any, final: Path, on_chunk: ChunkCallback | None) -> Path:
         final.parent.mkdir(parents=True, exist_ok=True)
         if final.exists():
             if final.stat().st_size == ref.size and await asyncio.to_thread(file_digest, final) == ref.digest:

@@ -21,17 +21,20 @@ KEYS = {
 }
 
 
-@pytest.mark.parametrize("encoding", ["default", "context"])
-def test_bench_sync_smoke(tmp_path: Path, encoding: str) -> None:
+@pytest.mark.parametrize("encoding,part_bytes", [("default", 0), ("context", 4096)])
+def test_bench_sync_smoke(tmp_path: Path, encoding: str, part_bytes: int) -> None:
+    """One patch blob per version, and (context) patches in parts staged before their commit."""
     proc = subprocess.run(
         [sys.executable, "-m", "weftboard.board.cli", "bench", "sync", "--params", "1000000", "--islands", "2",
-         "--versions", "2", "--warm-steps", "2", "--json", "--work-dir", str(tmp_path / "work"), "--encoding", encoding],
+         "--versions", "2", "--warm-steps", "2", "--json", "--work-dir", str(tmp_path / "work"), "--encoding", encoding,
+         "--part-bytes", str(part_bytes)],
         capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert KEYS <= set(result)
-    assert result["bitwise_ok"] is True and result["encoding"] == encoding
+    assert result["bitwise_ok"] is True and result["encoding"] == encoding and result["part_bytes"] == part_bytes
+    assert (result["patch_parts_per_version"] > 1) == (part_bytes > 0)
     assert result["islands"] == 2 and result["versions"] == 2
     assert result["params"] >= 1_000_000 * 0.8
     assert 0 < result["delta_bytes_per_version"] < result["full_bytes_per_version"]

@@ -152,7 +152,19 @@ async def test_staged_parts_reach_only_watchers_that_asked_then_the_commit_names
         record = await make_record(local_store, "r", 3)
         record.artifacts[0].ClearField("blobs")
         record.artifacts[0].blobs.extend([part_a, part_b])
-        await client.commit_version(record)
+        asked: list[str] = []
+        stat = local_store.stat
+
+        async def counted_stat(key: str):
+            asked.append(key)
+            return await stat(key)
+
+        local_store.stat = counted_stat  # the board's blob store is this object
+        try:
+            await client.commit_version(record)
+        finally:
+            del local_store.stat
+        assert part_a.key not in asked and part_b.key not in asked  # StagePart's checks stand in
         events = await got_asking
         assert kinds(events) == ["staged", "staged", "version"]
         assert [e.staged.blob.digest for e in events[:2]] == [part_a.digest, part_b.digest]

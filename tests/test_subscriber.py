@@ -190,6 +190,33 @@ async def test_fetch_resumes_partial_download_and_rejects_bad_bytes(local_store,
     assert (await fetcher.fetch(ref)).read_bytes() == data  # the next attempt starts clean
 
 
+async def test_two_fetches_of_one_blob_download_it_once_and_both_see_every_byte(local_store, tmp_path: Path) -> None:
+    """A staged part's download and a plan's of the same blob: one writes the file, the other
+    waits and replays it; neither sees torn bytes."""
+    import xxhash
+
+    from weftboard.proto.domain import blob_key, format_digest
+
+    data = bytes(range(256)) * 3000
+    digest = format_digest(xxhash.xxh3_128(data).digest())
+    key = blob_key("r", digest)
+    await local_store.put_bytes(key, data)
+    ref = pb.BlobRef(key=key, digest=digest, size=len(data))
+    fetcher = Fetcher(tmp_path / "cache", local_store)
+    seen = [bytearray(len(data)), bytearray(len(data))]
+
+    def sink(i: int):
+        def put(offset: int, chunk: bytes) -> None:
+            seen[i][offset:offset + len(chunk)] = chunk
+        return put
+
+    paths = await asyncio.gather(fetcher.fetch(ref, on_chunk=sink(0)), fetcher.fetch(ref, on_chunk=sink(1)))
+    assert paths[0] == paths[1] and paths[0].read_bytes() == data
+    assert fetcher.bytes_downloaded == len(data)  # downloaded once
+    assert bytes(seen[0]) == data and bytes(seen[1]) == data
+    assert fetcher._busy == {}
+
+
 async def test_fetch_takes_patches_in_parallel_ranges_and_anchor_shards_whole(s3_store, tmp_path: Path) -> None:
     import xxhash
 
