@@ -135,18 +135,20 @@ class Publisher:
 
 
 class BoardProcess:
-    """``weftboard serve`` in a subprocess, on a given Redis and blob dir."""
+    """``weftboard serve`` in a subprocess, on a given Redis and blob store (``blob_args``:
+    ``--blob-dir DIR``, or the ``--s3-*`` flags)."""
 
-    def __init__(self, workdir: Path, redis_url: str, blob_dir: Path, admin_token: str):
+    def __init__(self, workdir: Path, redis_url: str, blob_args: list[str], admin_token: str):
         from weftboard.board.services import free_port  # noqa: PLC0415
 
         self.address = f"127.0.0.1:{free_port()}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("WEFTBOARD_")}
+        workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "board.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "weftboard.board.cli", "serve", "--listen", self.address,
-             "--redis-url", redis_url, "--blob-dir", str(blob_dir), "--admin-token", admin_token,
+             "--redis-url", redis_url, *blob_args, "--admin-token", admin_token,
              "--data-dir", str(workdir / "data"), "--log-level", "WARNING", "--log-json"],
             stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
@@ -291,7 +293,7 @@ async def _bench(params: BenchParams, log: Callable[[str], None], workdir: Path)
     redis = await asyncio.to_thread(start_redis, workdir / "redis")
     admin = "bench-admin-" + secrets.token_hex(16)
     blob_dir = workdir / "blobs"
-    board = BoardProcess(workdir, redis.url, blob_dir, admin)
+    board = BoardProcess(workdir, redis.url, ["--blob-dir", str(blob_dir)], admin)
     clients: list[BoardClient] = []
     try:
         control = BoardClient(board.address, admin, timeout_s=30)

@@ -368,8 +368,36 @@ class BenchConfig:
     trainer_gc: str = "manual"  # TrainerCollector mode
     encoding: str = "default"  # the publisher's patch encoding
     part_bytes: int = DEFAULT_PART_BYTES  # the publisher's staged patch parts (0: none)
+    board_process: bool = True  # the board in its own process (False: on the bench's event loop)
     network: Any = None  # an IslandNetwork (LoopbackNetwork by default)
     log: Any = None  # callable(str) for human-readable progress lines
+
+
+class _BoardChild:
+    """``weftboard serve`` as a child process, with the interface of ``start_board``'s handle."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+        self.address = proc.address
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.proc.stop)
+
+
+async def _board_process(workdir: Path, redis_url: str, s3: Any, token: str) -> _BoardChild:
+    from weftboard.board.bench_board import BoardProcess
+    from weftboard.board.client import BoardClient
+
+    proc = BoardProcess(workdir, redis_url, ["--s3-endpoint", s3.endpoint, "--s3-access-key", s3.access_key,
+                                             "--s3-secret-key", s3.secret_key, "--s3-bucket", s3.bucket,
+                                             "--s3-insecure", "--s3-region", "us-east-1"], token)
+    try:
+        async with BoardClient(proc.address, token, timeout_s=30) as client:
+            await proc.wait_ready(client)
+    except BaseException:
+        proc.stop()
+        raise
+    return _BoardChild(proc)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -398,8 +426,11 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     s3 = await asyncio.to_thread(start_seaweedfs, root / "s3")
     store = S3BlobStore(s3.endpoint, s3.access_key, s3.secret_key, s3.bucket, region="us-east-1")
     token = "bench-admin-" + os.urandom(12).hex()
-    board = await start_board(BoardConfig(listen="127.0.0.1:0", redis_url=redis.url, admin_token=token,
-                                          watch_progress_s=1.0), blobs=store)
+    if cfg.board_process:  # as deployed: the board's RPC handling shares no interpreter with the trainer
+        board = await _board_process(root / "board", redis.url, s3, token)
+    else:
+        board = await start_board(BoardConfig(listen="127.0.0.1:0", redis_url=redis.url, admin_token=token,
+                                              watch_progress_s=1.0), blobs=store)
     islands: list[IslandProcess] = []
     fulls: list[FullIsland] = []
     pub = None
@@ -540,6 +571,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "params": trainer.numel,
         "encoding": cfg.encoding,
         "part_bytes": cfg.part_bytes,
+        "board": "own process" if cfg.board_process else "on the bench's event loop",
         "islands": cfg.islands,
         "versions": len(results),
         "island_destination": cfg.destination,
@@ -575,9 +607,10 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 def main_cli(params: int, islands: int, versions: int, destination: str, json_out: bool, work_dir: Path | None,
              wan: bool = False, wan_rate_mbit: float = 100.0, wan_rtt_ms: float = 40.0,
              wan_slow_start: bool = True, warm_steps: int = 30, trainer_gc: str = "manual",
-             encoding: str = "default", part_bytes: int = DEFAULT_PART_BYTES) -> dict:
+             encoding: str = "default", part_bytes: int = DEFAULT_PART_BYTES, board_process: bool = True) -> dict:
     cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir,
-                      warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes)
+                      warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes,
+                      board_process=board_process)
     if wan:  # islands in network namespaces behind simulated WAN links (publisher/wan)
         from weftboard.publisher.wan import WanUnavailable
         from weftboard.publisher.wan.bench import WanNetwork, skipped_line

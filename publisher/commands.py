@@ -30,6 +30,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         encoding: str = typer.Option("default", help="The publisher's patch encoding: default, context or baseline."),
         part_bytes: int = typer.Option(DEFAULT_PART_BYTES, help="Streams per staged patch part (0: one patch blob, "
                                                                 "nothing staged before the commit)."),
+        board_process: bool = typer.Option(True, "--board-process/--board-in-process",
+                                           help="Run the board as its own process, as deployed, or on the bench's "
+                                                "event loop (sharing the trainer's and publisher's interpreter)."),
     ) -> None:
         """Publish-to-applied on every island for patches vs full checkpoints; last line JSON."""
         from weftboard.board.logs import configure
@@ -44,4 +47,5 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         configure(json=True, level="WARNING")
         main_cli(params, islands, versions, destination, json_out, work_dir,
                  wan=wan, wan_rate_mbit=wan_rate_mbit, wan_rtt_ms=wan_rtt_ms, wan_slow_start=wan_slow_start,
-                 warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes)
+                 warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes,
+                 board_process=board_process)

@@ -128,6 +128,47 @@ def test_mutated_patch_is_rejected_or_harmless(encoding, m) -> None:
     assert applied.target_version == 2
 
 
+def _parts_of(encoding: str) -> tuple[list[bytes], dict, dict]:
+    """The sample patch of ``encoding`` cut into two parts (tensors alternating)."""
+    _, olds, news = PATCHES[encoding]
+    names = list(olds)
+    groups = [names[0::2], names[1::2]]
+    parts = [encode_patch([(n, olds[n], news[n]) for n in g], base_version=1, target_version=2,
+                          target_root="" if i == 0 else ROOT, encoding=encoding).data for i, g in enumerate(groups)]
+    return parts, olds, news
+
+
+PARTS = {enc: _parts_of(enc) for enc in ("default", "context")}
+
+
+@FUZZ
+@given(encoding=st.sampled_from(["default", "context"]), which=st.integers(0, 1), m=st.data())
+def test_a_mutated_part_is_rejected_or_harmless_joined_or_arriving(encoding, which, m) -> None:
+    """Both readers of a patch in parts (the arriving apply and ``join_patches``) refuse a damaged
+    part without writing anything, or give the exact result."""
+    from weftboard.subscriber.arriving import ArrivingBytes
+
+    parts, olds, news = PARTS[encoding]
+    parts = list(parts)
+    parts[which] = _mutate(parts[which], m.draw(mutations(len(parts[which]))))
+    for reader in ("arriving", "joined"):
+        target = {n: t.clone() for n, t in olds.items()}
+        try:
+            if reader == "joined":
+                apply_patch_(target, codec.join_patches(parts))
+            else:
+                blobs = [ArrivingBytes(len(d)) for d in parts]
+                for b, d in zip(blobs, parts):
+                    if d:
+                        b.put(0, d)
+                    b.verified()
+                codec.apply_patch_arriving_(target, blobs, timeout_s=5)
+        except CorruptData:
+            assert all(torch.equal(bits_view(target[n]), bits_view(olds[n])) for n in olds), f"a refused {reader} apply wrote"
+            continue
+        assert all(torch.equal(bits_view(target[n]), bits_view(news[n])) for n in news), f"silently wrong {reader} apply"
+
+
 def _entries_and_streams(patch_data: bytes):
     c = codec._read_container(patch_data)
     return [(e, bytes(c.streams[e["name"]])) for e in c.entries if e["mode"] != "empty"]
