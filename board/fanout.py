@@ -154,7 +154,6 @@ class RunFeed:
             for sub in tuple(self.subs):
                 sub.queue.put_nowait(exc)
 
-
     async def _run_staged(self) -> None:
         pubsub = self.store.staged_listener()
         try:

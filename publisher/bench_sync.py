@@ -368,7 +368,7 @@ class BenchConfig:
     trainer_gc: str = "manual"  # TrainerCollector mode
     encoding: str = "default"  # the publisher's patch encoding
     part_bytes: int = DEFAULT_PART_BYTES  # the publisher's staged patch parts (0: none)
-    board_process: bool = True  # the board in its own process (False: on the bench's event loop)
+    board_process: bool = False  # the board in its own process (default: on the bench's event loop)
     network: Any = None  # an IslandNetwork (LoopbackNetwork by default)
     log: Any = None  # callable(str) for human-readable progress lines
 
@@ -426,7 +426,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     s3 = await asyncio.to_thread(start_seaweedfs, root / "s3")
     store = S3BlobStore(s3.endpoint, s3.access_key, s3.secret_key, s3.bucket, region="us-east-1")
     token = "bench-admin-" + os.urandom(12).hex()
-    if cfg.board_process:  # as deployed: the board's RPC handling shares no interpreter with the trainer
+    if cfg.board_process:  # as deployed, though on this host one more process shares the cores
         board = await _board_process(root / "board", redis.url, s3, token)
     else:
         board = await start_board(BoardConfig(listen="127.0.0.1:0", redis_url=redis.url, admin_token=token,
@@ -607,7 +607,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 def main_cli(params: int, islands: int, versions: int, destination: str, json_out: bool, work_dir: Path | None,
              wan: bool = False, wan_rate_mbit: float = 100.0, wan_rtt_ms: float = 40.0,
              wan_slow_start: bool = True, warm_steps: int = 30, trainer_gc: str = "manual",
-             encoding: str = "default", part_bytes: int = DEFAULT_PART_BYTES, board_process: bool = True) -> dict:
+             encoding: str = "default", part_bytes: int = DEFAULT_PART_BYTES, board_process: bool = False) -> dict:
     cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir,
                       warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes,
                       board_process=board_process)

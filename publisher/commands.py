@@ -30,7 +30,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         encoding: str = typer.Option("default", help="The publisher's patch encoding: default, context or baseline."),
         part_bytes: int = typer.Option(DEFAULT_PART_BYTES, help="Streams per staged patch part (0: one patch blob, "
                                                                 "nothing staged before the commit)."),
-        board_process: bool = typer.Option(True, "--board-process/--board-in-process",
+        board_process: bool = typer.Option(False, "--board-process/--board-in-process",
                                            help="Run the board as its own process, as deployed, or on the bench's "
                                                 "event loop (sharing the trainer's and publisher's interpreter)."),
     ) -> None:

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import structlog
 
@@ -82,7 +82,7 @@ class Fetcher:
         self._busy: dict[Path, tuple[asyncio.Lock, int]] = {}  # cache file -> (its lock, fetches holding or awaiting it)
 
     @contextlib.asynccontextmanager
-    async def _exclusive(self, path: Path):
+    async def _exclusive(self, path: Path) -> AsyncIterator[None]:
         lock, users = self._busy.get(path, (asyncio.Lock(), 0))
         self._busy[path] = (lock, users + 1)
         try:

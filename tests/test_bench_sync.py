@@ -21,13 +21,15 @@ KEYS = {
 }
 
 
-@pytest.mark.parametrize("encoding,part_bytes", [("default", 0), ("context", 4096)])
-def test_bench_sync_smoke(tmp_path: Path, encoding: str, part_bytes: int) -> None:
-    """One patch blob per version, and (context) patches in parts staged before their commit."""
+@pytest.mark.parametrize("encoding,part_bytes,board", [("default", 0, "--board-in-process"),
+                                                        ("context", 4096, "--board-process")])
+def test_bench_sync_smoke(tmp_path: Path, encoding: str, part_bytes: int, board: str) -> None:
+    """One patch blob per version, and (context) patches in parts staged before their commit,
+    with the board on the bench's loop and in its own process."""
     proc = subprocess.run(
         [sys.executable, "-m", "weftboard.board.cli", "bench", "sync", "--params", "1000000", "--islands", "2",
          "--versions", "2", "--warm-steps", "2", "--json", "--work-dir", str(tmp_path / "work"), "--encoding", encoding,
-         "--part-bytes", str(part_bytes)],
+         "--part-bytes", str(part_bytes), board],
         capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -35,6 +37,7 @@ def test_bench_sync_smoke(tmp_path: Path, encoding: str, part_bytes: int) -> Non
     assert KEYS <= set(result)
     assert result["bitwise_ok"] is True and result["encoding"] == encoding and result["part_bytes"] == part_bytes
     assert (result["patch_parts_per_version"] > 1) == (part_bytes > 0)
+    assert result["board"] == ("own process" if board == "--board-process" else "on the bench's event loop")
     assert result["islands"] == 2 and result["versions"] == 2
     assert result["params"] >= 1_000_000 * 0.8
     assert 0 < result["delta_bytes_per_version"] < result["full_bytes_per_version"]
