@@ -164,16 +164,20 @@ async def test_run_follows_new_versions_and_signals(board, local_store, tmp_path
         await asyncio.to_thread(pub.close, False)
 
 
-async def test_fetch_resumes_partial_download_and_rejects_bad_bytes(local_store, tmp_path: Path) -> None:
+async def _stored_blob(store, data: bytes) -> pb.BlobRef:
+    """``data`` put in ``store`` under its content-addressed key of run "r"."""
     import xxhash
 
     from weftboard.proto.domain import blob_key, format_digest
 
-    data = bytes(range(256)) * 4000
     digest = format_digest(xxhash.xxh3_128(data).digest())
-    key = blob_key("r", digest)
-    await local_store.put_bytes(key, data)
-    ref = pb.BlobRef(key=key, digest=digest, size=len(data))
+    await store.put_bytes(blob_key("r", digest), data)
+    return pb.BlobRef(key=blob_key("r", digest), digest=digest, size=len(data))
+
+
+async def test_fetch_resumes_partial_download_and_rejects_bad_bytes(local_store, tmp_path: Path) -> None:
+    data = bytes(range(256)) * 4000
+    ref = await _stored_blob(local_store, data)
     fetcher = Fetcher(tmp_path / "cache", local_store)
     part = cache_path(fetcher.cache_dir, ref).with_name(cache_path(fetcher.cache_dir, ref).name + ".part")
     part.parent.mkdir(parents=True, exist_ok=True)
@@ -193,15 +197,8 @@ async def test_fetch_resumes_partial_download_and_rejects_bad_bytes(local_store,
 async def test_two_fetches_of_one_blob_download_it_once_and_both_see_every_byte(local_store, tmp_path: Path) -> None:
     """A staged part's download and a plan's of the same blob: one writes the file, the other
     waits and replays it; neither sees torn bytes."""
-    import xxhash
-
-    from weftboard.proto.domain import blob_key, format_digest
-
     data = bytes(range(256)) * 3000
-    digest = format_digest(xxhash.xxh3_128(data).digest())
-    key = blob_key("r", digest)
-    await local_store.put_bytes(key, data)
-    ref = pb.BlobRef(key=key, digest=digest, size=len(data))
+    ref = await _stored_blob(local_store, data)
     fetcher = Fetcher(tmp_path / "cache", local_store)
     seen = [bytearray(len(data)), bytearray(len(data))]
 
