@@ -52,6 +52,7 @@ log = structlog.get_logger("weftboard.subscriber")
 
 _RECOVERABLE = (CorruptData, ApplyError, NotFound)
 MAX_PREFETCHED = 64  # staged parts downloading or waiting for their commit; later hints are ignored
+MAX_PREFETCH_BYTES = 64 << 20  # a staged part is held in memory as it lands: a larger one waits for the commit
 
 
 @dataclass
@@ -254,7 +255,7 @@ class Subscriber:
     def _prefetch(self, part: pb.StagedPart) -> None:
         """Start downloading a staged part of a version after the held one (a hint)."""
         if (self.blob_store is None or part.version <= self.held_version or part.blob.digest in self._prefetched
-                or len(self._prefetched) >= MAX_PREFETCHED):
+                or len(self._prefetched) >= MAX_PREFETCHED or part.blob.size > MAX_PREFETCH_BYTES):
             return
         self._prefetched[part.blob.digest] = self._start_download(part.version, part.blob)
 

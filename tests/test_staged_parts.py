@@ -208,3 +208,34 @@ def test_the_cutter_ships_disjoint_parts_of_about_part_bytes_and_the_rest_on_flu
     assert [f.result() for _, f in cutter.parts] == list(range(1, len(shipped) + 1))
     with pytest.raises(InvalidArgument, match="part_bytes"):
         PartCutter(2, "default", 0, ship)
+
+
+async def test_an_island_ignores_hints_it_cannot_use_or_afford(local_store, tmp_path: Path) -> None:
+    """Old versions, no blob-store credentials, parts too large to hold, and a flood beyond the
+    cap start no download; a usable hint starts one, and holding its version drops it."""
+    from weftboard.subscriber import subscriber as submod
+
+    dest = LiveTensorsDestination({}, held_version=3)
+    sub = Subscriber(None, "r", dest, island_id="x", blob_store=local_store, cache_dir=tmp_path / "c", heartbeat=False)
+    part = await upload(local_store, "r", b"a staged part")
+
+    def hint(version: int, blob: pb.BlobRef = part) -> pb.StagedPart:
+        return pb.StagedPart(version=version, base_version=version - 1, blob=blob)
+
+    sub._prefetch(hint(3))  # the island holds 3 already
+    huge = pb.BlobRef(key=part.key, digest=part.digest, size=submod.MAX_PREFETCH_BYTES + 1)
+    sub._prefetch(hint(4, huge))
+    assert sub._prefetched == {}
+    Subscriber(None, "r", dest, island_id="y", blob_store=None, cache_dir=tmp_path / "d", heartbeat=False)._prefetch(hint(4))
+    sub._prefetch(hint(4))
+    sub._prefetch(hint(4))  # the same part twice: one download
+    assert list(sub._prefetched) == [part.digest]
+    path, _ = await sub._prefetched[part.digest].task
+    assert path.read_bytes() == b"a staged part"
+    for i in range(submod.MAX_PREFETCHED + 5):
+        sub._prefetch(hint(5, pb.BlobRef(key=part.key, digest=f"xxh3-128:{i:032x}", size=part.size)))
+    assert len(sub._prefetched) == submod.MAX_PREFETCHED
+    sub._drop_prefetched(upto=5)
+    assert sub._prefetched == {}
+    await asyncio.sleep(0.2)  # the cancelled downloads end and forget their files
+    assert not path.exists()
