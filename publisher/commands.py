@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from weftboard.publisher.parts import DEFAULT_PART_BYTES
+from weftboard.publisher.parts import DEFAULT_PART_BYTES, SUGGESTED_PART_BYTES
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -29,7 +29,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                                       "steps, as large trainers run) or auto (Python's default)."),
         encoding: str = typer.Option("default", help="The publisher's patch encoding: default, context or baseline."),
         part_bytes: int = typer.Option(DEFAULT_PART_BYTES, help="Streams per staged patch part (0: one patch blob, "
-                                                                "nothing staged before the commit)."),
+                                                                "nothing staged before the commit; "
+                                                                f"{SUGGESTED_PART_BYTES} for far islands)."),
         board_process: bool = typer.Option(False, "--board-process/--board-in-process",
                                            help="Run the board as its own process, as deployed, or on the bench's "
                                                 "event loop (sharing the trainer's and publisher's interpreter)."),

@@ -25,12 +25,13 @@ Invariants:
   changed tensors, write the anchor file: whatever reads the view, before the next read
   changes it), then an asyncio loop on its own
   thread for the *upload* stage (encode what is left, upload, commit), which needs only
-  the deltas and streams. While the scanned streams are finished, every ``part_bytes`` of
-  them become a patch part that is uploaded and staged on the board at once (``parts``), so
-  far islands download during the finish; the commit names those parts (and one more with
-  the tensors the read could not encode itself, if any). Merging a version into the next (``"skip"``) works on deltas:
-  the queued version's streams are decoded back to deltas against the view first (context
-  streams with the changes whose class the fold moved, which their scans recorded).
+  the deltas and streams. With ``part_bytes`` set (off by default), every ``part_bytes``
+  of streams finished become a patch part that is uploaded and staged on the board at once
+  (``parts``), so far islands download during the finish; the commit names those parts (and
+  one more with the tensors the read could not encode itself, if any). Merging a version
+  into the next (``"skip"``) works on deltas: the queued version's streams are decoded
+  back to deltas against the view first (context streams with the changes whose class the
+  fold moved, which their scans recorded).
 - Versions are consecutive and committed in order; a failure that cannot be retried
   poisons the publisher (every later ``publish`` raises it), because a gap would break
   the chain islands follow.
