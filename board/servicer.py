@@ -196,10 +196,7 @@ class BoardServicer(pb_grpc.BoardServicer):
                 + (" (and version 1 is an anchor, not a patch)" if request.version < 2 else "")
             )
         blob = request.blob
-        check_digest("blob.digest", blob.digest)
-        expected = blob_key(request.run, blob.digest)
-        if blob.key != expected:
-            raise InvalidArgument(f"blob.key is {blob.key!r}; the content-addressed key is {expected!r}")
+        validate.check_blob_ref("blob", request.run, blob)
         if blob.size <= 0 or blob.url or blob.name:
             raise InvalidArgument("a staged part has a positive size and no url or file name")
         size = await self.blobs.stat(blob.key)

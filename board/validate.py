@@ -89,16 +89,19 @@ def _check_artifacts(record: pb.VersionRecord) -> None:
         else:
             raise InvalidArgument(f"{where}.kind must be ARTIFACT_KIND_PATCH or ARTIFACT_KIND_ANCHOR")
         for j, blob in enumerate(artifact.blobs):
-            check_digest(f"{where}.blobs[{j}].digest", blob.digest)
-            expected = blob_key(record.run, blob.digest)
-            if blob.key != expected:
-                raise InvalidArgument(
-                    f"{where}.blobs[{j}].key is {blob.key!r}; the content-addressed key is {expected!r}"
-                )
+            check_blob_ref(f"{where}.blobs[{j}]", record.run, blob)
     if kinds.count(pb.ARTIFACT_KIND_PATCH) > 1 or kinds.count(pb.ARTIFACT_KIND_ANCHOR) > 1:
         raise InvalidArgument("record.artifacts holds at most one PATCH and one ANCHOR")
     if n == 1 and pb.ARTIFACT_KIND_ANCHOR not in kinds:
         raise FailedPrecondition("the run has no version yet: version 1 must carry an ANCHOR artifact")
+
+
+def check_blob_ref(where: str, run: str, blob: pb.BlobRef) -> None:
+    """A blob reference names a well-formed digest and the content-addressed key of ``run``."""
+    check_digest(f"{where}.digest", blob.digest)
+    expected = blob_key(run, blob.digest)
+    if blob.key != expected:
+        raise InvalidArgument(f"{where}.key is {blob.key!r}; the content-addressed key is {expected!r}")
 
 
 def _check_layout(record: pb.VersionRecord, run: pb.Run) -> None:

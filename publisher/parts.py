@@ -38,6 +38,11 @@ DEFAULT_PART_BYTES = 0
 SUGGESTED_PART_BYTES = 384 << 10
 
 
+def staged_names(parts: list[tuple[list[str], Any]]) -> set[str]:
+    """Names of the tensors in shipped parts (``PartCutter.parts``)."""
+    return {name for names, _ in parts for name in names}
+
+
 class PartCutter:
     def __init__(self, version: int, encoding: str, part_bytes: int, ship: Ship) -> None:
         if part_bytes <= 0:
@@ -64,7 +69,7 @@ class PartCutter:
 
     def staged(self) -> set[str]:
         """Names of the tensors in parts already shipped."""
-        return {name for names, _ in self.parts for name in names}
+        return staged_names(self.parts)
 
     def _cut(self) -> None:
         from weftboard.cuda.codec import assemble_patch

@@ -66,7 +66,7 @@ from weftboard.proto.domain import check_name, format_digest
 from weftboard.proto.errors import FailedPrecondition, InvalidArgument, NotFound, WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.anchors import DEFAULT_SHARD_BYTES, WrittenFile, write_checkpoint
-from weftboard.publisher.parts import DEFAULT_PART_BYTES, PartCutter
+from weftboard.publisher.parts import DEFAULT_PART_BYTES, PartCutter, staged_names
 from weftboard.publisher.policy import AnchorPolicy, AnchorReason, decide_anchor
 from weftboard.publisher.uploader import FAST_RECONNECT, Uploader, with_retries
 
@@ -855,7 +855,7 @@ class Publisher:
                 job.streams = self._encode_pool.submit(self._encode_streams, job)
             streams = await asyncio.wrap_future(job.streams)
             staged_refs = [await asyncio.wrap_future(f) for _, f in job.parts]
-            staged = {name for names, _ in job.parts for name in names}
+            staged = staged_names(job.parts)
             rest = [s for s in streams if s.name not in staged]
             data = b""
             if rest or not staged_refs:  # the last part: every tensor not staged, and the root
