@@ -51,6 +51,7 @@ import torch
 
 from weftboard.cuda import entropy, tile_codec
 from weftboard.cuda.bitops import ctpop64, cttz64, mag_ge_mask64
+from weftboard.cuda.jit import parallel_kernel
 from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM, RANS_L
 
 MAX_THRESHOLDS = 7
@@ -136,7 +137,7 @@ def _class_of(x, thr):
     return c
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast, fix_buf, fstride):
     """Per tile: change and class masks, then one walk over the changes in position order,
     each coded into its class's Rice piece, symbol run and escape run (per tile: Rice pieces at
@@ -410,7 +411,7 @@ def decode_folded(stream: ContextStream, folded: np.ndarray, fix_pos: np.ndarray
     return stream.decode(base)
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, out_off, out_diff, write):
     """Each tile's changes into ``out_off`` (offsets in the tile, uint16: tiles are at most
     65536 elements) and ``out_diff`` at the prefix sums of its change counts, classes from ``old``, which ``write`` also patches in place (each tile's classes
@@ -514,7 +515,7 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
     return errs, done
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def _unapply(target, off, diff, ns, done, tile):
     """Subtract the first ``done[t]`` differences of each tile (laid out as ``_decode`` wrote
     them) from ``target``."""

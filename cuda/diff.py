@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from weftboard.cuda.bitops import cttz64
+from weftboard.cuda.jit import parallel_kernel
 from weftboard.cuda.tile_codec import block_mask
 from weftboard.proto.errors import InvalidArgument
 
@@ -82,7 +83,7 @@ class TensorDelta:
 # ---------------------------------------------------------------------------
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def _stage_tiles(a, b, t0, t1, tile, width, spos, sold, snew, update):
     """Tiles ``t0 .. t1-1``: each tile's changes (tile-local index, old, new) into its own
     staging region ``[(t - t0) * tile, ...)``, in one read of both arrays; the counts."""
@@ -111,7 +112,7 @@ def _stage_tiles(a, b, t0, t1, tile, width, spos, sold, snew, update):
     return counts
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def _unstage(t0, tile, counts, spos, sold, snew, pos, olds, news, o0):
     """Copy each staged tile to the compact output from ``o0`` (positions made absolute)."""
     nt = counts.size
@@ -157,7 +158,7 @@ def _diff_batches(a, b, tile, width, batch, spos, sold, snew, update, capacity):
     return pos, olds, news, total
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def _scatter(target, pos, bits, chunk):
     n = pos.size
     nchunks = (n + chunk - 1) // chunk

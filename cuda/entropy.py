@@ -36,6 +36,7 @@ import numba as nb
 import numpy as np
 
 from weftboard.cuda.bitops import store_u32le
+from weftboard.cuda.jit import parallel_kernel
 
 SCALE_BITS = 14
 SCALE = 1 << SCALE_BITS
@@ -125,7 +126,7 @@ def quantize_freqs(counts: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def plan_tiles(pos, old, new, width, tile_ptr, tile):
     """Pass 1 of the encoder, one read of the changes: symbols, per-tile symbol histograms,
     Rice parameter and exact Rice bytes, escape counts.
@@ -269,7 +270,7 @@ def rice_flush(buf, p, acc, nbits):
     return p
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, rtab, scratch):
     """Pass 2: write each tile's Rice | rANS | escapes at ``scratch_off[t]``; returns rans_len."""
     ntiles = tile_ptr.size - 1
@@ -456,7 +457,7 @@ def decoder_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return cum, slot2sym
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def gather(target, pos, out):
     n = pos.size
     chunk = 1 << 16

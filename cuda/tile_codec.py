@@ -44,6 +44,7 @@ import torch
 
 from weftboard.cuda import entropy
 from weftboard.cuda.bitops import cast_ne_mask64, cast_special64, ctlz64, ctpop64, cttz64, load_u64le, ne_mask64
+from weftboard.cuda.jit import parallel_kernel
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 
 _LOG_PHI_M1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)  # log(golden ratio - 1)
@@ -125,7 +126,7 @@ def scan_block(a, b, src, bs, e, cast):
     return m, special
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src, cast):
     """Pass 1: per tile, change masks, then Rice-coded gaps, symbols and escapes.
 
@@ -241,7 +242,7 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src
     return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
     """Pass 2: each tile's symbols (from ``sym_buf[sym_off[t]:]``), rANS-coded backwards so
     that its stream ends at ``rans_off[t+1]``; returns where each tile's stream starts (the
@@ -281,7 +282,7 @@ def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
     return starts
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def assemble_tiles(prefix, freq, ns, ks, rice_len, rans_start, rans_off, n_esc, width, rice_buf, rice_off, esc_buf,
                    esc_off, rans_buf):
     """Pass 3: ``prefix``, one table per class and the directory (serial), then every tile's
@@ -493,7 +494,7 @@ def finish_pieces(scans: Sequence, width: int, prefix: np.ndarray | None = None)
     )
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def _compact_tiles(ns, rice_len, n_esc, width, rice_buf, rice_off, sym_buf, sym_off, esc_off):
     """Copy each tile's Rice pieces, symbols and escape pieces out of the scratch, packed in
     (tile, class) order. ``ns`` is per tile; ``rice_len``, ``n_esc`` and the pieces' offsets
@@ -621,7 +622,7 @@ def decode_tiles(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, c
     return errs
 
 
-@nb.njit(parallel=True, cache=True, nogil=True)
+@parallel_kernel
 def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym,
                   sign, limit, to_arrays):
     """The decoder: each change goes into ``target`` in place, or (``to_arrays``) into
