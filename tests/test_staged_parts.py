@@ -131,7 +131,10 @@ async def test_an_island_downloads_staged_parts_early_and_applies_only_after_the
 
             real_commit = pub._client.commit_version
 
+            held: list[pb.VersionRecord] = []
+
             async def held_commit(record: pb.VersionRecord) -> Any:
+                held.append(record)
                 holding.set()
                 await asyncio.to_thread(release.wait, 30)
                 return await real_commit(record)
@@ -143,8 +146,12 @@ async def test_an_island_downloads_staged_parts_early_and_applies_only_after_the
             views[2] = trainer.served()
             handle = await asyncio.to_thread(pub.publish, trainer.model, step=2)
             await asyncio.to_thread(holding.wait, 30)
-            for _ in range(100):  # the hinted downloads finish while the commit waits
-                if len(sub._prefetched) >= 3 and all(d.task.done() for d in sub._prefetched.values()):
+            # Every part is uploaded before the commit; their hints (sent without waiting) and
+            # the downloads they start finish while the commit waits.
+            hinted = {b.digest for b in _patch_blobs(held[0])
+                      if not read_patch_info(await local_store.get_bytes(b.key)).target_root} | {bogus.digest}
+            for _ in range(200):
+                if hinted <= set(sub._prefetched) and all(d.task.done() for d in sub._prefetched.values()):
                     break
                 await asyncio.sleep(0.05)
             assert bogus.digest in sub._prefetched and len(sub._prefetched) >= 3
