@@ -28,9 +28,9 @@ from weftboard.proto.errors import InvalidArgument
 Ship = Callable[[bytes], "concurrent.futures.Future[Any]"]
 
 # Off by default: on a host whose cores the trainer already keeps busy, shipping parts during
-# the finish slows the finish more than the early downloads gain (bench sync on two cores:
-# loopback 4.4-5.4x instead of 5.7x; over a 100 Mbit/s, 40 ms link 0.79 s instead of 0.84 s
-# publish-to-applied, medians). With cores to spare and islands far away, stage them.
+# the finish slows it (0.15 s instead of 0.07 s), which near islands pay for (bench sync on two
+# cores, loopback: 5.2x instead of 5.65x) and far ones gain from (over a 100 Mbit/s, 40 ms link:
+# 0.66 s instead of 0.71 s publish-to-applied, medians of 7 and 6 runs). Stage them for far islands.
 DEFAULT_PART_BYTES = 0
 # A size that pays where it does: each part costs one upload, one StagePart and one download per
 # island; a few hundred kB is under a millisecond of link time at 100 Mbit/s while a 3 MB patch
