@@ -51,8 +51,8 @@ import torch
 
 from weftboard.cuda import entropy, tile_codec
 from weftboard.cuda.bitops import ctpop64, cttz64, mag_ge_mask64
-from weftboard.cuda.jit import parallel_kernel
 from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM, RANS_L
+from weftboard.cuda.jit import parallel_kernel
 
 MAX_THRESHOLDS = 7
 CLASSES = 5  # the encoder's choice: 4.31 position bits per change on the bench model (4.42 with 4, 4.27 with 6)

@@ -44,8 +44,8 @@ import torch
 
 from weftboard.cuda import entropy
 from weftboard.cuda.bitops import cast_ne_mask64, cast_special64, ctlz64, ctpop64, cttz64, load_u64le, ne_mask64
-from weftboard.cuda.jit import parallel_kernel
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
+from weftboard.cuda.jit import parallel_kernel
 
 _LOG_PHI_M1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)  # log(golden ratio - 1)
 _RICE_SLACK = 64  # bytes per tile beyond one byte per element in the Rice scratch
