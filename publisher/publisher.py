@@ -714,9 +714,11 @@ class Publisher:
         return ship
 
     async def _upload_and_stage(self, version: int, data: bytes) -> pb.BlobRef:
-        """Upload one patch part, then tell the board's watchers without waiting for that: the
-        commit needs only the upload, and a hint is worth nothing after it (a refused or
-        failed StagePart only means islands fetch the part after the commit)."""
+        """Upload one patch part, then tell the board's watchers. The part's ref (which the
+        commit waits for) is ready once the hint went out, or after ``_STAGE_WAIT_S``: a hint
+        is worth nothing after the commit (the board no longer relays it), and a commit that
+        follows it finds the part already checked. A refused or failed StagePart only means
+        islands fetch the part after the commit."""
         assert self._uploader is not None and self._client is not None
         digest = format_digest(xxhash.xxh3_128(data).digest())
         key = await self._uploader.upload(digest, len(data), data=data, skip_existing=False)
@@ -732,6 +734,7 @@ class Publisher:
         task = asyncio.ensure_future(stage())
         self._staging.add(task)
         task.add_done_callback(self._staging.discard)
+        await asyncio.wait({task}, timeout=_STAGE_WAIT_S)  # not cancelled when slower: close() does that
         return ref
 
     def _hash_changed(self, folded: dict[str, Any]) -> dict[str, concurrent.futures.Future]:
@@ -1004,6 +1007,8 @@ def _release_free_memory() -> None:
 
 
 _LIBC: Any = None
+# How long a staged part's commit waits for its StagePart call (normally a few milliseconds).
+_STAGE_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
