@@ -67,10 +67,6 @@ class PartCutter:
         if self._pending_bytes:
             self._cut()
 
-    def staged(self) -> set[str]:
-        """Names of the tensors in parts already shipped."""
-        return staged_names(self.parts)
-
     def _cut(self) -> None:
         from weftboard.cuda.codec import assemble_patch
 

@@ -182,7 +182,7 @@ def test_the_cutter_ships_disjoint_parts_of_about_part_bytes_and_the_rest_on_flu
 
     from weftboard.cuda.codec import encode_streams
     from weftboard.cuda.diff import diff_tensor
-    from weftboard.publisher.parts import PartCutter
+    from weftboard.publisher.parts import PartCutter, staged_names
     from weftboard.proto.errors import InvalidArgument
 
     g = torch.Generator().manual_seed(0)
@@ -207,7 +207,7 @@ def test_the_cutter_ships_disjoint_parts_of_about_part_bytes_and_the_rest_on_flu
     cutter.flush()
     cutter.flush()  # nothing left: no empty part
     assert len(shipped) in (cut, cut + 1) and len(cutter.parts) == len(shipped)
-    assert cutter.staged() == set(old)
+    assert staged_names(cutter.parts) == set(old)
     infos = [read_patch_info(d) for d in shipped]
     assert [t.name for i in infos for t in i.tensors] == list(old)  # disjoint, in order
     assert all(i.base_version == 4 and i.target_version == 5 and i.target_root == "" for i in infos)
