@@ -20,9 +20,10 @@ Invariants (what makes Watch gap-free and duplicate-free):
   subscription) once they have written nothing for their progress interval; no stream
   holds a timer of its own.
 - Staged-part hints (``StagePart``) come over Redis Pub/Sub, not the durable log: a feed
-  listens only while one of its subscriptions asked for them, and only those get them. They
-  may be lost (a hint: the committed record is what counts), never reordered with respect
-  to one publisher's calls.
+  listens only while one of its subscriptions asked for them, and only those get them (so the
+  channel's subscriber count tells a publisher whether anyone wants them). They may be lost
+  (a hint: the committed record is what counts), never reordered with respect to one
+  publisher's calls.
 """
 
 from __future__ import annotations
@@ -107,6 +108,13 @@ class RunFeed:
         """Start relaying staged-part hints (once per feed, on its first subscription asking)."""
         if self.staged_task is None or self.staged_task.done():
             self.staged_task = asyncio.create_task(self._run_staged(), name=f"weftboard-staged-{self.run}")
+
+    def stop_staged(self) -> None:
+        """Stop relaying hints (its last subscription asking left): the channel loses this
+        feed as a subscriber, which is how publishers learn nobody here wants parts."""
+        if self.staged_task is not None:
+            self.staged_task.cancel()
+            self.staged_task = None
 
     def cancel(self) -> list[asyncio.Task]:
         tasks = [t for t in (self.task, self.ticker, self.staged_task) if t is not None]
@@ -218,6 +226,8 @@ class FanOut:
             feed.cancel()
             if self._feeds.get(feed.run) is feed:
                 del self._feeds[feed.run]
+        elif sub.staged and not any(s.staged for s in feed.subs):
+            feed.stop_staged()
 
     def cancel_all(self) -> list[asyncio.Task]:
         """Cancel every feed; returns their tasks. A feed blocked in XREAD may only notice

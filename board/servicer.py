@@ -175,7 +175,7 @@ class BoardServicer(pb_grpc.BoardServicer):
                 f"the next version to commit is {run.head + 1}"
             )
         await self._check_blobs(record)
-        outcome = await self.store.commit(record)
+        outcome, hint_feeds = await asyncio.gather(self.store.commit(record), self.store.staged_feeds(record.run))
         if outcome.status in ("exists_different", "head_mismatch"):
             raise self._lost_race(record, outcome.head)
         stored = pb.VersionRecord()
@@ -184,7 +184,8 @@ class BoardServicer(pb_grpc.BoardServicer):
         if outcome.status == "committed":
             self.metrics.record_commit(stored)
             log.info("version committed", artifacts=len(record.artifacts))
-        return pb.CommitVersionResponse(record=stored, already_committed=outcome.status == "already_committed")
+        return pb.CommitVersionResponse(record=stored, already_committed=outcome.status == "already_committed",
+                                        staged_parts_wanted=hint_feeds > 0)
 
     async def StagePart(self, request: pb.StagePartRequest, context) -> pb.StagePartResponse:
         check_name("run", request.run)

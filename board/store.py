@@ -358,6 +358,12 @@ class RedisStore:
         sizes = await self.redis.hmget(k_checked(run), list(keys))
         return {k: int(s) for k, s in zip(keys, sizes) if s is not None}
 
+    async def staged_feeds(self, run: str) -> int:
+        """Board processes relaying ``run``'s staged-part hints now (subscribers of its channel:
+        a feed subscribes while one of its watchers asks for hints)."""
+        reply = await self.redis.pubsub_numsub(k_staged(run))
+        return int(reply[0][1]) if reply else 0
+
     def staged_listener(self) -> "aioredis.client.PubSub":
         """A Pub/Sub connection for ``k_staged`` channels (the caller subscribes and closes it)."""
         return self.redis.pubsub(ignore_subscribe_messages=True)

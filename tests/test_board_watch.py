@@ -202,3 +202,40 @@ async def test_stage_part_refuses_what_no_commit_could_name(board, local_store):
         twice.artifacts[0].blobs.append(twice.artifacts[0].blobs[0])
         with pytest.raises(errors.InvalidArgument, match="same part twice"):
             await client.commit_version(twice)
+
+
+async def test_a_commit_says_whether_a_watcher_asks_for_staged_parts(board, local_store):
+    """The publisher's cue to stage parts: true while some Watch stream of the run asked for
+    hints (not one that did not), false again once the last such stream closed."""
+    async with BoardClient(board.address, board.admin_token) as client:
+
+        async def wanted(version: int) -> bool:
+            return (await client.commit_version(await make_record(local_store, "r", version))).staged_parts_wanted
+
+        await client.create_run(make_run("r"))
+        await publish(client, local_store, "r", [1])
+        assert not await wanted(2)
+        plain = client.watch("r", after_version=2, progress_interval_ms=5000).__aiter__()
+        got_plain = asyncio.create_task(collect(plain, 1))
+        await asyncio.sleep(0.3)
+        assert not await wanted(3)  # a watcher that did not ask
+        assert versions(await got_plain) == [3]
+        asking = client.watch("r", after_version=3, staged_parts=True, progress_interval_ms=5000).__aiter__()
+        got_asking = asyncio.create_task(collect(asking, 1))
+        part = await upload(local_store, "r", b"a part of version 4")
+        for _ in range(100):  # hints before the stream is open are lost: stage until one arrives
+            await client.stage_part("r", 4, part)
+            await asyncio.wait([got_asking], timeout=0.1)
+            if got_asking.done():
+                break
+        assert [e.WhichOneof("event") for e in got_asking.result()] == ["staged"]
+        assert await wanted(4)
+        await asking.aclose()
+        # The board lets the channel go once it sees the stream closed, a moment later.
+        for v in range(5, 45):
+            if not await wanted(v):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("commits still said parts were wanted 2 s after the last asking stream closed")
+        await plain.aclose()

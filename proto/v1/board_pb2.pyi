@@ -336,12 +336,14 @@ class StagedPart(_message.Message):
     def __init__(self, version: _Optional[int] = ..., base_version: _Optional[int] = ..., blob: _Optional[_Union[BlobRef, _Mapping]] = ...) -> None: ...
 
 class CommitVersionResponse(_message.Message):
-    __slots__ = ("record", "already_committed")
+    __slots__ = ("record", "already_committed", "staged_parts_wanted")
     RECORD_FIELD_NUMBER: _ClassVar[int]
     ALREADY_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    STAGED_PARTS_WANTED_FIELD_NUMBER: _ClassVar[int]
     record: VersionRecord
     already_committed: bool
-    def __init__(self, record: _Optional[_Union[VersionRecord, _Mapping]] = ..., already_committed: _Optional[bool] = ...) -> None: ...
+    staged_parts_wanted: bool
+    def __init__(self, record: _Optional[_Union[VersionRecord, _Mapping]] = ..., already_committed: _Optional[bool] = ..., staged_parts_wanted: _Optional[bool] = ...) -> None: ...
 
 class GetVersionRequest(_message.Message):
     __slots__ = ("run", "version")
