@@ -45,7 +45,6 @@ import torch
 
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.islands import IslandProcess, IslandSpec
-from weftboard.publisher.parts import DEFAULT_PART_BYTES
 
 RUN = "bench-sync"
 
@@ -367,7 +366,7 @@ class BenchConfig:
     work_dir: Path | None = None
     trainer_gc: str = "manual"  # TrainerCollector mode
     encoding: str = "default"  # the publisher's patch encoding
-    part_bytes: int = DEFAULT_PART_BYTES  # the publisher's staged patch parts (0: none)
+    part_bytes: int | None = None  # the publisher's staged patch parts (0: none; None: while islands ask)
     board_process: bool = False  # the board in its own process (default: on the bench's event loop)
     network: Any = None  # an IslandNetwork (LoopbackNetwork by default)
     log: Any = None  # callable(str) for human-readable progress lines
@@ -570,7 +569,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     return {
         "params": trainer.numel,
         "encoding": cfg.encoding,
-        "part_bytes": cfg.part_bytes,
+        "part_bytes": "auto" if cfg.part_bytes is None else cfg.part_bytes,
         "board": "own process" if cfg.board_process else "on the bench's event loop",
         "islands": cfg.islands,
         "versions": len(results),
@@ -607,7 +606,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 def main_cli(params: int, islands: int, versions: int, destination: str, json_out: bool, work_dir: Path | None,
              wan: bool = False, wan_rate_mbit: float = 100.0, wan_rtt_ms: float = 40.0,
              wan_slow_start: bool = True, warm_steps: int = 30, trainer_gc: str = "manual",
-             encoding: str = "default", part_bytes: int = DEFAULT_PART_BYTES, board_process: bool = False) -> dict:
+             encoding: str = "default", part_bytes: int | None = None, board_process: bool = False) -> dict:
     cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir,
                       warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes,
                       board_process=board_process)

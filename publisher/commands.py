@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from weftboard.publisher.parts import DEFAULT_PART_BYTES, SUGGESTED_PART_BYTES
+from weftboard.publisher.parts import SUGGESTED_PART_BYTES
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
@@ -28,9 +28,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         trainer_gc: str = typer.Option("manual", help="The trainer's garbage collection: manual (off, gc.collect(1) every 10 "
                                                       "steps, as large trainers run) or auto (Python's default)."),
         encoding: str = typer.Option("default", help="The publisher's patch encoding: default, context or baseline."),
-        part_bytes: int = typer.Option(DEFAULT_PART_BYTES, help="Streams per staged patch part (0: one patch blob, "
-                                                                "nothing staged before the commit; "
-                                                                f"{SUGGESTED_PART_BYTES} for far islands)."),
+        part_bytes: Optional[int] = typer.Option(None, help="Streams per staged patch part (0: one patch blob, "
+                                                            "nothing staged before the commit; default: "
+                                                            f"{SUGGESTED_PART_BYTES} while an island asks for parts "
+                                                            "(its blob store is far), else one blob)."),
         board_process: bool = typer.Option(False, "--board-process/--board-in-process",
                                            help="Run the board as its own process, as deployed, or on the bench's "
                                                 "event loop (sharing the trainer's and publisher's interpreter)."),
@@ -42,7 +43,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         if encoding not in ENCODINGS:
             raise typer.BadParameter(f"choose one of {', '.join(ENCODINGS)}", param_hint="--encoding")
-        if part_bytes < 0:
+        if part_bytes is not None and part_bytes < 0:
             raise typer.BadParameter("must be >= 0", param_hint="--part-bytes")
 
         configure(json=True, level="WARNING")

@@ -27,11 +27,13 @@ from weftboard.proto.errors import InvalidArgument
 
 Ship = Callable[[bytes], "concurrent.futures.Future[Any]"]
 
-# Off by default: on a host whose cores the trainer already keeps busy, shipping parts during
-# the finish slows it (0.15 s instead of 0.07 s), which near islands pay for (bench sync on two
-# cores, loopback: 5.2x instead of 5.65x) and far ones gain from (over a 100 Mbit/s, 40 ms link:
-# 0.68 s instead of 0.72 s publish-to-applied, medians of 10 and 6 runs). Stage them for far islands.
-DEFAULT_PART_BYTES = 0
+# Parts only where they pay: on a host whose cores the trainer already keeps busy, shipping
+# parts during the finish slows it (0.15 s instead of 0.07 s), which near islands pay for (bench
+# sync on two cores, loopback: 5.2x instead of 5.65x) and far ones gain from (over a 100 Mbit/s,
+# 40 ms link: 0.68 s instead of 0.72 s publish-to-applied, medians of 10 and 6 runs). So a
+# publisher stages parts while an island asks for them (islands do when their blob store is far)
+# and ships one blob otherwise.
+#
 # A size that pays where it does: each part costs one upload, one StagePart and one download per
 # island; a few hundred kB is under a millisecond of link time at 100 Mbit/s while a 3 MB patch
 # starts downloading after its first eighth is finished.

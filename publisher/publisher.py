@@ -25,13 +25,14 @@ Invariants:
   changed tensors, write the anchor file: whatever reads the view, before the next read
   changes it), then an asyncio loop on its own
   thread for the *upload* stage (encode what is left, upload, commit), which needs only
-  the deltas and streams. With ``part_bytes`` set (off by default), every ``part_bytes``
-  of streams finished become a patch part that is uploaded and staged on the board at once
-  (``parts``), so far islands download during the finish; the commit names those parts (and
-  one more with the tensors the read could not encode itself, if any). Merging a version
-  into the next (``"skip"``) works on deltas: the queued version's streams are decoded
-  back to deltas against the view first (context streams with the changes whose class the
-  fold moved, which their scans recorded).
+  the deltas and streams. With parts (``part_bytes``; by default while the board's last
+  commit said some island asks for staged parts, which islands do when their blob store is
+  far), every ``part_bytes`` of streams finished become a patch part that is uploaded and
+  staged on the board at once (``parts``), so far islands download during the finish; the
+  commit names those parts (and one more with the tensors the read could not encode itself,
+  if any). Merging a version into the next (``"skip"``) works on deltas: the queued
+  version's streams are decoded back to deltas against the view first (context streams with
+  the changes whose class the fold moved, which their scans recorded).
 - Versions are consecutive and committed in order; a failure that cannot be retried
   poisons the publisher (every later ``publish`` raises it), because a gap would break
   the chain islands follow.
@@ -66,7 +67,7 @@ from weftboard.proto.domain import check_name, format_digest
 from weftboard.proto.errors import FailedPrecondition, InvalidArgument, NotFound, WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.anchors import DEFAULT_SHARD_BYTES, WrittenFile, write_checkpoint
-from weftboard.publisher.parts import DEFAULT_PART_BYTES, PartCutter, staged_names
+from weftboard.publisher.parts import SUGGESTED_PART_BYTES, PartCutter, staged_names
 from weftboard.publisher.policy import AnchorPolicy, AnchorReason, decide_anchor
 from weftboard.publisher.uploader import FAST_RECONNECT, Uploader, with_retries
 
@@ -156,7 +157,7 @@ class Publisher:
         run_labels: Mapping[str, str] | None = None,
         encoding: str = "default",
         timeout_s: float = 30.0,
-        part_bytes: int = DEFAULT_PART_BYTES,
+        part_bytes: int | None = None,
     ) -> None:
         from weftboard.cuda.formats import Projector, ServedFormatSpec
 
@@ -182,9 +183,11 @@ class Publisher:
             raise InvalidArgument(f"unknown patch encoding {encoding!r}; expected one of {ENCODINGS}")
         self.encoding = encoding
         self.timeout_s = timeout_s
-        if part_bytes < 0:
-            raise InvalidArgument(f"part_bytes must be >= 0 (0: one patch blob, nothing staged), got {part_bytes}")
+        if part_bytes is not None and part_bytes < 0:
+            raise InvalidArgument(f"part_bytes must be >= 0 (0: one patch blob, nothing staged; None: "
+                                  f"parts while islands ask for them), got {part_bytes}")
         self.part_bytes = part_bytes
+        self._parts_wanted = False  # the board's word at the last commit (for part_bytes=None)
         self.run_labels = dict(run_labels or {})
         self._resume_state = resume_state
         self._own_work_dir = work_dir is None
@@ -355,12 +358,17 @@ class Publisher:
         del master
         t_finish = time.perf_counter()
         try:  # streams of the tensors the read scanned; the view still holds this version
-            # The changed tensors are hashed on two threads meanwhile (hashing inside the read
-            # would keep the trainer waiting longer: measured 25 ms more per 106M parameters).
-            hashing = self._hash_changed(folded) if folded is not None else {}
-            cutter = (PartCutter(version, self.encoding, self.part_bytes, self._ship_part(version))
-                      if scan and self.part_bytes and version > 1 and folded is not None else None)
+            part_bytes = self._part_bytes()
+            cutter = (PartCutter(version, self.encoding, part_bytes, self._ship_part(version))
+                      if scan and part_bytes and version > 1 and folded is not None else None)
+            # The changed tensors are hashed on two threads (hashing inside the read would keep
+            # the trainer waiting longer: measured 25 ms more per 106M parameters): beside the
+            # finish, or after it when it ships parts, whose downloads are what far islands
+            # wait for (the hashes are needed only by the commit, after the last part).
+            hashing = self._hash_changed(folded) if folded is not None and cutter is None else {}
             deltas, fused = self._finish_read(folded, cutter) if folded is not None else (None, {})
+            if cutter is not None:
+                hashing = self._hash_changed(folded)
             hashed = {n: f.result() for n, f in hashing.items()}
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters
             self._fail_read(exc, _Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0), target)
@@ -679,12 +687,16 @@ class Publisher:
         """(deltas, streams) from what the read produced: scanned tensors get their streams
         here, while the view still holds the version they lead to, which is also what a
         tensor whose mode is not sparse needs to recover its delta. Each stream goes to
-        ``cutter`` as soon as it is finished."""
-        from weftboard.cuda.codec import delta_from_scans, encoded_from_scans
+        ``cutter`` as soon as it is finished, the tensors with the most changes first: the bulk
+        of the bytes ships (and starts down the islands' links) early, and what is left for the
+        last part, cut after the last stream and so just before the commit, is small."""
+        from weftboard.cuda.codec import delta_from_scans, encoded_from_scans, scans_changed
         from weftboard.cuda.diff import TensorDelta
 
         assert self._view is not None
         scanned = [(n, item) for n, item in folded.items() if not isinstance(item, TensorDelta)]
+        if cutter is not None:
+            scanned.sort(key=lambda entry: -scans_changed(entry[1]))
 
         def finish(entry: tuple[str, list]) -> Any:
             name, scans = entry
@@ -705,6 +717,12 @@ class Publisher:
         if cutter is not None:
             cutter.flush()
         return deltas, fused
+
+    def _part_bytes(self) -> int:
+        """Streams per staged part for the version being read now (0: one patch blob)."""
+        if self.part_bytes is not None:
+            return self.part_bytes
+        return SUGGESTED_PART_BYTES if self._parts_wanted else 0
 
     def _ship_part(self, version: int) -> Any:
         """``PartCutter``'s ``ship`` for ``version``: upload and stage on the publisher's loop."""
@@ -906,6 +924,7 @@ class Publisher:
         t_commit = time.perf_counter()
         response = await with_retries(f"commit of version {job.version}", lambda: self._client.commit_version(record))
         job.timings["commit_s"] = time.perf_counter() - t_commit
+        self._parts_wanted = response.staged_parts_wanted
         job.timings["committed_s"] = time.perf_counter() - job.t_publish
         if job.anchor_dir is not None:
             shutil.rmtree(job.anchor_dir, ignore_errors=True)

@@ -21,22 +21,25 @@ KEYS = {
 }
 
 
-@pytest.mark.parametrize("encoding,part_bytes,board", [("default", 0, "--board-in-process"),
+@pytest.mark.parametrize("encoding,part_bytes,board", [("default", None, "--board-in-process"),
                                                         ("context", 4096, "--board-process")])
-def test_bench_sync_smoke(tmp_path: Path, encoding: str, part_bytes: int, board: str) -> None:
-    """One patch blob per version, and (context) patches in parts staged before their commit,
-    with the board on the bench's loop and in its own process."""
+def test_bench_sync_smoke(tmp_path: Path, encoding: str, part_bytes: int | None, board: str) -> None:
+    """The default parts (staged while an island asks for them), and (context) patches in
+    parts of a set size staged before their commit, with the board on the bench's loop and in
+    its own process."""
     proc = subprocess.run(
         [sys.executable, "-m", "weftboard.board.cli", "bench", "sync", "--params", "1000000", "--islands", "2",
          "--versions", "2", "--warm-steps", "2", "--json", "--work-dir", str(tmp_path / "work"), "--encoding", encoding,
-         "--part-bytes", str(part_bytes), board],
+         *(["--part-bytes", str(part_bytes)] if part_bytes is not None else []), board],
         capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert KEYS <= set(result)
-    assert result["bitwise_ok"] is True and result["encoding"] == encoding and result["part_bytes"] == part_bytes
-    assert (result["patch_parts_per_version"] > 1) == (part_bytes > 0)
+    assert result["bitwise_ok"] is True and result["encoding"] == encoding
+    assert result["part_bytes"] == ("auto" if part_bytes is None else part_bytes)
+    if part_bytes is not None:
+        assert result["patch_parts_per_version"] > 1
     assert result["board"] == ("own process" if board == "--board-process" else "on the bench's event loop")
     assert result["islands"] == 2 and result["versions"] == 2
     assert result["params"] >= 1_000_000 * 0.8

@@ -246,3 +246,46 @@ async def test_an_island_ignores_hints_it_cannot_use_or_afford(local_store, tmp_
     assert sub._prefetched == {}
     await asyncio.sleep(0.2)  # the cancelled downloads end and forget their files
     assert not path.exists()
+
+
+@pytest.mark.parametrize("far", [True, False])
+async def test_by_default_a_publisher_stages_parts_while_an_island_asks_for_them(
+    board, local_store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, far: bool
+) -> None:
+    """An island asks for hints when its blob store is far; the board's answer to each commit
+    tells the publisher (default ``part_bytes``) whether to cut the next versions in parts."""
+    from weftboard.publisher import publisher as publisher_module
+
+    monkeypatch.setattr(publisher_module, "SUGGESTED_PART_BYTES", PART_BYTES)
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+    records: dict[int, pb.VersionRecord] = {}
+
+    def publish_one() -> None:
+        trainer.step()
+        views[trainer.step_no] = trainer.served()
+        records[trainer.step_no] = pub.publish(trainer.model, step=trainer.step_no).result(30)
+
+    async with BoardClient(board.address, board.admin_token) as client:
+        pub = Publisher(board.address, "auto", token=board.admin_token, blob_store=local_store)
+        try:
+            await asyncio.to_thread(publish_one)
+            first = min(views)
+            dest = LiveTensorsDestination(zeros_like_layout(views[first]))
+            sub = Subscriber(client, "auto", dest, island_id="i", blob_store=local_store,
+                             cache_dir=tmp_path / "cache", heartbeat=False)
+            sub.fetcher.far = lambda: far  # type: ignore[method-assign]
+            following = asyncio.ensure_future(sub.run())
+            for _ in range(3):
+                await sub.wait_for_version(max(views), 30)  # the island's watch is open from here
+                await asyncio.to_thread(publish_one)
+            last = max(views)
+            await sub.wait_for_version(last, 30)
+            assert bits_equal(dest.tensors, views[last]), first_difference(dest.tensors, views[last])
+            # The second commit was made with the island watching; the version read after it:
+            assert pub._parts_wanted is far
+            assert (len(_patch_blobs(records[last])) >= 3) is far, [b.size for b in _patch_blobs(records[last])]
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+        finally:
+            await asyncio.to_thread(pub.close)
