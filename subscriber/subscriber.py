@@ -9,8 +9,9 @@ Invariants:
   destination can (``apply_patch_arriving``): tensors are applied as their bytes arrive, and
   the version is held only after every part's digest and the result's root are verified.
 - Staged parts (hints the publisher sends while it is still encoding a version) are asked
-  for only when the blob store is far (``Fetcher.far``, decided as the watch opens, after the
-  catch-up measured the store), so a publisher stages parts only for islands they help. They
+  for only when the blob store is far (``Fetcher.far``, decided as the watch opens, after a
+  few small requests sampled the store's path), so a publisher stages parts only for islands
+  they help. They
   are downloaded at once, but nothing of them is written anywhere before the version commits,
   and then only the parts its record names; once the island holds a version, the parts
   downloaded for it and older ones are dropped (a version that committed other parts than
@@ -474,7 +475,8 @@ class Subscriber:
             await self.sync_to(head)
         elif self.held_version:
             await self._set_state(pb.ISLAND_STATE_READY)
-        # Hints only pay for a far blob store (see Fetcher.far), which the first download measured.
+        # Hints only pay for a far blob store (see Fetcher.far): sample its path first.
+        await self.fetcher.measure()
         async for event in self.client.watch(self.run_name, after_version=self.held_version, progress_interval_ms=1000,
                                              staged_parts=self.fetcher.far()):
             kind = event.WhichOneof("event")

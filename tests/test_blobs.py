@@ -145,6 +145,22 @@ async def test_time_to_first_byte_is_measured_by_network_stores(store: BlobStore
         assert first_byte is not None and 0 < first_byte < 5.0
 
 
+async def test_a_probe_samples_the_path_of_network_stores(store: BlobStore) -> None:
+    """A small request counts as a sample of the path; the smallest sample is the estimate, so
+    one slow large download does not make a near store look far."""
+    await store.put_bytes("r/blobs/probed", b"y" * 1000)
+    await store.probe_first_byte("r/blobs/probed")
+    if isinstance(store, LocalDirBlobStore):
+        assert store.first_byte_s() is None
+        return
+    probed = store.first_byte_s()
+    assert probed is not None and 0 < probed < 5.0
+    store._first_byte.append(7.0)  # type: ignore[attr-defined]  (a download that waited long)
+    assert store.first_byte_s() == probed
+    with pytest.raises(NotFound):
+        await store.probe_first_byte("r/blobs/absent")
+
+
 async def test_s3_size_other_than_expected_is_refused_at_once(s3_store: BlobStore, tmp_path: Path) -> None:
     """The record's size is checked against the object's (Content-Range), not retried as a
     short read, in the one-connection and in the parallel path; the parallel path leaves no

@@ -289,3 +289,45 @@ async def test_by_default_a_publisher_stages_parts_while_an_island_asks_for_them
             await asyncio.gather(following, return_exceptions=True)
         finally:
             await asyncio.to_thread(pub.close)
+
+
+@pytest.mark.parametrize("far", [False, True])
+async def test_an_island_probes_its_store_and_asks_for_hints_only_when_far(
+    board_factory, s3_store, tmp_path: Path, far: bool
+) -> None:
+    """The catch-up's one large GET waited long (a sample of 1 s): before it opens its watch,
+    the island samples the path with small requests. Real loopback S3 answers those fast, so
+    it asks for no hints and the publisher ships one blob; a far store (40 ms) keeps it asking."""
+    board = await board_factory(blobs=s3_store)
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+
+    def publish_one() -> pb.VersionRecord:
+        trainer.step()
+        views[trainer.step_no] = trainer.served()
+        return pub.publish(trainer.model, step=trainer.step_no).result(30)
+
+    pub = Publisher(board.address, "probed", token=board.admin_token, blob_store=s3_store)
+    async with BoardClient(board.address, board.admin_token) as client:
+        try:
+            await asyncio.to_thread(publish_one)
+            sub = Subscriber(client, "probed", LiveTensorsDestination(zeros_like_layout(views[1])), island_id="i",
+                             blob_store=s3_store, cache_dir=tmp_path / "cache", heartbeat=False)
+            assert await sub.sync_to(1) == 1
+            s3_store._first_byte.clear()
+            s3_store._first_byte.append(1.0)
+            if far:
+                s3_store.first_byte_s = lambda: 0.04  # type: ignore[method-assign]
+            following = asyncio.ensure_future(sub.run())
+            await asyncio.to_thread(publish_one)
+            await sub.wait_for_version(2, 30)  # its watch is open from here
+            assert sub.fetcher.far() is far and len(s3_store._first_byte) >= 4  # the slow one, three probes, v2
+            record = await asyncio.to_thread(publish_one)
+            assert pub._parts_wanted is far
+            await sub.wait_for_version(3, 30)
+            assert bits_equal(sub.destination.tensors, views[3])
+            assert len(_patch_blobs(record)) >= 1
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+        finally:
+            await asyncio.to_thread(pub.close)

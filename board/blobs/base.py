@@ -92,6 +92,12 @@ class BlobStore(abc.ABC):
         they help on long paths, and only cost on a short one."""
         return None
 
+    async def probe_first_byte(self, key: str) -> None:
+        """Time one small request for ``key`` (its metadata) as a sample of ``first_byte_s``,
+        for a reader that must judge the path before its downloads have (a large object's
+        first GET may wait on the server rather than the path). Nothing for a store that is
+        not a network store."""
+
     @abc.abstractmethod
     async def stat(self, key: str) -> int | None:
         """Size in bytes, or None when the object does not exist."""

@@ -226,6 +226,16 @@ class S3BlobStore(BlobStore):
         samples = list(self._first_byte)
         return min(samples) if samples else None  # the path's floor, not its moments of load
 
+    async def probe_first_byte(self, key: str) -> None:
+        name = self._name(key)
+
+        def head() -> None:
+            t0 = time.perf_counter()
+            self._client.stat_object(self.bucket, name)
+            self._first_byte.append(time.perf_counter() - t0)
+
+        await self._run(key, head)
+
     def _get_range(self, name: str, offset: int, length: int) -> urllib3.BaseHTTPResponse:
         """GET a byte range, timing the wait for the response's headers."""
         t0 = time.perf_counter()
