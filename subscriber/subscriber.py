@@ -29,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -475,20 +476,28 @@ class Subscriber:
             await self.sync_to(head)
         elif self.held_version:
             await self._set_state(pb.ISLAND_STATE_READY)
-        # Hints only pay for a far blob store (see Fetcher.far): sample its path first.
+        # Hints only pay for a far blob store (see Fetcher.far): sample its path first, and
+        # watch again (returning to run) when the downloads since change the judgement.
         await self.fetcher.measure()
-        async for event in self.client.watch(self.run_name, after_version=self.held_version, progress_interval_ms=1000,
-                                             staged_parts=self.fetcher.far()):
-            kind = event.WhichOneof("event")
-            if kind == "staged":
-                self._prefetch(event.staged)
-            elif kind == "version":
-                v = event.version.version
-                self.head = max(self.head, v)
-                if v > self.held_version:
-                    self.timings.setdefault(v, {})["seen"] = time.time()
-                    await self.sync_to(v, record=event.version)
-            elif kind == "progress":
-                self.head = max(self.head, event.progress.head)
-                if self.head > self.held_version:
-                    await self.sync_to(self.head)
+        hints = self.fetcher.far()
+        watch = self.client.watch(self.run_name, after_version=self.held_version, progress_interval_ms=1000,
+                                  staged_parts=hints)
+        async with contextlib.aclosing(watch) as events:
+            async for event in events:
+                kind = event.WhichOneof("event")
+                if kind == "staged":
+                    self._prefetch(event.staged)
+                elif kind == "version":
+                    v = event.version.version
+                    self.head = max(self.head, v)
+                    if v > self.held_version:
+                        self.timings.setdefault(v, {})["seen"] = time.time()
+                        await self.sync_to(v, record=event.version)
+                elif kind == "progress":
+                    self.head = max(self.head, event.progress.head)
+                    if self.head > self.held_version:
+                        await self.sync_to(self.head)
+                if self.fetcher.far() is not hints:
+                    log.info("blob store judged " + ("near" if hints else "far") + "; watching again",
+                             island=self.island_id, staged_parts=not hints)
+                    return

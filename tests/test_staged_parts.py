@@ -297,7 +297,8 @@ async def test_an_island_probes_its_store_and_asks_for_hints_only_when_far(
 ) -> None:
     """The catch-up's one large GET waited long (a sample of 1 s): before it opens its watch,
     the island samples the path with small requests. Real loopback S3 answers those fast, so
-    it asks for no hints and the publisher ships one blob; a far store (40 ms) keeps it asking."""
+    it asks for no hints and the publisher ships one blob; a far store (40 ms) keeps it asking
+    until its later downloads show a near path."""
     board = await board_factory(blobs=s3_store)
     trainer = Trainer(lr=1e-4)
     views: dict[int, dict] = {}
@@ -327,6 +328,15 @@ async def test_an_island_probes_its_store_and_asks_for_hints_only_when_far(
             await sub.wait_for_version(3, 30)
             assert bits_equal(sub.destination.tensors, views[3])
             assert len(_patch_blobs(record)) >= 1
+            if far:  # later downloads show a near path: the island watches again, without hints
+                s3_store.first_byte_s = lambda: 0.002  # type: ignore[method-assign]
+                for _ in range(10):
+                    await asyncio.to_thread(publish_one)
+                    if not pub._parts_wanted:
+                        break
+                assert not pub._parts_wanted
+                await sub.wait_for_version(max(views), 30)
+                assert bits_equal(sub.destination.tensors, views[max(views)])
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
         finally:
