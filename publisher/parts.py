@@ -38,9 +38,6 @@ Ship = Callable[[bytes], "concurrent.futures.Future[Any]"]
 # island; a few hundred kB is under a millisecond of link time at 100 Mbit/s while a 3 MB patch
 # starts downloading after its first eighth is finished.
 SUGGESTED_PART_BYTES = 384 << 10
-# The smallest part cut before the last (see ``PartCutter.add``): a TCP connection's first
-# round trips carry 14, 28 and 57 kB, so smaller parts only add requests.
-MIN_TAIL_BYTES = 48 << 10
 
 
 def staged_names(parts: list[tuple[list[str], Any]]) -> set[str]:
@@ -60,15 +57,11 @@ class PartCutter:
         self._pending: list[Any] = []
         self._pending_bytes = 0
 
-    def add(self, encoded: Any, rest_bytes: int | None = None) -> None:
-        """One finished tensor stream (``EncodedTensor``); ships a part once ``part_bytes`` are
-        here, or (at least ``MIN_TAIL_BYTES``) once they are as many as the ``rest_bytes``
-        still to come (an estimate): the last parts halve, so the one cut just before the
-        commit is small and an island's fresh connection fetches it in a few round trips."""
+    def add(self, encoded: Any) -> None:
+        """One finished tensor stream (``EncodedTensor``); ships a part once enough are here."""
         self._pending.append(encoded)
         self._pending_bytes += int(encoded.stream.nbytes)
-        if self._pending_bytes >= self.part_bytes or (
-                rest_bytes is not None and self._pending_bytes >= max(rest_bytes, MIN_TAIL_BYTES)):
+        if self._pending_bytes >= self.part_bytes:
             self._cut()
 
     def flush(self) -> None:

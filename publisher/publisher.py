@@ -705,17 +705,15 @@ class Publisher:
 
         deltas = {n: d for n, d in folded.items() if isinstance(d, TensorDelta)}
         fused: dict[str, Any] = {}
-        rest = sum(scans_changed(scans) for _, scans in scanned)  # changes whose streams are to come
         # One thread: the kernels are parallel inside, and two callers would double the
         # OpenMP threads on cores the trainer's optimizer step is using right now.
         for (name, scans), enc in zip(scanned, map(finish, scanned)):
-            rest -= scans_changed(scans)
             if enc is None:
                 deltas[name] = delta_from_scans(scans, self._view[name])
             else:
                 fused[name] = enc
                 if cutter is not None:
-                    cutter.add(enc, rest_bytes=int(rest * self._bytes_per_change))
+                    cutter.add(enc)
         if cutter is not None:
             cutter.flush()
         return deltas, fused

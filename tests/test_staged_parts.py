@@ -217,40 +217,6 @@ def test_the_cutter_ships_disjoint_parts_of_about_part_bytes_and_the_rest_on_flu
         PartCutter(2, "default", 0, ship)
 
 
-def test_the_cutter_halves_the_last_parts_given_what_is_still_to_come() -> None:
-    """With the bytes still to come, a part is cut once it holds as many (but not below
-    MIN_TAIL_BYTES): the parts before the flush shrink, so the last one is small."""
-    import concurrent.futures
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from weftboard.publisher.parts import MIN_TAIL_BYTES, PartCutter
-
-    sizes: list[int] = []
-
-    def ship(data: bytes) -> concurrent.futures.Future:
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result(None)
-        return done
-
-    cutter = PartCutter(3, "default", 400_000, ship)
-    cutter._cut = lambda: (sizes.append(cutter._pending_bytes), cutter._pending.clear(),  # type: ignore[method-assign]
-                           setattr(cutter, "_pending_bytes", 0))
-    streams = [680_000, 670_000] + [10_000] * 160 + [300] * 20  # biggest first, as the publisher finishes them
-    rest = sum(streams)
-    for n, size in enumerate(streams):
-        rest -= size
-        cutter.add(SimpleNamespace(name=f"t{n}", stream=np.empty(size, np.uint8)), rest_bytes=rest)
-    cutter.flush()
-    assert sum(sizes) == sum(streams)
-    assert sizes[:2] == [680_000, 670_000]
-    assert all(s >= 400_000 for s in sizes[2:4])  # while plenty is to come: part_bytes
-    tail = sizes[4:]
-    assert len(tail) >= 3 and all(a > b for a, b in zip(tail, tail[1:]))  # then halving
-    assert all(s >= MIN_TAIL_BYTES for s in tail[:-1]) and tail[-1] < MIN_TAIL_BYTES * 2
-
-
 async def test_an_island_ignores_hints_it_cannot_use_or_afford(local_store, tmp_path: Path) -> None:
     """Old versions, no blob-store credentials, parts too large to hold, and a flood beyond the
     cap start no download; a usable hint starts one, and holding its version drops it."""
