@@ -83,7 +83,7 @@ class Subscriber:
         heartbeat_s: float = 5.0,
         lease_s: int = 15,
         heartbeat: bool = True,
-        parallel: int = 16,
+        parallel: int = 8,
         progress: Any = None,
     ) -> None:
         self.client = client
@@ -92,9 +92,9 @@ class Subscriber:
         self.island_id = island_id
         self.region = region
         self.blob_store = blob_store
-        # ``parallel`` downloads at once: a version's staged parts (nine or so for a 3 MB patch)
+        # ``parallel`` downloads at once: a version's staged parts (six or so for a 3 MB patch)
         # all start as their hints come; with four, the fifth waited 0.15 s for a slot over a
-        # 40 ms link while the first ones were still ramping up (with eight, the ninth 34 ms).
+        # 40 ms link while the first ones were still ramping up.
         self.fetcher = Fetcher(Path(cache_dir), blob_store, parallel=parallel)
         self.heartbeat_s = heartbeat_s
         self.lease_s = lease_s
