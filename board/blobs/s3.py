@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
 import io
 import os
 import threading
@@ -42,7 +41,6 @@ _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Expir
 _CHUNK = 1 << 20
 _WATCHED_CHUNK = 64 << 10  # with on_chunk: a reader waiting for bytes sees them sooner
 _MIN_RANGE = 256 << 10  # smallest byte range worth its own connection
-_IO_THREADS = 32  # concurrent client calls (and pooled connections per host)
 _FIRST_BYTE_SAMPLES = 16  # downloads whose time to first byte estimate the path's round trip
 _DELETE_BATCH = 1000
 PART_SIZE = 16 << 20
@@ -94,7 +92,7 @@ class S3BlobStore(BlobStore):
         self.prefix = prefix
         self._http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
-            maxsize=_IO_THREADS,
+            maxsize=32,
             retries=urllib3.Retry(
                 total=retries, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504),
                 allowed_methods=None,  # our writes are idempotent (content-addressed keys)
@@ -105,10 +103,6 @@ class S3BlobStore(BlobStore):
             region=region, http_client=self._http,
         )
         self._first_byte: collections.deque[float] = collections.deque(maxlen=_FIRST_BYTE_SAMPLES)
-        # Blocking client calls run here, not on the event loop's default executor (a few
-        # threads on a small host, shared with hashing and file work): an island downloading a
-        # version's staged parts at once waited up to 66 ms for a free thread before a GET.
-        self._io = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="weftboard-s3")
         self._bucket_ready = False
         self._bucket_lock = threading.Lock()
 
@@ -162,8 +156,7 @@ class S3BlobStore(BlobStore):
             with self._errors(key):
                 return fn(*args, **kwargs)
 
-        context = contextvars.copy_context()  # as asyncio.to_thread: log context carries over
-        return await asyncio.get_running_loop().run_in_executor(self._io, context.run, call)
+        return await asyncio.to_thread(call)
 
     # -- the port ---------------------------------------------------------------
 
@@ -348,7 +341,6 @@ class S3BlobStore(BlobStore):
         )
 
     async def close(self) -> None:
-        self._io.shutdown(wait=False)
         self._http.clear()
 
 
