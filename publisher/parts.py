@@ -30,7 +30,7 @@ Ship = Callable[[bytes], "concurrent.futures.Future[Any]"]
 # Parts only where they pay: on a host whose cores the trainer already keeps busy, shipping
 # parts during the finish slows it (0.15 s instead of 0.07 s), which near islands pay for (bench
 # sync on two cores, loopback: 5.2x instead of 5.65x) and far ones gain from (over a 100 Mbit/s,
-# 40 ms link: 0.68 s instead of 0.72 s publish-to-applied, medians of 10 and 6 runs). So a
+# 40 ms link: 0.68 s instead of 0.72 s publish-to-applied, medians of 15 and 6 runs). So a
 # publisher stages parts while an island asks for them (islands do when their blob store is far)
 # and ships one blob otherwise.
 #

@@ -11,11 +11,10 @@ Invariants:
 - Staged parts (hints the publisher sends while it is still encoding a version) are asked
   for only when the blob store is far (``Fetcher.far``, decided as the watch opens, after a
   few small requests sampled the store's path), so a publisher stages parts only for islands
-  they help. They
-  are downloaded at once, but nothing of them is written anywhere before the version commits,
-  and then only the parts its record names; once the island holds a version, the parts
-  downloaded for it and older ones are dropped (a version that committed other parts than
-  it staged leaves its staged ones unused). A download is never started twice for one blob:
+  they help. They are downloaded at once, but nothing of them is written anywhere before the
+  version commits, and then only the parts its record names; once the island holds a
+  version, the parts downloaded for it and older ones are dropped (a version that committed
+  other parts than it staged leaves its staged ones unused). A download is never started twice for one blob:
   the plan's step takes over a running one.
 - A bad blob or a failed apply is never served. Recovery is: refetch (the cached blobs of
   the failed step are dropped) with a fresh plan, then a plan from nothing (an anchor);
@@ -498,6 +497,6 @@ class Subscriber:
                     if self.head > self.held_version:
                         await self.sync_to(self.head)
                 if self.fetcher.far() is not hints:
-                    log.info("blob store judged " + ("near" if hints else "far") + "; watching again",
-                             island=self.island_id, staged_parts=not hints)
+                    log.info("blob store distance judged anew; watching again", island=self.island_id,
+                             far=not hints, first_byte_s=self.fetcher.store.first_byte_s())
                     return
