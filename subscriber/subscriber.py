@@ -14,8 +14,8 @@ Invariants:
   they help. They are downloaded at once, but nothing of them is written anywhere before the
   version commits, and then only the parts its record names; once the island holds a
   version, the parts downloaded for it and older ones are dropped (a version that committed
-  other parts than it staged leaves its staged ones unused). A download is never started twice for one blob:
-  the plan's step takes over a running one.
+  other parts than it staged leaves its staged ones unused). A download is never started
+  twice for one blob: the plan's step takes over a running one.
 - A bad blob or a failed apply is never served. Recovery is: refetch (the cached blobs of
   the failed step are dropped) with a fresh plan, then a plan from nothing (an anchor);
   each failure is logged at error level and heartbeated as ERROR with its message. Only

@@ -34,6 +34,13 @@ async def _watch_all(client: BoardClient, run: str, until: int, out: list[pb.Wat
             return
 
 
+def _step_and_publish(trainer: Trainer, pub: Publisher, views: dict[int, dict]) -> pb.VersionRecord:
+    """One AdamW step, published and committed; ``views`` gets its served view by step."""
+    trainer.step()
+    views[trainer.step_no] = trainer.served()
+    return pub.publish(trainer.model, step=trainer.step_no).result(30)
+
+
 def _patch_blobs(record: pb.VersionRecord) -> list[pb.BlobRef]:
     return [b for a in record.artifacts if a.kind == pb.ARTIFACT_KIND_PATCH for b in a.blobs]
 
@@ -146,8 +153,8 @@ async def test_an_island_downloads_staged_parts_early_and_applies_only_after_the
             views[2] = trainer.served()
             handle = await asyncio.to_thread(pub.publish, trainer.model, step=2)
             await asyncio.to_thread(holding.wait, 30)
-            # Every part is uploaded before the commit; their hints (sent without waiting) and
-            # the downloads they start finish while the commit waits.
+            # Every part is uploaded and hinted before the commit; the downloads the hints
+            # start finish while the commit waits.
             hinted = {b.digest for b in _patch_blobs(held[0])
                       if not read_patch_info(await local_store.get_bytes(b.key)).target_root} | {bogus.digest}
             for _ in range(200):
@@ -262,9 +269,8 @@ async def test_by_default_a_publisher_stages_parts_while_an_island_asks_for_them
     records: dict[int, pb.VersionRecord] = {}
 
     def publish_one() -> None:
-        trainer.step()
-        views[trainer.step_no] = trainer.served()
-        records[trainer.step_no] = pub.publish(trainer.model, step=trainer.step_no).result(30)
+        record = _step_and_publish(trainer, pub, views)
+        records[trainer.step_no] = record  # keyed by step, as views are
 
     async with BoardClient(board.address, board.admin_token) as client:
         pub = Publisher(board.address, "auto", token=board.admin_token, blob_store=local_store)
@@ -304,9 +310,7 @@ async def test_an_island_probes_its_store_and_asks_for_hints_only_when_far(
     views: dict[int, dict] = {}
 
     def publish_one() -> pb.VersionRecord:
-        trainer.step()
-        views[trainer.step_no] = trainer.served()
-        return pub.publish(trainer.model, step=trainer.step_no).result(30)
+        return _step_and_publish(trainer, pub, views)
 
     pub = Publisher(board.address, "probed", token=board.admin_token, blob_store=s3_store)
     async with BoardClient(board.address, board.admin_token) as client:
