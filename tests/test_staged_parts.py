@@ -93,14 +93,15 @@ async def test_parts_are_staged_before_the_commit_and_islands_follow_bitwise(boa
             assert joined.target_root == record.root_digest and joined.base_version == v - 1
 
         # Islands reach every version bitwise: one applying parts as they arrive (live
-        # tensors), one through the joined container (a checkpoint directory, near store).
+        # tensors, told its store is far), one through the joined container (a checkpoint
+        # directory; the local store's measured opens make it near).
         live = LiveTensorsDestination(zeros_like_layout(views[4]))
         streaming = Subscriber(client, "p", live, island_id="live", blob_store=local_store,
                                cache_dir=tmp_path / "c1", heartbeat=False)
+        streaming.fetcher.far = lambda: True  # type: ignore[method-assign]
         directory = CheckpointDirDestination(tmp_path / "ckpt")
         joining = Subscriber(client, "p", directory, island_id="dir", blob_store=local_store,
                              cache_dir=tmp_path / "c2", heartbeat=False)
-        joining.fetcher.far = lambda: False  # type: ignore[method-assign]
         for v in range(1, 5):
             assert await streaming.sync_to(v) == v and await joining.sync_to(v) == v
             assert bits_equal(live.tensors, views[v]), f"version {v}: {first_difference(live.tensors, views[v])}"
@@ -132,6 +133,7 @@ async def test_an_island_downloads_staged_parts_early_and_applies_only_after_the
             dest = LiveTensorsDestination(zeros_like_layout(views[1]))
             sub = Subscriber(client, "q", dest, island_id="early", blob_store=local_store,
                              cache_dir=tmp_path / "cache", heartbeat=False)
+            sub.fetcher.far = lambda: True  # type: ignore[method-assign]  (hints are for far stores)
             following = asyncio.ensure_future(sub.run())
             await sub.wait_for_version(1, 30)
             await asyncio.sleep(0.5)  # its watch stream is open

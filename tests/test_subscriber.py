@@ -194,6 +194,15 @@ async def test_fetch_resumes_partial_download_and_rejects_bad_bytes(local_store,
     assert (await fetcher.fetch(ref)).read_bytes() == data  # the next attempt starts clean
 
 
+async def test_a_local_directory_store_is_judged_near_once_measured(local_store, tmp_path: Path) -> None:
+    """Unknown at first (assume far: hints and ranges cost little if wrong), then the opens of
+    its files say near, so its island asks for no staged parts and fetches in one stream."""
+    fetcher = Fetcher(tmp_path / "cache", local_store)
+    assert fetcher.far()
+    await fetcher.fetch(await _stored_blob(local_store, b"z" * 5000))
+    assert not fetcher.far()
+
+
 async def test_two_fetches_of_one_blob_download_it_once_and_both_see_every_byte(local_store, tmp_path: Path) -> None:
     """A staged part's download and a plan's of the same blob: one writes the file, the other
     waits and replays it; neither sees torn bytes."""

@@ -27,6 +27,8 @@ from weftboard.proto.errors import InvalidArgument
 ChunkCallback = Callable[[int, bytes], None]
 
 MAX_KEY_BYTES = 1024
+# Recent requests whose time to first byte estimate a store's path (``first_byte_s``).
+FIRST_BYTE_SAMPLES = 16
 
 
 def check_key(key: str) -> str:
@@ -87,16 +89,17 @@ class BlobStore(abc.ABC):
 
     def first_byte_s(self) -> float | None:
         """The store's recent time to first byte (the smallest of the last downloads' waits
-        between a GET and its response), or None when unknown or not a network store. A
-        reader uses it to decide whether parallel byte ranges pay for their extra requests:
-        they help on long paths, and only cost on a short one."""
+        between a request and its first byte: a GET's response headers, a file's open), or None
+        until measured (and for a store that cannot tell). A reader uses it to decide whether
+        parallel byte ranges and early downloads pay for their extra requests: they help on long
+        paths, and only cost on a short one (a local disk is the shortest)."""
         return None
 
     async def probe_first_byte(self, key: str) -> None:
         """Time one small request for ``key`` (its metadata) as a sample of ``first_byte_s``,
         for a reader that must judge the path before its downloads have (a large object's
-        first GET may wait on the server rather than the path). Nothing for a store that is
-        not a network store."""
+        first GET may wait on the server rather than the path). Nothing for a store that cannot
+        tell; ``NotFound`` when the key does not exist."""
 
     @abc.abstractmethod
     async def stat(self, key: str) -> int | None:

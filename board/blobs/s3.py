@@ -33,7 +33,7 @@ from minio.deleteobjects import DeleteObject
 from minio.error import InvalidResponseError, S3Error, ServerError
 from minio.helpers import check_bucket_name
 
-from weftboard.board.blobs.base import BlobStore, ChunkCallback, check_key, check_prefix
+from weftboard.board.blobs.base import FIRST_BYTE_SAMPLES, BlobStore, ChunkCallback, check_key, check_prefix
 from weftboard.proto.errors import DigestMismatch, InvalidArgument, NotFound, PermissionDenied, Unavailable
 
 _MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
@@ -41,7 +41,6 @@ _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Expir
 _CHUNK = 1 << 20
 _WATCHED_CHUNK = 64 << 10  # with on_chunk: a reader waiting for bytes sees them sooner
 _MIN_RANGE = 256 << 10  # smallest byte range worth its own connection
-_FIRST_BYTE_SAMPLES = 16  # downloads whose time to first byte estimate the path's round trip
 _DELETE_BATCH = 1000
 PART_SIZE = 16 << 20
 MAX_PRESIGN_S = 7 * 24 * 3600
@@ -102,7 +101,7 @@ class S3BlobStore(BlobStore):
             host, access_key=access_key, secret_key=secret_key, secure=self.secure,
             region=region, http_client=self._http,
         )
-        self._first_byte: collections.deque[float] = collections.deque(maxlen=_FIRST_BYTE_SAMPLES)
+        self._first_byte: collections.deque[float] = collections.deque(maxlen=FIRST_BYTE_SAMPLES)
         self._bucket_ready = False
         self._bucket_lock = threading.Lock()
 
@@ -223,8 +222,7 @@ class S3BlobStore(BlobStore):
         return await self._run(key, download)
 
     def first_byte_s(self) -> float | None:
-        samples = list(self._first_byte)
-        return min(samples) if samples else None  # the path's floor, not its moments of load
+        return min(self._first_byte, default=None)  # the path's floor, not its moments of load
 
     async def probe_first_byte(self, key: str) -> None:
         name = self._name(key)
