@@ -56,6 +56,8 @@ from __future__ import annotations
 import functools
 import json
 import struct
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -75,7 +77,7 @@ from weftboard.cuda.diff import (
     unsigned_np,
 )
 from weftboard.cuda.digest import dtype_name
-from weftboard.proto.errors import CorruptData, InvalidArgument
+from weftboard.proto.errors import CorruptData, InvalidArgument, Unavailable
 
 FORMAT = "weftboard-patch"
 FORMAT_VERSION = 1
@@ -810,15 +812,16 @@ def apply_patch_(tensors: Mapping[str, torch.Tensor], data: bytes | bytearray | 
 
 def apply_patch_arriving_(tensors: Mapping[str, torch.Tensor], parts: Sequence[Any], *,
                           on_tensor: Callable[[str], None] | None = None, timeout_s: float | None = None) -> AppliedPatch:
-    """Write a patch (its parts, in order) into ``tensors`` in place while its bytes are
-    still arriving.
+    """Write a patch (its parts) into ``tensors`` in place while its bytes are still arriving.
 
-    Each part has its container's ``size`` and blocks in ``wait(start, end)`` (the bytes) and
-    ``wait_any(spans)`` (indices of spans fully arrived) until bytes are there, raising why
-    when they never will be (``subscriber.arriving.ArrivingBytes``). A part's header is
-    checked whole, and every target against it, before its first write (and against the
-    parts before it: same transition, no tensor twice); then each tensor's stream is checked
-    (xxh3-64) and applied as soon as it has arrived, in whatever order the bytes come, and
+    Each part is an arriving blob (``subscriber.arriving.ArrivingBytes``): its container's
+    ``size``; ``wait(start, end)`` for bytes already there; ``ready(start, end)``, which raises
+    why bytes never will come; and ``watch``/``unwatch`` of a ``threading.Event`` set whenever
+    bytes come. Parts are taken in whatever order their bytes arrive, not in the order given
+    (parts download in parallel, and one slow part must not hold back the others). A part's
+    header is checked whole, and every target against it, before any write of that part
+    (and against the parts read before it: same transition, no tensor twice); then each
+    tensor's stream is checked (xxh3-64) and applied as soon as it has arrived, and
     ``on_tensor(name)`` is called after each changed tensor is written. Any failure (a
     damaged stream, a download that gave up) undoes every write of this call, in every part,
     before it is raised. The caller still owes each part's digest check before trusting the
@@ -827,27 +830,62 @@ def apply_patch_arriving_(tensors: Mapping[str, torch.Tensor], parts: Sequence[A
     if not parts:
         raise InvalidArgument("a patch has at least one part")
     applied: AppliedPatch | None = None
+    heads = {i: (0, min(8, blob.size)) for i, blob in enumerate(parts)}  # what a part's header awaits
+    header_len: dict[int, int] = {}
+    # Awaited tensor streams: (part, span, target, entry).
+    streams: list[tuple[int, tuple[int, int], torch.Tensor, Mapping[str, Any]]] = []
     try:
-        for blob in parts:
-            hlen = _header_length(blob.wait(0, min(8, blob.size), timeout_s), blob.size)
-            header, entries, spans = _parse_container_header(blob.wait(8, 8 + hlen, timeout_s), blob.size)
-            targets = {e["name"]: (_checked_target(tensors, e), e) for e in entries}
-            applied = _applied_patch(header, entries) if applied is None else _with_part(applied, header, entries)
-            pending = [e["name"] for e in entries if e["mode"] != "empty"]
-            while pending:
-                ready = set(blob.wait_any([spans[n] for n in pending], timeout_s))
-                for i in sorted(ready):
-                    name = pending[i]
-                    target, entry = targets[name]
-                    _write_step(applied, target, entry, _parsed_step(target, entry, blob.wait(*spans[name])))
+        while heads or streams:
+            awaited_heads, awaited_streams = list(heads.items()), streams
+            wanted = awaited_heads + [(i, span) for i, span, _, _ in awaited_streams]
+            streams = []
+            written: set[int] = set()
+            for k in _wait_across(parts, wanted, timeout_s):  # headers first, parts in order
+                i, span = wanted[k]
+                blob = parts[i]
+                if k >= len(awaited_heads):
+                    _, _, target, entry = awaited_streams[k - len(awaited_heads)]
+                    _write_step(applied, target, entry, _parsed_step(target, entry, blob.wait(*span)))
+                    written.add(k - len(awaited_heads))
                     if on_tensor is not None:
-                        on_tensor(name)
-                pending = [n for i, n in enumerate(pending) if i not in ready]
+                        on_tensor(entry["name"])
+                elif i not in header_len:
+                    header_len[i] = _header_length(blob.wait(*span), blob.size)
+                    heads[i] = (8, 8 + header_len[i])
+                else:
+                    header, entries, spans = _parse_container_header(blob.wait(*span), blob.size)
+                    targets = [(_checked_target(tensors, e), e) for e in entries]
+                    applied = _applied_patch(header, entries) if applied is None else _with_part(applied, header, entries)
+                    streams += [(i, spans[e["name"]], t, e) for t, e in targets if e["mode"] != "empty"]
+                    del heads[i]
+            streams = [s for j, s in enumerate(awaited_streams) if j not in written] + streams
     except BaseException:
         if applied is not None:
             applied.revert()
         raise
+    assert applied is not None
     return applied
+
+
+def _wait_across(parts: Sequence[Any], wanted: Sequence[tuple[int, tuple[int, int]]], timeout_s: float | None) -> list[int]:
+    """Indices of the ``(part, (start, end))`` spans that have arrived; blocks until one has."""
+    wake = threading.Event()
+    watched = [parts[i] for i in sorted({i for i, _ in wanted})]
+    for blob in watched:
+        blob.watch(wake)
+    try:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            wake.clear()  # before looking: bytes that come while we look set it again
+            ready = [k for k, (i, span) in enumerate(wanted) if parts[i].ready(*span)]
+            if ready:
+                return ready
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not wake.wait(left):
+                raise Unavailable(f"no awaited byte span of the patch's parts arrived within {timeout_s} s")
+    finally:
+        for blob in watched:
+            blob.unwatch(wake)
 
 
 def _with_part(applied: AppliedPatch, header: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]) -> AppliedPatch:

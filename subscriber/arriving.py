@@ -2,7 +2,9 @@
 
 A download (one stream or parallel byte ranges, on its own threads) ``put``s each chunk at
 its offset; an applier on another thread ``wait``s for the byte span it needs next, or for
-any one of several spans (``wait_any``), and reads it without a copy.
+any one of several spans (``wait_any``), and reads it without a copy. An applier waiting on
+several blobs at once (a patch's parts, applied in whatever order they arrive) ``watch``es
+them with one ``threading.Event`` and asks each whether a span is ``ready``.
 
 Invariants:
 - ``wait``/``wait_any`` return only spans whose every byte has been put; a chunk put twice
@@ -37,6 +39,7 @@ class ArrivingBytes:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._verified = False
+        self._watchers: set[threading.Event] = set()
 
     # -- the download's side --------------------------------------------------------------
 
@@ -50,7 +53,7 @@ class ArrivingBytes:
         self._buf[offset : offset + n] = data
         with self._cond:
             self._merge(offset, offset + n)
-            self._cond.notify_all()
+            self._wake()
 
     def verified(self) -> None:
         """The whole blob is here and hashed to its record (set by the fetcher)."""
@@ -58,14 +61,19 @@ class ArrivingBytes:
             if self.arrived() != self.size:
                 raise InvalidArgument(f"blob marked verified with {self.arrived()} of {self.size} bytes arrived")
             self._verified = True
-            self._cond.notify_all()
+            self._wake()
 
     def fail(self, exc: BaseException) -> None:
         """The download ended without the blob: every waiter raises ``exc``."""
         with self._cond:
             if self._error is None:
                 self._error = exc
-            self._cond.notify_all()
+            self._wake()
+
+    def _wake(self) -> None:  # with self._cond held
+        self._cond.notify_all()
+        for event in self._watchers:
+            event.set()
 
     # -- the applier's side ---------------------------------------------------------------
 
@@ -95,6 +103,27 @@ class ArrivingBytes:
                     raise self._error
                 if not self._cond.wait(timeout_s):
                     raise Unavailable(f"no awaited byte span of the blob arrived within {timeout_s} s")
+
+    def ready(self, start: int, end: int) -> bool:
+        """Whether ``[start, end)`` has fully arrived, without blocking; raises why it never
+        will when the download failed first."""
+        if not 0 <= start <= end <= self.size:
+            raise InvalidArgument(f"span [{start}, {end}) lies outside a {self.size}-byte blob")
+        with self._cond:
+            if self._covered(start, end):
+                return True
+            if self._error is not None:
+                raise self._error
+            return False
+
+    def watch(self, event: threading.Event) -> None:
+        """Set ``event`` on every change from now on (bytes, verdict, failure) until ``unwatch``."""
+        with self._cond:
+            self._watchers.add(event)
+
+    def unwatch(self, event: threading.Event) -> None:
+        with self._cond:
+            self._watchers.discard(event)
 
     def wait_verified(self, timeout_s: float | None = None) -> None:
         """Block until the fetcher verified the whole blob (or raise why it could not)."""

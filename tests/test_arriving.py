@@ -173,6 +173,45 @@ def test_a_patch_in_parts_applies_as_its_parts_arrive_and_joins_into_one_contain
     assert _equal(live, new)
 
 
+def test_a_part_that_arrives_first_is_applied_first_whatever_its_place_in_the_patch() -> None:
+    """Parts download in parallel: the last part, all here, is written while the first one has
+    not sent a byte (its header included), and a part that fails later undoes both."""
+    old = _view(9)
+    new = _step(old, 10, frac=0.2)
+    groups = _groups(sorted(old), 2)
+    parts = _part_bytes(old, new, groups)
+    for fail in (False, True):
+        live = {n: t.clone() for n, t in old.items()}
+        blobs = [ArrivingBytes(len(p)) for p in parts]
+        seen: list[str] = []
+        outcome: list[Any] = []
+
+        def apply() -> None:
+            try:
+                outcome.append(apply_patch_arriving_(live, blobs, on_tensor=seen.append, timeout_s=10))
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                outcome.append(exc)
+
+        worker = threading.Thread(target=apply)
+        worker.start()
+        blobs[1].put(0, parts[1])
+        deadline = time.monotonic() + 10
+        while set(seen) != set(groups[1]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(seen) == set(groups[1]), seen  # all of the second part, nothing of the first
+        assert all(torch.equal(live[n], new[n]) for n in groups[1]) and all(torch.equal(live[n], old[n]) for n in groups[0])
+        if fail:
+            blobs[0].put(0, parts[0][:10])
+            blobs[0].fail(Unavailable("the first part's download gave up"))
+        else:
+            blobs[0].put(0, parts[0])
+        worker.join(10)
+        if fail:
+            assert isinstance(outcome[0], Unavailable) and _equal(live, old)
+        else:
+            assert _equal(live, new) and sorted(outcome[0].changed) == sorted(old)
+
+
 def test_parts_that_are_not_one_patch_are_refused_and_a_damaged_part_undoes_the_others() -> None:
     from weftboard.cuda.codec import join_patches
 
