@@ -347,7 +347,7 @@ def gc(
     tls_cert: Optional[Path] = TLS_CERT_OPTION,
     tls_key: Optional[Path] = TLS_KEY_OPTION,
 ) -> None:
-    """Delete blobs no live island and no kept anchor needs (admin)."""
+    """Delete blobs no live island and no kept anchor needs, and staged parts no commit named (admin)."""
 
     async def body(client: Any) -> None:
         response = await client.collect_garbage(run, dry_run=dry_run, keep_anchors=keep_anchors)

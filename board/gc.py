@@ -10,6 +10,8 @@
 - The newest ``keep_versions`` versions stay reachable.
 - A key still named by a kept artifact is never deleted (content addressing means two
   versions may share a blob).
+- Orphans (staged parts whose version was committed without them, see ``store.k_orphans``)
+  are deleted, unless a kept artifact names their key; either way GC forgets them.
 
 The executor moves ``oldest_available`` in Redis *first*, then deletes blobs: a reader
 racing with GC is told a version is gone before its bytes disappear, never after.
@@ -40,6 +42,7 @@ class VersionBlobs:
 class GcPlan:
     oldest_available: int
     delete: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+    orphans: tuple[str, ...] = ()  # the orphans this plan settles (deleted, or found named)
 
     @property
     def freed_bytes(self) -> int:
@@ -53,10 +56,12 @@ def plan_gc(
     live_island_versions: Iterable[int],
     keep_anchors: int,
     keep_versions: int,
+    orphans: Mapping[str, int] | None = None,
 ) -> GcPlan:
     """Blobs to delete and the new oldest available version."""
+    orphans = orphans or {}
     if head == 0:
-        return GcPlan(oldest_available)
+        return GcPlan(oldest_available, orphans=tuple(sorted(orphans)))
     keep_anchors = max(keep_anchors, 1)
     keep_versions = max(keep_versions, 1)
     floor = max(head - keep_versions + 1, 1)
@@ -88,8 +93,9 @@ def plan_gc(
                 kept.add(key)
             else:
                 dropped[key] = size
+    dropped.update(orphans)
     delete = tuple(sorted((k, s) for k, s in dropped.items() if k not in kept))
-    return GcPlan(new_oldest, delete)
+    return GcPlan(new_oldest, delete, tuple(sorted(orphans)))
 
 
 def version_blobs(record: pb.VersionRecord) -> VersionBlobs:
@@ -112,4 +118,5 @@ async def execute_gc(store, blobs, run: str, plan: GcPlan, *, dry_run: bool) -> 
     oldest = await store.advance_oldest(run, plan.oldest_available)
     if plan.delete:
         await blobs.delete([key for key, _ in plan.delete])
-    return GcPlan(oldest, plan.delete)
+    await store.forget_orphans(run, plan.orphans)
+    return GcPlan(oldest, plan.delete, plan.orphans)

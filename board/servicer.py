@@ -147,6 +147,14 @@ class BoardServicer(pb_grpc.BoardServicer):
                     f"blob {ref.key!r} has {size} bytes but the record declares {ref.size}; re-upload it"
                 )
 
+    async def _settle_staged(self, record: pb.VersionRecord) -> None:
+        """The committed ``record``'s staged parts need no check any more, and the parts staged
+        for its version that it does not name are orphans (GC deletes them)."""
+        orphaned = await self.store.settle_staged(record.run, record.version,
+                                                  [b.key for a in record.artifacts for b in a.blobs])
+        if orphaned:
+            log.info("staged parts no record names; garbage collection deletes them", orphaned=orphaned)
+
     @staticmethod
     def _lost_race(record: pb.VersionRecord, head: int) -> Aborted:
         return Aborted(
@@ -168,6 +176,7 @@ class BoardServicer(pb_grpc.BoardServicer):
                     raise self._lost_race(record, max(run.head, record.version))
                 raise already_exists_message(record.run, record.version)
             stored = (await self.store.get_versions(record.run, [record.version]))[record.version]
+            await self._settle_staged(stored)  # a retry: the first attempt's answer may have been lost
             return pb.CommitVersionResponse(record=stored, already_committed=True)
         if run.head != record.version - 1:
             raise Aborted(
@@ -181,6 +190,8 @@ class BoardServicer(pb_grpc.BoardServicer):
         stored = pb.VersionRecord()
         stored.CopyFrom(record)
         stored.committed_at_ms = outcome.committed_at_ms
+        if outcome.status in ("committed", "already_committed"):
+            await self._settle_staged(stored)
         if outcome.status == "committed":
             self.metrics.record_commit(stored)
             log.info("version committed", artifacts=len(record.artifacts))
@@ -208,7 +219,8 @@ class BoardServicer(pb_grpc.BoardServicer):
             )
         staged = pb.StagedPart(version=request.version, base_version=request.version - 1,
                                blob=pb.BlobRef(key=blob.key, digest=blob.digest, size=blob.size))
-        await self.store.publish_staged(request.run, blob.key, blob.size, pb.WatchEvent(staged=staged).SerializeToString())
+        await self.store.publish_staged(request.run, request.version, blob.key, blob.size,
+                                        pb.WatchEvent(staged=staged).SerializeToString())
         return pb.StagePartResponse(head=run.head)
 
     # -- reading ----------------------------------------------------------
@@ -498,6 +510,7 @@ class BoardServicer(pb_grpc.BoardServicer):
             live,
             keep_anchors,
             keep_versions,
+            orphans=await self.store.orphans(request.run),
         )
         done = await gcmod.execute_gc(self.store, self.blobs, request.run, plan, dry_run=request.dry_run)
         if not request.dry_run:

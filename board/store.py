@@ -16,6 +16,10 @@ Redis Cluster slot and the commit script touches one slot only):
 - ``wb:{run}:seen``              hash: island id -> last_seen_ms
 - ``wb:{run}:leases``            sorted set: island id scored by lease expiry (ms)
 - ``wb:{run}:traj``              stream of trajectory records (field r), consumer groups on it
+- ``wb:{run}:checked``           hash: blob key -> "<size>:<version>" of the parts StagePart found
+                                 (expires; a commit takes out the keys it names)
+- ``wb:{run}:orphans``           hash: blob key -> size of staged parts whose version was committed
+                                 without them (a publisher that restarted mid-version); GC deletes them
 - ``wb:{tokens}:id:<id>``        hash: name, role, hash (sha256 hex of the token)
 - ``wb:{tokens}:hash:<sha256>``  token id, for lookup by the presented token
   (one hash tag for all tokens, so creating and revoking stay one-slot transactions)
@@ -28,6 +32,8 @@ Invariants:
 - Stream entry ids of the events stream are the version numbers, so a watcher resumes
   with ``XRANGE (<after>-1 +`` and gaps are impossible to hide.
 - ``oldest`` only moves forward.
+- A staged part is an orphan only once its version is committed: its container names that
+  version, so no other version's record can name its key.
 """
 
 from __future__ import annotations
@@ -83,8 +89,13 @@ def k_staged(run: str) -> str:
 
 
 def k_checked(run: str) -> str:
-    """Hash: blob key -> size, for parts StagePart found in the blob store (expires)."""
+    """Hash: blob key -> "<size>:<version>", for parts StagePart found in the blob store (expires)."""
     return f"wb:{{{run}}}:checked"
+
+
+def k_orphans(run: str) -> str:
+    """Hash: blob key -> size, staged parts of committed versions that their record does not name."""
+    return f"wb:{{{run}}}:orphans"
 
 
 CHECKED_TTL_S = 900  # how long a StagePart's existence check stands in for the commit's
@@ -163,6 +174,27 @@ if want > cur then
   return want
 end
 return cur
+"""
+
+
+# After version ARGV[1] committed: forgets the checks of the blobs it names (ARGV[2..]), then
+# moves every other checked part of a version up to ARGV[1] to the orphans. Returns how many.
+SETTLE_STAGED_LUA = """
+for i = 2, #ARGV do
+  redis.call('HDEL', KEYS[1], ARGV[i])
+end
+local version = tonumber(ARGV[1])
+local checked = redis.call('HGETALL', KEYS[1])
+local moved = 0
+for i = 1, #checked, 2 do
+  local sep = string.find(checked[i + 1], ':', 1, true)
+  if sep and tonumber(string.sub(checked[i + 1], sep + 1)) <= version then
+    redis.call('HSET', KEYS[2], checked[i], string.sub(checked[i + 1], 1, sep - 1))
+    redis.call('HDEL', KEYS[1], checked[i])
+    moved = moved + 1
+  end
+end
+return moved
 """
 
 
@@ -248,6 +280,7 @@ class RedisStore:
         self._commit = self.redis.register_script(COMMIT_LUA)
         self._advance = self.redis.register_script(ADVANCE_OLDEST_LUA)
         self._add_traj = self.redis.register_script(ADD_TRAJECTORIES_LUA)
+        self._settle_staged = self.redis.register_script(SETTLE_STAGED_LUA)
 
     async def close(self) -> None:
         for client in (self.redis, self.blocking):
@@ -341,12 +374,12 @@ class RedisStore:
         entries = await self.redis.xrange(k_events(run), min=f"({after}-1", max="+", count=count)
         return [event_record(fields) for _, fields in entries]
 
-    async def publish_staged(self, run: str, key: str, size: int, payload: bytes) -> int:
-        """Note that blob ``key`` was found with ``size`` bytes, and hand a serialized
-        ``WatchEvent`` (the staged part) to every board process's feed of ``run``, in one round
-        trip; returns how many Redis subscribers got it (feeds, not watchers)."""
+    async def publish_staged(self, run: str, version: int, key: str, size: int, payload: bytes) -> int:
+        """Note that blob ``key`` (a part of ``version``) was found with ``size`` bytes, and hand a
+        serialized ``WatchEvent`` (the staged part) to every board process's feed of ``run``, in
+        one round trip; returns how many Redis subscribers got it (feeds, not watchers)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(k_checked(run), key, size)
+        pipe.hset(k_checked(run), key, f"{size}:{version}")
         pipe.expire(k_checked(run), CHECKED_TTL_S)
         pipe.publish(k_staged(run), payload)
         return int((await pipe.execute())[-1])
@@ -356,7 +389,21 @@ class RedisStore:
         if not keys:
             return {}
         sizes = await self.redis.hmget(k_checked(run), list(keys))
-        return {k: int(s) for k, s in zip(keys, sizes) if s is not None}
+        return {k: int(s.split(b":", 1)[0]) for k, s in zip(keys, sizes) if s is not None}
+
+    async def settle_staged(self, run: str, version: int, named: Sequence[str]) -> int:
+        """After ``version`` was committed naming the blob keys ``named``: drop their checks
+        (so the checked hash holds only parts still in flight) and move the parts staged for
+        this or an earlier version that no record named to the orphans; returns how many."""
+        return int(await self._settle_staged(keys=[k_checked(run), k_orphans(run)], args=[version, *named]))
+
+    async def orphans(self, run: str) -> dict[str, int]:
+        """Staged parts no committed record names: blob key -> size."""
+        return {k.decode(): int(s) for k, s in (await self.redis.hgetall(k_orphans(run))).items()}
+
+    async def forget_orphans(self, run: str, keys: Sequence[str]) -> None:
+        if keys:
+            await self.redis.hdel(k_orphans(run), *keys)
 
     async def staged_feeds(self, run: str) -> int:
         """Board processes relaying ``run``'s staged-part hints now (subscribers of its channel:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from boardkit import make_run, publish
+from boardkit import make_record, make_run, publish, upload
 from weftboard.board.client import BoardClient
 from weftboard.board.gc import VersionBlobs, plan_gc
 from weftboard.proto import errors
@@ -67,6 +67,14 @@ def test_plan_is_monotonic_and_shared_keys_survive():
     plan = plan_gc(versions, 8, 6, [], keep_anchors=1, keep_versions=1)
     assert plan.oldest_available == 6  # never moves back below the current oldest
     assert "shared" not in {k for k, _ in plan.delete}
+
+
+def test_plan_deletes_orphans_unless_a_kept_artifact_names_them():
+    versions = history({5}, 8)
+    plan = plan_gc(versions, 8, 1, [], keep_anchors=2, keep_versions=8,
+                   orphans={"staged-3a": 7, "staged-6b": 9, "p7": 10})
+    assert plan.oldest_available == 1 and plan.orphans == ("p7", "staged-3a", "staged-6b")
+    assert dict(plan.delete) == {"staged-3a": 7, "staged-6b": 9}  # p7 is named by version 7: kept
 
 
 @settings(max_examples=200, deadline=None)
@@ -136,6 +144,48 @@ async def test_collect_garbage_end_to_end(board, local_store):
         assert [s.to_version for s in plan.steps] == [5, 6, 7, 8]
         again = await client.collect_garbage("g")
         assert list(again.deleted_keys) == [] and again.oldest_available == 5
+
+
+async def test_staged_parts_no_commit_names_are_deleted_by_gc_and_checks_do_not_pile_up(board, local_store, redis_url):
+    """A publisher staged two parts of version 3, restarted, and committed version 3 as one
+    blob: the two parts are orphans, which GC deletes (after a dry run that lists them), while
+    a part staged for version 4 (in flight) stays. A commit that names its staged parts leaves
+    no check behind."""
+    from weftboard.board.store import RedisStore, k_checked
+
+    store = RedisStore(redis_url)  # what the board keeps, read beside it
+    try:
+        async with BoardClient(board.address, board.admin_token) as client:
+            await client.create_run(make_run("o"))
+            await publish(client, local_store, "o", [1, 2])
+            lost = [await upload(local_store, "o", f"part {i} of version 3, never committed".encode()) for i in range(2)]
+            for part in lost:
+                await client.stage_part("o", 3, part)
+            early = await upload(local_store, "o", b"a part of version 4, staged before 3 committed")
+            await client.stage_part("o", 4, early)
+            record = await make_record(local_store, "o", 3)  # the restarted publisher's one blob
+            await client.commit_version(record)
+            redis = store.redis
+            assert set(await store.orphans("o")) == {p.key for p in lost}
+            assert set(await redis.hkeys(k_checked("o"))) == {early.key.encode()}
+            dry = await client.collect_garbage("o", dry_run=True)
+            assert set(dry.deleted_keys) == {p.key for p in lost} and dry.freed_bytes == sum(p.size for p in lost)
+            assert all([await local_store.stat(p.key) for p in lost])  # a dry run deletes nothing
+            done = await client.collect_garbage("o")
+            assert set(done.deleted_keys) == {p.key for p in lost}
+            assert [await local_store.stat(p.key) for p in lost] == [None, None]
+            assert await local_store.stat(early.key) == early.size
+            assert await store.orphans("o") == {}
+            assert (await client.get_version("o", 3)).root_digest == record.root_digest
+            # version 4 commits naming its staged part: nothing is left to check or to collect
+            record4 = await make_record(local_store, "o", 4)
+            record4.artifacts[0].ClearField("blobs")
+            record4.artifacts[0].blobs.append(early)
+            await client.commit_version(record4)
+            assert await redis.hlen(k_checked("o")) == 0 and await store.orphans("o") == {}
+            assert list((await client.collect_garbage("o")).deleted_keys) == []
+    finally:
+        await store.close()
 
 
 async def test_gc_spares_live_island(board, local_store):
