@@ -212,6 +212,27 @@ def test_a_part_that_arrives_first_is_applied_first_whatever_its_place_in_the_pa
             assert _equal(live, new) and sorted(outcome[0].changed) == sorted(old)
 
 
+def test_an_arriving_apply_gives_up_after_its_timeout_with_nothing_written() -> None:
+    """One part all here, the other silent: written, then undone when the wait runs out."""
+    old = _view(13)
+    new = _step(old, 14, frac=0.2)
+    parts = _part_bytes(old, new, _groups(sorted(old), 2))
+    live = {n: t.clone() for n, t in old.items()}
+    blobs = [ArrivingBytes(len(p)) for p in parts]
+    blobs[1].put(0, parts[1])
+    written: list[str] = []
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable, match="within 0.3 s"):
+        apply_patch_arriving_(live, blobs, on_tensor=written.append, timeout_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 5
+    assert written and _equal(live, old)
+    assert blobs[1].ready(0, len(parts[1])) and not blobs[0].ready(0, 1)
+    blobs[0].fail(Unavailable("reset"))
+    with pytest.raises(Unavailable, match="reset"):
+        blobs[0].ready(0, 1)
+    assert blobs[0].ready(0, 0)  # an empty span is always here
+
+
 def test_parts_that_are_not_one_patch_are_refused_and_a_damaged_part_undoes_the_others() -> None:
     from weftboard.cuda.codec import join_patches
 
