@@ -190,8 +190,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         stored = pb.VersionRecord()
         stored.CopyFrom(record)
         stored.committed_at_ms = outcome.committed_at_ms
-        if outcome.status in ("committed", "already_committed"):
-            await self._settle_staged(stored)
+        await self._settle_staged(stored)  # committed now, or by a retry's first attempt
         if outcome.status == "committed":
             self.metrics.record_commit(stored)
             log.info("version committed", artifacts=len(record.artifacts))
