@@ -9,6 +9,12 @@ generic vector operations that LLVM lowers to whatever the build machine has: on
 ``vpcmpneqw`` per 32 bf16 elements with AVX-512, a compare and ``pmovmskb`` with AVX2), so the
 bits are the same everywhere and only the instruction count differs.
 
+``sym_compress64`` and ``cast_sym_compress64`` turn a block's changes into the packed symbols
+and positions the ``sparse`` stream codes, with compress-stores (``vpcompressb``/``vpcompressw``
+where the CPU has AVX-512 VBMI2: ``HAS_VECTOR_COMPRESS``). LLVM lowers them on any CPU, but
+without those instructions into 64 conditional stores each, slower than walking the mask one
+change at a time; callers pick the kernel by ``HAS_VECTOR_COMPRESS`` (the bytes are the same).
+
 Invariants: ``cttz64(0)`` and ``ctlz64(0)`` are undefined (callers only ask about the lowest or
 highest set bit of a non-zero mask). The mask, load and store intrinsics do no bounds check:
 the caller proves ``start + 64`` elements (or the 4 or 8 bytes) lie inside each array, which
@@ -20,8 +26,11 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+import llvmlite.binding as llvm_binding
+import numba
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.core import errors
 from numba.extending import intrinsic
 
@@ -175,3 +184,124 @@ def store_u32le(typingctx, buf, pos, value):  # type: ignore[no-untyped-def]
         return context.get_dummy_value()
 
     return types.none(buf, types.int64, value), codegen
+
+
+def _host_has_vector_compress() -> bool:
+    """Whether the kernels are compiled for a CPU with byte and word compress-stores."""
+    if numba.config.CPU_NAME or numba.config.CPU_FEATURES:  # a chosen target (e.g. a portable cache)
+        return False
+    try:
+        features = llvm_binding.get_host_cpu_features()
+    except RuntimeError:  # LLVM cannot tell on this host
+        return False
+    return bool(features.get("avx512vbmi2")) and bool(features.get("avx512bw"))
+
+
+HAS_VECTOR_COMPRESS = _host_has_vector_compress()
+
+# Largest |difference| a symbol codes and the escape symbol (weftboard.cuda.entropy's
+# MAX_DELTA and ESC; repeated here because entropy imports these intrinsics' module family
+# and the stream format fixes both).
+_MAX_DELTA = 64
+_ESC = 2 * _MAX_DELTA
+
+
+def _compress_store(builder: Any, vec: Any, ptr: Any, mask: Any) -> None:
+    """``llvm.masked.compressstore``: the lanes of ``vec`` whose bit is set in the uint64
+    ``mask``, packed in lane order at ``ptr``."""
+    n = vec.type.count
+    bits = ir.VectorType(ir.IntType(1), n)
+    fnty = ir.FunctionType(ir.VoidType(), [vec.type, ptr.type, bits])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.compressstore.v{n}i{vec.type.element.width}")
+    builder.call(fn, [vec, ptr, builder.bitcast(mask, bits)])
+
+
+def _vsplat(builder: Any, value: Any, bits: int) -> Any:
+    vty = ir.VectorType(ir.IntType(bits), 64)
+    one = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), 64), [0] * 64))
+
+
+def _array_ptr(context: Any, builder: Any, aryty: Any, ary: Any, start: Any) -> Any:
+    return builder.gep(context.make_array(aryty)(context, builder, ary).data, [start])
+
+
+def _sym_compress_codegen(new_vector: Callable[[Any, Any, Any, Any, int], Any]) -> Callable[..., Any]:
+    """Codegen shared by the two ``*sym_compress64``: ``new_vector(context, builder, sig,
+    args, bits)`` gives the block's new bits at the old bits' width."""
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        a_ty, sym_ty, pos_ty, rare_ty = sig.args[0], sig.args[5], sig.args[7], sig.args[10]
+        bits = a_ty.dtype.bitwidth
+        old = _load64(context, builder, a_ty, args[0], args[1], bits)
+        d = builder.sub(new_vector(context, builder, sig, args, bits), old)
+        # the symbol of each difference, as entropy.symbol computes it one at a time
+        neg = builder.lshr(d, _splat(bits, bits - 1))
+        mag = builder.add(builder.xor(d, builder.sub(_splat(bits, 0), neg)), neg)
+        mag1 = builder.sub(mag, _splat(bits, 1))
+        coded = builder.icmp_unsigned("<", mag1, _splat(bits, _MAX_DELTA))
+        sym = builder.select(coded, builder.or_(builder.shl(mag1, _splat(bits, 1)), neg), _splat(bits, _ESC))
+        m = args[4]
+        _compress_store(builder, builder.trunc(sym, ir.VectorType(ir.IntType(8), 64)) if bits > 8 else sym,
+                        _array_ptr(context, builder, sym_ty, args[5], args[6]), m)
+        lanes = ir.Constant(ir.VectorType(ir.IntType(16), 64), list(range(64)))
+        base = _vsplat(builder, builder.trunc(args[9], ir.IntType(16)), 16)
+        _compress_store(builder, builder.add(lanes, base), _array_ptr(context, builder, pos_ty, args[7], args[8]), m)
+        rare = builder.and_(builder.bitcast(builder.icmp_unsigned(">=", sym, _splat(bits, 2)), ir.IntType(64)), m)
+        _compress_store(builder, builder.trunc(sym, ir.VectorType(ir.IntType(8), 64)) if bits > 8 else sym,
+                        _array_ptr(context, builder, rare_ty, args[10], args[11]), rare)
+        one = builder.and_(builder.bitcast(builder.icmp_unsigned("==", sym, _splat(bits, 1)), ir.IntType(64)), m)
+        esc = builder.and_(builder.bitcast(builder.not_(coded), ir.IntType(64)), m)
+        return context.make_tuple(builder, sig.return_type, [esc, one, rare])
+
+    return codegen
+
+
+def _check_sym_compress(a: Any, sym: Any, pos: Any, rare: Any) -> None:
+    if not isinstance(a, types.Array) or not isinstance(a.dtype, types.Integer) or a.dtype.bitwidth not in (8, 16, 32):
+        raise errors.TypingError(f"sym_compress64 needs 8, 16 or 32-bit integer elements, got {a}")
+    _check_flat(a, a.dtype, "sym_compress64")
+    _check_flat(sym, types.uint8, "sym_compress64 (symbols)")
+    _check_flat(pos, types.uint16, "sym_compress64 (positions)")
+    _check_flat(rare, types.uint8, "sym_compress64 (rare symbols)")
+
+
+_SYM_COMPRESS_RESULT = types.UniTuple(types.uint64, 3)
+
+
+@intrinsic
+def sym_compress64(typingctx, a, a_start, b, b_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at):  # type: ignore[no-untyped-def]
+    """For the changed lanes ``m`` of the 64 elements at ``a[a_start]``/``b[b_start]``: the
+    symbol of each difference ``b - a`` packed at ``sym[sym_at:]``, its position ``base +
+    lane`` (uint16) at ``pos[pos_at:]``, the symbols >= 2 again at ``rare[rare_at:]``;
+    returns the masks (escaped, symbol 1, symbol >= 2). Each output needs room for 64."""
+    _check_sym_compress(a, sym, pos, rare)
+    _check_flat(b, a.dtype, "sym_compress64")
+
+    def new_bits(context, builder, sig, args, bits):  # type: ignore[no-untyped-def]
+        return _load64(context, builder, sig.args[2], args[2], args[3], bits)
+
+    sig = _SYM_COMPRESS_RESULT(a, types.int64, b, types.int64, types.uint64, sym, types.int64, pos, types.int64,
+                               types.int64, rare, types.int64)
+    return sig, _sym_compress_codegen(new_bits)
+
+
+@intrinsic
+def cast_sym_compress64(typingctx, a, a_start, src, src_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at):  # type: ignore[no-untyped-def]
+    """``sym_compress64`` with the new bits the round-to-nearest-even bf16 of the fp32 bits
+    ``src[src_start:]`` (as ``cast_ne_mask64``; ``a`` holds bf16 bits)."""
+    _check_sym_compress(a, sym, pos, rare)
+    _check_flat(src, types.uint32, "cast_sym_compress64")
+
+    def new_bits(context, builder, sig, args, bits):  # type: ignore[no-untyped-def]
+        u = _load64(context, builder, sig.args[2], args[2], args[3], 32)
+        lsb = builder.and_(builder.lshr(u, _splat(32, 16)), _splat(32, 1))
+        rounded = builder.lshr(builder.add(builder.add(u, _splat(32, 0x7FFF)), lsb), _splat(32, 16))
+        new = builder.trunc(rounded, ir.VectorType(ir.IntType(16), 64))
+        if bits != 16:
+            new = builder.zext(new, ir.VectorType(ir.IntType(bits), 64)) if bits > 16 else builder.trunc(new, ir.VectorType(ir.IntType(bits), 64))
+        return new
+
+    sig = _SYM_COMPRESS_RESULT(a, types.int64, src, types.int64, types.uint64, sym, types.int64, pos, types.int64,
+                               types.int64, rare, types.int64)
+    return sig, _sym_compress_codegen(new_bits)

@@ -43,12 +43,16 @@ import numpy as np
 import torch
 
 from weftboard.cuda import entropy
-from weftboard.cuda.bitops import cast_ne_mask64, cast_special64, ctlz64, ctpop64, cttz64, load_u64le, ne_mask64
+from weftboard.cuda.bitops import (HAS_VECTOR_COMPRESS, cast_ne_mask64, cast_special64, cast_sym_compress64, ctlz64, ctpop64,
+                                   cttz64, load_u64le, ne_mask64, sym_compress64)
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 from weftboard.cuda.jit import parallel_kernel
 
 _LOG_PHI_M1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)  # log(golden ratio - 1)
 _RICE_SLACK = 64  # bytes per tile beyond one byte per element in the Rice scratch
+# Scan with compress-stores where the CPU has them (``scan_encode_tiles_packed``); the
+# one-walk kernel otherwise. Tests switch it to check that both give the same bytes.
+_PACKED_SCAN = HAS_VECTOR_COMPRESS
 
 
 @nb.njit(inline="always", cache=True)
@@ -242,6 +246,174 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src
     return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
 
 
+@nb.njit(inline="always", cache=True)
+def _put_escape(sym_buf, q, d, width):
+    """The raw difference ``d`` little-endian at ``sym_buf[q:q + width]``."""
+    for c in range(width):
+        sym_buf[q + c] = np.uint8((d >> np.uint64(8 * c)) & np.uint64(0xFF))
+
+
+@parallel_kernel
+def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, update, src, cast, nthreads):
+    """``scan_encode_tiles`` (the same arguments, results and bytes) for CPUs with vector
+    compress-stores (``bitops.HAS_VECTOR_COMPRESS``), in three passes per tile instead of one
+    walk: each 64-element block's symbols and positions are packed with two compress-stores
+    (no branch per change, no scattered reloads), then the packed positions are Rice-coded in
+    one long loop, then ``update`` folds the tile. Only the rare symbols (>= 2) are counted one
+    by one; symbol 1 is a popcount and symbol 0 the rest.
+
+    Positions within a tile are uint16, so ``tile`` is at most 65536. A thread's packed
+    positions, rare symbols and masks live in per-thread rows allocated once per call (a
+    kernel called from two threads at once has two sets); ``nthreads`` is the size of numba's
+    thread pool, above every thread id (asked by the caller: the kernel could not be cached
+    if it asked)."""
+    numel = a.size
+    ntiles = (numel + tile - 1) // tile
+    ns = np.zeros(ntiles, np.int64)
+    ks = np.zeros(ntiles, np.int64)
+    rice_len = np.zeros(ntiles, np.int64)
+    n_esc = np.zeros(ntiles, np.int64)
+    over = np.zeros(ntiles, np.int64)
+    hist = np.zeros((ntiles, NSYM), np.int64)
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
+    wbits = np.uint64(8 * width - 1)
+    maxblocks = (tile + 63) // 64
+    pos_rows = np.empty((nthreads, 64 * maxblocks), np.uint16)
+    rare_rows = np.empty((nthreads, 64 * maxblocks), np.uint8)
+    mask_rows = np.empty((nthreads, maxblocks), np.uint64)
+    for t in nb.prange(ntiles):
+        me = nb.get_thread_id()
+        pos = pos_rows[me]
+        rare = rare_rows[me]
+        masks = mask_rows[me]
+        s = t * tile
+        e = min(s + tile, numel)
+        nblocks = (e - s + 63) // 64
+        sb = 2 * t * tile
+        eb = sb + tile
+        eend = sb + 2 * tile
+        cnt = 0
+        n1 = 0
+        nr = 0
+        ne = 0
+        last = -1
+        special = np.uint64(0)
+        bad = False
+        for bi in range(nblocks):
+            bs = s + 64 * bi
+            if bs + 64 <= e:
+                if cast:
+                    m = cast_ne_mask64(a, bs, src, bs)
+                    special |= cast_special64(src, bs)
+                else:
+                    m = ne_mask64(a, bs, b, bs)
+                masks[bi] = m
+                if m == 0:
+                    continue
+                last = bi
+                if bad:  # counting only (ns stays exact)
+                    cnt += np.int64(ctpop64(m))
+                    continue
+                if cast:
+                    esc, one, rr = cast_sym_compress64(a, bs, src, bs, m, sym_buf, sb + cnt, pos, cnt, 64 * bi, rare, nr)
+                else:
+                    esc, one, rr = sym_compress64(a, bs, b, bs, m, sym_buf, sb + cnt, pos, cnt, 64 * bi, rare, nr)
+                cnt += np.int64(ctpop64(m))
+                n1 += np.int64(ctpop64(one))
+                nr += np.int64(ctpop64(rr))
+                while esc != 0:
+                    i = bs + np.int64(cttz64(esc))
+                    esc &= esc - np.uint64(1)
+                    q = eb + ne * width
+                    if q + width > eend:
+                        bad = True
+                        break
+                    _put_escape(sym_buf, q, (_new_bits(b, src, i, cast) - np.uint64(a[i])) & mask, width)
+                    ne += 1
+            else:  # the tensor's last, partial block, one element at a time
+                m = np.uint64(0)
+                for lane in range(e - bs):
+                    i = bs + lane
+                    if cast:
+                        special |= np.uint64(cast_special(src[i]))
+                    d = (_new_bits(b, src, i, cast) - np.uint64(a[i])) & mask
+                    if d == 0:
+                        continue
+                    m |= np.uint64(1) << np.uint64(lane)
+                    if bad:
+                        cnt += 1
+                        continue
+                    sym = entropy.symbol(d, mask, wbits)
+                    sym_buf[sb + cnt] = sym
+                    pos[cnt] = 64 * bi + lane
+                    cnt += 1
+                    if sym == 1:
+                        n1 += 1
+                    elif sym >= 2:
+                        rare[nr] = sym
+                        nr += 1
+                    if sym == ESC:
+                        q = eb + ne * width
+                        if q + width > eend:
+                            bad = True
+                            continue
+                        _put_escape(sym_buf, q, d, width)
+                        ne += 1
+                masks[bi] = m
+                if m != 0:
+                    last = bi
+        if special:
+            over[t] = 1
+            continue
+        if cnt == 0:
+            continue
+        ns[t] = cnt
+        lastpos = 64 * last + 63 - np.int64(ctlz64(masks[last]))
+        k = rice_k(lastpos + 1 - cnt, cnt)
+        ks[t] = k
+        if bad:
+            over[t] = 1
+            continue
+        lowmask = (1 << k) - 1
+        p0 = t * rstride
+        p = p0
+        pend = p0 + rstride - 16
+        acc = 0
+        nbits = 0
+        prev = -1
+        for j in range(cnt):
+            lp = np.int64(pos[j])
+            g = lp - prev - 1
+            prev = lp
+            if p + (((g >> k) + k) >> 3) + 8 > pend:
+                bad = True
+                break
+            p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g, k, lowmask)
+        if bad:
+            over[t] = 1
+            continue
+        h = hist[t]
+        h[0] = cnt - n1 - nr
+        h[1] = n1
+        for j in range(nr):
+            h[rare[j]] += 1
+        if update:
+            for bi in range(nblocks):
+                m = masks[bi]
+                bs = s + 64 * bi
+                if m == 0:
+                    continue
+                if bs + 64 <= e:  # unchanged lanes already hold their new bits: copy the block
+                    for lane in range(64):
+                        a[bs + lane] = _new_bits(b, src, bs + lane, cast)
+                else:
+                    for lane in range(e - bs):
+                        a[bs + lane] = _new_bits(b, src, bs + lane, cast)
+        rice_len[t] = entropy.rice_flush(rice_buf, p, acc, nbits) - p0
+        n_esc[t] = ne
+    return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
+
+
 @parallel_kernel
 def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
     """Pass 2: each tile's symbols (from ``sym_buf[sym_off[t]:]``), rANS-coded backwards so
@@ -279,6 +451,67 @@ def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
         for c in range(4):
             rans_buf[q + c] = (x >> (8 * c)) & 0xFF
         starts[t] = q
+    return starts
+
+
+@nb.njit(inline="always", cache=True)
+def _rans_put(rans_buf, q, x, tab, s):
+    """One symbol ``s`` into the rANS state ``x`` whose bytes go down from ``q``; (q, x)."""
+    xmax = tab[s, 0]
+    # Renormalise without branches (how many bytes a symbol pushes out is a coin flip for the
+    # predictor): both candidate bytes are stored, q moves by the number due, and a byte not
+    # due is overwritten by the next one.
+    nbytes = (1 if x >= xmax else 0) + (1 if (x >> 8) >= xmax else 0)
+    rans_buf[q - 1] = x & 0xFF
+    rans_buf[q - 2] = (x >> 8) & 0xFF
+    q -= nbytes
+    x >>= nbytes << 3
+    return q, x + tab[s, 3] + (((x * tab[s, 1]) >> 32) >> tab[s, 2]) * tab[s, 4]
+
+
+@nb.njit(inline="always", cache=True)
+def _rans_close(rans_buf, q, x):
+    """The final state, little-endian, just below ``q``; where the tile's stream starts."""
+    q -= 4
+    for c in range(4):
+        rans_buf[q + c] = (x >> (8 * c)) & 0xFF
+    return q
+
+
+@parallel_kernel
+def rans_encode_tile_pairs(sym_buf, sym_off, ns, tab, rans_off, rans_buf):
+    """``rans_encode_tiles`` for one class (the ``sparse`` stream), the same bytes, two tiles
+    at a time in lockstep: one state's update is a chain of dependent multiplies and shifts,
+    so a core left with one chain idles most of each step; two independent chains fill it."""
+    ntiles = ns.shape[0]
+    starts = np.zeros(ntiles, np.int64)
+    for pr in nb.prange((ntiles + 1) // 2):
+        t0 = 2 * pr
+        t1 = min(t0 + 1, ntiles - 1)
+        n0 = ns[t0]
+        n1 = ns[t1] if t1 != t0 else 0
+        q0 = rans_off[t0 + 1]
+        q1 = rans_off[t1 + 1]
+        x0 = RANS_L
+        x1 = RANS_L
+        j0 = sym_off[t0] + n0
+        j1 = sym_off[t1] + n1
+        both = min(n0, n1)
+        for _ in range(both):
+            j0 -= 1
+            j1 -= 1
+            q0, x0 = _rans_put(rans_buf, q0, x0, tab, sym_buf[j0])
+            q1, x1 = _rans_put(rans_buf, q1, x1, tab, sym_buf[j1])
+        for _ in range(n0 - both):
+            j0 -= 1
+            q0, x0 = _rans_put(rans_buf, q0, x0, tab, sym_buf[j0])
+        for _ in range(n1 - both):
+            j1 -= 1
+            q1, x1 = _rans_put(rans_buf, q1, x1, tab, sym_buf[j1])
+        if n0:
+            starts[t0] = _rans_close(rans_buf, q0, x0)
+        if n1:
+            starts[t1] = _rans_close(rans_buf, q1, x1)
     return starts
 
 
@@ -381,10 +614,11 @@ def check_scan_pair(old: np.ndarray, new: np.ndarray, tile: int, cast: bool) -> 
 def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym_buf: np.ndarray,
           update: bool = False, cast: bool = False) -> tuple:
     check_scan_pair(old, new, tile, cast)
-    if cast:
-        return scan_encode_tiles(old, old[:0], 2, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update, new, True)
-    return scan_encode_tiles(old, new, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update,
-                             np.empty(0, np.uint32), False)
+    args = ((old, old[:0], 2, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update, new, True) if cast else
+            (old, new, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update, np.empty(0, np.uint32), False))
+    if _PACKED_SCAN and tile <= 65536 and old.itemsize in (1, 2, 4):
+        return scan_encode_tiles_packed(*args, nb.config.NUMBA_NUM_THREADS)
+    return scan_encode_tiles(*args)
 
 
 def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off,
@@ -403,7 +637,10 @@ def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_of
     rans_off = np.zeros(total.size + 1, np.int64)
     np.cumsum(np.where(total > 0, 2 * total + 4, 0), out=rans_off[1:])
     rans_buf = _scratch(int(rans_off[-1]))
-    starts = rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf)
+    if ns.shape[1] == 1:
+        starts = rans_encode_tile_pairs(sym_buf, sym_off, np.ascontiguousarray(ns[:, 0]), rtab[0], rans_off, rans_buf)
+    else:
+        starts = rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf)
     return assemble_tiles(np.empty(0, np.uint8) if prefix is None else prefix, freq, ns, ks, rice_len, starts,
                           rans_off, n_esc, width, rice_buf, rice_off, esc_buf, esc_off, rans_buf)
 

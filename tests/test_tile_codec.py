@@ -386,3 +386,93 @@ def test_the_vector_cast_in_a_scan_matches_torch_on_all_exponents_and_ties() -> 
     assert got.overflowed.size == 0
     assert np.array_equal(view, want)  # every element the vector compare called unchanged was
     assert got.changed == int(moved.sum())  # and no element the cast left alone was called changed
+
+
+def _scan_with(kernel: str, a: np.ndarray, b: np.ndarray, tile: int, update: bool, cast: bool) -> tuple:
+    """Every output of one scan kernel (the results, the tile's Rice bytes, symbols and
+    escapes, the folded ``a``), on copies of the inputs."""
+    a = a.copy()
+    ntiles = (a.size + tile - 1) // tile
+    rice = np.zeros(ntiles * (tile + tile_codec._RICE_SLACK), np.uint8)
+    syms = np.zeros(ntiles * 2 * tile, np.uint8)
+    args = ((a, a[:0], 2, tile, rice, tile + tile_codec._RICE_SLACK, syms, update, b, True) if cast else
+            (a, b, a.itemsize, tile, rice, tile + tile_codec._RICE_SLACK, syms, update, np.empty(0, np.uint32), False))
+    if kernel == "packed":
+        out = tile_codec.scan_encode_tiles_packed(*args, numba.config.NUMBA_NUM_THREADS)
+    else:
+        out = tile_codec.scan_encode_tiles(*args)
+    ns, ks, rice_len, n_esc, counts, over = out
+    pieces = []
+    for t in range(ntiles):
+        if over[t]:
+            continue
+        r0, s0 = t * (tile + tile_codec._RICE_SLACK), 2 * t * tile
+        pieces.append((rice[r0 : r0 + rice_len[t]].tobytes(), syms[s0 : s0 + ns[t]].tobytes(),
+                       syms[s0 + tile : s0 + tile + n_esc[t] * a.itemsize].tobytes()))
+    return [x.tolist() for x in out], pieces, a.tobytes()
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+@pytest.mark.parametrize("n, density, far", [(0, 0.0, 0.0), (63, 0.5, 0.1), (64 * 40 + 1, 0.05, 0.01), (5000, 0.9, 0.0),
+                                             (5000, 1.0, 0.8), (20_011, 0.01, 0.5), (3000, 0.3, 1.0)])
+@pytest.mark.parametrize("update", [False, True])
+def test_packed_and_walking_scans_give_the_same_bytes(width: int, n: int, density: float, far: float, update: bool) -> None:
+    """The compress-store scan (where the CPU has it) and the one-walk scan (everywhere else)
+    are one format: the same streams, counts, overflowed tiles and folds, partial blocks and
+    tiles with more escapes than their scratch holds included (every element changed, 80% far)."""
+    a, b = _pair(width, n, density, seed=n + width, far=far)
+    for tile in (64, 1024):
+        packed = _scan_with("packed", a, b, tile, update, cast=False)
+        walked = _scan_with("walk", a, b, tile, update, cast=False)
+        assert packed == walked
+        assert update or packed[2] == a.tobytes()
+    if far >= 0.8 and density == 1.0 and width == 2:
+        assert any(packed[0][5]), "expected tiles that overflow their escape scratch"
+
+
+@pytest.mark.parametrize("update", [False, True])
+def test_packed_and_walking_cast_scans_give_the_same_bytes(update: bool) -> None:
+    rng = np.random.default_rng(21)
+    master = (rng.standard_normal(9000) * 0.02).astype(np.float32)
+    master[[5, 4000]] = np.nan
+    old = torch.from_numpy(master).bfloat16().view(torch.int16).numpy().view(np.uint16).copy()
+    stepped = master + np.where(rng.random(master.size) < 0.5, 3e-5, -3e-5).astype(np.float32)
+    stepped[7000] = 1e-40  # a subnormal: its tile is left to torch
+    for tile in (64, 1024):
+        packed = _scan_with("packed", old, stepped.view(np.uint32), tile, update, cast=True)
+        walked = _scan_with("walk", old, stepped.view(np.uint32), tile, update, cast=True)
+        assert packed == walked
+        assert sum(packed[0][5]) == 3  # the tiles of the two NaNs and the subnormal
+
+
+def test_the_packed_scan_is_the_one_used_where_the_cpu_has_compress_stores() -> None:
+    from weftboard.cuda import bitops, entropy
+
+    assert (bitops._MAX_DELTA, bitops._ESC) == (entropy.MAX_DELTA, entropy.ESC)
+    assert tile_codec._PACKED_SCAN == bitops.HAS_VECTOR_COMPRESS
+
+
+@pytest.mark.parametrize("counts", [[0], [5], [7, 0], [3, 9, 0, 1], [0, 0, 4], [4096, 17, 2500, 2500, 1]])
+def test_tiles_coded_in_pairs_give_the_same_rans_bytes(counts: list[int]) -> None:
+    """rANS codes two tiles in lockstep (two dependency chains per core): odd tile counts,
+    empty tiles and tiles of unequal length give each tile exactly its one-at-a-time bytes."""
+    from weftboard.cuda import entropy
+
+    rng = np.random.default_rng(len(counts))
+    ns = np.array(counts, np.int64)
+    tile = 4096
+    syms = rng.choice(np.arange(entropy.NSYM, dtype=np.uint8), size=len(counts) * 2 * tile,
+                      p=np.r_[[0.4, 0.4, 0.1], np.full(entropy.NSYM - 3, 0.1 / (entropy.NSYM - 3))])
+    hist = np.zeros(entropy.NSYM, np.int64)
+    sym_off = 2 * tile * np.arange(len(counts), dtype=np.int64)
+    for t, n in enumerate(counts):
+        hist += np.bincount(syms[sym_off[t] : sym_off[t] + n], minlength=entropy.NSYM)
+    rtab = entropy.rans_encoder_tables(entropy.quantize_freqs(hist))
+    rans_off = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(np.where(ns > 0, 2 * ns + 4, 0), out=rans_off[1:])
+    one, paired = np.zeros(rans_off[-1], np.uint8), np.zeros(rans_off[-1], np.uint8)
+    s_one = tile_codec.rans_encode_tiles(syms, sym_off, ns[:, None], rtab[None], rans_off, one)
+    s_paired = tile_codec.rans_encode_tile_pairs(syms, sym_off, ns, rtab, rans_off, paired)
+    assert s_one.tolist() == s_paired.tolist()
+    for t in range(len(counts)):
+        assert one[s_one[t] : rans_off[t + 1]].tobytes() == paired[s_paired[t] : rans_off[t + 1]].tobytes()
