@@ -226,6 +226,55 @@ def _array_ptr(context: Any, builder: Any, aryty: Any, ary: Any, start: Any) -> 
     return builder.gep(context.make_array(aryty)(context, builder, ary).data, [start])
 
 
+def _plain_new_bits(context: Any, builder: Any, sig: Any, args: Any, bits: int) -> Any:
+    """The 64 new elements of a plain block: ``args[2][args[3]:]``, at their own width."""
+    return _load64(context, builder, sig.args[2], args[2], args[3], bits)
+
+
+def _cast_new_bits(context: Any, builder: Any, sig: Any, args: Any, bits: int) -> Any:
+    """The 64 new elements of a cast block: the round-to-nearest-even bf16 of the fp32 bits
+    ``args[2][args[3]:]`` (as ``cast_ne_mask64``), at the old elements' width."""
+    u = _load64(context, builder, sig.args[2], args[2], args[3], 32)
+    lsb = builder.and_(builder.lshr(u, _splat(32, 16)), _splat(32, 1))
+    rounded = builder.lshr(builder.add(builder.add(u, _splat(32, 0x7FFF)), lsb), _splat(32, 16))
+    new = builder.trunc(rounded, ir.VectorType(ir.IntType(16), 64))
+    if bits > 16:
+        return builder.zext(new, ir.VectorType(ir.IntType(bits), 64))
+    return builder.trunc(new, ir.VectorType(ir.IntType(bits), 64)) if bits < 16 else new
+
+
+def _fold_codegen(new_vector: Callable[[Any, Any, Any, Any, int], Any]) -> Callable[..., Any]:
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        a_ty = sig.args[0]
+        bits = a_ty.dtype.bitwidth
+        vty = ir.VectorType(ir.IntType(bits), 64)
+        lanes = ir.VectorType(ir.IntType(1), 64)
+        ptr = builder.bitcast(_array_ptr(context, builder, a_ty, args[0], args[1]), vty.as_pointer())
+        fnty = ir.FunctionType(ir.VoidType(), [vty, ptr.type, ir.IntType(32), lanes])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.store.v64i{bits}.p0")
+        builder.call(fn, [new_vector(context, builder, sig, args, bits), ptr, ir.Constant(ir.IntType(32), 1),
+                          builder.bitcast(args[4], lanes)])
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def fold64(typingctx, a, a_start, b, b_start, m):  # type: ignore[no-untyped-def]
+    """``a[a_start + j] = b[b_start + j]`` for the lanes j set in ``m``, in one masked store."""
+    _check_sym_compress(a, types.uint8[::1], types.uint16[::1], types.uint8[::1])
+    _check_flat(b, a.dtype, "fold64")
+    return types.none(a, types.int64, b, types.int64, types.uint64), _fold_codegen(_plain_new_bits)
+
+
+@intrinsic
+def cast_fold64(typingctx, a, a_start, src, src_start, m):  # type: ignore[no-untyped-def]
+    """``fold64`` of the bf16 cast of the fp32 bits ``src[src_start:]``."""
+    _check_sym_compress(a, types.uint8[::1], types.uint16[::1], types.uint8[::1])
+    _check_flat(src, types.uint32, "cast_fold64")
+    return types.none(a, types.int64, src, types.int64, types.uint64), _fold_codegen(_cast_new_bits)
+
+
 def _sym_compress_codegen(new_vector: Callable[[Any, Any, Any, Any, int], Any]) -> Callable[..., Any]:
     """Codegen shared by the two ``*sym_compress64``: ``new_vector(context, builder, sig,
     args, bits)`` gives the block's new bits at the old bits' width."""
@@ -278,12 +327,9 @@ def sym_compress64(typingctx, a, a_start, b, b_start, m, sym, sym_at, pos, pos_a
     _check_sym_compress(a, sym, pos, rare)
     _check_flat(b, a.dtype, "sym_compress64")
 
-    def new_bits(context, builder, sig, args, bits):  # type: ignore[no-untyped-def]
-        return _load64(context, builder, sig.args[2], args[2], args[3], bits)
-
     sig = _SYM_COMPRESS_RESULT(a, types.int64, b, types.int64, types.uint64, sym, types.int64, pos, types.int64,
                                types.int64, rare, types.int64)
-    return sig, _sym_compress_codegen(new_bits)
+    return sig, _sym_compress_codegen(_plain_new_bits)
 
 
 @intrinsic
@@ -293,15 +339,6 @@ def cast_sym_compress64(typingctx, a, a_start, src, src_start, m, sym, sym_at, p
     _check_sym_compress(a, sym, pos, rare)
     _check_flat(src, types.uint32, "cast_sym_compress64")
 
-    def new_bits(context, builder, sig, args, bits):  # type: ignore[no-untyped-def]
-        u = _load64(context, builder, sig.args[2], args[2], args[3], 32)
-        lsb = builder.and_(builder.lshr(u, _splat(32, 16)), _splat(32, 1))
-        rounded = builder.lshr(builder.add(builder.add(u, _splat(32, 0x7FFF)), lsb), _splat(32, 16))
-        new = builder.trunc(rounded, ir.VectorType(ir.IntType(16), 64))
-        if bits != 16:
-            new = builder.zext(new, ir.VectorType(ir.IntType(bits), 64)) if bits > 16 else builder.trunc(new, ir.VectorType(ir.IntType(bits), 64))
-        return new
-
     sig = _SYM_COMPRESS_RESULT(a, types.int64, src, types.int64, types.uint64, sym, types.int64, pos, types.int64,
                                types.int64, rare, types.int64)
-    return sig, _sym_compress_codegen(new_bits)
+    return sig, _sym_compress_codegen(_cast_new_bits)

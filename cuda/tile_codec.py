@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from weftboard.cuda import entropy
-from weftboard.cuda.bitops import (HAS_VECTOR_COMPRESS, cast_ne_mask64, cast_special64, cast_sym_compress64, ctlz64, ctpop64,
-                                   cttz64, load_u64le, ne_mask64, sym_compress64)
+from weftboard.cuda.bitops import (HAS_VECTOR_COMPRESS, cast_fold64, cast_ne_mask64, cast_special64, cast_sym_compress64,
+                                   ctlz64, ctpop64, cttz64, fold64, load_u64le, ne_mask64, sym_compress64)
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 from weftboard.cuda.jit import parallel_kernel
 
@@ -403,9 +403,11 @@ def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, upda
                 bs = s + 64 * bi
                 if m == 0:
                     continue
-                if bs + 64 <= e:  # unchanged lanes already hold their new bits: copy the block
-                    for lane in range(64):
-                        a[bs + lane] = _new_bits(b, src, bs + lane, cast)
+                if bs + 64 <= e:
+                    if cast:
+                        cast_fold64(a, bs, src, bs, m)
+                    else:
+                        fold64(a, bs, b, bs, m)
                 else:
                     for lane in range(e - bs):
                         a[bs + lane] = _new_bits(b, src, bs + lane, cast)
