@@ -260,6 +260,23 @@ def rice_put(buf, p, acc, nbits, g, k, lowmask):
 
 
 @nb.njit(inline="always", cache=True)
+def rice_code(g, u, lowmask):
+    """The bits of Rice(k) of gap ``g`` (``u = g >> k``, ``lowmask = 2**k - 1``), first bit
+    lowest; ``u + 1 + k`` of them."""
+    return ((1 << u) - 1) | ((g & lowmask) << (u + 1))
+
+
+@nb.njit(inline="always", cache=True)
+def bits_put(buf, p, acc, nbits, code, ln):
+    """Append the ``ln`` <= 31 bits ``code`` to the writer of ``rice_put`` (same slack rule)."""
+    acc |= code << nbits
+    nbits += ln
+    store_u32le(buf, p, acc)
+    full = nbits >> 5
+    return p + (full << 2), acc >> (full << 5), nbits - (full << 5)
+
+
+@nb.njit(inline="always", cache=True)
 def rice_flush(buf, p, acc, nbits):
     """Write the Rice writer's pending bits (zero-padded to a byte); returns the end."""
     while nbits > 0:
