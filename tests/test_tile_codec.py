@@ -476,3 +476,24 @@ def test_tiles_coded_in_pairs_give_the_same_rans_bytes(counts: list[int]) -> Non
     assert s_one.tolist() == s_paired.tolist()
     for t in range(len(counts)):
         assert one[s_one[t] : rans_off[t + 1]].tobytes() == paired[s_paired[t] : rans_off[t + 1]].tobytes()
+
+
+@pytest.mark.parametrize("tile", [1024, 65536])
+def test_packed_scan_codes_long_gaps_like_the_walk(tile: int) -> None:
+    """Clustered changes make the tile's Rice parameter small, so a lone far change has a
+    unary part of hundreds of bits: the packed scan's pairs fall back to one code at a time
+    (and to the long-code path) and still write the walk's bytes."""
+    rng = np.random.default_rng(tile)
+    n = 3 * tile + 100
+    a = rng.integers(0, 2**16, n, dtype=np.uint16)
+    b = a.copy()
+    for t in range(3):
+        s = t * tile
+        b[s : s + tile // 2] += np.uint16(1)  # a dense run: k = 0
+        b[s + tile - 3] += np.uint16(2)  # then a gap of half a tile
+        b[s + tile - 1] -= np.uint16(1)
+    b[-1] += np.uint16(5)
+    for update in (False, True):
+        assert _scan_with("packed", a, b, tile, update, cast=False) == _scan_with("walk", a, b, tile, update, cast=False)
+    changed, stream = tile_codec.encode_sparse(a, b, tile)
+    assert stream is not None and changed == int((a != b).sum())
