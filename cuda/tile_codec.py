@@ -653,11 +653,15 @@ def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_of
     ``ns``, ``ks`` and the Rice and escape pieces per (tile, class), ``counts`` (classes,
     NSYM), and the stream's ``prefix``; ``sym_off`` is per tile either way."""
     ntiles = ns.shape[0]
-    ns, ks, rice_len, n_esc, rice_off, esc_off = (np.asarray(x).reshape(ntiles, -1)
+    ns, ks, rice_len, n_esc, rice_off, esc_off = (x.reshape(ntiles, -1)
                                                   for x in (ns, ks, rice_len, n_esc, rice_off, esc_off))
     counts = counts.reshape(-1, NSYM)
-    freq = np.stack([entropy.quantize_freqs(c) for c in counts])
-    rtab = np.stack([entropy.rans_encoder_tables(f) for f in freq])
+    if counts.shape[0] == 1:
+        freq = entropy.quantize_freqs(counts[0])[None]
+        rtab = entropy.rans_encoder_tables(freq[0])[None]
+    else:
+        freq = np.stack([entropy.quantize_freqs(c) for c in counts])
+        rtab = np.stack([entropy.rans_encoder_tables(f) for f in freq])
     total = ns.sum(axis=1)
     rans_off = np.zeros(total.size + 1, np.int64)
     np.cumsum(np.where(total > 0, 2 * total + 4, 0), out=rans_off[1:])
