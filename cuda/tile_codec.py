@@ -15,7 +15,13 @@ change (12 bytes per change for bf16) and reads them back two or three times; at
 that memory traffic, not the coding, is what costs. Here a tile is scanned 64 elements at a
 time into change masks (one vector compare per block, ``bitops.ne_mask64``), the masks are walked
 with count-trailing-zeros, and each change is Rice- and symbol-coded on the spot; only the
-symbols (one byte each) wait until the tensor's frequency table is known.
+symbols (one byte each) wait until the tensor's frequency table is known. Where the CPU has
+vector compress-stores (AVX-512 VBMI2), ``scan_encode_tiles_packed`` replaces the walk: a
+block's symbols and positions are packed by two instructions, then Rice-coded in one long
+loop, two codes per append (no branch per change and half the bit writer's dependency chain).
+Both scans write the same bytes; tests hold them to it. rANS, whose every symbol waits on the
+previous one's multiply, codes a tensor's tiles two at a time (``rans_encode_tile_pairs``) so
+that a core has two independent chains to run.
 
 Invariants:
 - Tiles are independent and write only their own regions, so ``prange`` over tiles gives the
