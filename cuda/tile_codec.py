@@ -588,17 +588,14 @@ def assemble_tiles(prefix, freq, ns, ks, rice_len, rans_start, rans_off, n_esc, 
         o = dest[t]
         for c in range(nclasses):
             r0 = rice_off[t, c]
-            for j in range(rice_len[t, c]):
-                out[o + j] = rice_buf[r0 + j]
+            out[o:o + rice_len[t, c]] = rice_buf[r0:r0 + rice_len[t, c]]
             o += rice_len[t, c]
         m = rans_off[t + 1] - rans_start[t]
-        for j in range(m):
-            out[o + j] = rans_buf[rans_start[t] + j]
+        out[o:o + m] = rans_buf[rans_start[t]:rans_start[t] + m]
         o += m
         for c in range(nclasses):
             e0 = esc_off[t, c]
-            for j in range(n_esc[t, c] * width):
-                out[o + j] = esc_buf[e0 + j]
+            out[o:o + n_esc[t, c] * width] = esc_buf[e0:e0 + n_esc[t, c] * width]
             o += n_esc[t, c] * width
     return out[:p]
 
@@ -786,14 +783,11 @@ def _compact_tiles(ns, rice_len, n_esc, width, rice_buf, rice_off, sym_buf, sym_
         r = ro[t]
         e = eo[t]
         for c in range(nclasses):
-            for j in range(rice_len[t, c]):
-                rice[r + j] = rice_buf[rice_off[t, c] + j]
+            rice[r:r + rice_len[t, c]] = rice_buf[rice_off[t, c]:rice_off[t, c] + rice_len[t, c]]
             r += rice_len[t, c]
-            for j in range(n_esc[t, c] * width):
-                escs[e + j] = sym_buf[esc_off[t, c] + j]
+            escs[e:e + n_esc[t, c] * width] = sym_buf[esc_off[t, c]:esc_off[t, c] + n_esc[t, c] * width]
             e += n_esc[t, c] * width
-        for j in range(ns[t]):
-            syms[so[t] + j] = sym_buf[sym_off[t] + j]
+        syms[so[t]:so[t] + ns[t]] = sym_buf[sym_off[t]:sym_off[t] + ns[t]]
     return rice, syms, escs
 
 
