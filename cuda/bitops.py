@@ -244,6 +244,9 @@ def _cast_new_bits(context: Any, builder: Any, sig: Any, args: Any, bits: int) -
 
 
 def _fold_codegen(new_vector: Callable[[Any, Any, Any, Any, int], Any]) -> Callable[..., Any]:
+    """Codegen of the two ``*fold64``: ``llvm.masked.store`` of the block's new bits (the
+    name's pointer suffix is the opaque-pointer one; LLVM remangles it for typed pointers)."""
+
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
         a_ty = sig.args[0]
         bits = a_ty.dtype.bitwidth
@@ -262,7 +265,7 @@ def _fold_codegen(new_vector: Callable[[Any, Any, Any, Any, int], Any]) -> Calla
 @intrinsic
 def fold64(typingctx, a, a_start, b, b_start, m):  # type: ignore[no-untyped-def]
     """``a[a_start + j] = b[b_start + j]`` for the lanes j set in ``m``, in one masked store."""
-    _check_sym_compress(a, types.uint8[::1], types.uint16[::1], types.uint8[::1])
+    _check_elements(a, "fold64")
     _check_flat(b, a.dtype, "fold64")
     return types.none(a, types.int64, b, types.int64, types.uint64), _fold_codegen(_plain_new_bits)
 
@@ -270,7 +273,7 @@ def fold64(typingctx, a, a_start, b, b_start, m):  # type: ignore[no-untyped-def
 @intrinsic
 def cast_fold64(typingctx, a, a_start, src, src_start, m):  # type: ignore[no-untyped-def]
     """``fold64`` of the bf16 cast of the fp32 bits ``src[src_start:]``."""
-    _check_sym_compress(a, types.uint8[::1], types.uint16[::1], types.uint8[::1])
+    _check_elements(a, "cast_fold64")
     _check_flat(src, types.uint32, "cast_fold64")
     return types.none(a, types.int64, src, types.int64, types.uint64), _fold_codegen(_cast_new_bits)
 
@@ -306,10 +309,14 @@ def _sym_compress_codegen(new_vector: Callable[[Any, Any, Any, Any, int], Any]) 
     return codegen
 
 
-def _check_sym_compress(a: Any, sym: Any, pos: Any, rare: Any) -> None:
+def _check_elements(a: Any, what: str) -> None:
     if not isinstance(a, types.Array) or not isinstance(a.dtype, types.Integer) or a.dtype.bitwidth not in (8, 16, 32):
-        raise errors.TypingError(f"sym_compress64 needs 8, 16 or 32-bit integer elements, got {a}")
-    _check_flat(a, a.dtype, "sym_compress64")
+        raise errors.TypingError(f"{what} needs 8, 16 or 32-bit integer elements, got {a}")
+    _check_flat(a, a.dtype, what)
+
+
+def _check_sym_compress(a: Any, sym: Any, pos: Any, rare: Any) -> None:
+    _check_elements(a, "sym_compress64")
     _check_flat(sym, types.uint8, "sym_compress64 (symbols)")
     _check_flat(pos, types.uint16, "sym_compress64 (positions)")
     _check_flat(rare, types.uint8, "sym_compress64 (rare symbols)")

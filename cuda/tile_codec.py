@@ -263,8 +263,8 @@ def _put_escape(sym_buf, q, d, width):
 def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, update, src, cast, nthreads):
     """``scan_encode_tiles`` (the same arguments, results and bytes) for CPUs with vector
     compress-stores (``bitops.HAS_VECTOR_COMPRESS``), in three passes per tile instead of one
-    walk: each 64-element block's symbols and positions are packed with two compress-stores
-    (no branch per change, no scattered reloads), then the packed positions are Rice-coded in
+    walk: each 64-element block's symbols and positions are packed with compress-stores (no
+    branch per change, no scattered reloads), then the packed positions are Rice-coded in
     one long loop, then ``update`` folds the tile. Only the rare symbols (>= 2) are counted one
     by one; symbol 1 is a popcount and symbol 0 the rest.
 
@@ -445,46 +445,6 @@ def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, upda
     return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
 
 
-@parallel_kernel
-def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
-    """Pass 2: each tile's symbols (from ``sym_buf[sym_off[t]:]``), rANS-coded backwards so
-    that its stream ends at ``rans_off[t+1]``; returns where each tile's stream starts (the
-    final state first). ``ns[t, c]`` symbols of class ``c`` come class after class, each
-    coded with its class's table ``rtab[c]`` (one class: the ``sparse`` stream)."""
-    ntiles, nclasses = ns.shape
-    starts = np.zeros(ntiles, np.int64)
-    for t in nb.prange(ntiles):
-        n = 0
-        for c in range(nclasses):
-            n += ns[t, c]
-        if n == 0:
-            continue
-        q = rans_off[t + 1]
-        x = RANS_L
-        j = sym_off[t] + n
-        for c in range(nclasses - 1, -1, -1):
-            tab = rtab[c]
-            for _ in range(ns[t, c]):
-                j -= 1
-                s = sym_buf[j]
-                xmax = tab[s, 0]
-                # Renormalise without branches (how many bytes a symbol pushes out is a coin
-                # flip for the predictor): both candidate bytes are stored, q moves by the
-                # number due, and a byte not due is overwritten by the next one. q stays >=
-                # rans_off[t] + 4.
-                nbytes = (1 if x >= xmax else 0) + (1 if (x >> 8) >= xmax else 0)
-                rans_buf[q - 1] = x & 0xFF
-                rans_buf[q - 2] = (x >> 8) & 0xFF
-                q -= nbytes
-                x >>= nbytes << 3
-                x = x + tab[s, 3] + (((x * tab[s, 1]) >> 32) >> tab[s, 2]) * tab[s, 4]
-        q -= 4
-        for c in range(4):
-            rans_buf[q + c] = (x >> (8 * c)) & 0xFF
-        starts[t] = q
-    return starts
-
-
 @nb.njit(inline="always", cache=True)
 def _rans_put(rans_buf, q, x, tab, s):
     """One symbol ``s`` into the rANS state ``x`` whose bytes go down from ``q``; (q, x)."""
@@ -507,6 +467,32 @@ def _rans_close(rans_buf, q, x):
     for c in range(4):
         rans_buf[q + c] = (x >> (8 * c)) & 0xFF
     return q
+
+
+@parallel_kernel
+def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
+    """Pass 2: each tile's symbols (from ``sym_buf[sym_off[t]:]``), rANS-coded backwards so
+    that its stream ends at ``rans_off[t+1]``; returns where each tile's stream starts (the
+    final state first). ``ns[t, c]`` symbols of class ``c`` come class after class, each
+    coded with its class's table ``rtab[c]`` (one class: the ``sparse`` stream)."""
+    ntiles, nclasses = ns.shape
+    starts = np.zeros(ntiles, np.int64)
+    for t in nb.prange(ntiles):
+        n = 0
+        for c in range(nclasses):
+            n += ns[t, c]
+        if n == 0:
+            continue
+        q = rans_off[t + 1]
+        x = RANS_L
+        j = sym_off[t] + n
+        for c in range(nclasses - 1, -1, -1):
+            tab = rtab[c]
+            for _ in range(ns[t, c]):
+                j -= 1
+                q, x = _rans_put(rans_buf, q, x, tab, sym_buf[j])  # q stays >= rans_off[t] + 4
+        starts[t] = _rans_close(rans_buf, q, x)
+    return starts
 
 
 @parallel_kernel
