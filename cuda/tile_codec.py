@@ -93,6 +93,14 @@ def rice_k(total_gap, n):
 
 
 @nb.njit(inline="always", cache=True)
+def _last_and_k(masks, last, cnt):
+    """(position of a tile's last change, its Rice parameter), from its block masks, the
+    last block with a change and the number of changes."""
+    lastpos = 64 * last + 63 - np.int64(ctlz64(masks[last]))
+    return lastpos, rice_k(lastpos + 1 - cnt, cnt)
+
+
+@nb.njit(inline="always", cache=True)
 def bf16_rne(u):
     """The bf16 bits of the fp32 bits ``u`` (uint32), rounded to nearest even: torch's cast
     for every finite and infinite value. NaN and fp32 subnormal inputs are not covered
@@ -136,6 +144,14 @@ def scan_block(a, b, src, bs, e, cast):
     return m, special
 
 
+@nb.njit(inline="always", cache=True)
+def _scan_results(ntiles):
+    """A scan's per-tile results, zeroed: changes, Rice parameters, Rice bytes, escapes,
+    overflowed flags and symbol histograms."""
+    z = np.zeros(ntiles, np.int64)
+    return z, z.copy(), z.copy(), z.copy(), z.copy(), np.zeros((ntiles, NSYM), np.int64)
+
+
 @parallel_kernel
 def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src, cast):
     """Pass 1: per tile, change masks, then Rice-coded gaps, symbols and escapes.
@@ -154,12 +170,7 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src
     """
     numel = a.size
     ntiles = (numel + tile - 1) // tile
-    ns = np.zeros(ntiles, np.int64)
-    ks = np.zeros(ntiles, np.int64)
-    rice_len = np.zeros(ntiles, np.int64)
-    n_esc = np.zeros(ntiles, np.int64)
-    over = np.zeros(ntiles, np.int64)
-    hist = np.zeros((ntiles, NSYM), np.int64)
+    ns, ks, rice_len, n_esc, over, hist = _scan_results(ntiles)
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
     wbits = np.uint64(8 * width - 1)
     for t in nb.prange(ntiles):
@@ -183,8 +194,7 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src
         if cnt == 0:
             continue
         ns[t] = cnt
-        lastpos = 64 * last + 63 - np.int64(ctlz64(masks[last]))
-        k = rice_k(lastpos + 1 - cnt, cnt)
+        lastpos, k = _last_and_k(masks, last, cnt)
         ks[t] = k
         lowmask = (1 << k) - 1
         # Fold while walking when the tile provably fits (total Rice bits are at most
@@ -275,12 +285,7 @@ def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, upda
     if it asked)."""
     numel = a.size
     ntiles = (numel + tile - 1) // tile
-    ns = np.zeros(ntiles, np.int64)
-    ks = np.zeros(ntiles, np.int64)
-    rice_len = np.zeros(ntiles, np.int64)
-    n_esc = np.zeros(ntiles, np.int64)
-    over = np.zeros(ntiles, np.int64)
-    hist = np.zeros((ntiles, NSYM), np.int64)
+    ns, ks, rice_len, n_esc, over, hist = _scan_results(ntiles)
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
     wbits = np.uint64(8 * width - 1)
     maxblocks = (tile + 63) // 64
@@ -374,8 +379,7 @@ def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, upda
         if cnt == 0:
             continue
         ns[t] = cnt
-        lastpos = 64 * last + 63 - np.int64(ctlz64(masks[last]))
-        k = rice_k(lastpos + 1 - cnt, cnt)
+        lastpos, k = _last_and_k(masks, last, cnt)
         ks[t] = k
         if bad:
             over[t] = 1
