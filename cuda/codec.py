@@ -357,7 +357,7 @@ def assemble_patch(
     while the target's root digest is still being computed, and assemble once it is known."""
     _check_encoding(encoding)
     entries: list[dict[str, Any]] = []
-    streams: list[tuple[str, bytes | memoryview]] = []
+    streams: list[tuple[str, bytes]] = []
     changed: dict[str, int] = {}
     numel: dict[str, int] = {}
     for t in tensors:
@@ -365,7 +365,7 @@ def assemble_patch(
             raise InvalidArgument(f"tensor names must be non-empty strings, got {t.name!r}")
         if t.name in changed or t.name == "__metadata__":
             raise InvalidArgument(f"tensor name {t.name!r} appears twice (or is reserved) in one patch")
-        raw = memoryview(np.ascontiguousarray(t.stream, dtype=np.uint8)).cast("B")  # no copy until the join
+        raw = t.stream.tobytes()
         entries.append(
             {
                 "name": t.name,
@@ -464,7 +464,7 @@ def encode_patch(
     )
 
 
-def _write_container(header: dict[str, Any], streams: list[tuple[str, bytes | memoryview]]) -> bytes:
+def _write_container(header: dict[str, Any], streams: list[tuple[str, bytes]]) -> bytes:
     text_header = json.dumps(header, separators=(",", ":"))
     st_header: dict[str, Any] = {
         "__metadata__": {"weftboard": text_header, "weftboard_xxh3_64": xxhash.xxh3_64_hexdigest(text_header.encode("utf-8"))}
@@ -918,7 +918,7 @@ def join_patches(parts: Sequence[bytes | bytearray | memoryview]) -> bytes:
     header["target_root"] = next((c.header["target_root"] for c in containers if c.header["target_root"]), "")
     seen: set[str] = set()
     entries: list[dict[str, Any]] = []
-    streams: list[tuple[str, bytes | memoryview]] = []
+    streams: list[tuple[str, bytes]] = []
     for c in containers:
         _check_same_transition(first["base_version"], first["target_version"], c.header)
         if c.header["encoding"] != first["encoding"]:
