@@ -126,6 +126,13 @@ def _new_bits(b, src, i, cast):
 
 
 @nb.njit(inline="always", cache=True)
+def _put_escape(sym_buf, q, d, width):
+    """The raw difference ``d`` little-endian at ``sym_buf[q:q + width]``."""
+    for c in range(width):
+        sym_buf[q + c] = np.uint8((d >> np.uint64(8 * c)) & np.uint64(0xFF))
+
+
+@nb.njit(inline="always", cache=True)
 def scan_block(a, b, src, bs, e, cast):
     """(change mask, special) of elements ``bs .. min(bs + 64, e) - 1``: ``b`` against ``a``,
     or (``cast``) the bf16 cast of the fp32 bits ``src``, with ``special`` non-zero when one of
@@ -241,8 +248,7 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src
                     if q + width > eend:
                         bad = True
                         break
-                    for c in range(width):
-                        sym_buf[q + c] = np.uint8((d >> np.uint64(8 * c)) & np.uint64(0xFF))
+                    _put_escape(sym_buf, q, d, width)
                     ne += 1
             if bad:
                 break
@@ -260,13 +266,6 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src
         rice_len[t] = entropy.rice_flush(rice_buf, p, acc, nbits) - p0
         n_esc[t] = ne
     return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
-
-
-@nb.njit(inline="always", cache=True)
-def _put_escape(sym_buf, q, d, width):
-    """The raw difference ``d`` little-endian at ``sym_buf[q:q + width]``."""
-    for c in range(width):
-        sym_buf[q + c] = np.uint8((d >> np.uint64(8 * c)) & np.uint64(0xFF))
 
 
 @parallel_kernel
