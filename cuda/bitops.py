@@ -12,8 +12,10 @@ bits are the same everywhere and only the instruction count differs.
 ``sym_compress64`` and ``cast_sym_compress64`` turn a block's changes into the packed symbols
 and positions the ``sparse`` stream codes, with compress-stores (``vpcompressb``/``vpcompressw``
 where the CPU has AVX-512 VBMI2: ``HAS_VECTOR_COMPRESS``). LLVM lowers them on any CPU, but
-without those instructions into 64 conditional stores each, slower than walking the mask one
-change at a time; callers pick the kernel by ``HAS_VECTOR_COMPRESS`` (the bytes are the same).
+without those instructions into 64 conditional stores each; there ``sym_lanes64`` stores all
+64 symbols with one vector store and the caller packs the changed lanes (the bytes are the
+same). The ``block_*`` functions pick the plain or the cast form of each operation by the
+types of a kernel's arguments (see the note above them).
 
 Invariants: ``cttz64(0)`` and ``ctlz64(0)`` are undefined (callers only ask about the lowest or
 highest set bit of a non-zero mask). The mask, load and store intrinsics do no bounds check:
@@ -32,7 +34,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.core import errors
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 
 def _uint64_intrinsic(emit: Callable[[Any, Any], Any], doc: str) -> Any:
@@ -53,6 +55,8 @@ _ZERO_IS_POISON = ir.Constant(ir.IntType(1), 1)  # the argument is never 0 (see 
 cttz64 = _uint64_intrinsic(lambda b, v: b.cttz(v, _ZERO_IS_POISON), "Index of the lowest set bit of a non-zero uint64.")
 ctlz64 = _uint64_intrinsic(lambda b, v: b.ctlz(v, _ZERO_IS_POISON), "Number of leading zero bits of a non-zero uint64.")
 ctpop64 = _uint64_intrinsic(lambda b, v: b.ctpop(v), "Number of set bits of a uint64.")
+cttz64z = _uint64_intrinsic(lambda b, v: b.cttz(v, ir.Constant(ir.IntType(1), 0)),
+                            "Index of the lowest set bit of a uint64, 64 for 0 (one ``tzcnt`` with BMI1).")
 
 
 @intrinsic
@@ -278,32 +282,70 @@ def cast_fold64(typingctx, a, a_start, src, src_start, m):  # type: ignore[no-un
     return types.none(a, types.int64, src, types.int64, types.uint64), _fold_codegen(_cast_new_bits)
 
 
+def _block_symbols(context: Any, builder: Any, sig: Any, args: Any,
+                   new_vector: Callable[[Any, Any, Any, Any, int], Any]) -> Any:
+    """The 64 symbols, as bytes, of the block ``args[0][args[1]:]`` against ``new_vector``'s new bits: each
+    lane as ``entropy.symbol`` computes it one at a time."""
+    bits = sig.args[0].dtype.bitwidth
+    old = _load64(context, builder, sig.args[0], args[0], args[1], bits)
+    d = builder.sub(new_vector(context, builder, sig, args, bits), old)
+    neg = builder.lshr(d, _splat(bits, bits - 1))
+    mag = builder.add(builder.xor(d, builder.sub(_splat(bits, 0), neg)), neg)
+    mag1 = builder.sub(mag, _splat(bits, 1))
+    coded = builder.icmp_unsigned("<", mag1, _splat(bits, _MAX_DELTA))
+    sym = builder.select(coded, builder.or_(builder.shl(mag1, _splat(bits, 1)), neg), _splat(bits, _ESC))
+    return builder.trunc(sym, ir.VectorType(ir.IntType(8), 64)) if bits > 8 else sym
+
+
+def _in_register(builder: Any, value: Any) -> Any:
+    """``value`` (an integer) through an empty inline asm, which pins where it is computed: left
+    alone, LLVM sinks a mask's vector compare and bitcast to the mask's first use, after the
+    caller's packing loop, and a <64 x i1> value live across blocks is lowered on AVX2 as 64
+    separate bytes reassembled one ``vpinsrb`` at a time. No instruction is emitted."""
+    fnty = ir.FunctionType(value.type, [value.type])
+    return builder.asm(fnty, "", "=r,0", [value], side_effect=True)
+
+
+def _symbol_masks(builder: Any, m: Any, sym8: Any) -> tuple[Any, Any, Any]:
+    """The (escaped, symbol 1, symbol >= 2) masks of a block's changed lanes ``m``, from the
+    symbols as bytes (a coded symbol is below ESC = 128): byte compares, which LLVM turns
+    into one compare and one ``pmovmskb`` per 32 lanes on AVX2 (wider lanes' masks it
+    scalarised there, a byte at a time)."""
+
+    def lanes_where(pred: str, value: int) -> Any:
+        bits = builder.bitcast(builder.icmp_unsigned(pred, sym8, _splat(8, value)), ir.IntType(64))
+        return builder.and_(_in_register(builder, bits), m)
+
+    return lanes_where("==", _ESC), lanes_where("==", 1), lanes_where(">=", 2)
+
+
 def _sym_compress_codegen(new_vector: Callable[[Any, Any, Any, Any, int], Any]) -> Callable[..., Any]:
     """Codegen shared by the two ``*sym_compress64``: ``new_vector(context, builder, sig,
     args, bits)`` gives the block's new bits at the old bits' width."""
 
     def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
-        a_ty, sym_ty, pos_ty, rare_ty = sig.args[0], sig.args[5], sig.args[7], sig.args[10]
-        bits = a_ty.dtype.bitwidth
-        old = _load64(context, builder, a_ty, args[0], args[1], bits)
-        d = builder.sub(new_vector(context, builder, sig, args, bits), old)
-        # the symbol of each difference, as entropy.symbol computes it one at a time
-        neg = builder.lshr(d, _splat(bits, bits - 1))
-        mag = builder.add(builder.xor(d, builder.sub(_splat(bits, 0), neg)), neg)
-        mag1 = builder.sub(mag, _splat(bits, 1))
-        coded = builder.icmp_unsigned("<", mag1, _splat(bits, _MAX_DELTA))
-        sym = builder.select(coded, builder.or_(builder.shl(mag1, _splat(bits, 1)), neg), _splat(bits, _ESC))
+        sym_ty, pos_ty, rare_ty = sig.args[5], sig.args[7], sig.args[10]
+        sym8 = _block_symbols(context, builder, sig, args, new_vector)
         m = args[4]
-        _compress_store(builder, builder.trunc(sym, ir.VectorType(ir.IntType(8), 64)) if bits > 8 else sym,
-                        _array_ptr(context, builder, sym_ty, args[5], args[6]), m)
+        _compress_store(builder, sym8, _array_ptr(context, builder, sym_ty, args[5], args[6]), m)
         lanes = ir.Constant(ir.VectorType(ir.IntType(16), 64), list(range(64)))
         base = _vsplat(builder, builder.trunc(args[9], ir.IntType(16)), 16)
         _compress_store(builder, builder.add(lanes, base), _array_ptr(context, builder, pos_ty, args[7], args[8]), m)
-        rare = builder.and_(builder.bitcast(builder.icmp_unsigned(">=", sym, _splat(bits, 2)), ir.IntType(64)), m)
-        _compress_store(builder, builder.trunc(sym, ir.VectorType(ir.IntType(8), 64)) if bits > 8 else sym,
-                        _array_ptr(context, builder, rare_ty, args[10], args[11]), rare)
-        one = builder.and_(builder.bitcast(builder.icmp_unsigned("==", sym, _splat(bits, 1)), ir.IntType(64)), m)
-        esc = builder.and_(builder.bitcast(builder.not_(coded), ir.IntType(64)), m)
+        esc, one, rare = _symbol_masks(builder, m, sym8)
+        _compress_store(builder, sym8, _array_ptr(context, builder, rare_ty, args[10], args[11]), rare)
+        return context.make_tuple(builder, sig.return_type, [esc, one, rare])
+
+    return codegen
+
+
+def _sym_lanes_codegen(new_vector: Callable[[Any, Any, Any, Any, int], Any]) -> Callable[..., Any]:
+    """Codegen shared by the two ``*sym_lanes64``: one plain store of all 64 symbols."""
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        sym8 = _block_symbols(context, builder, sig, args, new_vector)
+        ptr = _array_ptr(context, builder, sig.args[5], args[5], ir.Constant(ir.IntType(64), 0))
+        builder.store(sym8, builder.bitcast(ptr, sym8.type.as_pointer()), align=1)
+        esc, one, rare = _symbol_masks(builder, args[4], sym8)
         return context.make_tuple(builder, sig.return_type, [esc, one, rare])
 
     return codegen
@@ -349,3 +391,100 @@ def cast_sym_compress64(typingctx, a, a_start, src, src_start, m, sym, sym_at, p
     sig = _SYM_COMPRESS_RESULT(a, types.int64, src, types.int64, types.uint64, sym, types.int64, pos, types.int64,
                                types.int64, rare, types.int64)
     return sig, _sym_compress_codegen(_cast_new_bits)
+
+
+@intrinsic
+def sym_lanes64(typingctx, a, a_start, b, b_start, m, lanes):  # type: ignore[no-untyped-def]
+    """``sym_compress64`` without the packing, for CPUs without compress-stores: the symbol
+    of every one of the 64 lanes (changed or not) at ``lanes[0:64]`` in one vector store;
+    returns the same masks. The caller packs the changed lanes (``cttz64z`` walks)."""
+    _check_elements(a, "sym_lanes64")
+    _check_flat(b, a.dtype, "sym_lanes64")
+    _check_flat(lanes, types.uint8, "sym_lanes64 (lanes)")
+    sig = _SYM_COMPRESS_RESULT(a, types.int64, b, types.int64, types.uint64, lanes)
+    return sig, _sym_lanes_codegen(_plain_new_bits)
+
+
+@intrinsic
+def cast_sym_lanes64(typingctx, a, a_start, src, src_start, m, lanes):  # type: ignore[no-untyped-def]
+    """``sym_lanes64`` with the new bits the round-to-nearest-even bf16 of the fp32 bits
+    ``src[src_start:]``."""
+    _check_elements(a, "cast_sym_lanes64")
+    _check_flat(src, types.uint32, "cast_sym_lanes64")
+    _check_flat(lanes, types.uint8, "cast_sym_lanes64 (lanes)")
+    sig = _SYM_COMPRESS_RESULT(a, types.int64, src, types.int64, types.uint64, lanes)
+    return sig, _sym_lanes_codegen(_cast_new_bits)
+
+
+# Block operations generic over the new version's form: ``new`` is either the new bits (the
+# old bits' dtype) or fp32 bits whose bf16 cast is the new version (a cast scan: the dtypes
+# differ). The choice is made when a kernel is typed, so a kernel body written once compiles
+# to one loop per form with no branch on the form inside: LLVM, given both forms behind a
+# runtime flag, merged their vector code and scalarised the masks (a byte at a time).
+
+
+def _is_cast(a: Any, new: Any) -> bool:
+    return bool(a.dtype != new.dtype)
+
+
+def block_ne_mask64(a: Any, a_start: int, new: Any, new_start: int) -> int:
+    """``ne_mask64`` or ``cast_ne_mask64``, by the form of ``new``."""
+    raise NotImplementedError("only callable from numba kernels")
+
+
+@overload(block_ne_mask64, inline="always", jit_options={"cache": True})
+def _block_ne_mask64(a, a_start, new, new_start):  # type: ignore[no-untyped-def]
+    if _is_cast(a, new):
+        return lambda a, a_start, new, new_start: cast_ne_mask64(a, a_start, new, new_start)
+    return lambda a, a_start, new, new_start: ne_mask64(a, a_start, new, new_start)
+
+
+def block_special64(a: Any, new: Any, new_start: int) -> int:
+    """``cast_special64`` of a cast block; 0 (nothing special) for plain new bits."""
+    raise NotImplementedError("only callable from numba kernels")
+
+
+@overload(block_special64, inline="always", jit_options={"cache": True})
+def _block_special64(a, new, new_start):  # type: ignore[no-untyped-def]
+    if _is_cast(a, new):
+        return lambda a, new, new_start: cast_special64(new, new_start)
+    return lambda a, new, new_start: numba.uint64(0)
+
+
+def block_sym_compress64(a: Any, a_start: int, new: Any, new_start: int, m: int, sym: Any, sym_at: int, pos: Any,
+                         pos_at: int, base: int, rare: Any, rare_at: int) -> tuple[int, int, int]:
+    """``sym_compress64`` or ``cast_sym_compress64``, by the form of ``new``."""
+    raise NotImplementedError("only callable from numba kernels")
+
+
+@overload(block_sym_compress64, inline="always", jit_options={"cache": True})
+def _block_sym_compress64(a, a_start, new, new_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at):  # type: ignore[no-untyped-def]
+    if _is_cast(a, new):
+        return (lambda a, a_start, new, new_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at:
+                cast_sym_compress64(a, a_start, new, new_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at))
+    return (lambda a, a_start, new, new_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at:
+            sym_compress64(a, a_start, new, new_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at))
+
+
+def block_sym_lanes64(a: Any, a_start: int, new: Any, new_start: int, m: int, lanes: Any) -> tuple[int, int, int]:
+    """``sym_lanes64`` or ``cast_sym_lanes64``, by the form of ``new``."""
+    raise NotImplementedError("only callable from numba kernels")
+
+
+@overload(block_sym_lanes64, inline="always", jit_options={"cache": True})
+def _block_sym_lanes64(a, a_start, new, new_start, m, lanes):  # type: ignore[no-untyped-def]
+    if _is_cast(a, new):
+        return lambda a, a_start, new, new_start, m, lanes: cast_sym_lanes64(a, a_start, new, new_start, m, lanes)
+    return lambda a, a_start, new, new_start, m, lanes: sym_lanes64(a, a_start, new, new_start, m, lanes)
+
+
+def block_fold64(a: Any, a_start: int, new: Any, new_start: int, m: int) -> None:
+    """``fold64`` or ``cast_fold64``, by the form of ``new``."""
+    raise NotImplementedError("only callable from numba kernels")
+
+
+@overload(block_fold64, inline="always", jit_options={"cache": True})
+def _block_fold64(a, a_start, new, new_start, m):  # type: ignore[no-untyped-def]
+    if _is_cast(a, new):
+        return lambda a, a_start, new, new_start, m: cast_fold64(a, a_start, new, new_start, m)
+    return lambda a, a_start, new, new_start, m: fold64(a, a_start, new, new_start, m)

@@ -13,15 +13,17 @@ both directions).
 Why fused: the two-step path materialises an int64 position plus the old and new bits of every
 change (12 bytes per change for bf16) and reads them back two or three times; at 1-10% density
 that memory traffic, not the coding, is what costs. Here a tile is scanned 64 elements at a
-time into change masks (one vector compare per block, ``bitops.ne_mask64``), the masks are walked
-with count-trailing-zeros, and each change is Rice- and symbol-coded on the spot; only the
-symbols (one byte each) wait until the tensor's frequency table is known. Where the CPU has
-vector compress-stores (AVX-512 VBMI2), ``scan_encode_tiles_packed`` replaces the walk: a
-block's symbols and positions are packed by two instructions, then Rice-coded in one long
-loop, two codes per append (no branch per change and half the bit writer's dependency chain).
-Both scans write the same bytes; tests hold them to it. rANS, whose every symbol waits on the
-previous one's multiply, codes a tensor's tiles two at a time (``rans_encode_tile_pairs``) so
-that a core has two independent chains to run.
+time into change masks (one vector compare per block, ``bitops.ne_mask64``), and
+``scan_encode_tiles_packed`` packs each block's symbols and positions (all 64 symbols are
+computed in vectors; where the CPU has compress-stores, AVX-512 VBMI2, two instructions pack
+them, elsewhere an unrolled count-trailing-zeros walk eight lanes a round), then Rice-codes
+the packed positions in one long loop, two codes per append (no branch per change and half
+the bit writer's dependency chain); only the symbols (one byte each) wait until the tensor's
+frequency table is known. ``scan_encode_tiles`` is the same scan as one walk of the masks
+(each change coded on the spot), kept for 64-bit elements and tiles above 65536; tests hold
+every path to the same bytes. rANS, whose every symbol waits on the previous one's multiply,
+codes a tensor's tiles two at a time (``rans_encode_tile_pairs``) so that a core has two
+independent chains to run.
 
 Invariants:
 - Tiles are independent and write only their own regions, so ``prange`` over tiles gives the
@@ -45,20 +47,24 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numba as nb
+from numba import types
 import numpy as np
 import torch
 
 from weftboard.cuda import entropy
-from weftboard.cuda.bitops import (HAS_VECTOR_COMPRESS, cast_fold64, cast_ne_mask64, cast_special64, cast_sym_compress64,
-                                   ctlz64, ctpop64, cttz64, fold64, load_u64le, ne_mask64, sym_compress64)
+from numba.extending import overload
+
+from weftboard.cuda.bitops import (HAS_VECTOR_COMPRESS, block_fold64, block_ne_mask64, block_special64,
+                                   block_sym_compress64, block_sym_lanes64, cast_ne_mask64, cast_special64, ctlz64,
+                                   ctpop64, cttz64, cttz64z, load_u64le, ne_mask64)
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 from weftboard.cuda.jit import parallel_kernel
 
 _LOG_PHI_M1 = math.log((math.sqrt(5.0) - 1.0) / 2.0)  # log(golden ratio - 1)
 _RICE_SLACK = 64  # bytes per tile beyond one byte per element in the Rice scratch
-# Scan with compress-stores where the CPU has them (``scan_encode_tiles_packed``); the
-# one-walk kernel otherwise. Tests switch it to check that both give the same bytes.
-_PACKED_SCAN = HAS_VECTOR_COMPRESS
+# Pack a block's changes with compress-stores where the CPU has them, with ``_pack_lanes``
+# walks elsewhere (``scan_encode_tiles_packed``; the bytes are the same).
+_VECTOR_COMPRESS = HAS_VECTOR_COMPRESS
 
 
 @nb.njit(inline="always", cache=True)
@@ -149,6 +155,34 @@ def scan_block(a, b, src, bs, e, cast):
         if np.uint64(a[bs + j]) != np.uint64(bf16_rne(u)):
             m |= np.uint64(1) << np.uint64(j)
     return m, special
+
+
+@nb.njit(inline="always", cache=True)
+def _pack_lanes(m, lanes, sym_buf, sym_at, pos, pos_at, base):
+    """The symbols ``lanes[lane]`` and positions ``base + lane`` of the set lanes of ``m``,
+    packed at ``sym_buf[sym_at:]`` and ``pos[pos_at:]``: eight lanes per round with no branch
+    but the round's (a block at 1-10% density takes one or two rounds). A round past the last
+    set lane writes lane 64 (``cttz64z(0)``: ``lanes`` holds 65 or more) into slots after the
+    packed ones, at most ``pos_at + 64`` (the caller's rows have room; later blocks overwrite
+    them)."""
+    n = np.int64(ctpop64(m))
+    i = 0
+    while i < n:
+        for _ in range(8):
+            lane = np.int64(cttz64z(m))
+            sym_buf[sym_at + i] = lanes[lane]
+            pos[pos_at + i] = base + lane
+            m &= m - np.uint64(1)
+            i += 1
+
+
+@nb.njit(inline="always", cache=True)
+def _pack_rare(rr, lanes, rare, at):
+    """The symbols of the set lanes of ``rr`` (those >= 2: rare) at ``rare[at:]``."""
+    while rr != 0:
+        rare[at] = lanes[np.int64(cttz64(rr))]
+        rr &= rr - np.uint64(1)
+        at += 1
 
 
 @nb.njit(inline="always", cache=True)
@@ -268,183 +302,247 @@ def scan_encode_tiles(a, b, width, tile, rice_buf, rstride, sym_buf, update, src
     return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
 
 
+def new_element(a, new, i):
+    """Element ``i`` of the new version as uint64: ``new[i]``, or the bf16 cast of the fp32
+    bits ``new[i]`` when ``new`` is the cast form (its dtype differs from ``a``'s)."""
+    raise NotImplementedError("only callable from numba kernels")
+
+
+@overload(new_element, inline="always", jit_options={"cache": True})
+def _new_element(a, new, i):
+    if a.dtype != new.dtype:
+        return lambda a, new, i: np.uint64(bf16_rne(new[i]))
+    return lambda a, new, i: np.uint64(new[i])
+
+
+def special_element(a, new, i):
+    """``cast_special`` of element ``i`` of a cast form; 0 for plain new bits."""
+    raise NotImplementedError("only callable from numba kernels")
+
+
+@overload(special_element, inline="always", jit_options={"cache": True})
+def _special_element(a, new, i):
+    if a.dtype != new.dtype:
+        return lambda a, new, i: np.uint64(cast_special(new[i]))
+    return lambda a, new, i: np.uint64(0)
+
+
+def pack_block(a, bs, new, m, sym_buf, sym_at, pos, pos_at, base, rare, rare_at, lanes):
+    """A block's symbols, positions and rare symbols packed; returns the (escaped, symbol 1,
+    symbol >= 2) masks. ``lanes`` None: with compress-stores (``block_sym_compress64``);
+    otherwise every lane's symbol goes to ``lanes`` in one vector store and ``_pack_lanes``
+    packs the changed ones (CPUs without compress-stores). Chosen when the caller is typed."""
+    raise NotImplementedError("only callable from numba kernels")
+
+
+@overload(pack_block, inline="always", jit_options={"cache": True})
+def _pack_block(a, bs, new, m, sym_buf, sym_at, pos, pos_at, base, rare, rare_at, lanes):
+    if isinstance(lanes, types.NoneType):
+        def compressed(a, bs, new, m, sym_buf, sym_at, pos, pos_at, base, rare, rare_at, lanes):
+            return block_sym_compress64(a, bs, new, bs, m, sym_buf, sym_at, pos, pos_at, base, rare, rare_at)
+        return compressed
+
+    def walked(a, bs, new, m, sym_buf, sym_at, pos, pos_at, base, rare, rare_at, lanes):
+        esc, one, rr = block_sym_lanes64(a, bs, new, bs, m, lanes)
+        _pack_lanes(m, lanes, sym_buf, sym_at, pos, pos_at, base)
+        _pack_rare(rr, lanes, rare, rare_at)
+        return esc, one, rr
+    return walked
+
+
+@nb.njit(cache=True, nogil=True)
+def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, lanes,
+               ns, ks, rice_len, n_esc, over, hist):
+    """Tile ``t`` of ``scan_encode_tiles_packed``: its results at index ``t`` of ``ns`` ...
+    ``hist``. ``new`` is the new bits or their cast form, ``pack_block`` ``_compress_block``
+    or ``_lanes_block``: each combination compiles to its own loops (see ``bitops``)."""
+    numel = a.size
+    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
+    wbits = np.uint64(8 * width - 1)
+    s = t * tile
+    e = min(s + tile, numel)
+    nfull = (e - s) // 64
+    nblocks = (e - s + 63) // 64
+    sb = 2 * t * tile
+    eb = sb + tile
+    eend = sb + 2 * tile
+    cnt = 0
+    n1 = 0
+    nr = 0
+    any_esc = np.uint64(0)
+    special = np.uint64(0)
+    # The hot loop: whole blocks, packing only (escapes wait for the pass below, so the loop
+    # carries few values). No branch on m == 0: at 1-2% density about half the blocks have a
+    # change, a coin flip for the predictor; packing an empty block stores nothing.
+    for bi in range(nfull):
+        bs = s + 64 * bi
+        m = block_ne_mask64(a, bs, new, bs)
+        special |= block_special64(a, new, bs)
+        masks[bi] = m
+        esc, one, rr = pack_block(a, bs, new, m, sym_buf, sb + cnt, pos, cnt, 64 * bi, rare, nr, lanes)
+        escs[bi] = esc
+        any_esc |= esc
+        cnt += np.int64(ctpop64(m))
+        n1 += np.int64(ctpop64(one))
+        nr += np.int64(ctpop64(rr))
+    ne = 0
+    bad = False
+    if any_esc:  # escapes, in position order, each checked against the tile's room
+        for bi in range(nfull):
+            esc = escs[bi]
+            while esc != 0:
+                i = s + 64 * bi + np.int64(cttz64(esc))
+                esc &= esc - np.uint64(1)
+                q = eb + ne * width
+                if q + width > eend:
+                    bad = True
+                    break
+                _put_escape(sym_buf, q, (new_element(a, new, i) - np.uint64(a[i])) & mask, width)
+                ne += 1
+            if bad:
+                break
+    if nfull < nblocks:  # the tensor's last, partial block, one element at a time
+        bs = s + 64 * nfull
+        m = np.uint64(0)
+        for lane in range(e - bs):
+            i = bs + lane
+            special |= special_element(a, new, i)
+            d = (new_element(a, new, i) - np.uint64(a[i])) & mask
+            if d == 0:
+                continue
+            m |= np.uint64(1) << np.uint64(lane)
+            if bad:
+                cnt += 1
+                continue
+            sym = entropy.symbol(d, mask, wbits)
+            sym_buf[sb + cnt] = sym
+            pos[cnt] = 64 * nfull + lane
+            cnt += 1
+            if sym == 1:
+                n1 += 1
+            elif sym >= 2:
+                rare[nr] = sym
+                nr += 1
+            if sym == ESC:
+                q = eb + ne * width
+                if q + width > eend:
+                    bad = True
+                    continue
+                _put_escape(sym_buf, q, d, width)
+                ne += 1
+        masks[nfull] = m
+    if special:
+        over[t] = 1
+        return
+    if cnt == 0:
+        return
+    ns[t] = cnt
+    last = nblocks - 1
+    while masks[last] == 0:
+        last -= 1
+    lastpos, k = _last_and_k(masks, last, cnt)
+    ks[t] = k
+    if bad:
+        over[t] = 1
+        return
+    lowmask = (1 << k) - 1
+    p0 = t * rstride
+    p = p0
+    pend = p0 + rstride - 16
+    acc = 0
+    nbits = 0
+    prev = -1
+    j = 0
+    # The Rice bits are at most cnt * (k + 1) + (total gap >> k) (a sum of floors is at most
+    # the floor of the sum); when that leaves the check below no way to fire, codes go two at
+    # a time: one append per pair halves the writer's dependency chain.
+    if ((cnt * (k + 1) + ((lastpos + 1 - cnt) >> k)) >> 3) + 8 <= rstride - 16:
+        while j + 1 < cnt:
+            l0 = np.int64(pos[j])
+            l1 = np.int64(pos[j + 1])
+            g0 = l0 - prev - 1
+            g1 = l1 - l0 - 1
+            prev = l1
+            u0 = g0 >> k
+            u1 = g1 >> k
+            ln0 = u0 + 1 + k
+            ln = ln0 + u1 + 1 + k
+            if ln <= 31:
+                p, acc, nbits = entropy.bits_put(rice_buf, p, acc, nbits,
+                                                 entropy.rice_code(g0, u0, lowmask)
+                                                 | (entropy.rice_code(g1, u1, lowmask) << ln0), ln)
+            else:
+                p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g0, k, lowmask)
+                p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g1, k, lowmask)
+            j += 2
+    for j in range(j, cnt):
+        lp = np.int64(pos[j])
+        g = lp - prev - 1
+        prev = lp
+        if p + (((g >> k) + k) >> 3) + 8 > pend:
+            bad = True
+            break
+        p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g, k, lowmask)
+    if bad:
+        over[t] = 1
+        return
+    h = hist[t]
+    h[0] = cnt - n1 - nr
+    h[1] = n1
+    for j in range(nr):
+        h[rare[j]] += 1
+    if update:
+        for bi in range(nfull):
+            m = masks[bi]
+            if m != 0:
+                block_fold64(a, s + 64 * bi, new, s + 64 * bi, m)
+        if nfull < nblocks:
+            for i in range(s + 64 * nfull, e):
+                a[i] = new_element(a, new, i)
+    rice_len[t] = entropy.rice_flush(rice_buf, p, acc, nbits) - p0
+    n_esc[t] = ne
+
+
 @parallel_kernel
-def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, update, src, cast, nthreads):
-    """``scan_encode_tiles`` (the same arguments, results and bytes) for CPUs with vector
-    compress-stores (``bitops.HAS_VECTOR_COMPRESS``), in three passes per tile instead of one
-    walk: each 64-element block's symbols and positions are packed with compress-stores (no
-    branch per change, no scattered reloads), then the packed positions are Rice-coded in
-    one long loop, then ``update`` folds the tile. Only the rare symbols (>= 2) are counted one
-    by one; symbol 1 is a popcount and symbol 0 the rest.
+def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, update, src, cast, nthreads, vector_compress):
+    """``scan_encode_tiles`` (the same arguments, results and bytes) in three passes per tile
+    instead of one walk: each 64-element block's symbols and positions are packed (no branch
+    per change, no scattered reloads), then the packed positions are Rice-coded in one long
+    loop, then ``update`` folds the tile. Only the rare symbols (>= 2) are counted one by one;
+    symbol 1 is a popcount and symbol 0 the rest. ``vector_compress``: pack with
+    compress-stores (``bitops.HAS_VECTOR_COMPRESS``; elsewhere LLVM lowers them to 64
+    conditional stores each), else with ``_pack_lanes``.
 
     Positions within a tile are uint16, so ``tile`` is at most 65536. A thread's packed
-    positions, rare symbols and masks live in per-thread rows allocated once per call (a
-    kernel called from two threads at once has two sets); ``nthreads`` is the size of numba's
-    thread pool, above every thread id (asked by the caller: the kernel could not be cached
-    if it asked)."""
+    positions, rare symbols, masks and lanes live in per-thread rows allocated once per call
+    (a kernel called from two threads at once has two sets); ``nthreads`` is the size of
+    numba's thread pool, above every thread id (asked by the caller: the kernel could not be
+    cached if it asked)."""
     numel = a.size
     ntiles = (numel + tile - 1) // tile
     ns, ks, rice_len, n_esc, over, hist = _scan_results(ntiles)
-    mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
-    wbits = np.uint64(8 * width - 1)
     maxblocks = (tile + 63) // 64
     pos_rows = np.empty((nthreads, 64 * maxblocks), np.uint16)
     rare_rows = np.empty((nthreads, 64 * maxblocks), np.uint8)
     mask_rows = np.empty((nthreads, maxblocks), np.uint64)
+    esc_rows = np.empty((nthreads, maxblocks), np.uint64)
+    lane_rows = np.empty((nthreads, 128), np.uint8)  # 65 used: _pack_lanes reads lane 64
     for t in nb.prange(ntiles):
         me = nb.get_thread_id()
-        pos = pos_rows[me]
-        rare = rare_rows[me]
-        masks = mask_rows[me]
-        s = t * tile
-        e = min(s + tile, numel)
-        nblocks = (e - s + 63) // 64
-        sb = 2 * t * tile
-        eb = sb + tile
-        eend = sb + 2 * tile
-        cnt = 0
-        n1 = 0
-        nr = 0
-        ne = 0
-        last = -1
-        special = np.uint64(0)
-        bad = False
-        for bi in range(nblocks):
-            bs = s + 64 * bi
-            if bs + 64 <= e:
-                if cast:
-                    m = cast_ne_mask64(a, bs, src, bs)
-                    special |= cast_special64(src, bs)
-                else:
-                    m = ne_mask64(a, bs, b, bs)
-                masks[bi] = m
-                # No branch on m == 0: at 1-2% density about half the blocks have a change,
-                # a coin flip for the predictor; packing an empty block stores nothing.
-                last = bi if m != 0 else last
-                if bad:  # counting only (ns stays exact)
-                    cnt += np.int64(ctpop64(m))
-                    continue
-                if cast:
-                    esc, one, rr = cast_sym_compress64(a, bs, src, bs, m, sym_buf, sb + cnt, pos, cnt, 64 * bi, rare, nr)
-                else:
-                    esc, one, rr = sym_compress64(a, bs, b, bs, m, sym_buf, sb + cnt, pos, cnt, 64 * bi, rare, nr)
-                cnt += np.int64(ctpop64(m))
-                n1 += np.int64(ctpop64(one))
-                nr += np.int64(ctpop64(rr))
-                while esc != 0:
-                    i = bs + np.int64(cttz64(esc))
-                    esc &= esc - np.uint64(1)
-                    q = eb + ne * width
-                    if q + width > eend:
-                        bad = True
-                        break
-                    _put_escape(sym_buf, q, (_new_bits(b, src, i, cast) - np.uint64(a[i])) & mask, width)
-                    ne += 1
-            else:  # the tensor's last, partial block, one element at a time
-                m = np.uint64(0)
-                for lane in range(e - bs):
-                    i = bs + lane
-                    if cast:
-                        special |= np.uint64(cast_special(src[i]))
-                    d = (_new_bits(b, src, i, cast) - np.uint64(a[i])) & mask
-                    if d == 0:
-                        continue
-                    m |= np.uint64(1) << np.uint64(lane)
-                    if bad:
-                        cnt += 1
-                        continue
-                    sym = entropy.symbol(d, mask, wbits)
-                    sym_buf[sb + cnt] = sym
-                    pos[cnt] = 64 * bi + lane
-                    cnt += 1
-                    if sym == 1:
-                        n1 += 1
-                    elif sym >= 2:
-                        rare[nr] = sym
-                        nr += 1
-                    if sym == ESC:
-                        q = eb + ne * width
-                        if q + width > eend:
-                            bad = True
-                            continue
-                        _put_escape(sym_buf, q, d, width)
-                        ne += 1
-                masks[bi] = m
-                if m != 0:
-                    last = bi
-        if special:
-            over[t] = 1
-            continue
-        if cnt == 0:
-            continue
-        ns[t] = cnt
-        lastpos, k = _last_and_k(masks, last, cnt)
-        ks[t] = k
-        if bad:
-            over[t] = 1
-            continue
-        lowmask = (1 << k) - 1
-        p0 = t * rstride
-        p = p0
-        pend = p0 + rstride - 16
-        acc = 0
-        nbits = 0
-        prev = -1
-        j = 0
-        # The Rice bits are at most cnt * (k + 1) + (total gap >> k) (a sum of floors is at
-        # most the floor of the sum); when that leaves the check below no way to fire, codes
-        # go two at a time: one append per pair halves the writer's dependency chain.
-        if ((cnt * (k + 1) + ((lastpos + 1 - cnt) >> k)) >> 3) + 8 <= rstride - 16:
-            while j + 1 < cnt:
-                l0 = np.int64(pos[j])
-                l1 = np.int64(pos[j + 1])
-                g0 = l0 - prev - 1
-                g1 = l1 - l0 - 1
-                prev = l1
-                u0 = g0 >> k
-                u1 = g1 >> k
-                ln0 = u0 + 1 + k
-                ln = ln0 + u1 + 1 + k
-                if ln <= 31:
-                    p, acc, nbits = entropy.bits_put(rice_buf, p, acc, nbits,
-                                                     entropy.rice_code(g0, u0, lowmask)
-                                                     | (entropy.rice_code(g1, u1, lowmask) << ln0), ln)
-                else:
-                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g0, k, lowmask)
-                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g1, k, lowmask)
-                j += 2
-        for j in range(j, cnt):
-            lp = np.int64(pos[j])
-            g = lp - prev - 1
-            prev = lp
-            if p + (((g >> k) + k) >> 3) + 8 > pend:
-                bad = True
-                break
-            p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g, k, lowmask)
-        if bad:
-            over[t] = 1
-            continue
-        h = hist[t]
-        h[0] = cnt - n1 - nr
-        h[1] = n1
-        for j in range(nr):
-            h[rare[j]] += 1
-        if update:
-            for bi in range(nblocks):
-                m = masks[bi]
-                bs = s + 64 * bi
-                if m == 0:
-                    continue
-                if bs + 64 <= e:
-                    if cast:
-                        cast_fold64(a, bs, src, bs, m)
-                    else:
-                        fold64(a, bs, b, bs, m)
-                else:
-                    for lane in range(e - bs):
-                        a[bs + lane] = _new_bits(b, src, bs + lane, cast)
-        rice_len[t] = entropy.rice_flush(rice_buf, p, acc, nbits) - p0
-        n_esc[t] = ne
+        pos, rare, masks, escs, lanes = pos_rows[me], rare_rows[me], mask_rows[me], esc_rows[me], lane_rows[me]
+        if cast:
+            if vector_compress:
+                _scan_tile(a, src, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, None,
+                           ns, ks, rice_len, n_esc, over, hist)
+            else:
+                _scan_tile(a, src, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, lanes,
+                           ns, ks, rice_len, n_esc, over, hist)
+        elif vector_compress:
+            _scan_tile(a, b, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, None,
+                       ns, ks, rice_len, n_esc, over, hist)
+        else:
+            _scan_tile(a, b, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, lanes,
+                       ns, ks, rice_len, n_esc, over, hist)
     return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
 
 
@@ -633,8 +731,8 @@ def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym
     check_scan_pair(old, new, tile, cast)
     args = ((old, old[:0], 2, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update, new, True) if cast else
             (old, new, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update, np.empty(0, np.uint32), False))
-    if _PACKED_SCAN and tile <= 65536 and old.itemsize in (1, 2, 4):
-        return scan_encode_tiles_packed(*args, nb.config.NUMBA_NUM_THREADS)
+    if tile <= 65536 and old.itemsize in (1, 2, 4):  # uint16 positions; 8-, 16- and 32-bit lanes
+        return scan_encode_tiles_packed(*args, nb.config.NUMBA_NUM_THREADS, _VECTOR_COMPRESS)
     return scan_encode_tiles(*args)
 
 

@@ -397,8 +397,8 @@ def _scan_with(kernel: str, a: np.ndarray, b: np.ndarray, tile: int, update: boo
     syms = np.zeros(ntiles * 2 * tile, np.uint8)
     args = ((a, a[:0], 2, tile, rice, tile + tile_codec._RICE_SLACK, syms, update, b, True) if cast else
             (a, b, a.itemsize, tile, rice, tile + tile_codec._RICE_SLACK, syms, update, np.empty(0, np.uint32), False))
-    if kernel == "packed":
-        out = tile_codec.scan_encode_tiles_packed(*args, numba.config.NUMBA_NUM_THREADS)
+    if kernel in ("compress", "lanes"):
+        out = tile_codec.scan_encode_tiles_packed(*args, numba.config.NUMBA_NUM_THREADS, kernel == "compress")
     else:
         out = tile_codec.scan_encode_tiles(*args)
     ns, ks, rice_len, n_esc, counts, over = out
@@ -417,15 +417,17 @@ def _scan_with(kernel: str, a: np.ndarray, b: np.ndarray, tile: int, update: boo
                                              (5000, 1.0, 0.8), (20_011, 0.01, 0.5), (3000, 0.3, 1.0)])
 @pytest.mark.parametrize("update", [False, True])
 def test_packed_and_walking_scans_give_the_same_bytes(width: int, n: int, density: float, far: float, update: bool) -> None:
-    """The compress-store scan (where the CPU has it) and the one-walk scan (everywhere else)
-    are one format: the same streams, counts, overflowed tiles and folds, partial blocks and
-    tiles with more escapes than their scratch holds included (every element changed, 80% far)."""
+    """The packed scan, with compress-stores (where the CPU has them; elsewhere LLVM lowers
+    them element by element) or with lane walks (everywhere else), and the one-walk scan are
+    one format: the same streams, counts, overflowed tiles and folds, partial blocks and tiles
+    with more escapes than their scratch holds included (every element changed, 80% far)."""
     a, b = _pair(width, n, density, seed=n + width, far=far)
     for tile in (64, 1024):
-        packed = _scan_with("packed", a, b, tile, update, cast=False)
         walked = _scan_with("walk", a, b, tile, update, cast=False)
-        assert packed == walked
-        assert update or packed[2] == a.tobytes()
+        for kernel in ("compress", "lanes"):
+            packed = _scan_with(kernel, a, b, tile, update, cast=False)
+            assert packed == walked, kernel
+            assert update or packed[2] == a.tobytes()
     if far >= 0.8 and density == 1.0 and width == 2:
         assert any(packed[0][5]), "expected tiles that overflow their escape scratch"
 
@@ -439,17 +441,18 @@ def test_packed_and_walking_cast_scans_give_the_same_bytes(update: bool) -> None
     stepped = master + np.where(rng.random(master.size) < 0.5, 3e-5, -3e-5).astype(np.float32)
     stepped[7000] = 1e-40  # a subnormal: its tile is left to torch
     for tile in (64, 1024):
-        packed = _scan_with("packed", old, stepped.view(np.uint32), tile, update, cast=True)
         walked = _scan_with("walk", old, stepped.view(np.uint32), tile, update, cast=True)
-        assert packed == walked
-        assert sum(packed[0][5]) == 3  # the tiles of the two NaNs and the subnormal
+        for kernel in ("compress", "lanes"):
+            packed = _scan_with(kernel, old, stepped.view(np.uint32), tile, update, cast=True)
+            assert packed == walked, kernel
+        assert sum(walked[0][5]) == 3  # the tiles of the two NaNs and the subnormal
 
 
-def test_the_packed_scan_is_the_one_used_where_the_cpu_has_compress_stores() -> None:
+def test_the_packed_scan_uses_compress_stores_where_the_cpu_has_them() -> None:
     from weftboard.cuda import bitops, entropy
 
     assert (bitops._MAX_DELTA, bitops._ESC) == (entropy.MAX_DELTA, entropy.ESC)
-    assert tile_codec._PACKED_SCAN == bitops.HAS_VECTOR_COMPRESS
+    assert tile_codec._VECTOR_COMPRESS == bitops.HAS_VECTOR_COMPRESS
 
 
 @pytest.mark.parametrize("counts", [[0], [5], [7, 0], [3, 9, 0, 1], [0, 0, 4], [4096, 17, 2500, 2500, 1]])
@@ -494,6 +497,8 @@ def test_packed_scan_codes_long_gaps_like_the_walk(tile: int) -> None:
         b[s + tile - 1] -= np.uint16(1)
     b[-1] += np.uint16(5)
     for update in (False, True):
-        assert _scan_with("packed", a, b, tile, update, cast=False) == _scan_with("walk", a, b, tile, update, cast=False)
+        walked = _scan_with("walk", a, b, tile, update, cast=False)
+        assert _scan_with("compress", a, b, tile, update, cast=False) == walked
+        assert _scan_with("lanes", a, b, tile, update, cast=False) == walked
     changed, stream = tile_codec.encode_sparse(a, b, tile)
     assert stream is not None and changed == int((a != b).sum())
