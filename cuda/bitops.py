@@ -190,6 +190,22 @@ def store_u32le(typingctx, buf, pos, value):  # type: ignore[no-untyped-def]
     return types.none(buf, types.int64, value), codegen
 
 
+@intrinsic
+def store_u16le(typingctx, buf, pos, value):  # type: ignore[no-untyped-def]
+    """Store the low 16 bits of ``value`` at ``buf[pos : pos + 2]``, little-endian, in one
+    unaligned store. No bounds check."""
+    _check_flat(buf, types.uint8, "store_u16le")
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(16).as_pointer())
+        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        builder.store(builder.trunc(value, ir.IntType(16)), ptr, align=1)
+        return context.get_dummy_value()
+
+    return types.none(buf, types.int64, value), codegen
+
+
 def _host_has_vector_compress() -> bool:
     """Whether the kernels are compiled for a CPU with byte and word compress-stores."""
     if numba.config.CPU_NAME or numba.config.CPU_FEATURES:  # a chosen target (e.g. a portable cache)

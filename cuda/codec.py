@@ -256,17 +256,18 @@ def _encode_pair_context(name: str, old: torch.Tensor, new: torch.Tensor) -> Enc
     return EncodedTensor(name, old.dtype, a.size, changed, "context", stream)
 
 
-def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor) -> EncodedTensor | None:
+def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor, scratch: dict | None = None) -> EncodedTensor | None:
     """The default encoding of a CPU pair in one read of both tensors (``tile_codec``).
 
     None when the tensor is better served by the bitmap mode or a tile was pathologically
-    dense; the caller then takes the two-step path, which picks the mode itself.
+    dense; the caller then takes the two-step path, which picks the mode itself. ``scratch``:
+    a pool kept across the pairs of one encode (``tile_codec.pooled``).
     """
     check_pair(old, new)
     a = unsigned_np(bits_view(old.detach().contiguous()))
     b = unsigned_np(bits_view(new.detach().contiguous()))
     numel = a.size
-    changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE)
+    changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE, scratch)
     if changed == 0:
         return EncodedTensor(name, old.dtype, numel, 0, "empty", np.empty(0, np.uint8))
     if changed == numel:
@@ -443,6 +444,7 @@ def encode_patch(
     Both give the same container, decoded by the same readers.
     """
     _check_encoding(encoding)
+    scratch: dict = {}  # one scratch pool for all pairs (see tile_codec.pooled)
 
     def encoded() -> Iterable[EncodedTensor]:
         for name, old, new in pairs:
@@ -453,7 +455,7 @@ def encode_patch(
                     yield fused
                     continue
             if encoding != "baseline" and on_cpu:
-                fused = _encode_pair_fused(name, old, new)
+                fused = _encode_pair_fused(name, old, new, scratch)
                 if fused is not None:
                     yield fused
                     continue
@@ -484,7 +486,9 @@ def _write_container(header: dict[str, Any], streams: list[tuple[str, bytes]]) -
 
 
 def _field(obj: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
-    value = obj.get(key) if isinstance(obj, Mapping) else None
+    # A parsed header holds plain dicts; the dict check first skips typing.Mapping's slow
+    # isinstance on every field of every tensor entry.
+    value = obj.get(key) if isinstance(obj, dict) or isinstance(obj, Mapping) else None
     if kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     else:

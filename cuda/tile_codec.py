@@ -56,7 +56,7 @@ from numba.extending import overload
 
 from weftboard.cuda.bitops import (HAS_VECTOR_COMPRESS, block_fold64, block_ne_mask64, block_special64,
                                    block_sym_compress64, block_sym_lanes64, cast_ne_mask64, cast_special64, ctlz64,
-                                   ctpop64, cttz64, cttz64z, load_u64le, ne_mask64)
+                                   ctpop64, cttz64, cttz64z, load_u64le, ne_mask64, store_u16le)
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 from weftboard.cuda.jit import parallel_kernel
 
@@ -168,10 +168,10 @@ def _pack_lanes(m, lanes, sym_buf, sym_at, pos, pos_at, base):
     n = np.int64(ctpop64(m))
     i = 0
     while i < n:
-        for _ in range(8):
-            lane = np.int64(cttz64z(m))
-            sym_buf[sym_at + i] = lanes[lane]
-            pos[pos_at + i] = base + lane
+        for _ in range(8):  # unsigned indices: no negative-index fix-ups (three instructions each)
+            lane = cttz64z(m)
+            sym_buf[np.uint64(sym_at + i)] = lanes[lane]
+            pos[np.uint64(pos_at + i)] = base + np.int64(lane)
             m &= m - np.uint64(1)
             i += 1
 
@@ -458,8 +458,8 @@ def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, 
     # a time: one append per pair halves the writer's dependency chain.
     if ((cnt * (k + 1) + ((lastpos + 1 - cnt) >> k)) >> 3) + 8 <= rstride - 16:
         while j + 1 < cnt:
-            l0 = np.int64(pos[j])
-            l1 = np.int64(pos[j + 1])
+            l0 = np.int64(pos[np.uint64(j)])
+            l1 = np.int64(pos[np.uint64(j + 1)])
             g0 = l0 - prev - 1
             g1 = l1 - l0 - 1
             prev = l1
@@ -547,18 +547,21 @@ def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, upda
 
 
 @nb.njit(inline="always", cache=True)
-def _rans_put(rans_buf, q, x, tab, s):
-    """One symbol ``s`` into the rANS state ``x`` whose bytes go down from ``q``; (q, x)."""
-    xmax = tab[s, 0]
+def _rans_put(rans_buf, q, x, tabf, s):
+    """One symbol ``s`` into the rANS state ``x`` whose bytes go down from ``q``; (q, x).
+    ``tabf`` is ``entropy.rans_encoder_tables`` flattened (five entries per symbol), indexed
+    unsigned so that numba adds no negative-index fix-ups to the hot loop."""
+    r = np.uint64(s) * np.uint64(5)
+    xmax = tabf[r]
     # Renormalise without branches (how many bytes a symbol pushes out is a coin flip for the
-    # predictor): both candidate bytes are stored, q moves by the number due, and a byte not
-    # due is overwritten by the next one.
+    # predictor): both candidate bytes are stored (one 16-bit store: x's low byte at q - 1,
+    # the next at q - 2), q moves by the number due, and a byte not due is overwritten next.
     nbytes = (1 if x >= xmax else 0) + (1 if (x >> 8) >= xmax else 0)
-    rans_buf[q - 1] = x & 0xFF
-    rans_buf[q - 2] = (x >> 8) & 0xFF
+    store_u16le(rans_buf, q - 2, ((x & 0xFF) << 8) | ((x >> 8) & 0xFF))
     q -= nbytes
     x >>= nbytes << 3
-    return q, x + tab[s, 3] + (((x * tab[s, 1]) >> 32) >> tab[s, 2]) * tab[s, 4]
+    return q, (x + tabf[r + np.uint64(3)]
+               + (((x * tabf[r + np.uint64(1)]) >> 32) >> tabf[r + np.uint64(2)]) * tabf[r + np.uint64(4)])
 
 
 @nb.njit(inline="always", cache=True)
@@ -588,10 +591,10 @@ def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
         x = RANS_L
         j = sym_off[t] + n
         for c in range(nclasses - 1, -1, -1):
-            tab = rtab[c]
+            tabf = rtab[c].ravel()
             for _ in range(ns[t, c]):
                 j -= 1
-                q, x = _rans_put(rans_buf, q, x, tab, sym_buf[j])  # q stays >= rans_off[t] + 4
+                q, x = _rans_put(rans_buf, q, x, tabf, sym_buf[np.uint64(j)])  # q stays >= rans_off[t] + 4
         starts[t] = _rans_close(rans_buf, q, x)
     return starts
 
@@ -603,6 +606,7 @@ def rans_encode_tile_pairs(sym_buf, sym_off, ns, tab, rans_off, rans_buf):
     so a core left with one chain idles most of each step; two independent chains fill it."""
     ntiles = ns.shape[0]
     starts = np.zeros(ntiles, np.int64)
+    tabf = tab.ravel()
     for pr in nb.prange((ntiles + 1) // 2):
         t0 = 2 * pr
         t1 = min(t0 + 1, ntiles - 1)
@@ -618,14 +622,14 @@ def rans_encode_tile_pairs(sym_buf, sym_off, ns, tab, rans_off, rans_buf):
         for _ in range(both):
             j0 -= 1
             j1 -= 1
-            q0, x0 = _rans_put(rans_buf, q0, x0, tab, sym_buf[j0])
-            q1, x1 = _rans_put(rans_buf, q1, x1, tab, sym_buf[j1])
+            q0, x0 = _rans_put(rans_buf, q0, x0, tabf, sym_buf[np.uint64(j0)])
+            q1, x1 = _rans_put(rans_buf, q1, x1, tabf, sym_buf[np.uint64(j1)])
         for _ in range(n0 - both):
             j0 -= 1
-            q0, x0 = _rans_put(rans_buf, q0, x0, tab, sym_buf[j0])
+            q0, x0 = _rans_put(rans_buf, q0, x0, tabf, sym_buf[np.uint64(j0)])
         for _ in range(n1 - both):
             j1 -= 1
-            q1, x1 = _rans_put(rans_buf, q1, x1, tab, sym_buf[j1])
+            q1, x1 = _rans_put(rans_buf, q1, x1, tabf, sym_buf[np.uint64(j1)])
         if n0:
             starts[t0] = _rans_close(rans_buf, q0, x0)
         if n1:
@@ -691,25 +695,40 @@ def _scratch(nbytes: int) -> np.ndarray:
     return torch.empty(max(nbytes, 1), dtype=torch.uint8).numpy()
 
 
-def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int) -> tuple[int, np.ndarray | None]:
+def pooled(scratch: dict | None, key: str, nbytes: int) -> np.ndarray:
+    """``nbytes`` of scratch under ``key`` in ``scratch`` (grown when too small), or fresh
+    scratch when there is no pool. An encode that keeps one pool across its tensors touches
+    each scratch page once instead of once per tensor: first touches are page faults, which
+    cost more than the coding of a sparse tile's few kilobytes. A pooled buffer is only
+    valid until the next call that uses the pool."""
+    if scratch is None:
+        return _scratch(nbytes)
+    buf = scratch.get(key)
+    if buf is None or buf.size < nbytes:
+        buf = scratch[key] = _scratch(nbytes)
+    return buf
+
+
+def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None = None) -> tuple[int, np.ndarray | None]:
     """(number of changed elements, the ``sparse`` stream), one read of both arrays.
 
     ``old`` and ``new`` are unsigned views of one element width. The stream is None when
     nothing changed or when a tile did not fit its scratch (a pathological, very dense tile);
-    the caller then picks another mode or the two-step encoder.
+    the caller then picks another mode or the two-step encoder. ``scratch``: a pool kept
+    across calls (``pooled``).
     """
     width = old.itemsize
     ntiles = (old.size + tile - 1) // tile
     rstride = tile + _RICE_SLACK
-    rice_buf = _scratch(ntiles * rstride)
-    sym_buf = _scratch(ntiles * 2 * tile)
+    rice_buf = pooled(scratch, "sparse_rice", ntiles * rstride)
+    sym_buf = pooled(scratch, "sparse_sym", ntiles * 2 * tile)
     ns, ks, rice_len, n_esc, counts, over = _scan(old, new, tile, rice_buf, sym_buf)
     total = int(ns.sum())
     if total == 0 or over.any():
         return total, None
     tiles = np.arange(ntiles, dtype=np.int64)  # the scratch layout: fixed strides per tile
     return total, _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles,
-                                     sym_buf, 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile)
+                                     sym_buf, 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, scratch=scratch)
 
 
 def check_scan_pair(old: np.ndarray, new: np.ndarray, tile: int, cast: bool) -> None:
@@ -737,11 +756,12 @@ def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym
 
 
 def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off,
-                       prefix=None):
+                       prefix=None, scratch=None):
     """Passes 2 and 3 over scanned tiles wherever their bytes lie. One class (the ``sparse``
     stream): every argument per tile and one histogram ``counts``; several (``context``):
     ``ns``, ``ks`` and the Rice and escape pieces per (tile, class), ``counts`` (classes,
-    NSYM), and the stream's ``prefix``; ``sym_off`` is per tile either way."""
+    NSYM), and the stream's ``prefix``; ``sym_off`` is per tile either way. ``scratch``: a
+    pool for the rANS bytes (``pooled``)."""
     ntiles = ns.shape[0]
     ns, ks, rice_len, n_esc, rice_off, esc_off = (x.reshape(ntiles, -1)
                                                   for x in (ns, ks, rice_len, n_esc, rice_off, esc_off))
@@ -755,7 +775,7 @@ def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_of
     total = ns.sum(axis=1)
     rans_off = np.zeros(total.size + 1, np.int64)
     np.cumsum(np.where(total > 0, 2 * total + 4, 0), out=rans_off[1:])
-    rans_buf = _scratch(int(rans_off[-1]))
+    rans_buf = pooled(scratch, "rans", int(rans_off[-1]))
     if ns.shape[1] == 1:
         starts = rans_encode_tile_pairs(sym_buf, sym_off, np.ascontiguousarray(ns[:, 0]), rtab[0], rans_off, rans_buf)
     else:
@@ -896,12 +916,12 @@ def rans_symbol(buf, x, pa, aend, freq, cum, slot2sym):
     """Decode one symbol from the rANS state ``x`` reading at ``buf[pa:aend]``: returns
     ``(symbol, x, pa, err)``, ``err`` 6 when the stream runs out."""
     slot = x & ((1 << SCALE_BITS) - 1)
-    s = slot2sym[slot]
+    s = slot2sym[np.uint64(slot)]  # unsigned indices: no negative-index fix-ups in the loop
     x = freq[s] * (x >> SCALE_BITS) + slot - cum[s]
     while x < RANS_L:
         if pa >= aend:
             return s, x, pa, 6
-        x = (x << 8) | np.int64(buf[pa])
+        x = (x << 8) | np.int64(buf[np.uint64(pa)])
         pa += 1
     return s, x, pa, 0
 
@@ -1038,7 +1058,7 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
                 if sign < 0:
                     d = (np.uint64(0) - d) & mask
             else:
-                d = sym2diff[s]
+                d = sym2diff[np.uint64(s)]
             g, p, acc, nbits, err = rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile)
             if err:
                 break
@@ -1050,7 +1070,7 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
                 out_pos[starts[t] + i] = cur
                 out_diff[starts[t] + i] = d
             else:
-                target[cur] = np.uint64(target[cur]) + d
+                target[np.uint64(cur)] = np.uint64(target[np.uint64(cur)]) + d
             applied += 1
             prev = cur
         done[t] = applied

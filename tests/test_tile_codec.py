@@ -502,3 +502,21 @@ def test_packed_scan_codes_long_gaps_like_the_walk(tile: int) -> None:
         assert _scan_with("lanes", a, b, tile, update, cast=False) == walked
     changed, stream = tile_codec.encode_sparse(a, b, tile)
     assert stream is not None and changed == int((a != b).sum())
+
+
+def test_a_scratch_pool_shared_across_tensors_gives_each_its_own_bytes() -> None:
+    """``encode_patch`` keeps one scratch pool for all its tensors: buffers left dirty by a
+    larger, denser tensor must not leak into the next one's stream."""
+    pairs = [_pair(2, n, density, seed=n, far=far) for n, density, far in
+             [(300_000, 0.3, 0.2), (5_000, 0.01, 0.0), (150_001, 0.05, 0.01), (64, 1.0, 1.0), (90_000, 0.02, 0.0)]]
+    scratch: dict = {}
+    for a, b in pairs:
+        alone = tile_codec.encode_sparse(a, b, CODEC_TILE)
+        pooled = tile_codec.encode_sparse(a, b, CODEC_TILE, scratch)
+        assert pooled[0] == alone[0]
+        assert (pooled[1] is None) == (alone[1] is None)
+        if alone[1] is not None:
+            assert pooled[1].tobytes() == alone[1].tobytes()
+    first = {key: buf for key, buf in scratch.items()}
+    tile_codec.encode_sparse(*pairs[1], CODEC_TILE, scratch)  # smaller: the pool's buffers are reused
+    assert all(scratch[key] is buf for key, buf in first.items())
