@@ -178,9 +178,18 @@ def _pack_lanes(m, lanes, sym_buf, sym_at, pos, pos_at, base):
 
 @nb.njit(inline="always", cache=True)
 def _pack_rare(rr, lanes, rare, at):
-    """The symbols of the set lanes of ``rr`` (those >= 2: rare) at ``rare[at:]``."""
+    """The symbols of the set lanes of ``rr`` (those >= 2: rare) at ``rare[at:]``. The first
+    two go without a branch (a block holds none, one or two most of the time, a coin flip for
+    a loop's exit); a slot past the last (lane 64's byte) is overwritten by the next block, and
+    both lie inside ``rare``: it has 64 slots per block and ``at`` is at most 64 times the
+    block's index."""
+    rare[np.uint64(at)] = lanes[cttz64z(rr)]
+    rr &= rr - np.uint64(1)
+    rare[np.uint64(at + 1)] = lanes[cttz64z(rr)]
+    rr &= rr - np.uint64(1)
+    at += 2
     while rr != 0:
-        rare[at] = lanes[np.int64(cttz64(rr))]
+        rare[np.uint64(at)] = lanes[cttz64(rr)]
         rr &= rr - np.uint64(1)
         at += 1
 
@@ -455,8 +464,40 @@ def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, 
     j = 0
     # The Rice bits are at most cnt * (k + 1) + (total gap >> k) (a sum of floors is at most
     # the floor of the sum); when that leaves the check below no way to fire, codes go two at
-    # a time: one append per pair halves the writer's dependency chain.
+    # a time, or four where the codes are short (dense tiles: k <= 4), one append per group:
+    # the bit writer's dependency chain is paid once per group.
     if ((cnt * (k + 1) + ((lastpos + 1 - cnt) >> k)) >> 3) + 8 <= rstride - 16:
+        if k <= 4:
+            while j + 3 < cnt:
+                l0 = np.int64(pos[np.uint64(j)])
+                l1 = np.int64(pos[np.uint64(j + 1)])
+                l2 = np.int64(pos[np.uint64(j + 2)])
+                l3 = np.int64(pos[np.uint64(j + 3)])
+                g0 = l0 - prev - 1
+                g1 = l1 - l0 - 1
+                g2 = l2 - l1 - 1
+                g3 = l3 - l2 - 1
+                prev = l3
+                u0 = g0 >> k
+                u1 = g1 >> k
+                u2 = g2 >> k
+                u3 = g3 >> k
+                at1 = u0 + 1 + k
+                at2 = at1 + u1 + 1 + k
+                at3 = at2 + u2 + 1 + k
+                ln = at3 + u3 + 1 + k
+                if ln <= 31:
+                    p, acc, nbits = entropy.bits_put(rice_buf, p, acc, nbits,
+                                                     entropy.rice_code(g0, u0, lowmask)
+                                                     | (entropy.rice_code(g1, u1, lowmask) << at1)
+                                                     | (entropy.rice_code(g2, u2, lowmask) << at2)
+                                                     | (entropy.rice_code(g3, u3, lowmask) << at3), ln)
+                else:
+                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g0, k, lowmask)
+                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g1, k, lowmask)
+                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g2, k, lowmask)
+                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g3, k, lowmask)
+                j += 4
         while j + 1 < cnt:
             l0 = np.int64(pos[np.uint64(j)])
             l1 = np.int64(pos[np.uint64(j + 1)])
