@@ -1022,9 +1022,8 @@ def apply_tiles(buf, target, numel, tile, width, ns, ks, rice, rans, esc, offs, 
     ``entropy.ERRORS`` code per tile (0 when valid) and how many changes each tile wrote.
     A position is written only after it was decoded and checked to lie inside its tile.
     """
-    none = np.empty(0, np.int64)
-    return _decode_tiles(buf, target, none, target[:0], numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum,
-                         slot2sym, sign, limit, False)
+    return _decode_tiles(buf, target, None, None, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum,
+                         slot2sym, sign, limit)
 
 
 def decode_tiles(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym, out_pos, out_diff):
@@ -1032,15 +1031,17 @@ def decode_tiles(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, c
     the per-tile error codes. The same kernel as ``apply_tiles``, so both accept exactly the
     same streams."""
     errs, _ = _decode_tiles(buf, out_diff[:0], out_pos, out_diff, numel, tile, width, ns, ks, rice, rans, esc, offs,
-                            freq, cum, slot2sym, 1, ns, True)
+                            freq, cum, slot2sym, 1, ns)
     return errs
 
 
 @parallel_kernel
 def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym,
-                  sign, limit, to_arrays):
-    """The decoder: each change goes into ``target`` in place, or (``to_arrays``) into
-    ``out_pos``/``out_diff`` at the tile's prefix-sum offset."""
+                  sign, limit):
+    """The decoder: each change goes into ``target`` in place (``out_pos`` and ``out_diff``
+    None), or into ``out_pos``/``out_diff`` at the tile's prefix-sum offset. The choice is
+    made when the kernel is typed (numba prunes the branch on ``None``), so the apply loop
+    carries no code of the other."""
     ntiles = ns.size
     errs = np.zeros(ntiles, np.int64)
     done = np.zeros(ntiles, np.int64)
@@ -1107,7 +1108,7 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
             if cur >= tile_end:
                 err = 2
                 break
-            if to_arrays:
+            if out_pos is not None:
                 out_pos[starts[t] + i] = cur
                 out_diff[starts[t] + i] = d
             else:
