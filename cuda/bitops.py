@@ -300,8 +300,8 @@ def cast_fold64(typingctx, a, a_start, src, src_start, m):  # type: ignore[no-un
 
 def _block_symbols(context: Any, builder: Any, sig: Any, args: Any,
                    new_vector: Callable[[Any, Any, Any, Any, int], Any]) -> Any:
-    """The 64 symbols, as bytes, of the block ``args[0][args[1]:]`` against ``new_vector``'s new bits: each
-    lane as ``entropy.symbol`` computes it one at a time."""
+    """The 64 symbols, as bytes, of the block ``args[0][args[1]:]`` against ``new_vector``'s
+    new bits: each lane as ``entropy.symbol`` computes it one at a time."""
     bits = sig.args[0].dtype.bitwidth
     old = _load64(context, builder, sig.args[0], args[0], args[1], bits)
     d = builder.sub(new_vector(context, builder, sig, args, bits), old)
@@ -324,9 +324,8 @@ def _in_register(builder: Any, value: Any) -> Any:
 
 def _symbol_masks(builder: Any, m: Any, sym8: Any) -> tuple[Any, Any, Any]:
     """The (escaped, symbol 1, symbol >= 2) masks of a block's changed lanes ``m``, from the
-    symbols as bytes (a coded symbol is below ESC = 128): byte compares, which LLVM turns
-    into one compare and one ``pmovmskb`` per 32 lanes on AVX2 (wider lanes' masks it
-    scalarised there, a byte at a time)."""
+    symbols as bytes (a coded symbol is below ESC = 128): on AVX2 one byte compare and one
+    ``pmovmskb`` per 32 lanes each."""
 
     def lanes_where(pred: str, value: int) -> Any:
         bits = builder.bitcast(builder.icmp_unsigned(pred, sym8, _splat(8, value)), ir.IntType(64))
@@ -435,8 +434,8 @@ def cast_sym_lanes64(typingctx, a, a_start, src, src_start, m, lanes):  # type: 
 # Block operations generic over the new version's form: ``new`` is either the new bits (the
 # old bits' dtype) or fp32 bits whose bf16 cast is the new version (a cast scan: the dtypes
 # differ). The choice is made when a kernel is typed, so a kernel body written once compiles
-# to one loop per form with no branch on the form inside: LLVM, given both forms behind a
-# runtime flag, merged their vector code and scalarised the masks (a byte at a time).
+# to one loop per form: no branch on the form in the hot loop, and none of the other form's
+# vector code competing for its registers.
 
 
 def _is_cast(a: Any, new: Any) -> bool:

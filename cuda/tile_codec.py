@@ -17,8 +17,8 @@ time into change masks (one vector compare per block, ``bitops.ne_mask64``), and
 ``scan_encode_tiles_packed`` packs each block's symbols and positions (all 64 symbols are
 computed in vectors; where the CPU has compress-stores, AVX-512 VBMI2, two instructions pack
 them, elsewhere an unrolled count-trailing-zeros walk eight lanes a round), then Rice-codes
-the packed positions in one long loop, two codes per append (no branch per change and half
-the bit writer's dependency chain); only the symbols (one byte each) wait until the tensor's
+the packed positions in one long loop, two or four codes per append (no branch per change,
+the bit writer's dependency chain paid once per group); only the symbols (one byte each) wait until the tensor's
 frequency table is known. ``scan_encode_tiles`` is the same scan as one walk of the masks
 (each change coded on the spot), kept for 64-bit elements and tiles above 65536; tests hold
 every path to the same bytes. rANS, whose every symbol waits on the previous one's multiply,
@@ -47,13 +47,12 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import numba as nb
-from numba import types
 import numpy as np
 import torch
-
-from weftboard.cuda import entropy
+from numba import types
 from numba.extending import overload
 
+from weftboard.cuda import entropy
 from weftboard.cuda.bitops import (HAS_VECTOR_COMPRESS, block_fold64, block_ne_mask64, block_special64,
                                    block_sym_compress64, block_sym_lanes64, cast_ne_mask64, cast_special64, ctlz64,
                                    ctpop64, cttz64, cttz64z, load_u64le, ne_mask64, store_u16le)
@@ -363,8 +362,9 @@ def _pack_block(a, bs, new, m, sym_buf, sym_at, pos, pos_at, base, rare, rare_at
 def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, lanes,
                ns, ks, rice_len, n_esc, over, hist):
     """Tile ``t`` of ``scan_encode_tiles_packed``: its results at index ``t`` of ``ns`` ...
-    ``hist``. ``new`` is the new bits or their cast form, ``pack_block`` ``_compress_block``
-    or ``_lanes_block``: each combination compiles to its own loops (see ``bitops``)."""
+    ``hist``. ``new`` is the new bits or their cast form, ``lanes`` None (pack with
+    compress-stores) or a row of 65 bytes or more (``pack_block``): each combination
+    compiles to its own loops (see ``bitops``)."""
     numel = a.size
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
     wbits = np.uint64(8 * width - 1)
@@ -571,6 +571,8 @@ def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, upda
     for t in nb.prange(ntiles):
         me = nb.get_thread_id()
         pos, rare, masks, escs, lanes = pos_rows[me], rare_rows[me], mask_rows[me], esc_rows[me], lane_rows[me]
+        # Arguments spelled out: passing the rows and results as tuples unpacked with * made
+        # the whole scan a third slower on the bench's bf16 tensors.
         if cast:
             if vector_compress:
                 _scan_tile(a, src, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, None,
@@ -739,9 +741,9 @@ def _scratch(nbytes: int) -> np.ndarray:
 def pooled(scratch: dict | None, key: str, nbytes: int) -> np.ndarray:
     """``nbytes`` of scratch under ``key`` in ``scratch`` (grown when too small), or fresh
     scratch when there is no pool. An encode that keeps one pool across its tensors touches
-    each scratch page once instead of once per tensor: first touches are page faults, which
-    cost more than the coding of a sparse tile's few kilobytes. A pooled buffer is only
-    valid until the next call that uses the pool."""
+    each scratch page once instead of once per tensor: first touches are page faults (fresh
+    scratch for each of the bench's 66 bf16 tensors cost about 8 ms of a 50 ms scan). A
+    pooled buffer is only valid until the next call that uses the pool."""
     if scratch is None:
         return _scratch(nbytes)
     buf = scratch.get(key)
