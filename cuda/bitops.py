@@ -174,36 +174,28 @@ def load_u64le(typingctx, buf, pos):  # type: ignore[no-untyped-def]
     return types.uint64(buf, types.int64), codegen
 
 
-@intrinsic
-def store_u32le(typingctx, buf, pos, value):  # type: ignore[no-untyped-def]
-    """Store the low 32 bits of ``value`` at ``buf[pos : pos + 4]``, little-endian, in one
-    unaligned store. No bounds check."""
-    _check_flat(buf, types.uint8, "store_u32le")
+def _store_le_intrinsic(bits: int) -> Any:
+    """A numba intrinsic ``(buf, pos, value)`` storing the low ``bits`` of ``value`` at
+    ``buf[pos : pos + bits // 8]``, little-endian, in one unaligned store. No bounds check."""
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(32).as_pointer())
-        value = context.cast(builder, args[2], signature.args[2], types.int64)
-        builder.store(builder.trunc(value, ir.IntType(32)), ptr, align=1)
-        return context.get_dummy_value()
+    def typer(typingctx, buf, pos, value):  # type: ignore[no-untyped-def]
+        _check_flat(buf, types.uint8, f"store_u{bits}le")
 
-    return types.none(buf, types.int64, value), codegen
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(bits).as_pointer())
+            value = context.cast(builder, args[2], signature.args[2], types.int64)
+            builder.store(builder.trunc(value, ir.IntType(bits)), ptr, align=1)
+            return context.get_dummy_value()
+
+        return types.none(buf, types.int64, value), codegen
+
+    typer.__name__ = f"store_u{bits}le"
+    return intrinsic(typer)
 
 
-@intrinsic
-def store_u16le(typingctx, buf, pos, value):  # type: ignore[no-untyped-def]
-    """Store the low 16 bits of ``value`` at ``buf[pos : pos + 2]``, little-endian, in one
-    unaligned store. No bounds check."""
-    _check_flat(buf, types.uint8, "store_u16le")
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(16).as_pointer())
-        value = context.cast(builder, args[2], signature.args[2], types.int64)
-        builder.store(builder.trunc(value, ir.IntType(16)), ptr, align=1)
-        return context.get_dummy_value()
-
-    return types.none(buf, types.int64, value), codegen
+store_u32le = _store_le_intrinsic(32)
+store_u16le = _store_le_intrinsic(16)
 
 
 def _host_has_vector_compress() -> bool:

@@ -545,14 +545,19 @@ def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, 
 
 
 @parallel_kernel
-def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, update, src, cast, nthreads, vector_compress):
-    """``scan_encode_tiles`` (the same arguments, results and bytes) in three passes per tile
-    instead of one walk: each 64-element block's symbols and positions are packed (no branch
-    per change, no scattered reloads), then the packed positions are Rice-coded in one long
-    loop, then ``update`` folds the tile. Only the rare symbols (>= 2) are counted one by one;
-    symbol 1 is a popcount and symbol 0 the rest. ``vector_compress``: pack with
-    compress-stores (``bitops.HAS_VECTOR_COMPRESS``; elsewhere LLVM lowers them to 64
-    conditional stores each), else with ``_pack_lanes``.
+def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, update, src, nthreads, lane_rows):
+    """``scan_encode_tiles`` (the same results and bytes) in three passes per tile instead of
+    one walk: each 64-element block's symbols and positions are packed (no branch per change,
+    no scattered reloads), then the packed positions are Rice-coded in one long loop, then
+    ``update`` folds the tile. Only the rare symbols (>= 2) are counted one by one; symbol 1
+    is a popcount and symbol 0 the rest.
+
+    Two choices are made by the arguments' types, when the kernel is compiled (numba prunes
+    the branches on None, so each call compiles only the ``_scan_tile`` it runs): ``src``
+    None compares ``b`` with ``a``, an fp32 array compares its bf16 cast (``b`` unused, as
+    ``cast`` in ``scan_encode_tiles``); ``lane_rows`` None packs with compress-stores
+    (``bitops.HAS_VECTOR_COMPRESS``; elsewhere LLVM lowers them to 64 conditional stores
+    each), a (``nthreads``, 128) uint8 array with ``_pack_lanes`` walks.
 
     Positions within a tile are uint16, so ``tile`` is at most 65536. A thread's packed
     positions, rare symbols, masks and lanes live in per-thread rows allocated once per call
@@ -567,26 +572,33 @@ def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, upda
     rare_rows = np.empty((nthreads, 64 * maxblocks), np.uint8)
     mask_rows = np.empty((nthreads, maxblocks), np.uint64)
     esc_rows = np.empty((nthreads, maxblocks), np.uint64)
-    lane_rows = np.empty((nthreads, 128), np.uint8)  # 65 used: _pack_lanes reads lane 64
     for t in nb.prange(ntiles):
         me = nb.get_thread_id()
-        pos, rare, masks, escs, lanes = pos_rows[me], rare_rows[me], mask_rows[me], esc_rows[me], lane_rows[me]
+        pos, rare, masks, escs = pos_rows[me], rare_rows[me], mask_rows[me], esc_rows[me]
         # Arguments spelled out: passing the rows and results as tuples unpacked with * made
         # the whole scan a third slower on the bench's bf16 tensors.
-        if cast:
-            if vector_compress:
-                _scan_tile(a, src, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, None,
+        if src is None:
+            if lane_rows is None:
+                _scan_tile(a, b, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, None,
                            ns, ks, rice_len, n_esc, over, hist)
             else:
-                _scan_tile(a, src, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, lanes,
-                           ns, ks, rice_len, n_esc, over, hist)
-        elif vector_compress:
-            _scan_tile(a, b, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, None,
+                _scan_tile(a, b, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs,
+                           lane_rows[me], ns, ks, rice_len, n_esc, over, hist)
+        elif lane_rows is None:
+            _scan_tile(a, src, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, None,
                        ns, ks, rice_len, n_esc, over, hist)
         else:
-            _scan_tile(a, b, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, lanes,
-                       ns, ks, rice_len, n_esc, over, hist)
+            _scan_tile(a, src, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs,
+                       lane_rows[me], ns, ks, rice_len, n_esc, over, hist)
     return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
+
+
+def packed_scan_args(cast_src: np.ndarray | None, vector_compress: bool) -> tuple:
+    """The trailing (``src``, ``nthreads``, ``lane_rows``) arguments of
+    ``scan_encode_tiles_packed``: ``cast_src`` the fp32 bits of a cast scan (None for plain
+    new bits), ``vector_compress`` whether to pack with compress-stores."""
+    nthreads = nb.config.NUMBA_NUM_THREADS
+    return cast_src, nthreads, None if vector_compress else np.empty((nthreads, 128), np.uint8)
 
 
 @nb.njit(inline="always", cache=True)
@@ -794,7 +806,7 @@ def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym
     args = ((old, old[:0], 2, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update, new, True) if cast else
             (old, new, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update, np.empty(0, np.uint32), False))
     if tile <= 65536 and old.itemsize in (1, 2, 4):  # uint16 positions; 8-, 16- and 32-bit lanes
-        return scan_encode_tiles_packed(*args, nb.config.NUMBA_NUM_THREADS, _VECTOR_COMPRESS)
+        return scan_encode_tiles_packed(*args[:8], *packed_scan_args(new if cast else None, _VECTOR_COMPRESS))
     return scan_encode_tiles(*args)
 
 

@@ -398,7 +398,8 @@ def _scan_with(kernel: str, a: np.ndarray, b: np.ndarray, tile: int, update: boo
     args = ((a, a[:0], 2, tile, rice, tile + tile_codec._RICE_SLACK, syms, update, b, True) if cast else
             (a, b, a.itemsize, tile, rice, tile + tile_codec._RICE_SLACK, syms, update, np.empty(0, np.uint32), False))
     if kernel in ("compress", "lanes"):
-        out = tile_codec.scan_encode_tiles_packed(*args, numba.config.NUMBA_NUM_THREADS, kernel == "compress")
+        out = tile_codec.scan_encode_tiles_packed(*args[:8], *tile_codec.packed_scan_args(b if cast else None,
+                                                                                           kernel == "compress"))
     else:
         out = tile_codec.scan_encode_tiles(*args)
     ns, ks, rice_len, n_esc, counts, over = out
