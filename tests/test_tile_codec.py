@@ -449,11 +449,18 @@ def test_packed_and_walking_cast_scans_give_the_same_bytes(update: bool) -> None
         assert sum(walked[0][5]) == 3  # the tiles of the two NaNs and the subnormal
 
 
-def test_the_packed_scan_uses_compress_stores_where_the_cpu_has_them() -> None:
+def test_the_packed_scan_uses_compress_stores_where_the_cpu_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
     from weftboard.cuda import bitops, entropy
 
     assert (bitops._MAX_DELTA, bitops._ESC) == (entropy.MAX_DELTA, entropy.ESC)
-    assert tile_codec._VECTOR_COMPRESS == bitops.HAS_VECTOR_COMPRESS
+    seen = []
+    real = tile_codec.scan_encode_tiles_packed
+    monkeypatch.setattr(tile_codec, "scan_encode_tiles_packed", lambda *args: seen.append(args) or real(*args))
+    a, b = _pair(2, 5000, 0.1, seed=3)
+    tile_codec.encode_sparse(a, b, 1024)
+    (args,) = seen
+    assert args[8] is None  # plain new bits, not a cast
+    assert (args[10] is None) == bitops.HAS_VECTOR_COMPRESS  # no lane rows: compress-stores
 
 
 @pytest.mark.parametrize("counts", [[0], [5], [7, 0], [3, 9, 0, 1], [0, 0, 4], [4096, 17, 2500, 2500, 1]])
