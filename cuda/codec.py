@@ -271,7 +271,8 @@ def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor, scratch:
     if changed == 0:
         return EncodedTensor(name, old.dtype, numel, 0, "empty", np.empty(0, np.uint8))
     if changed == numel:
-        return EncodedTensor(name, old.dtype, numel, changed, "all", b.view(np.uint8))
+        # A copy: the stream must not change if the caller's tensor does before assembly.
+        return EncodedTensor(name, old.dtype, numel, changed, "all", b.view(np.uint8).copy())
     if stream is None or stream.size > _bitmap_bytes(numel, changed, a.itemsize):
         return None
     return EncodedTensor(name, old.dtype, numel, changed, "sparse", stream)
@@ -292,7 +293,7 @@ def _finish_scans(name: str, dtype: torch.dtype, numel: int, scans: Scans) -> En
     if isinstance(scans, context_codec.ContextScans):
         stream, fix_pos, fix_old = context_codec.finish_context(scans)
         return EncodedTensor(name, dtype, numel, changed, "context", stream, fixups=(fix_pos, fix_old))
-    width = torch.empty(0, dtype=dtype).element_size()
+    width = dtype.itemsize
     return EncodedTensor(name, dtype, numel, changed, "sparse", tile_codec.finish_sparse(scans, width))
 
 
@@ -307,7 +308,7 @@ def encoded_from_scans(name: str, dtype: torch.dtype, numel: int, scans: Scans) 
     if changed == numel:
         return None
     encoded = _finish_scans(name, dtype, numel, scans)
-    if encoded.stream.size > _bitmap_bytes(numel, changed, torch.empty(0, dtype=dtype).element_size()):
+    if encoded.stream.size > _bitmap_bytes(numel, changed, dtype.itemsize):
         return None
     return encoded
 
@@ -358,7 +359,7 @@ def assemble_patch(
     while the target's root digest is still being computed, and assemble once it is known."""
     _check_encoding(encoding)
     entries: list[dict[str, Any]] = []
-    streams: list[tuple[str, bytes]] = []
+    streams: list[tuple[str, np.ndarray]] = []
     changed: dict[str, int] = {}
     numel: dict[str, int] = {}
     for t in tensors:
@@ -366,7 +367,8 @@ def assemble_patch(
             raise InvalidArgument(f"tensor names must be non-empty strings, got {t.name!r}")
         if t.name in changed or t.name == "__metadata__":
             raise InvalidArgument(f"tensor name {t.name!r} appears twice (or is reserved) in one patch")
-        raw = t.stream.tobytes()
+        # Joined into the container below without a copy of its own.
+        raw = np.ascontiguousarray(t.stream).view(np.uint8).reshape(-1)
         entries.append(
             {
                 "name": t.name,
@@ -380,7 +382,7 @@ def assemble_patch(
                 "index_bytes": t.index_bytes,
             }
         )
-        if raw:
+        if raw.size:
             streams.append((t.name, raw))
         changed[t.name] = t.changed
         numel[t.name] = t.numel
@@ -466,7 +468,7 @@ def encode_patch(
     )
 
 
-def _write_container(header: dict[str, Any], streams: list[tuple[str, bytes]]) -> bytes:
+def _write_container(header: dict[str, Any], streams: Sequence[tuple[str, bytes | np.ndarray]]) -> bytes:
     text_header = json.dumps(header, separators=(",", ":"))
     st_header: dict[str, Any] = {
         "__metadata__": {"weftboard": text_header, "weftboard_xxh3_64": xxhash.xxh3_64_hexdigest(text_header.encode("utf-8"))}
@@ -657,7 +659,7 @@ def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes, base: np
     """Decode and validate one tensor's stream (after its checksum was verified). A
     ``context`` stream decodes against ``base``, the unsigned bits it applies to."""
     name = entry["name"]
-    width = torch.empty(0, dtype=_torch_dtype(entry["dtype"], name)).element_size()
+    width = _torch_dtype(entry["dtype"], name).itemsize
     udt = _NP_UNSIGNED[width]
     numel, changed, mode = entry["numel"], entry["changed"], entry["mode"]
     buf = np.frombuffer(stream, dtype=np.uint8)
@@ -734,12 +736,10 @@ def _parse_sparse(entry: Mapping[str, Any], buf: np.ndarray, width: int) -> Spar
     numel, changed, tile = entry["numel"], entry["changed"], entry["tile"]
     if (numel + tile - 1) // tile > buf.size:  # every tile has at least one directory byte
         raise _sparse_error(entry, f"{buf.size} bytes cannot hold the directory of {numel} elements in tiles of {tile}")
-    err, freq, ns, ks, rice, rans, esc, offs = entropy.parse_table_and_directory(buf, 0, 1, numel, tile, width, changed)
+    err, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym = entropy.parse_sparse(buf, numel, tile, width, changed)
     if err:
         raise _sparse_error(entry, entropy.DIR_ERRORS.get(int(err), f"directory error {err}"))
-    cum, slot2sym = entropy.decoder_tables(freq[0])
-    return SparseStream(buf, numel, tile, width, np.ascontiguousarray(ns[:, 0]), np.ascontiguousarray(ks[:, 0]),
-                        np.ascontiguousarray(rice[:, 0]), rans, esc, offs, freq[0], cum, slot2sym)
+    return SparseStream(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym)
 
 
 def _parse_context(entry: Mapping[str, Any], buf: np.ndarray) -> context_codec.ContextStream:

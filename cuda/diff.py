@@ -41,7 +41,7 @@ _NP_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 def int_view_dtype(dtype: torch.dtype) -> torch.dtype:
     """The integer dtype with the element width of ``dtype`` (uint8 for 1-byte types)."""
-    width = torch.empty(0, dtype=dtype).element_size()
+    width = dtype.itemsize
     try:
         return _INT_VIEW[width]
     except KeyError:

@@ -462,6 +462,26 @@ def parse_table_and_directory(buf, p, nclasses, numel, tile, width, changed):
     return 0, freq, ns, ks, rice, rans, esc, offs
 
 
+@nb.njit(cache=True, nogil=True)
+def parse_sparse(buf, numel, tile, width, changed):
+    """``parse_table_and_directory`` of a ``sparse`` stream (one class) and its decoder
+    tables, in one compiled call: (err, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym),
+    every per-tile array flat. One call per tensor instead of a parse and a few numpy steps
+    matters to a patch of many small tensors (the Python around them cost more than the
+    parse)."""
+    err, freq2, ns2, ks2, rice2, rans, esc, offs = parse_table_and_directory(buf, 0, 1, numel, tile, width, changed)
+    freq = freq2[0].copy()
+    cum = np.zeros(NSYM, np.int64)
+    slot2sym = np.zeros(SCALE, np.uint8)
+    if err == 0:
+        c = 0
+        for s in range(NSYM):
+            cum[s] = c
+            slot2sym[c:c + freq[s]] = s
+            c += freq[s]
+    return err, ns2[:, 0].copy(), ks2[:, 0].copy(), rice2[:, 0].copy(), rans, esc, offs, freq, cum, slot2sym
+
+
 def decoder_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(cumulative frequencies, symbol of each of the SCALE slots) of a parsed table. An empty
     table (a context class without changes) gets all-zero slots, which nothing decodes."""

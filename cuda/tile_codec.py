@@ -772,11 +772,19 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | N
     the caller then picks another mode or the two-step encoder. ``scratch``: a pool kept
     across calls (``pooled``).
     """
+    check_scan_pair(old, new, tile, False)
     width = old.itemsize
     ntiles = (old.size + tile - 1) // tile
     rstride = tile + _RICE_SLACK
     rice_buf = pooled(scratch, "sparse_rice", ntiles * rstride)
     sym_buf = pooled(scratch, "sparse_sym", ntiles * 2 * tile)
+    if _packs(tile, width):
+        # Every pass in one compiled call: a tensor's Python and dispatch costs (about 0.1 ms
+        # when the passes were called one by one) are paid once per tensor, not per pass.
+        rans_buf = pooled(scratch, "rans", 2 * old.size + 4 * ntiles)
+        total, stream = _encode_sparse_packed(old, new, width, tile, rice_buf, sym_buf, rans_buf,
+                                              *packed_scan_args(None, _VECTOR_COMPRESS))
+        return int(total), (stream if stream.size else None)
     ns, ks, rice_len, n_esc, counts, over = _scan(old, new, tile, rice_buf, sym_buf)
     total = int(ns.sum())
     if total == 0 or over.any():
@@ -784,6 +792,40 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | N
     tiles = np.arange(ntiles, dtype=np.int64)  # the scratch layout: fixed strides per tile
     return total, _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles,
                                      sym_buf, 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, scratch=scratch)
+
+
+@nb.njit(cache=True, nogil=True)
+def _encode_sparse_packed(a, b, width, tile, rice_buf, sym_buf, rans_buf, src, nthreads, lane_rows):
+    """``encode_sparse`` of a packed-scan pair (``_packs``): the scan, the tensor's table, rANS
+    and assembly. Returns (changes, stream), the stream empty when there is none (nothing
+    changed or a tile overflowed). ``rans_buf`` holds 2 bytes per element and 4 per tile
+    (a symbol pushes at most 2 bytes out of the state; the final state takes 4)."""
+    rstride = tile + _RICE_SLACK
+    ns, ks, rice_len, n_esc, counts, over = scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf,
+                                                                     False, src, nthreads, lane_rows)
+    ntiles = ns.size
+    total = 0
+    overflow = False
+    for t in range(ntiles):
+        total += ns[t]
+        overflow |= over[t]
+    if total == 0 or overflow:
+        return total, np.empty(0, np.uint8)
+    freq = entropy._quantize_freqs(counts)
+    tab = entropy._rans_encoder_tables(freq)
+    rans_off = np.zeros(ntiles + 1, np.int64)
+    rice_off = np.empty((ntiles, 1), np.int64)
+    sym_off = np.empty(ntiles, np.int64)
+    esc_off = np.empty((ntiles, 1), np.int64)
+    for t in range(ntiles):
+        rans_off[t + 1] = rans_off[t] + (2 * ns[t] + 4 if ns[t] else 0)
+        rice_off[t, 0] = rstride * t
+        sym_off[t] = 2 * tile * t
+        esc_off[t, 0] = 2 * tile * t + tile
+    starts = rans_encode_tile_pairs(sym_buf, sym_off, ns, tab, rans_off, rans_buf)
+    return total, assemble_tiles(np.empty(0, np.uint8), freq.reshape(1, NSYM), ns.reshape(ntiles, 1),
+                                 ks.reshape(ntiles, 1), rice_len.reshape(ntiles, 1), starts, rans_off,
+                                 n_esc.reshape(ntiles, 1), width, rice_buf, rice_off, sym_buf, esc_off, rans_buf)
 
 
 def check_scan_pair(old: np.ndarray, new: np.ndarray, tile: int, cast: bool) -> None:
@@ -800,12 +842,18 @@ def check_scan_pair(old: np.ndarray, new: np.ndarray, tile: int, cast: bool) -> 
         raise ValueError("old and new must be C-contiguous (flat views of contiguous tensors)")
 
 
+def _packs(tile: int, width: int) -> bool:
+    """Whether ``scan_encode_tiles_packed`` scans these tiles: uint16 positions within a tile,
+    8-, 16- or 32-bit lanes."""
+    return tile <= 65536 and width in (1, 2, 4)
+
+
 def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym_buf: np.ndarray,
           update: bool = False, cast: bool = False) -> tuple:
     check_scan_pair(old, new, tile, cast)
     args = ((old, old[:0], 2, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update, new, True) if cast else
             (old, new, old.itemsize, tile, rice_buf, tile + _RICE_SLACK, sym_buf, update, np.empty(0, np.uint32), False))
-    if tile <= 65536 and old.itemsize in (1, 2, 4):  # uint16 positions; 8-, 16- and 32-bit lanes
+    if _packs(tile, old.itemsize):
         return scan_encode_tiles_packed(*args[:8], *packed_scan_args(new if cast else None, _VECTOR_COMPRESS))
     return scan_encode_tiles(*args)
 

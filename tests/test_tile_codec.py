@@ -454,13 +454,14 @@ def test_the_packed_scan_uses_compress_stores_where_the_cpu_has_them(monkeypatch
 
     assert (bitops._MAX_DELTA, bitops._ESC) == (entropy.MAX_DELTA, entropy.ESC)
     seen = []
-    real = tile_codec.scan_encode_tiles_packed
-    monkeypatch.setattr(tile_codec, "scan_encode_tiles_packed", lambda *args: seen.append(args) or real(*args))
+    real = tile_codec._encode_sparse_packed
+    monkeypatch.setattr(tile_codec, "_encode_sparse_packed", lambda *args: seen.append(args) or real(*args))
     a, b = _pair(2, 5000, 0.1, seed=3)
-    tile_codec.encode_sparse(a, b, 1024)
+    changed, stream = tile_codec.encode_sparse(a, b, 1024)
     (args,) = seen
-    assert args[8] is None  # plain new bits, not a cast
-    assert (args[10] is None) == bitops.HAS_VECTOR_COMPRESS  # no lane rows: compress-stores
+    assert args[7] is None  # plain new bits, not a cast
+    assert (args[9] is None) == bitops.HAS_VECTOR_COMPRESS  # no lane rows: compress-stores
+    assert changed == np.count_nonzero(a != b) and stream is not None
 
 
 @pytest.mark.parametrize("counts", [[0], [5], [7, 0], [3, 9, 0, 1], [0, 0, 4], [4096, 17, 2500, 2500, 1]])
