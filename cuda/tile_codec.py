@@ -1017,15 +1017,28 @@ def rans_start(buf, pa, aend):
 @nb.njit(inline="always", cache=True)
 def rans_symbol(buf, x, pa, aend, freq, cum, slot2sym):
     """Decode one symbol from the rANS state ``x`` reading at ``buf[pa:aend]``: returns
-    ``(symbol, x, pa, err)``, ``err`` 6 when the stream runs out."""
+    ``(symbol, x, pa, err)``, ``err`` 6 when the stream runs out.
+
+    Renormalising takes at most two bytes (a state >= RANS_L falls to at least
+    RANS_L >> SCALE_BITS, two bytes below RANS_L), and how many is a coin flip for the branch
+    predictor, so both candidate bytes are read and the state chosen without a branch: a
+    loop here cost a sixth of the decoder in mispredictions."""
     slot = x & ((1 << SCALE_BITS) - 1)
     s = slot2sym[np.uint64(slot)]  # unsigned indices: no negative-index fix-ups in the loop
     x = freq[s] * (x >> SCALE_BITS) + slot - cum[s]
-    while x < RANS_L:
-        if pa >= aend:
-            return s, x, pa, 6
-        x = (x << 8) | np.int64(buf[np.uint64(pa)])
-        pa += 1
+    one = x < RANS_L
+    two = (x << 8) < RANS_L  # after one byte b, (x << 8) | b < RANS_L exactly when this holds
+    if pa + 2 <= buf.size:  # always but at the very end of the buffer
+        b0 = np.int64(buf[np.uint64(pa)])
+        b1 = np.int64(buf[np.uint64(pa + 1)])
+    else:
+        b0 = np.int64(buf[pa]) if pa < buf.size else 0
+        b1 = 0
+    x1 = (x << 8) | b0
+    x = ((x1 << 8) | b1) if two else (x1 if one else x)
+    pa += np.int64(one) + np.int64(two)
+    if pa > aend:  # a byte this symbol needed lies past the tile's rANS bytes
+        return s, x, pa, 6
     return s, x, pa, 0
 
 
@@ -1034,19 +1047,22 @@ def rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile):
     """Read one Rice(k) gap from the LSB-first reader ``(buf, p, rend, acc, nbits)``: returns
     ``(gap, p, acc, nbits, err)``, ``err`` 1 when the bits run past ``rend`` and 2 for a
     unary part longer than a tile. ``acc`` holds ``nbits`` <= 63 unread bits, the rest of it
-    is zero."""
-    if nbits < 32:
-        if p + 8 <= rend:  # whole bytes up to 63 bits, from one 8-byte little-endian read
-            take = (63 - nbits) >> 3
-            word = np.int64(load_u64le(buf, p))
-            acc |= (word & ((1 << (take << 3)) - 1)) << nbits
-            p += take
-            nbits += take << 3
-        else:
-            while nbits <= 55 and p < rend:
-                acc |= np.int64(buf[p]) << nbits
-                p += 1
-                nbits += 8
+    is zero.
+
+    Away from the end of the bits the reader tops up on every call, from one 8-byte
+    little-endian read and without a branch (whether a refill was due is a coin flip for the
+    predictor); near the end it reads byte by byte."""
+    if p + 8 <= rend:  # whole bytes up to 63 bits (none when nbits > 55)
+        take = (63 - nbits) >> 3
+        word = np.int64(load_u64le(buf, p))
+        acc |= (word & ((1 << (take << 3)) - 1)) << nbits
+        p += take
+        nbits += take << 3
+    elif nbits < 32:
+        while nbits <= 55 and p < rend:
+            acc |= np.int64(buf[p]) << nbits
+            p += 1
+            nbits += 8
     q = 0
     while True:
         ones = np.int64(cttz64(np.uint64(~acc)))  # <= nbits: acc is zero above nbits
