@@ -15,7 +15,8 @@ What it measures, all in the same run so the ratios are meaningful on any machin
   both.
 - ``diff_encode_gbps`` / ``decode_apply_gbps``: served bytes per second of ``encode_patch``
   (diff + encode, tensor by tensor) and ``apply_patch_`` (decode, validate, write in place),
-  best of ``--repeat``; ``copy_gbps`` is ``tensor.clone()`` of the same tensors, and
+  best of ``--repeat`` rounds (5: on a shared two-core host one operation in three rounds
+  often had no quiet one, the copy as often as the codec); ``copy_gbps`` is ``tensor.clone()`` of the same tensors, and
   ``copy_into_gbps`` a ``copy_`` into preallocated memory (the stricter yardstick).
 - ``lossless``: true only if every applied result (default and baseline) equals the new
   served view bit for bit and ``revert`` restored the old one bit for bit.
@@ -101,7 +102,7 @@ def _best(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
 def run(
     fmt: str = "bf16",
     params: int = 55_000_000,
-    repeat: int = 3,
+    repeat: int = 5,
     seed: int = 0,
     adam_steps: int = 1,
     encoding: str = "default",

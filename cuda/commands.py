@@ -10,7 +10,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     def bench_codec(
         format: str = typer.Option("bf16", "--format", help="served format: bf16, fp16, fp8, fp8_e5m2, mxfp4 or nvfp4"),
         params: int = typer.Option(55_000_000, "--params", help="approximate fp32 parameters of the test model"),
-        repeat: int = typer.Option(3, "--repeat", min=1, help="timed repetitions; the best is reported"),
+        repeat: int = typer.Option(5, "--repeat", min=1, help="timed rounds (each times every operation once); the best of each is reported"),
         adam_steps: int = typer.Option(1, "--adam-steps", min=1, help="measure the transition of this AdamW step (1: the first)"),
         encoding: str = typer.Option("default", "--encoding",
                                      help="encoding measured: default, or context (16-bit floats coded by old magnitude)"),

@@ -1020,7 +1020,7 @@ def rans_symbol(buf, x, pa, aend, freq, cum, slot2sym):
     ``(symbol, x, pa, err)``, ``err`` 6 when the stream runs out.
 
     Renormalising takes at most two bytes (a state >= RANS_L falls to at least
-    RANS_L >> SCALE_BITS, two bytes below RANS_L), and how many is a coin flip for the branch
+    RANS_L >> SCALE_BITS, which two bytes bring back above RANS_L), and how many is a coin flip for the branch
     predictor, so both candidate bytes are read and the state chosen without a branch: a
     loop here cost a sixth of the decoder in mispredictions."""
     slot = x & ((1 << SCALE_BITS) - 1)
