@@ -474,23 +474,29 @@ def parse_sparse(buf, numel, tile, width, changed):
     cum = np.zeros(NSYM, np.int64)
     slot2sym = np.zeros(SCALE, np.uint8)
     if err == 0:
-        c = 0
-        for s in range(NSYM):
-            cum[s] = c
-            slot2sym[c:c + freq[s]] = s
-            c += freq[s]
+        _fill_decoder_tables(freq, cum, slot2sym)
     return err, ns2[:, 0].copy(), ks2[:, 0].copy(), rice2[:, 0].copy(), rans, esc, offs, freq, cum, slot2sym
+
+
+@nb.njit(cache=True, nogil=True)
+def _fill_decoder_tables(freq, cum, slot2sym):
+    """``cum`` and ``slot2sym`` of a checked table (frequencies >= 0 summing to SCALE)."""
+    c = 0
+    for s in range(NSYM):
+        cum[s] = c
+        slot2sym[c:c + freq[s]] = s
+        c += freq[s]
 
 
 def decoder_tables(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(cumulative frequencies, symbol of each of the SCALE slots) of a parsed table. An empty
     table (a context class without changes) gets all-zero slots, which nothing decodes."""
     cum = np.zeros(NSYM, np.int64)
-    cum[1:] = np.cumsum(freq)[:-1]
-    slot2sym = np.repeat(np.arange(NSYM, dtype=np.uint8), freq)
-    if slot2sym.size == 0:
-        return cum, np.zeros(SCALE, np.uint8)
-    assert slot2sym.size == SCALE, "parse_table_and_directory checks that a table sums to SCALE"
+    slot2sym = np.zeros(SCALE, np.uint8)
+    total = int(freq.sum())
+    if total:
+        assert total == SCALE, "parse_table_and_directory checks that a table sums to SCALE"
+        _fill_decoder_tables(np.ascontiguousarray(freq, dtype=np.int64), cum, slot2sym)
     return cum, slot2sym
 
 

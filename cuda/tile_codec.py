@@ -796,10 +796,9 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | N
 
 @nb.njit(cache=True, nogil=True)
 def _encode_sparse_packed(a, b, width, tile, rice_buf, sym_buf, rans_buf, src, nthreads, lane_rows):
-    """``encode_sparse`` of a packed-scan pair (``_packs``): the scan, the tensor's table, rANS
-    and assembly. Returns (changes, stream), the stream empty when there is none (nothing
-    changed or a tile overflowed). ``rans_buf`` holds 2 bytes per element and 4 per tile
-    (a symbol pushes at most 2 bytes out of the state; the final state takes 4)."""
+    """``encode_sparse`` of a packed-scan pair (``_packs``): the scan, then ``_finish_sparse``.
+    Returns (changes, stream), the stream empty when there is none (nothing changed or a tile
+    overflowed). ``rans_buf``: as ``_finish_sparse`` needs."""
     rstride = tile + _RICE_SLACK
     ns, ks, rice_len, n_esc, counts, over = scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf,
                                                                      False, src, nthreads, lane_rows)
@@ -811,21 +810,27 @@ def _encode_sparse_packed(a, b, width, tile, rice_buf, sym_buf, rans_buf, src, n
         overflow |= over[t]
     if total == 0 or overflow:
         return total, np.empty(0, np.uint8)
+    tiles = np.arange(ntiles)  # the scratch layout: fixed strides per tile
+    return total, _finish_sparse(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles, sym_buf,
+                                 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, rans_buf)
+
+
+@nb.njit(cache=True, nogil=True)
+def _finish_sparse(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off,
+                   rans_buf):
+    """Passes 2 and 3 of a ``sparse`` stream (one class) over scanned tiles wherever their
+    pieces lie (every argument per tile, ``counts`` the tensor's histogram): the table, rANS
+    and assembly in one compiled call. ``rans_buf`` holds at least 2 bytes per change and 4
+    per tile (a symbol pushes at most 2 bytes out of the state; the final state takes 4)."""
+    ntiles = ns.size
     freq = entropy._quantize_freqs(counts)
-    tab = entropy._rans_encoder_tables(freq)
     rans_off = np.zeros(ntiles + 1, np.int64)
-    rice_off = np.empty((ntiles, 1), np.int64)
-    sym_off = np.empty(ntiles, np.int64)
-    esc_off = np.empty((ntiles, 1), np.int64)
     for t in range(ntiles):
         rans_off[t + 1] = rans_off[t] + (2 * ns[t] + 4 if ns[t] else 0)
-        rice_off[t, 0] = rstride * t
-        sym_off[t] = 2 * tile * t
-        esc_off[t, 0] = 2 * tile * t + tile
-    starts = rans_encode_tile_pairs(sym_buf, sym_off, ns, tab, rans_off, rans_buf)
-    return total, assemble_tiles(np.empty(0, np.uint8), freq.reshape(1, NSYM), ns.reshape(ntiles, 1),
-                                 ks.reshape(ntiles, 1), rice_len.reshape(ntiles, 1), starts, rans_off,
-                                 n_esc.reshape(ntiles, 1), width, rice_buf, rice_off, sym_buf, esc_off, rans_buf)
+    starts = rans_encode_tile_pairs(sym_buf, sym_off, ns, entropy._rans_encoder_tables(freq), rans_off, rans_buf)
+    return assemble_tiles(np.empty(0, np.uint8), freq.reshape(1, NSYM), ns.reshape(ntiles, 1), ks.reshape(ntiles, 1),
+                          rice_len.reshape(ntiles, 1), starts, rans_off, n_esc.reshape(ntiles, 1), width, rice_buf,
+                          rice_off.reshape(ntiles, 1), esc_buf, esc_off.reshape(ntiles, 1), rans_buf)
 
 
 def check_scan_pair(old: np.ndarray, new: np.ndarray, tile: int, cast: bool) -> None:
@@ -861,28 +866,26 @@ def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym
 def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off,
                        prefix=None, scratch=None):
     """Passes 2 and 3 over scanned tiles wherever their bytes lie. One class (the ``sparse``
-    stream): every argument per tile and one histogram ``counts``; several (``context``):
-    ``ns``, ``ks`` and the Rice and escape pieces per (tile, class), ``counts`` (classes,
-    NSYM), and the stream's ``prefix``; ``sym_off`` is per tile either way. ``scratch``: a
-    pool for the rANS bytes (``pooled``)."""
+    stream, no ``prefix``): every argument per tile and one histogram ``counts``, coded by
+    ``_finish_sparse``; several (``context``): ``ns``, ``ks`` and the Rice and escape pieces
+    per (tile, class), ``counts`` (classes, NSYM), and the stream's ``prefix``; ``sym_off``
+    is per tile either way. ``scratch``: a pool for the rANS bytes (``pooled``)."""
     ntiles = ns.shape[0]
+    counts = counts.reshape(-1, NSYM)
+    if counts.shape[0] == 1 and prefix is None:
+        flat = [np.ascontiguousarray(x, dtype=np.int64).reshape(-1) for x in (ns, ks, rice_len, n_esc, rice_off, esc_off)]
+        rans_buf = pooled(scratch, "rans", 2 * int(flat[0].sum()) + 4 * ntiles)
+        return _finish_sparse(*flat[:4], np.ascontiguousarray(counts[0], dtype=np.int64), width, rice_buf, flat[4],
+                              sym_buf, np.ascontiguousarray(sym_off, dtype=np.int64), esc_buf, flat[5], rans_buf)
     ns, ks, rice_len, n_esc, rice_off, esc_off = (x.reshape(ntiles, -1)
                                                   for x in (ns, ks, rice_len, n_esc, rice_off, esc_off))
-    counts = counts.reshape(-1, NSYM)
-    if counts.shape[0] == 1:
-        freq = entropy.quantize_freqs(counts[0])[None]
-        rtab = entropy.rans_encoder_tables(freq[0])[None]
-    else:
-        freq = np.stack([entropy.quantize_freqs(c) for c in counts])
-        rtab = np.stack([entropy.rans_encoder_tables(f) for f in freq])
+    freq = np.stack([entropy.quantize_freqs(c) for c in counts])
+    rtab = np.stack([entropy.rans_encoder_tables(f) for f in freq])
     total = ns.sum(axis=1)
     rans_off = np.zeros(total.size + 1, np.int64)
     np.cumsum(np.where(total > 0, 2 * total + 4, 0), out=rans_off[1:])
     rans_buf = pooled(scratch, "rans", int(rans_off[-1]))
-    if ns.shape[1] == 1:
-        starts = rans_encode_tile_pairs(sym_buf, sym_off, np.ascontiguousarray(ns[:, 0]), rtab[0], rans_off, rans_buf)
-    else:
-        starts = rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf)
+    starts = rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf)
     return assemble_tiles(np.empty(0, np.uint8) if prefix is None else prefix, freq, ns, ks, rice_len, starts,
                           rans_off, n_esc, width, rice_buf, rice_off, esc_buf, esc_off, rans_buf)
 
