@@ -529,3 +529,35 @@ def test_a_scratch_pool_shared_across_tensors_gives_each_its_own_bytes() -> None
     first = {key: buf for key, buf in scratch.items()}
     tile_codec.encode_sparse(*pairs[1], CODEC_TILE, scratch)  # smaller: the pool's buffers are reused
     assert all(scratch[key] is buf for key, buf in first.items())
+
+
+@pytest.mark.parametrize("cut", [1, 2])
+def test_a_tile_whose_rans_bytes_end_early_is_refused_and_undone(cut: int) -> None:
+    """The decoder reads both candidate renormalisation bytes without a branch (they may lie
+    past the tile's rANS bytes, in its escapes or the next tile); a symbol that needs a byte
+    past its tile's recorded end must still be refused (error 6 or 7, never a write that
+    stays). Here the last tile's recorded rANS length is cut short, so its last bytes are
+    still in the buffer, readable but not the tile's."""
+    from weftboard.cuda import entropy
+
+    rng = np.random.default_rng(11)
+    a = rng.integers(0, 1 << 16, 3 * CODEC_TILE).astype(np.uint16)
+    b = a.copy()
+    at = rng.random(a.size) < 0.05
+    b[at] += rng.choice(np.array([1, 0xFFFF], np.uint16), int(at.sum()))  # +-1: no escapes
+    changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE)
+    assert stream is not None
+    entry = _entry(2, a.size, changed)
+    sp = codec._parse_sparse(entry, stream, 2)
+    last = sp.ns.size - 1
+    assert sp.esc[last] == 0  # its rANS bytes end the stream: the reads near the end take the guarded path
+    rans = sp.rans.copy()
+    rans[last] -= cut
+    target = a.copy()
+    errs, done = tile_codec.apply_tiles(sp.buf, target, sp.numel, sp.tile, sp.width, sp.ns, sp.ks, sp.rice, rans,
+                                        sp.esc, sp.offs, sp.freq, sp.cum, sp.slot2sym, 1, sp.ns)
+    assert errs[:last].tolist() == [0] * last
+    assert errs[last] in (6, 7), entropy.ERRORS.get(int(errs[last]))
+    tile_codec.apply_tiles(sp.buf, target, sp.numel, sp.tile, sp.width, sp.ns, sp.ks, sp.rice, rans, sp.esc, sp.offs,
+                           sp.freq, sp.cum, sp.slot2sym, -1, done)
+    assert np.array_equal(target, a)  # every write the refused apply made, undone
