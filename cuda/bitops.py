@@ -174,28 +174,32 @@ def load_u64le(typingctx, buf, pos):  # type: ignore[no-untyped-def]
     return types.uint64(buf, types.int64), codegen
 
 
-def _store_le_intrinsic(bits: int) -> Any:
+def _store_intrinsic(bits: int, big_endian: bool = False) -> Any:
     """A numba intrinsic ``(buf, pos, value)`` storing the low ``bits`` of ``value`` at
-    ``buf[pos : pos + bits // 8]``, little-endian, in one unaligned store. No bounds check."""
+    ``buf[pos : pos + bits // 8]``, little-endian (or big-endian: one byte-swapping store,
+    ``movbe`` where the CPU has it), in one unaligned store. No bounds check."""
+    name = f"store_u{bits}{'be' if big_endian else 'le'}"
 
     def typer(typingctx, buf, pos, value):  # type: ignore[no-untyped-def]
-        _check_flat(buf, types.uint8, f"store_u{bits}le")
+        _check_flat(buf, types.uint8, name)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             data = context.make_array(signature.args[0])(context, builder, args[0]).data
             ptr = builder.bitcast(builder.gep(data, [args[1]]), ir.IntType(bits).as_pointer())
-            value = context.cast(builder, args[2], signature.args[2], types.int64)
-            builder.store(builder.trunc(value, ir.IntType(bits)), ptr, align=1)
+            value = builder.trunc(context.cast(builder, args[2], signature.args[2], types.int64), ir.IntType(bits))
+            if big_endian:
+                value = builder.bswap(value)
+            builder.store(value, ptr, align=1)
             return context.get_dummy_value()
 
         return types.none(buf, types.int64, value), codegen
 
-    typer.__name__ = f"store_u{bits}le"
+    typer.__name__ = name
     return intrinsic(typer)
 
 
-store_u32le = _store_le_intrinsic(32)
-store_u16le = _store_le_intrinsic(16)
+store_u32le = _store_intrinsic(32)
+store_u16be = _store_intrinsic(16, big_endian=True)
 
 
 def _host_has_vector_compress() -> bool:
