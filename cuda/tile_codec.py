@@ -18,8 +18,8 @@ time into change masks (one vector compare per block, ``bitops.ne_mask64``), and
 computed in vectors; where the CPU has compress-stores, AVX-512 VBMI2, two instructions pack
 them, elsewhere an unrolled count-trailing-zeros walk eight lanes a round), then Rice-codes
 the packed positions in one long loop, two or four codes per append (no branch per change,
-the bit writer's dependency chain paid once per group); only the symbols (one byte each) wait until the tensor's
-frequency table is known. ``scan_encode_tiles`` is the same scan as one walk of the masks
+the bit writer's dependency chain paid once per group); only the symbols (one byte each)
+wait until the tensor's frequency table is known. ``scan_encode_tiles`` is the same scan as one walk of the masks
 (each change coded on the spot), kept for 64-bit elements and tiles above 65536; tests hold
 every path to the same bytes. rANS, whose every symbol waits on the previous one's multiply,
 codes a tensor's tiles two at a time (``rans_encode_tile_pairs``) so that a core has two
@@ -774,13 +774,13 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | N
     the caller then picks another mode or the two-step encoder. ``scratch``: a pool kept
     across calls (``pooled``).
     """
-    check_scan_pair(old, new, tile, False)
     width = old.itemsize
     ntiles = (old.size + tile - 1) // tile
     rstride = tile + _RICE_SLACK
     rice_buf = pooled(scratch, "sparse_rice", ntiles * rstride)
     sym_buf = pooled(scratch, "sparse_sym", ntiles * 2 * tile)
     if _packs(tile, width):
+        check_scan_pair(old, new, tile, False)  # (``_scan`` checks on the other path)
         # Every pass in one compiled call: a tensor's Python and dispatch costs (about 0.1 ms
         # when the passes were called one by one) are paid once per tensor, not per pass.
         rans_buf = pooled(scratch, "rans", 2 * old.size + 4 * ntiles)
@@ -1025,9 +1025,9 @@ def rans_symbol(buf, x, pa, aend, freq, cum, slot2sym):
     ``(symbol, x, pa, err)``, ``err`` 6 when the stream runs out.
 
     Renormalising takes at most two bytes (a state >= RANS_L falls to at least
-    RANS_L >> SCALE_BITS, which two bytes bring back above RANS_L), and how many is a coin flip for the branch
-    predictor, so both candidate bytes are read and the state chosen without a branch: a
-    loop here cost a sixth of the decoder in mispredictions."""
+    RANS_L >> SCALE_BITS, which two bytes bring back above RANS_L), and how many is a coin
+    flip for the branch predictor, so both candidate bytes are read and the state chosen
+    without a branch: a loop here cost a sixth of the decoder in mispredictions."""
     slot = x & ((1 << SCALE_BITS) - 1)
     s = slot2sym[np.uint64(slot)]  # unsigned indices: no negative-index fix-ups in the loop
     x = freq[s] * (x >> SCALE_BITS) + slot - cum[s]
