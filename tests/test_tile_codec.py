@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from weftboard.cuda import codec, tile_codec
 from weftboard.cuda.codec import CODEC_TILE, apply_patch_, decode_stream, encode_deltas, encode_patch
@@ -561,3 +563,84 @@ def test_a_tile_whose_rans_bytes_end_early_is_refused_and_undone(cut: int) -> No
     tile_codec.apply_tiles(sp.buf, target, sp.numel, sp.tile, sp.width, sp.ns, sp.ks, sp.rice, rans, sp.esc, sp.offs,
                            sp.freq, sp.cum, sp.slot2sym, -1, done)
     assert np.array_equal(target, a)  # every write the refused apply made, undone
+
+
+def _rice_bytes(gaps: list[int], k: int, lead: int) -> tuple[np.ndarray, int, int]:
+    """``gaps`` Rice(k)-coded by the encoder's writer after ``lead`` bytes of 0xFF, followed by
+    16 bytes of 0xFF (what lies past a tile's Rice bits is its rANS bytes, not zeros): the
+    buffer, where the bits start and where they end (bytes)."""
+    from weftboard.cuda import entropy
+
+    buf = np.full(lead + 9 * len(gaps) + 8 * sum(g >> k for g in gaps) // 64 + 64, 0xFF, np.uint8)
+    buf[lead:] = 0
+    p, acc, nbits = lead, 0, 0
+    for g in gaps:
+        p, acc, nbits = entropy.rice_put(buf, p, acc, nbits, g, k, (1 << k) - 1)
+    end = entropy.rice_flush(buf, p, acc, nbits)
+    buf[end:] = 0xFF
+    return buf, lead, end
+
+
+def _read_gaps(buf: np.ndarray, start: int, end: int, n: int, k: int, tile: int) -> tuple[list[int], bool, int]:
+    """Up to ``n`` gaps read back with the decoder's Rice reader: (gaps, whether the reader
+    ended exactly at the writer's padding, the error code of the read that failed or 0)."""
+    gaps, p, acc, nbits = [], start, 0, 0
+    for _ in range(n):
+        g, p, acc, nbits, err = tile_codec.rice_gap(buf, p, end, acc, nbits, k, (1 << k) - 1, tile)
+        if err:
+            return gaps, False, err
+        assert 8 * p - nbits <= 8 * end, "a code was read from bits past the end"
+        gaps.append(g)
+    return gaps, p == end and nbits < 8 and acc == 0, 0
+
+
+@given(codes=st.lists(st.tuples(st.integers(0, 70) | st.integers(0, 3000), st.integers(0, (1 << 15) - 1)),
+                     min_size=1, max_size=40),
+       k=st.integers(0, 15), lead=st.integers(0, 9))
+@settings(max_examples=200, deadline=None)
+def test_the_rice_reader_reads_back_what_the_writer_wrote(codes: list[tuple[int, int]], k: int, lead: int) -> None:
+    """The decoder's Rice reader tops up from one 8-byte read away from the end of its bits,
+    byte by byte near it, and loops over unary parts longer than what it holds (drawn often
+    here: up to 3000 bits). Whatever the mix, the gaps the encoder's writer wrote come back,
+    the reader ends exactly at the writer's padding, a set padding bit or a missing last byte
+    is refused, and the bytes past the end (0xFF here, as a tile's rANS bytes would be) are
+    never taken for bits."""
+    gaps = [(u << k) | (low & ((1 << k) - 1)) for u, low in codes]
+    buf, start, end = _rice_bytes(gaps, k, lead)
+    got, ends, err = _read_gaps(buf, start, end, len(gaps), k, tile=1 << 20)
+    assert err == 0 and got == gaps and ends
+    pad = (-sum((g >> k) + 1 + k for g in gaps)) % 8
+    if pad:  # a padding bit set is refused
+        bad = buf.copy()
+        bad[end - 1] |= np.uint8(0x80)
+        assert _read_gaps(bad, start, end, len(gaps), k, tile=1 << 20)[1:] == (False, 0)
+    short, ends, err = _read_gaps(buf, start, end - 1, len(gaps), k, tile=1 << 20)  # the last byte cut off
+    assert err == 1  # the last byte always holds bits of the last code
+
+
+def test_a_unary_run_longer_than_a_tile_is_refused() -> None:
+    buf = np.full(64, 0xFF, np.uint8)  # all ones: a unary part that never ends within the bits
+    assert _read_gaps(buf, 0, 60, 1, 0, tile=100)[2] == 2
+    assert _read_gaps(buf, 0, 60, 1, 0, tile=1 << 16)[2] == 1  # ... or runs past the end first
+
+
+def test_long_unary_codes_decode_and_apply_bitwise() -> None:
+    """Clustered changes give a tile a small Rice parameter, so a lone far change has a unary
+    part of thousands of bits: the decoder's careful path, in the middle of a tile's bits."""
+    rng = np.random.default_rng(5)
+    n = 3 * CODEC_TILE + 100
+    a = rng.integers(0, 2**16, n, dtype=np.uint16)
+    b = a.copy()
+    for t in range(3):
+        s = t * CODEC_TILE
+        b[s : s + 700] += np.uint16(1)
+        b[s + CODEC_TILE // 2] -= np.uint16(1)
+        b[s + CODEC_TILE - 2] += np.uint16(3)
+    b[-1] += np.uint16(5)
+    changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE)
+    assert stream is not None
+    dec = decode_stream(_entry(2, n, changed), memoryview(stream.tobytes()))
+    assert np.array_equal(dec.positions, np.flatnonzero(a != b))
+    target = a.copy()
+    _fused_apply(stream, target, changed)
+    assert np.array_equal(target, b)
