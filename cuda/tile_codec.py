@@ -465,57 +465,63 @@ def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, 
     # The Rice bits are at most cnt * (k + 1) + (total gap >> k) (a sum of floors is at most
     # the floor of the sum); when that leaves the check below no way to fire, codes go two at
     # a time, or four where the codes are short (dense tiles: k <= 4), one append per group:
-    # the bit writer's dependency chain is paid once per group.
+    # the bit writer's dependency chain is paid once per group. A group too long for one
+    # append leaves its loop, and its first code goes alone the long way (``rice_put``): with
+    # ``rice_put`` inside the group loops, numba kept a reference count on the Rice buffer
+    # around every group (two atomic calls into its runtime, each a fence), a third of the
+    # time of the whole Rice pass.
     if ((cnt * (k + 1) + ((lastpos + 1 - cnt) >> k)) >> 3) + 8 <= rstride - 16:
-        if k <= 4:
-            while j + 3 < cnt:
-                l0 = np.int64(pos[np.uint64(j)])
-                l1 = np.int64(pos[np.uint64(j + 1)])
-                l2 = np.int64(pos[np.uint64(j + 2)])
-                l3 = np.int64(pos[np.uint64(j + 3)])
-                g0 = l0 - prev - 1
-                g1 = l1 - l0 - 1
-                g2 = l2 - l1 - 1
-                g3 = l3 - l2 - 1
-                prev = l3
-                u0 = g0 >> k
-                u1 = g1 >> k
-                u2 = g2 >> k
-                u3 = g3 >> k
-                at1 = u0 + 1 + k
-                at2 = at1 + u1 + 1 + k
-                at3 = at2 + u2 + 1 + k
-                ln = at3 + u3 + 1 + k
-                if ln <= 31:
+        while True:
+            if k <= 4:
+                while j + 3 < cnt:
+                    l0 = np.int64(pos[np.uint64(j)])
+                    l1 = np.int64(pos[np.uint64(j + 1)])
+                    l2 = np.int64(pos[np.uint64(j + 2)])
+                    l3 = np.int64(pos[np.uint64(j + 3)])
+                    g0 = l0 - prev - 1
+                    g1 = l1 - l0 - 1
+                    g2 = l2 - l1 - 1
+                    g3 = l3 - l2 - 1
+                    u0 = g0 >> k
+                    u1 = g1 >> k
+                    u2 = g2 >> k
+                    u3 = g3 >> k
+                    at1 = u0 + 1 + k
+                    at2 = at1 + u1 + 1 + k
+                    at3 = at2 + u2 + 1 + k
+                    ln = at3 + u3 + 1 + k
+                    if ln > 31:
+                        break
+                    prev = l3
                     p, acc, nbits = entropy.bits_put(rice_buf, p, acc, nbits,
                                                      entropy.rice_code(g0, u0, lowmask)
                                                      | (entropy.rice_code(g1, u1, lowmask) << at1)
                                                      | (entropy.rice_code(g2, u2, lowmask) << at2)
                                                      | (entropy.rice_code(g3, u3, lowmask) << at3), ln)
-                else:
-                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g0, k, lowmask)
-                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g1, k, lowmask)
-                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g2, k, lowmask)
-                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g3, k, lowmask)
-                j += 4
-        while j + 1 < cnt:
-            l0 = np.int64(pos[np.uint64(j)])
-            l1 = np.int64(pos[np.uint64(j + 1)])
-            g0 = l0 - prev - 1
-            g1 = l1 - l0 - 1
-            prev = l1
-            u0 = g0 >> k
-            u1 = g1 >> k
-            ln0 = u0 + 1 + k
-            ln = ln0 + u1 + 1 + k
-            if ln <= 31:
-                p, acc, nbits = entropy.bits_put(rice_buf, p, acc, nbits,
-                                                 entropy.rice_code(g0, u0, lowmask)
-                                                 | (entropy.rice_code(g1, u1, lowmask) << ln0), ln)
-            else:
-                p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g0, k, lowmask)
-                p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g1, k, lowmask)
-            j += 2
+                    j += 4
+            if k > 4 or j + 3 >= cnt:  # pairs, unless a long quad is waiting for its first code
+                while j + 1 < cnt:
+                    l0 = np.int64(pos[np.uint64(j)])
+                    l1 = np.int64(pos[np.uint64(j + 1)])
+                    g0 = l0 - prev - 1
+                    g1 = l1 - l0 - 1
+                    u0 = g0 >> k
+                    u1 = g1 >> k
+                    ln0 = u0 + 1 + k
+                    ln = ln0 + u1 + 1 + k
+                    if ln > 31:
+                        break
+                    prev = l1
+                    p, acc, nbits = entropy.bits_put(rice_buf, p, acc, nbits,
+                                                     entropy.rice_code(g0, u0, lowmask)
+                                                     | (entropy.rice_code(g1, u1, lowmask) << ln0), ln)
+                    j += 2
+            if j + 1 >= cnt:  # at most one code left: the loop below
+                break
+            lp = np.int64(pos[np.uint64(j)])
+            p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, lp - prev - 1, k, lowmask)
+            prev = lp
+            j += 1
     for j in range(j, cnt):
         lp = np.int64(pos[j])
         g = lp - prev - 1
