@@ -9,6 +9,14 @@ workers sleep between regions (libgomp stops them spinning once it manages more 
 there are cores), so every region pays for waking them: the tile compaction kernel took
 2.1 ms a call there instead of 0.57 ms, and a third of the publisher's read went to it.
 Only the ``prange`` loops are worth a region; everything else compiles serial.
+
+Reference counts: an ``inline="always"`` helper that takes an array and has loops of its own,
+called in one arm of a branch inside a hot loop, makes numba keep a reference count on that
+array around the call: an atomic increment and decrement in its runtime on every iteration
+(the encoder's Rice groups lost about a tenth of the scan that way). Keep such helpers out of the
+arms of hot loops (``tile_codec._scan_tile`` leaves its group loop for the rare long code).
+``NUMBA_ENABLE_PROFILING=1`` under ``perf record -e cpu-clock`` shows them as calls to two
+tiny functions (``lock incq``/``lock decq``) next to the hot instructions.
 """
 
 from __future__ import annotations
