@@ -566,12 +566,13 @@ def test_a_tile_whose_rans_bytes_end_early_is_refused_and_undone(cut: int) -> No
 
 
 def _rice_bytes(gaps: list[int], k: int, lead: int) -> tuple[np.ndarray, int, int]:
-    """``gaps`` Rice(k)-coded by the encoder's writer after ``lead`` bytes of 0xFF, followed by
-    16 bytes of 0xFF (what lies past a tile's Rice bits is its rANS bytes, not zeros): the
-    buffer, where the bits start and where they end (bytes)."""
+    """``gaps`` Rice(k)-coded by the encoder's writer after ``lead`` bytes of 0xFF and followed
+    by at least 32 bytes of 0xFF (what lies past a tile's Rice bits is its rANS bytes, not
+    zeros): the buffer, where the bits start and where they end (bytes)."""
     from weftboard.cuda import entropy
 
-    buf = np.full(lead + 9 * len(gaps) + 8 * sum(g >> k for g in gaps) // 64 + 64, 0xFF, np.uint8)
+    unary_bytes = sum(g >> k for g in gaps) // 8
+    buf = np.full(lead + unary_bytes + 3 * len(gaps) + 64, 0xFF, np.uint8)  # a code's rest: k + 1 <= 16 bits
     buf[lead:] = 0
     p, acc, nbits = lead, 0, 0
     for g in gaps:
