@@ -1,6 +1,6 @@
 """The patch container: one version transition, per-tensor streams, in a safetensors file.
 
-Layout (format ``weftboard-patch``, format_version 1). The file is a valid safetensors file:
+Layout (format ``weftboard-patch``, format_version 2). The file is a valid safetensors file:
 
     u64 little-endian header length | JSON header (space padded to a multiple of 8) | data
 
@@ -8,7 +8,7 @@ The safetensors header maps each tensor that changed to a uint8 ("U8") 1-D strea
 ``__metadata__ = {"weftboard": <JSON text>, "weftboard_xxh3_64": <hex of that text>}``; the
 JSON text is the patch header::
 
-    {"format": "weftboard-patch", "format_version": 1, "encoding": "default" | "baseline" | "context",
+    {"format": "weftboard-patch", "format_version": 2, "encoding": "default" | "baseline" | "context",
      "base_version": int, "target_version": int, "target_root": "xxh3-128:<hex>",
      "tensors": [{"name", "dtype" (torch name, e.g. "bfloat16"), "numel", "changed", "mode",
                   "stream_bytes", "xxh3_64" (hex of the stream), "tile", "index_bytes"}, ...]}
@@ -22,20 +22,25 @@ makes them one container). A part the publisher uploads before the version's roo
 known carries ``"target_root": ""``; the version record names the root either way, and it is
 the record, never the header, that an island verifies against. Modes and their streams:
 
-- ``sparse`` (default encoding): Rice-coded position gaps + rANS-coded integer differences of
-  the raw bits, per tile of ``tile`` elements; byte layout in ``weftboard.cuda.entropy``.
+- ``huffman`` (default encoding, from format_version 2): Rice-coded position gaps +
+  canonical-Huffman-coded integer differences of the raw bits, per tile of ``tile`` elements:
+  the ``sparse`` layout with the code's lengths (``weftboard.cuda.huffman``) in place of the
+  frequency table and each tile's Huffman bytes in place of its rANS bytes. About 2% larger
+  than ``sparse`` on an optimizer step, and its decoder about a fifth faster.
+- ``sparse`` (format_version 1's default; still read): Rice-coded position gaps + rANS-coded
+  integer differences, per tile; byte layout in ``weftboard.cuda.entropy``.
 - ``bitmap`` (default encoding, dense fallback): ``ceil(numel/8)`` bytes of change bits
   (LSB first) followed by the new bits of the changed elements, in order.
 - ``all`` (default encoding, every element changed): the new bits of every element.
 - ``context`` (context encoding, bf16 and fp16 tensors): like ``sparse``, but positions and values
   are coded per class of the old value's magnitude (``weftboard.cuda.context_codec``), so the
-  decoder needs the bits the patch applies to. About a quarter smaller than ``sparse`` on
+  decoder needs the bits the patch applies to. About a quarter smaller than ``huffman`` on
   optimizer steps; other tensors in a context patch take the default encoding's modes.
 - ``baseline``: ``changed`` positions as little-endian int32 (int64 if ``index_bytes`` is 8,
   for tensors of 2**31 elements or more), then the raw new bits; what other tools exchange.
 
-The encoder picks, per tensor, the smallest of sparse and bitmap (``all`` when every element
-changed). Every stream carries the xxh3-64 of its bytes, so corruption is caught before
+The encoder picks, per tensor, the smaller of huffman and bitmap (``all`` when every element
+changed). A format_version 1 patch (no ``huffman`` streams) reads and applies as before. Every stream carries the xxh3-64 of its bytes, so corruption is caught before
 decoding, and every decoder is bounds-checked as well, so a stream that hashes correctly but
 was written wrongly still fails cleanly. Inspect a patch with ordinary tools::
 
@@ -45,7 +50,7 @@ was written wrongly still fails cleanly. Inspect a patch with ordinary tools::
 Apply checks every header, checksum and directory first, then writes in place;
 ``AppliedPatch.revert`` restores the exact previous bytes. On the CPU the default encoding is
 fused (``weftboard.cuda.tile_codec``): encoding reads each (old, new) pair once with no position
-arrays, and a sparse stream is decoded straight into the tensor, undone in full if the entropy
+arrays, and a huffman or sparse stream is decoded straight into the tensor, undone in full if the entropy
 decoder finds damage mid-way. Entropy coding runs on CPU threads (numba) for every device; for
 CUDA tensors the decoded (position, bits) arrays travel to the GPU, where Triton kernels write
 them in place.
@@ -66,7 +71,7 @@ import numpy as np
 import torch
 import xxhash
 
-from weftboard.cuda import context_codec, entropy, tile_codec
+from weftboard.cuda import context_codec, entropy, huffman, tile_codec
 from weftboard.cuda.diff import (
     TensorDelta,
     bits_view,
@@ -80,12 +85,13 @@ from weftboard.cuda.digest import dtype_name
 from weftboard.proto.errors import CorruptData, InvalidArgument, Unavailable
 
 FORMAT = "weftboard-patch"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added the ``huffman`` mode, the default encoding's since
+READ_VERSIONS = (1, 2)  # a version 1 patch is a version 2 patch without ``huffman`` streams
 ENCODINGS = ("default", "baseline", "context")
 CODEC_TILE = 1 << 16  # elements per independent stream: ~650 changes per tile at 1% density,
 # so per-tile overhead (directory, rANS flush, Rice padding: ~12 bytes) stays near 1%, while a
 # 7B model still has ~100k tiles to spread over CPU threads or GPU blocks.
-_MODES = ("empty", "sparse", "bitmap", "all", "baseline", "context")
+_MODES = ("empty", "huffman", "sparse", "bitmap", "all", "baseline", "context")
 _MAX_HEADER = 256 << 20
 _NP_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -168,6 +174,25 @@ def _encode_sparse(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: int
     return entropy.assemble(freq, ns, ks, rice_bytes, rans_len, n_esc, width, scratch, scratch_off)
 
 
+def _encode_huffman(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: int, tile: int) -> np.ndarray:
+    """The ``huffman`` stream of a delta: the same plan and Rice bits as ``_encode_sparse``,
+    then the values Huffman-coded and the stream assembled by the fused encoder's finish, so
+    both encoders give the same bytes."""
+    width = old.itemsize
+    ntiles = (numel + tile - 1) // tile
+    tile_ptr = np.searchsorted(pos, np.arange(ntiles + 1, dtype=np.int64) * tile).astype(np.int64)
+    syms, counts, ks, rice_bytes, n_esc = entropy.plan_tiles(pos, old, new, width, tile_ptr, tile)
+    ns = np.diff(tile_ptr)
+    bounds = np.where(ns > 0, rice_bytes + 4 + n_esc * width, 0)  # 4 of slack: rice_put's stores
+    scratch_off = np.zeros(ntiles + 1, np.int64)
+    np.cumsum(bounds, out=scratch_off[1:])
+    scratch = np.empty(int(scratch_off[-1]), np.uint8)
+    entropy.encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off,
+                         np.zeros((0, 5), np.int64), scratch)
+    return tile_codec._rans_and_assemble(ns, ks, rice_bytes, n_esc, counts, width, scratch, scratch_off[:-1], syms,
+                                         tile_ptr[:-1], scratch, scratch_off[:-1] + rice_bytes, huff=True)
+
+
 def _encode_default(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: int) -> tuple[str, np.ndarray]:
     n = pos.size
     if n == 0:
@@ -175,16 +200,16 @@ def _encode_default(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: in
     width = new.itemsize
     if n == numel:
         return "all", new.view(np.uint8)
-    sparse = _encode_sparse(pos, old, new, numel, CODEC_TILE)
-    if sparse.size <= _bitmap_bytes(numel, n, width):
-        return "sparse", sparse
+    stream = _encode_huffman(pos, old, new, numel, CODEC_TILE)
+    if stream.size <= _bitmap_bytes(numel, n, width):
+        return "huffman", stream
     mask = np.zeros(numel, np.bool_)
     mask[pos] = True
     return "bitmap", np.concatenate([np.packbits(mask, bitorder="little"), new.view(np.uint8)])
 
 
 def _bitmap_bytes(numel: int, changed: int, width: int) -> int:
-    """Size of the ``bitmap`` stream: the default encoding takes ``sparse`` unless it is larger."""
+    """Size of the ``bitmap`` stream: the default encoding takes ``huffman`` unless it is larger."""
     return (numel + 7) // 8 + changed * width
 
 
@@ -267,7 +292,7 @@ def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor, scratch:
     a = unsigned_np(bits_view(old.detach().contiguous()))
     b = unsigned_np(bits_view(new.detach().contiguous()))
     numel = a.size
-    changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE, scratch)
+    changed, stream = tile_codec.encode_huffman(a, b, CODEC_TILE, scratch)
     if changed == 0:
         return EncodedTensor(name, old.dtype, numel, 0, "empty", np.empty(0, np.uint8))
     if changed == numel:
@@ -275,26 +300,26 @@ def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor, scratch:
         return EncodedTensor(name, old.dtype, numel, changed, "all", b.view(np.uint8).copy())
     if stream is None or stream.size > _bitmap_bytes(numel, changed, a.itemsize):
         return None
-    return EncodedTensor(name, old.dtype, numel, changed, "sparse", stream)
+    return EncodedTensor(name, old.dtype, numel, changed, "huffman", stream)
 
 
 Scans = Sequence[tile_codec.TileScan] | context_codec.ContextScans
 
 
 def scans_changed(scans: Scans) -> int:
-    """Changes a tensor's scans found (``sparse`` tile scans or context scans)."""
+    """Changes a tensor's scans found (tile scans or context scans)."""
     return scans.changed if isinstance(scans, context_codec.ContextScans) else sum(s.changed for s in scans)
 
 
 def _finish_scans(name: str, dtype: torch.dtype, numel: int, scans: Scans) -> EncodedTensor:
-    """The ``sparse`` stream of tile scans, or the ``context`` stream of context scans; at
+    """The ``huffman`` stream of tile scans, or the ``context`` stream of context scans; at
     least one change."""
     changed = scans_changed(scans)
     if isinstance(scans, context_codec.ContextScans):
         stream, fix_pos, fix_old = context_codec.finish_context(scans)
         return EncodedTensor(name, dtype, numel, changed, "context", stream, fixups=(fix_pos, fix_old))
     width = dtype.itemsize
-    return EncodedTensor(name, dtype, numel, changed, "sparse", tile_codec.finish_sparse(scans, width))
+    return EncodedTensor(name, dtype, numel, changed, "huffman", tile_codec.finish_huffman(scans, width))
 
 
 def encoded_from_scans(name: str, dtype: torch.dtype, numel: int, scans: Scans) -> EncodedTensor | None:
@@ -314,12 +339,12 @@ def encoded_from_scans(name: str, dtype: torch.dtype, numel: int, scans: Scans) 
 
 
 def delta_from_encoded(encoded: EncodedTensor, target: torch.Tensor) -> TensorDelta:
-    """The delta of an ``empty``, ``sparse`` or folded ``context`` stream (one that carries its
+    """The delta of an ``empty``, ``huffman``, ``sparse`` or folded ``context`` stream (one that carries its
     ``fixups``), given the tensor it leads to (its old bits are the target's minus the stream's
     differences): what a publisher that kept streams instead of deltas needs to merge a version
     into the next one."""
-    if encoded.mode not in ("empty", "sparse", "context") or (encoded.mode == "context" and encoded.fixups is None):
-        raise InvalidArgument(f"only empty, sparse and folded context streams carry their old bits, not {encoded.mode!r}")
+    if encoded.mode not in ("empty", "huffman", "sparse", "context") or (encoded.mode == "context" and encoded.fixups is None):
+        raise InvalidArgument(f"only empty, huffman, sparse and folded context streams carry their old bits, not {encoded.mode!r}")
     bits = bits_view(target.detach())
     if bits.numel() != encoded.numel or target.dtype != encoded.dtype:
         raise InvalidArgument(f"stream of {encoded.numel} {encoded.dtype} does not fit a tensor of "
@@ -543,8 +568,9 @@ def _parse_container_header(header_bytes: bytes | memoryview, total: int) -> tup
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CorruptData(f"patch header has format {header.get('format') if isinstance(header, dict) else None!r}, expected {FORMAT!r}")
     version = _field(header, "format_version", int, "patch")
-    if version != FORMAT_VERSION:
-        raise CorruptData(f"patch format_version {version} is not supported (this build reads {FORMAT_VERSION})")
+    if version not in READ_VERSIONS:
+        raise CorruptData(f"patch format_version {version} is not supported (this build reads "
+                          f"{', '.join(map(str, READ_VERSIONS))})")
     encoding = _field(header, "encoding", str, "patch")
     if encoding not in ENCODINGS:
         raise CorruptData(f"patch encoding {encoding!r} is unknown")
@@ -574,7 +600,8 @@ def _parse_container_header(header_bytes: bytes | memoryview, total: int) -> tup
         _field(entry, "xxh3_64", str, where)
         if numel < 0 or not 0 <= changed <= numel:
             raise CorruptData(f"patch header: {where} has {changed} changes of {numel} elements")
-        if mode not in _MODES or (mode == "baseline") != (encoding == "baseline" and changed > 0):
+        if (mode not in _MODES or (mode == "baseline") != (encoding == "baseline" and changed > 0)
+                or (mode == "huffman" and version < 2)):
             raise CorruptData(f"patch header: {where} has mode {mode!r}, not valid for encoding {encoding!r}")
         if (mode == "empty") != (changed == 0):
             raise CorruptData(f"patch header: {where} has mode {mode!r} with {changed} changes")
@@ -711,7 +738,9 @@ def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes, base: np
 
 @dataclass
 class SparseStream:
-    """A ``sparse`` stream whose table and directory were parsed and checked."""
+    """A ``sparse`` or ``huffman`` stream whose table and directory were parsed and checked
+    (``freq`` and ``cum`` None for ``huffman``: ``slot2sym`` is its decoder table and
+    ``rans`` its value bytes per tile)."""
 
     buf: np.ndarray
     numel: int
@@ -723,8 +752,8 @@ class SparseStream:
     rans: np.ndarray
     esc: np.ndarray
     offs: np.ndarray
-    freq: np.ndarray
-    cum: np.ndarray
+    freq: np.ndarray | None
+    cum: np.ndarray | None
     slot2sym: np.ndarray
 
 
@@ -736,10 +765,14 @@ def _parse_sparse(entry: Mapping[str, Any], buf: np.ndarray, width: int) -> Spar
     numel, changed, tile = entry["numel"], entry["changed"], entry["tile"]
     if (numel + tile - 1) // tile > buf.size:  # every tile has at least one directory byte
         raise _sparse_error(entry, f"{buf.size} bytes cannot hold the directory of {numel} elements in tiles of {tile}")
-    err, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym = entropy.parse_sparse(buf, numel, tile, width, changed)
+    if entry["mode"] == "huffman":
+        err, ns, ks, rice, rans, esc, offs, table = huffman.parse_stream(buf, numel, tile, width, changed)
+        freq = cum = None
+    else:
+        err, ns, ks, rice, rans, esc, offs, freq, cum, table = entropy.parse_sparse(buf, numel, tile, width, changed)
     if err:
         raise _sparse_error(entry, entropy.DIR_ERRORS.get(int(err), f"directory error {err}"))
-    return SparseStream(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym)
+    return SparseStream(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, table)
 
 
 def _parse_context(entry: Mapping[str, Any], buf: np.ndarray) -> context_codec.ContextStream:
@@ -757,7 +790,7 @@ def _raise_tile_errors(entry: Mapping[str, Any], errs: np.ndarray) -> None:
 
 
 def _apply_sparse_(target: torch.Tensor, entry: Mapping[str, Any], sp: SparseStream, sign: int) -> None:
-    """Decode and add (``sign`` 1) or subtract (-1) a sparse stream in place, on the CPU.
+    """Decode and add (``sign`` 1) or subtract (-1) a huffman or sparse stream in place, on the CPU.
 
     On a corrupt tile every write this call made is undone before ``CorruptData`` is raised.
     """
@@ -957,10 +990,10 @@ def _checked_target(tensors: Mapping[str, torch.Tensor], entry: Mapping[str, Any
 
 def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any],
                  stream: memoryview) -> SparseStream | context_codec.ContextStream | DecodedTensor:
-    """A checked stream, parsed (sparse into a CPU tensor: decoded while applied) or decoded."""
+    """A checked stream, parsed (huffman or sparse into a CPU tensor: decoded while applied) or decoded."""
     if xxhash.xxh3_64_hexdigest(stream) != entry["xxh3_64"]:
         raise CorruptData(f"patch stream for tensor {entry['name']!r} fails its xxh3-64 check: corrupted in storage or transit")
-    if entry["mode"] == "sparse" and target.device.type == "cpu":
+    if entry["mode"] in ("huffman", "sparse") and target.device.type == "cpu":
         return _parse_sparse(entry, np.frombuffer(stream, dtype=np.uint8), target.element_size())
     if entry["mode"] == "context" and target.device.type == "cpu":
         return _parse_context(entry, np.frombuffer(stream, dtype=np.uint8))

@@ -52,15 +52,17 @@ ERRORS = {
     3: "a tile's Rice stream has leftover bytes or non-zero padding",
     4: "a tile's rANS stream is shorter than its initial state",
     5: "a tile's rANS state is out of range",
-    6: "a tile's rANS stream runs past its recorded length",
-    7: "a tile's rANS stream does not end in the initial state (corrupt or truncated)",
+    6: "a tile's value stream (rANS or Huffman) runs past its recorded length",
+    7: "a tile's value stream does not end as recorded (rANS: not in the initial state; Huffman: leftover "
+       "bytes or non-zero padding)",
     8: "a tile's number of escapes differs from its directory entry",
     9: "a tile's Rice parameter is out of range",
 }
 
 DIR_ERRORS = {
-    1: "the frequency table is truncated or malformed",
-    2: "the frequency table does not sum to 2**14 or names an unknown symbol",
+    1: "the symbol table is truncated or malformed",
+    2: "the symbol table is invalid (rANS frequencies not summing to 2**14, a Huffman code that is not "
+       "complete, or an unknown symbol)",
     3: "the tile directory is truncated or malformed",
     4: "a tile claims more changes than it has elements",
     5: "the tile payloads do not add up to the stream length",
@@ -289,10 +291,13 @@ def rice_flush(buf, p, acc, nbits):
 
 @parallel_kernel
 def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, rtab, scratch):
-    """Pass 2: write each tile's Rice | rANS | escapes at ``scratch_off[t]``; returns rans_len."""
+    """Pass 2: write each tile's Rice | rANS | escapes at ``scratch_off[t]``; returns rans_len.
+    With an ``rtab`` of no rows, Rice | escapes only (the ``huffman`` stream codes its values
+    apart, ``weftboard.cuda.huffman``), and every rans_len is 0."""
     ntiles = tile_ptr.size - 1
     rans_len = np.zeros(ntiles, np.int64)
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
+    with_rans = rtab.shape[0] > 0
     for t in nb.prange(ntiles):
         lo = tile_ptr[t]
         hi = tile_ptr[t + 1]
@@ -317,6 +322,8 @@ def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_
             i = lo + j
             g = pos[i] - (pos[i - 1] + 1 if j > 0 else tile_start)
             p, acc, nbits = rice_put(scratch, p, acc, nbits, g, k, lowmask)
+            if not with_rans:
+                continue
             s = syms[hi - 1 - j]
             if x >= rtab[s, 0]:
                 q -= 1
@@ -328,13 +335,15 @@ def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_
                     x >>= 8
             x = x + rtab[s, 3] + (((x * rtab[s, 1]) >> 32) >> rtab[s, 2]) * rtab[s, 4]
         rice_end = rice_flush(scratch, p, acc, nbits)
-        q -= 4
-        for b in range(4):  # the final state, little-endian, read first by the decoder
-            scratch[q + b] = (x >> (8 * b)) & 0xFF
-        # bytes were written at decreasing addresses, so [q, end) is already in decode order
-        m = end - q
-        for j in range(m):  # q >= rice_end: a forward copy never overwrites unread bytes
-            scratch[rice_end + j] = scratch[q + j]
+        m = 0
+        if with_rans:
+            q -= 4
+            for b in range(4):  # the final state, little-endian, read first by the decoder
+                scratch[q + b] = (x >> (8 * b)) & 0xFF
+            # bytes were written at decreasing addresses, so [q, end) is already in decode order
+            m = end - q
+            for j in range(m):  # q >= rice_end: a forward copy never overwrites unread bytes
+                scratch[rice_end + j] = scratch[q + j]
         rans_len[t] = m
         # escapes: raw differences, little-endian, in change order
         e = rice_end + m
@@ -400,19 +409,31 @@ def parse_table_and_directory(buf, p, nclasses, numel, tile, width, changed):
     returns (err, freq, per-tile arrays, payload offsets). With one class this is the
     ``sparse`` layout above; ``weftboard.cuda.context_codec`` documents the other."""
     end = buf.size
-    ntiles = (numel + tile - 1) // tile
     freq = np.zeros((nclasses, NSYM), np.int64)
+    nsyms = np.zeros(nclasses, np.int64)
+    for c in range(nclasses):
+        err, p, nsyms[c] = _read_table(buf, p, end, freq[c])
+        if err:
+            ntiles = (numel + tile - 1) // tile
+            z = np.zeros((ntiles, nclasses), np.int64)
+            return err, freq, z, z, z, z[:, 0], z[:, 0], np.zeros(ntiles + 1, np.int64)
+    err, ns, ks, rice, rans, esc, offs = parse_directory(buf, p, nclasses, numel, tile, width, changed, nsyms)
+    return err, freq, ns, ks, rice, rans, esc, offs
+
+
+@nb.njit(cache=True, nogil=True)
+def parse_directory(buf, p, nclasses, numel, tile, width, changed, nsyms):
+    """The tile directory at ``buf[p]`` (after the tables, ``nsyms`` symbols in each class's):
+    (err, ns, ks, rice, value bytes, escapes, payload offsets), every length checked against
+    the stream's end. Shared by the ``sparse``, ``huffman`` and ``context`` layouts."""
+    end = buf.size
+    ntiles = (numel + tile - 1) // tile
     ns = np.zeros((ntiles, nclasses), np.int64)
     ks = np.zeros((ntiles, nclasses), np.int64)
     rice = np.zeros((ntiles, nclasses), np.int64)
     rans = np.zeros(ntiles, np.int64)
     esc = np.zeros(ntiles, np.int64)
     offs = np.zeros(ntiles + 1, np.int64)
-    nsyms = np.zeros(nclasses, np.int64)
-    for c in range(nclasses):
-        err, p, nsyms[c] = _read_table(buf, p, end, freq[c])
-        if err:
-            return err, freq, ns, ks, rice, rans, esc, offs
     count = 0
     per_class = np.zeros(nclasses, np.int64)
     for t in range(ntiles):
@@ -421,45 +442,45 @@ def parse_table_and_directory(buf, p, nclasses, numel, tile, width, changed):
         for c in range(nclasses):
             v, p = _varint(buf, p, end)
             if v < 0:
-                return 3, freq, ns, ks, rice, rans, esc, offs
+                return 3, ns, ks, rice, rans, esc, offs
             ns[t, c] = v
             per_class[c] += v
             n += v
         if n > tile_n:
-            return 4, freq, ns, ks, rice, rans, esc, offs
+            return 4, ns, ks, rice, rans, esc, offs
         count += n
         if n == 0:
             continue
         for c in range(nclasses):
             if ns[t, c]:
                 if p >= end:
-                    return 3, freq, ns, ks, rice, rans, esc, offs
+                    return 3, ns, ks, rice, rans, esc, offs
                 ks[t, c] = buf[p]
                 r, p = _varint(buf, p + 1, end)
                 if r < 0:
-                    return 3, freq, ns, ks, rice, rans, esc, offs
+                    return 3, ns, ks, rice, rans, esc, offs
                 rice[t, c] = r
         a, p = _varint(buf, p, end)
         if a < 0:
-            return 3, freq, ns, ks, rice, rans, esc, offs
+            return 3, ns, ks, rice, rans, esc, offs
         e, p = _varint(buf, p, end)
         if e < 0 or e > n:
-            return 3, freq, ns, ks, rice, rans, esc, offs
+            return 3, ns, ks, rice, rans, esc, offs
         rans[t] = a
         esc[t] = e
     if count != changed:
-        return 6, freq, ns, ks, rice, rans, esc, offs
+        return 6, ns, ks, rice, rans, esc, offs
     for c in range(nclasses):
         if per_class[c] > 0 and nsyms[c] == 0:
-            return 2, freq, ns, ks, rice, rans, esc, offs
+            return 2, ns, ks, rice, rans, esc, offs
     offs[0] = p
     for t in range(ntiles):
         offs[t + 1] = offs[t] + rice[t].sum() + rans[t] + esc[t] * width
         if offs[t + 1] > end:
-            return 5, freq, ns, ks, rice, rans, esc, offs
+            return 5, ns, ks, rice, rans, esc, offs
     if offs[ntiles] != end:
-        return 5, freq, ns, ks, rice, rans, esc, offs
-    return 0, freq, ns, ks, rice, rans, esc, offs
+        return 5, ns, ks, rice, rans, esc, offs
+    return 0, ns, ks, rice, rans, esc, offs
 
 
 @nb.njit(cache=True, nogil=True)

@@ -1,4 +1,9 @@
-"""Fused CPU kernels for the default ``sparse`` stream of one tensor.
+"""Fused CPU kernels for the ``huffman`` (default) and ``sparse`` streams of one tensor.
+
+The two streams differ only in how the value symbols are coded (canonical Huffman,
+``weftboard.cuda.huffman``, or rANS); everything below is shared, and each function named
+for ``sparse`` has a ``huffman`` twin where the coder matters (``encode_huffman``,
+``finish_huffman``; ``apply_tiles`` and ``decode_tiles`` take either stream's tables).
 
 ``encode_sparse`` turns one read of the old and new stored bits into the finished stream (diff
 and encode fused); ``scan_tiles`` and ``finish_sparse`` split it for a caller that reads a tensor
@@ -23,7 +28,9 @@ wait until the tensor's frequency table is known. ``scan_encode_tiles`` is the s
 (each change coded on the spot), kept for 64-bit elements and tiles above 65536; tests hold
 every path to the same bytes. rANS, whose every symbol waits on the previous one's multiply,
 codes a tensor's tiles two at a time (``rans_encode_tile_pairs``) so that a core has two
-independent chains to run.
+independent chains to run; Huffman codes each tile in one pass of table lookups and appends.
+In the decoder, the Rice reader and the value reader (rANS state, or a Huffman bit position)
+are two independent chains per change; the Huffman one is about half as long.
 
 Invariants:
 - Tiles are independent and write only their own regions, so ``prange`` over tiles gives the
@@ -52,7 +59,7 @@ import torch
 from numba import types
 from numba.extending import overload
 
-from weftboard.cuda import entropy
+from weftboard.cuda import entropy, huffman
 from weftboard.cuda.bitops import (HAS_VECTOR_COMPRESS, block_fold64, block_ne_mask64, block_special64,
                                    block_sym_compress64, block_sym_lanes64, cast_ne_mask64, cast_special64, ctlz64,
                                    ctpop64, cttz64, cttz64z, load_u64le, ne_mask64, store_u16be)
@@ -719,7 +726,7 @@ def assemble_tiles(prefix, freq, ns, ks, rice_len, rans_start, rans_off, n_esc, 
     out = np.empty(prefix.size + nclasses * (10 + NSYM * 20) + ntiles * (20 + 20 * nclasses) + size.sum(), np.uint8)
     p = prefix.size
     out[:p] = prefix
-    for c in range(nclasses):
+    for c in range(freq.shape[0]):  # none for a ``huffman`` stream: its table is the prefix
         p = entropy.write_table(out, p, freq[c])
     for t in range(ntiles):
         for c in range(nclasses):
@@ -780,6 +787,15 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | N
     the caller then picks another mode or the two-step encoder. ``scratch``: a pool kept
     across calls (``pooled``).
     """
+    return _encode(old, new, tile, scratch, False)
+
+
+def encode_huffman(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None = None) -> tuple[int, np.ndarray | None]:
+    """``encode_sparse`` with the values Huffman-coded: the ``huffman`` stream."""
+    return _encode(old, new, tile, scratch, True)
+
+
+def _encode(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None, huff: bool) -> tuple[int, np.ndarray | None]:
     width = old.itemsize
     ntiles = (old.size + tile - 1) // tile
     rstride = tile + _RICE_SLACK
@@ -789,8 +805,8 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | N
         check_scan_pair(old, new, tile, False)  # (``_scan`` checks on the other path)
         # Every pass in one compiled call: a tensor's Python and dispatch costs (about 0.1 ms
         # when the passes were called one by one) are paid once per tensor, not per pass.
-        rans_buf = pooled(scratch, "rans", 2 * old.size + 4 * ntiles)
-        total, stream = _encode_sparse_packed(old, new, width, tile, rice_buf, sym_buf, rans_buf,
+        value_buf = pooled(scratch, "values", _value_bytes(old.size, ntiles))
+        total, stream = _encode_sparse_packed(old, new, width, tile, rice_buf, sym_buf, value_buf, huff,
                                               *packed_scan_args(None, _VECTOR_COMPRESS))
         return int(total), (stream if stream.size else None)
     ns, ks, rice_len, n_esc, counts, over = _scan(old, new, tile, rice_buf, sym_buf)
@@ -799,14 +815,23 @@ def encode_sparse(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | N
         return total, None
     tiles = np.arange(ntiles, dtype=np.int64)  # the scratch layout: fixed strides per tile
     return total, _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles,
-                                     sym_buf, 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, scratch=scratch)
+                                     sym_buf, 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, scratch=scratch,
+                                     huff=huff)
+
+
+def _value_bytes(changes: int, ntiles: int) -> int:
+    """Scratch for the coded values of ``changes`` symbols in ``ntiles`` tiles, either coder:
+    rANS pushes at most 2 bytes a symbol and 4 a tile, Huffman ``huffman.MAX_BITS`` bits a
+    symbol and ``huffman.SLACK`` + 1 bytes a tile."""
+    return 2 * changes + (4 + huffman.SLACK + 1) * ntiles
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode_sparse_packed(a, b, width, tile, rice_buf, sym_buf, rans_buf, src, nthreads, lane_rows):
-    """``encode_sparse`` of a packed-scan pair (``_packs``): the scan, then ``_finish_sparse``.
-    Returns (changes, stream), the stream empty when there is none (nothing changed or a tile
-    overflowed). ``rans_buf``: as ``_finish_sparse`` needs."""
+def _encode_sparse_packed(a, b, width, tile, rice_buf, sym_buf, value_buf, huff, src, nthreads, lane_rows):
+    """``encode_sparse`` (``huff`` False) or ``encode_huffman`` of a packed-scan pair
+    (``_packs``): the scan, then ``_finish_sparse`` or ``_finish_huffman``. Returns (changes,
+    stream), the stream empty when there is none (nothing changed or a tile overflowed).
+    ``value_buf``: ``_value_bytes`` of scratch."""
     rstride = tile + _RICE_SLACK
     ns, ks, rice_len, n_esc, counts, over = scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf,
                                                                      False, src, nthreads, lane_rows)
@@ -819,8 +844,11 @@ def _encode_sparse_packed(a, b, width, tile, rice_buf, sym_buf, rans_buf, src, n
     if total == 0 or overflow:
         return total, np.empty(0, np.uint8)
     tiles = np.arange(ntiles)  # the scratch layout: fixed strides per tile
+    if huff:
+        return total, _finish_huffman(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles, sym_buf,
+                                      2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, value_buf)
     return total, _finish_sparse(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles, sym_buf,
-                                 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, rans_buf)
+                                 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, value_buf)
 
 
 @nb.njit(cache=True, nogil=True)
@@ -839,6 +867,32 @@ def _finish_sparse(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, s
     return assemble_tiles(np.empty(0, np.uint8), freq.reshape(1, NSYM), ns.reshape(ntiles, 1), ks.reshape(ntiles, 1),
                           rice_len.reshape(ntiles, 1), starts, rans_off, n_esc.reshape(ntiles, 1), width, rice_buf,
                           rice_off.reshape(ntiles, 1), esc_buf, esc_off.reshape(ntiles, 1), rans_buf)
+
+
+@nb.njit(cache=True, nogil=True)
+def _finish_huffman(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off,
+                    value_buf):
+    """``_finish_sparse`` for the ``huffman`` stream: the code from the tensor's histogram,
+    each tile's values coded at a fixed stride in ``value_buf`` (``huffman.tile_bound``),
+    then the same assembly with the code's table in front instead of a frequency table."""
+    ntiles = ns.size
+    lengths = huffman.code_lengths(counts)
+    table = np.empty(huffman.TABLE_BYTES, np.uint8)
+    table_len = huffman.write_table(table, 0, lengths, counts > 0)
+    starts = np.zeros(ntiles, np.int64)
+    q = 0
+    for t in range(ntiles):
+        starts[t] = q
+        if ns[t]:
+            q += huffman.tile_bound(ns[t])
+    lens = huffman.encode_tiles(sym_buf, sym_off, ns, huffman.encoder_codes(lengths), value_buf, starts)
+    ends = np.zeros(ntiles + 1, np.int64)
+    for t in range(ntiles):
+        ends[t + 1] = starts[t] + lens[t]
+    return assemble_tiles(table[:table_len], np.zeros((0, NSYM), np.int64), ns.reshape(ntiles, 1),
+                          ks.reshape(ntiles, 1), rice_len.reshape(ntiles, 1), starts, ends,
+                          n_esc.reshape(ntiles, 1), width, rice_buf, rice_off.reshape(ntiles, 1), esc_buf,
+                          esc_off.reshape(ntiles, 1), value_buf)
 
 
 def check_scan_pair(old: np.ndarray, new: np.ndarray, tile: int, cast: bool) -> None:
@@ -872,19 +926,23 @@ def _scan(old: np.ndarray, new: np.ndarray, tile: int, rice_buf: np.ndarray, sym
 
 
 def _rans_and_assemble(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off,
-                       prefix=None, scratch=None):
+                       prefix=None, scratch=None, huff=False):
     """Passes 2 and 3 over scanned tiles wherever their bytes lie. One class (the ``sparse``
     stream, no ``prefix``): every argument per tile and one histogram ``counts``, coded by
     ``_finish_sparse``; several (``context``): ``ns``, ``ks`` and the Rice and escape pieces
     per (tile, class), ``counts`` (classes, NSYM), and the stream's ``prefix``; ``sym_off``
-    is per tile either way. ``scratch``: a pool for the rANS bytes (``pooled``)."""
+    is per tile either way. ``scratch``: a pool for the coded values (``pooled``). ``huff``
+    (one class only): code the values with ``_finish_huffman``, the ``huffman`` stream."""
     ntiles = ns.shape[0]
     counts = counts.reshape(-1, NSYM)
     if counts.shape[0] == 1 and prefix is None:
         flat = [np.ascontiguousarray(x, dtype=np.int64).reshape(-1) for x in (ns, ks, rice_len, n_esc, rice_off, esc_off)]
-        rans_buf = pooled(scratch, "rans", 2 * int(flat[0].sum()) + 4 * ntiles)
-        return _finish_sparse(*flat[:4], np.ascontiguousarray(counts[0], dtype=np.int64), width, rice_buf, flat[4],
-                              sym_buf, np.ascontiguousarray(sym_off, dtype=np.int64), esc_buf, flat[5], rans_buf)
+        value_buf = pooled(scratch, "values", _value_bytes(int(flat[0].sum()), ntiles))
+        finish = _finish_huffman if huff else _finish_sparse
+        return finish(*flat[:4], np.ascontiguousarray(counts[0], dtype=np.int64), width, rice_buf, flat[4],
+                      sym_buf, np.ascontiguousarray(sym_off, dtype=np.int64), esc_buf, flat[5], value_buf)
+    if huff:
+        raise ValueError("the huffman stream has one class")
     ns, ks, rice_len, n_esc, rice_off, esc_off = (x.reshape(ntiles, -1)
                                                   for x in (ns, ks, rice_len, n_esc, rice_off, esc_off))
     freq = np.stack([entropy.quantize_freqs(c) for c in counts])
@@ -966,9 +1024,16 @@ def finish_sparse(scans: Sequence[TileScan], width: int) -> np.ndarray:
     return finish_pieces(scans, width)
 
 
-def finish_pieces(scans: Sequence, width: int, prefix: np.ndarray | None = None) -> np.ndarray:
+def finish_huffman(scans: Sequence[TileScan], width: int) -> np.ndarray:
+    """The ``huffman`` stream of a tensor from the scans of its pieces, in order (at least one
+    change in all)."""
+    return finish_pieces(scans, width, huff=True)
+
+
+def finish_pieces(scans: Sequence, width: int, prefix: np.ndarray | None = None, huff: bool = False) -> np.ndarray:
     """Passes 2 and 3 over the scans of a tensor's pieces, in order: ``TileScan`` (the
-    ``sparse`` stream) or ``context_codec.ContextScan`` with the stream's ``prefix``."""
+    ``sparse`` stream, or with ``huff`` the ``huffman`` one) or ``context_codec.ContextScan``
+    with the stream's ``prefix``."""
     if any(s.overflowed.size for s in scans):
         raise ValueError("a scan with overflowed tiles does not describe its piece; diff those tiles")
     ns = np.concatenate([s.ns for s in scans])
@@ -980,7 +1045,7 @@ def finish_pieces(scans: Sequence, width: int, prefix: np.ndarray | None = None)
         ns, np.concatenate([s.ks for s in scans]), rice_len, n_esc, sum(s.counts for s in scans), width,
         np.concatenate([s.rice for s in scans]), packed_offsets(rice_len),
         np.concatenate([s.syms for s in scans]), packed_offsets(ns.reshape(ns.shape[0], -1).sum(axis=1)),
-        np.concatenate([s.escs for s in scans]), packed_offsets(n_esc * width), prefix,
+        np.concatenate([s.escs for s in scans]), packed_offsets(n_esc * width), prefix, huff=huff,
     )
 
 
@@ -1110,6 +1175,10 @@ def apply_tiles(buf, target, numel, tile, width, ns, ks, rice, rans, esc, offs, 
     ``limit[t] < ns[t]``, which is how an apply is undone). Returns ``(errs, done)``: an
     ``entropy.ERRORS`` code per tile (0 when valid) and how many changes each tile wrote.
     A position is written only after it was decoded and checked to lie inside its tile.
+
+    A ``sparse`` stream passes its rANS tables (``freq``, ``cum``, ``slot2sym``); a
+    ``huffman`` stream passes None, None and ``huffman.decoder_table`` (``rans`` then holds
+    each tile's value bytes), and numba compiles that form apart, with no rANS in it.
     """
     return _decode_tiles(buf, target, None, None, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum,
                          slot2sym, sign, limit)
@@ -1158,12 +1227,16 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
         tile_end = min(tile_start + tile, numel)
         p = offs[t]
         rend = p + rice[t]
-        pa = rend
-        aend = pa + rans[t]
-        x, pa, err = rans_start(buf, pa, aend)
-        if err:
-            errs[t] = err
-            continue
+        aend = rend + rans[t]
+        if freq is None:  # Huffman: pa is a bit position, aend_bits where the value bits end
+            x = 0
+            pa = rend << 3
+        else:
+            x, pa, err = rans_start(buf, rend, aend)
+            if err:
+                errs[t] = err
+                continue
+        aend_bits = aend << 3
         e = aend
         eend = aend + esc[t] * width
         n_esc = 0
@@ -1174,7 +1247,10 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
         lowmask = (1 << k) - 1
         applied = 0
         for i in range(lim):
-            s, x, pa, err = rans_symbol(buf, x, pa, aend, freq, cum, slot2sym)
+            if freq is None:
+                s, pa, err = huffman.symbol(buf, pa, aend_bits, slot2sym)
+            else:
+                s, x, pa, err = rans_symbol(buf, x, pa, aend, freq, cum, slot2sym)
             if err:
                 break
             if s == ESC:
@@ -1208,7 +1284,7 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
         if err == 0 and lim == n:
             if p != rend or nbits >= 8 or acc != 0:
                 err = 3
-            elif pa != aend or x != RANS_L:
+            elif (not huffman.ends_cleanly(buf, pa, aend_bits)) if freq is None else (pa != aend or x != RANS_L):
                 err = 7
             elif n_esc != esc[t]:
                 err = 8

@@ -262,7 +262,7 @@ def _warm_up_kernels() -> None:
     b = a.clone()
     b[::7] = 1.0
     bits = [t.view(torch.int16).numpy().view("uint16") for t in (a, b)]
-    tile_codec.finish_sparse([tile_codec.scan_tiles(*bits, CODEC_TILE)], 2)
+    tile_codec.finish_huffman([tile_codec.scan_tiles(*bits, CODEC_TILE)], 2)
     d = diff_and_update_(a, b)
     tensor_digest(a)
     encode_deltas([("w", d)], base_version=1, target_version=2, target_root="xxh3-128:" + "0" * 32)

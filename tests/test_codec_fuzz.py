@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from weftboard.cuda import codec
 from weftboard.cuda.codec import apply_patch_, decode_stream, encode_patch, read_patch_info
-from weftboard.cuda.diff import bits_view
+from weftboard.cuda.diff import bits_view, diff_tensor, unsigned_np
 from weftboard.proto.errors import CorruptData
 
 ROOT = "xxh3-128:" + "00" * 16
@@ -190,7 +190,13 @@ def _stream_cases():
             b[mask] = torch.from_numpy(rng.integers(-(2**15), 2**15, int(mask.sum()), dtype=np.int16))
         for enc in ("default", "baseline"):
             p = encode_patch([("x", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding=enc)
-            cases.extend(_entries_and_streams(p.data))
+            ((entry, stream),) = _entries_and_streams(p.data)
+            cases.append((entry, stream))
+            if entry["mode"] == "huffman":  # the same changes as a rANS ``sparse`` stream (format 1's default)
+                d = diff_tensor(old, new)
+                sparse = codec._encode_sparse(d.positions.numpy(), unsigned_np(d.old_bits), unsigned_np(d.new_bits),
+                                              n, codec.CODEC_TILE).tobytes()
+                cases.append((dict(entry, mode="sparse", stream_bytes=len(sparse)), sparse))
     return cases
 
 
@@ -198,7 +204,7 @@ STREAMS = _stream_cases()
 
 
 def test_stream_cases_cover_every_mode() -> None:
-    assert {e["mode"] for e, _ in STREAMS} == {"sparse", "bitmap", "all", "baseline"}
+    assert {e["mode"] for e, _ in STREAMS} == {"huffman", "sparse", "bitmap", "all", "baseline"}
 
 
 @FUZZ
@@ -264,7 +270,7 @@ def test_header_fields_are_validated(field, value) -> None:
     assert all(torch.equal(bits_view(target[n]), bits_view(olds[n])) for n in olds)
 
 
-SPARSE = [i for i, (e, _) in enumerate(STREAMS) if e["mode"] == "sparse"]
+SPARSE = [i for i, (e, _) in enumerate(STREAMS) if e["mode"] in ("huffman", "sparse")]
 
 
 @FUZZ

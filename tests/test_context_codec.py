@@ -107,7 +107,7 @@ def test_context_patches_mix_modes_apply_and_revert() -> None:
                          encoding="context")
     info = read_patch_info(patch.data)
     assert info.encoding == "context"
-    assert {t.name: t.mode for t in info.tensors} == {"w": "context", "z": "sparse", "f": "sparse"}
+    assert {t.name: t.mode for t in info.tensors} == {"w": "context", "z": "huffman", "f": "huffman"}
     target = {n: t.clone() for n, t in olds.items()}
     applied = apply_patch_(target, patch.data)
     assert all(torch.equal(bits_view(target[n]), bits_view(news[n])) for n in news)
@@ -136,7 +136,7 @@ def test_deltas_with_their_targets_encode_as_context_streams() -> None:
     delta = diff_tensor(old, new)
     with_target, = codec.encode_streams([("w", delta)], encoding="context", targets={"w": new})
     without, = codec.encode_streams([("w", delta)], encoding="context")
-    assert (with_target.mode, without.mode) == ("context", "sparse")
+    assert (with_target.mode, without.mode) == ("context", "huffman")
     patch = codec.assemble_patch([with_target], base_version=1, target_version=2, target_root=ROOT, encoding="context")
     target = {"w": old.clone()}
     apply_patch_(target, patch.data)

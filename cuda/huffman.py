@@ -1,0 +1,302 @@
+"""Canonical Huffman codes for the value symbols of the ``huffman`` stream (the default).
+
+Why not rANS, which the ``sparse`` and ``context`` streams use: rANS codes within a few
+thousandths of a bit of the symbols' entropy, but decoding a symbol is a chain of two
+dependent table loads, a multiply and a renormalisation whose byte reads depend on the state,
+about 25 cycles that nothing can overlap; a Huffman symbol is one table load on a bit
+position (about 13 cycles), and encoding it is a table load and an append instead of a
+reciprocal multiply. On an optimizer step's bf16 update the code costs about 0.12 bits per
+change more than rANS (2.15 against 2.03), and the decoder applies about a third faster.
+
+The symbols are those of ``weftboard.cuda.entropy`` (``2*(|d|-1) + sign``, ESC for the rest).
+Codes are canonical (DEFLATE's rule: shorter codes first, then by symbol) and at most
+``MAX_BITS`` long, so the stream carries only each symbol's code length, and the decoder
+finds a symbol with one lookup of the next ``MAX_BITS`` bits. Bits are packed LSB-first,
+each code with its first bit lowest (the canonical code bit-reversed). A tensor with one
+distinct symbol gives it a code of length 0: its tiles' value streams are empty.
+
+Table layout: ``varint nsym``, then ``nsym`` x (``varint symbol``, ``u8 length``), symbols
+strictly ascending and < NSYM, lengths 1..MAX_BITS whose Kraft sum is exactly 1 (a complete
+code, as Huffman's always is), or one symbol of length 0. Anything else is refused.
+
+No I/O; every function is compiled (numba) and bounds-checked where it reads a stream.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from weftboard.cuda.bitops import load_u64le, store_u32le
+from weftboard.cuda.entropy import NSYM, _varint, _write_varint, parse_directory
+from weftboard.cuda.jit import parallel_kernel
+
+MAX_BITS = 12  # 4096-entry decoder table (8 KiB, in L1); 11 bits cost 0.05 bits a change more on the bench
+TABLE_BYTES = 1 + 3 * NSYM  # the most a table can take (varint nsym <= 2 bytes, symbol <= 2, length 1)
+# The bytes a tile's value stream may take before it is finished: MAX_BITS bits a symbol and
+# the 4-byte word the writer stores past its last full byte.
+SLACK = 4
+
+
+@nb.njit(inline="always", cache=True)
+def tile_bound(n: int) -> int:
+    """Scratch bytes for the value stream of a tile of ``n`` changes."""
+    return (n * MAX_BITS + 7) // 8 + SLACK
+
+
+@nb.njit(cache=True, nogil=True)
+def code_lengths(counts):
+    """Code length per symbol (0 where the count is 0) of a Huffman code for ``counts``,
+    limited to MAX_BITS. Deterministic: ties are broken by symbol, so the encoder's table
+    depends only on the counts.
+
+    Huffman lengths from the two-queue construction over the counts sorted ascending; if
+    the longest exceeds MAX_BITS, the lengths are limited as miniz and zlib's ``gen_bitlen``
+    do (overlong codes cut to MAX_BITS, then codes moved one level deeper until the Kraft sum
+    is 1 again), and in every case assigned anew, shortest to the most frequent symbol."""
+    lengths = np.zeros(NSYM, np.int64)
+    n = 0
+    for s in range(NSYM):
+        if counts[s] > 0:
+            n += 1
+    if n == 0:
+        return lengths
+    syms = np.empty(n, np.int64)
+    w = np.empty(n, np.int64)
+    j = 0
+    for s in range(NSYM):
+        if counts[s] > 0:
+            syms[j] = s
+            w[j] = counts[s]
+            j += 1
+    if n == 1:
+        return lengths  # the one symbol: length 0
+    order = np.argsort(w, kind="mergesort")  # ascending counts, ties by symbol
+    # nodes 0..n-1: leaves in ascending order; n..2n-2: internal nodes in creation order
+    weight = np.empty(2 * n - 1, np.int64)
+    parent = np.zeros(2 * n - 1, np.int64)
+    for i in range(n):
+        weight[i] = w[order[i]]
+    leaf = 0
+    inner = n
+    for made in range(n, 2 * n - 1):
+        pick = np.empty(2, np.int64)
+        for c in range(2):
+            if leaf < n and (inner >= made or weight[leaf] <= weight[inner]):
+                pick[c] = leaf
+                leaf += 1
+            else:
+                pick[c] = inner
+                inner += 1
+        weight[made] = weight[pick[0]] + weight[pick[1]]
+        parent[pick[0]] = made
+        parent[pick[1]] = made
+    depth = np.zeros(2 * n - 1, np.int64)
+    for i in range(2 * n - 3, -1, -1):  # parents come after their children
+        depth[i] = depth[parent[i]] + 1
+    per_len = np.zeros(64, np.int64)
+    for i in range(n):
+        per_len[depth[i]] += 1
+    longest = 0
+    for d in range(64):
+        if per_len[d]:
+            longest = d
+    if longest > MAX_BITS:
+        for d in range(MAX_BITS + 1, 64):
+            per_len[MAX_BITS] += per_len[d]
+            per_len[d] = 0
+        total = 0
+        for d in range(1, MAX_BITS + 1):
+            total += per_len[d] << (MAX_BITS - d)
+        while total > (1 << MAX_BITS):
+            per_len[MAX_BITS] -= 1
+            for d in range(MAX_BITS - 1, 0, -1):
+                if per_len[d]:
+                    per_len[d] -= 1
+                    per_len[d + 1] += 2
+                    break
+            total -= 1
+    # shortest lengths to the most frequent symbols (descending counts, ties by symbol)
+    desc = np.argsort(-w, kind="mergesort")
+    i = 0
+    for d in range(1, MAX_BITS + 1):
+        for _ in range(per_len[d]):
+            lengths[syms[desc[i]]] = d
+            i += 1
+    return lengths
+
+
+@nb.njit(inline="always", cache=True)
+def _reverse(code, length):
+    r = 0
+    for _ in range(length):
+        r = (r << 1) | (code & 1)
+        code >>= 1
+    return r
+
+
+@nb.njit(cache=True, nogil=True)
+def encoder_codes(lengths):
+    """Per symbol ``reversed_code | length << 32`` (0 for absent symbols): what the
+    encoder appends, first bit lowest."""
+    per_len = np.zeros(MAX_BITS + 2, np.int64)
+    for s in range(NSYM):
+        per_len[lengths[s]] += 1
+    per_len[0] = 0
+    next_code = np.zeros(MAX_BITS + 2, np.int64)
+    code = 0
+    for d in range(1, MAX_BITS + 1):
+        code = (code + per_len[d - 1]) << 1
+        next_code[d] = code
+    codes = np.zeros(NSYM, np.int64)
+    for s in range(NSYM):
+        d = lengths[s]
+        if d > 0:
+            codes[s] = _reverse(next_code[d], d) | (d << 32)
+            next_code[d] += 1
+    return codes
+
+
+@nb.njit(cache=True, nogil=True)
+def decoder_table(lengths, present):
+    """The ``2**MAX_BITS`` entries ``symbol << 4 | length`` indexed by the next MAX_BITS
+    stream bits, for a checked table (``read_table``)."""
+    table = np.zeros(1 << MAX_BITS, np.uint16)
+    codes = encoder_codes(lengths)
+    for s in range(NSYM):
+        d = lengths[s]
+        if d > 0:
+            entry = np.uint16((s << 4) | d)
+            for j in range(codes[s] & 0xFFFFFFFF, 1 << MAX_BITS, 1 << d):
+                table[j] = entry
+        elif present[s]:  # the one symbol of a one-symbol code: every lookup, no bits
+            table[:] = np.uint16(s << 4)
+    return table
+
+
+@nb.njit(cache=True, nogil=True)
+def write_table(out, p, lengths, present):
+    """Write the table of ``lengths`` (``present[s]``: the symbol occurs) at ``out[p]``;
+    returns the end."""
+    nsym = 0
+    for s in range(NSYM):
+        if present[s]:
+            nsym += 1
+    p = _write_varint(out, p, nsym)
+    for s in range(NSYM):
+        if present[s]:
+            p = _write_varint(out, p, s)
+            out[p] = lengths[s]
+            p += 1
+    return p
+
+
+@nb.njit(cache=True, nogil=True)
+def read_table(buf, p, end, lengths, present):
+    """Parse a table at ``buf[p]`` into ``lengths`` and ``present``; (error code or 0, end,
+    nsym). Error 1: truncated or malformed; 2: symbols out of order or unknown, a length out
+    of range, or not a complete code."""
+    nsym, p = _varint(buf, p, end)
+    if nsym < 0 or nsym > NSYM:
+        return 1, p, 0
+    last = -1
+    kraft = 0
+    for _ in range(nsym):
+        s, p = _varint(buf, p, end)
+        if s < 0 or p >= end:
+            return 1, p, 0
+        d = np.int64(buf[p])
+        p += 1
+        if s <= last or s >= NSYM or d > MAX_BITS or (d == 0) != (nsym == 1):
+            return 2, p, 0
+        lengths[s] = d
+        present[s] = True
+        if d > 0:
+            kraft += 1 << (MAX_BITS - d)
+        last = s
+    if nsym > 1 and kraft != (1 << MAX_BITS):
+        return 2, p, 0
+    return 0, p, nsym
+
+
+@nb.njit(cache=True, nogil=True)
+def parse_stream(buf, numel, tile, width, changed):
+    """The table and tile directory of a ``huffman`` stream and its decoder table, in one
+    compiled call: (err, ns, ks, rice, value bytes, escapes, offsets, table), per-tile arrays
+    flat; ``err`` as ``entropy.DIR_ERRORS``."""
+    lengths = np.zeros(NSYM, np.int64)
+    present = np.zeros(NSYM, np.bool_)
+    err, p, nsym = read_table(buf, 0, buf.size, lengths, present)
+    nsyms = np.full(1, nsym, np.int64)
+    if err:
+        p = buf.size
+        nsyms[0] = 1
+    derr, ns, ks, rice, values, esc, offs = parse_directory(buf, p, 1, numel, tile, width, changed, nsyms)
+    if err == 0:
+        err = derr
+    table = decoder_table(lengths, present) if err == 0 else np.zeros(1 << MAX_BITS, np.uint16)
+    return err, ns[:, 0].copy(), ks[:, 0].copy(), rice[:, 0].copy(), values, esc, offs, table
+
+
+@parallel_kernel
+def encode_tiles(sym_buf, sym_off, ns, codes, out, out_off):
+    """Each tile's symbols ``sym_buf[sym_off[t]:][:ns[t]]`` coded at ``out[out_off[t]:]``
+    (``tile_bound(ns[t])`` bytes of room); returns each tile's byte length.
+
+    The writer keeps fewer than 8 pending bits between symbols, stores 4 bytes after every
+    code and moves on by the whole bytes it completed: no branch on whether a byte is due,
+    which the predictor could not learn."""
+    ntiles = ns.size
+    lens = np.zeros(ntiles, np.int64)
+    for t in nb.prange(ntiles):
+        n = ns[t]
+        if n == 0:
+            continue
+        q = out_off[t]
+        start = q
+        acc = np.uint64(0)
+        nbits = np.uint64(0)
+        j = sym_off[t]
+        for i in range(n):
+            c = np.uint64(codes[np.uint64(sym_buf[np.uint64(j + i)])])
+            acc |= (c & np.uint64(0xFFFFFFFF)) << nbits
+            nbits += c >> np.uint64(32)
+            store_u32le(out, q, acc)
+            whole = nbits >> np.uint64(3)
+            q += np.int64(whole)
+            acc >>= whole << np.uint64(3)
+            nbits &= np.uint64(7)
+        if nbits:
+            out[q] = np.uint8(acc & np.uint64(0xFF))
+            q += 1
+        lens[t] = q - start
+    return lens
+
+
+@nb.njit(inline="always", cache=True)
+def symbol(buf, hp, hend, table):
+    """Decode one symbol at bit ``hp`` of ``buf`` whose value bits end at bit ``hend``:
+    returns ``(symbol, hp, err)``, ``err`` 6 when the code runs past ``hend``."""
+    at = hp >> 3
+    if at + 8 <= buf.size:  # always but at the very end of the buffer
+        word = load_u64le(buf, at)
+    else:
+        word = np.uint64(0)
+        for b in range(min(8, buf.size - at)):
+            word |= np.uint64(buf[at + b]) << np.uint64(8 * b)
+    entry = table[(word >> np.uint64(hp & 7)) & np.uint64((1 << MAX_BITS) - 1)]
+    hp += np.int64(entry & np.uint16(15))
+    if hp > hend:
+        return np.int64(entry >> np.uint16(4)), hp, 6
+    return np.int64(entry >> np.uint16(4)), hp, 0
+
+
+@nb.njit(inline="always", cache=True)
+def ends_cleanly(buf, hp, hend):
+    """Whether a tile's value bits, read up to bit ``hp``, end at byte ``hend >> 3`` with zero
+    padding (the only way the encoder ends them)."""
+    if (hp + 7) >> 3 != hend >> 3:
+        return False
+    if hp & 7:
+        return (np.int64(buf[hp >> 3]) >> (hp & 7)) == 0
+    return True
