@@ -328,7 +328,7 @@ def test_chunked_cast_fold_equals_whole_tensor_path(encoding: str | None) -> Non
             whole = context_codec.encode_context(old_bits, new_bits, scan.thresholds, codec.CODEC_TILE)[1]
         else:
             assert isinstance(d1, list) and len(d1) == 2
-            whole = tile_codec.encode_sparse(old_bits, new_bits, codec.CODEC_TILE)[1]
+            whole = tile_codec.encode_huffman(old_bits, new_bits, codec.CODEC_TILE)[1]
         assert enc is not None and np.array_equal(enc.stream, whole)
         d1 = codec.delta_from_scans(d1, a)
     assert torch.equal(d1.positions, d2.positions)
