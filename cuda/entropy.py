@@ -1,5 +1,7 @@
-"""The entropy coder of the default patch encoding: Rice-coded position gaps, rANS-coded
-value differences, raw escapes; one independent stream per tile (numba, parallel over tiles).
+"""The ``sparse`` stream's entropy coder (format 1's default; the ``huffman`` stream, the
+default since, shares its symbols, Rice gaps, directory and escapes and replaces only the rANS
+part, ``weftboard.cuda.huffman``): Rice-coded position gaps, rANS-coded value differences,
+raw escapes; one independent stream per tile (numba, parallel over tiles).
 
 Per tensor (all integers little-endian; "varint" = LEB128, 7 bits per byte, at most 9 bytes):
 
