@@ -33,7 +33,7 @@ from weftboard.cuda.entropy import NSYM, _varint, _write_varint, parse_directory
 from weftboard.cuda.jit import parallel_kernel
 
 MAX_BITS = 12  # 4096-entry decoder table (8 KiB, in L1); 11 bits cost 0.05 bits a change more on the bench
-TABLE_BYTES = 1 + 3 * NSYM  # the most a table can take (varint nsym <= 2 bytes, symbol <= 2, length 1)
+TABLE_BYTES = 1 + 3 * NSYM  # room for any table (the largest takes 261: all NSYM symbols, 128 and nsym in 2 bytes)
 # The bytes a tile's value stream may take before it is finished: MAX_BITS bits a symbol and
 # the 4-byte word the writer stores past its last full byte.
 SLACK = 4
