@@ -56,42 +56,29 @@ def code_lengths(counts):
     do (overlong codes cut to MAX_BITS, then codes moved one level deeper until the Kraft sum
     is 1 again), and in every case assigned anew, shortest to the most frequent symbol."""
     lengths = np.zeros(NSYM, np.int64)
-    n = 0
-    for s in range(NSYM):
-        if counts[s] > 0:
-            n += 1
-    if n == 0:
-        return lengths
-    syms = np.empty(n, np.int64)
-    w = np.empty(n, np.int64)
-    j = 0
-    for s in range(NSYM):
-        if counts[s] > 0:
-            syms[j] = s
-            w[j] = counts[s]
-            j += 1
-    if n == 1:
-        return lengths  # the one symbol: length 0
+    syms = np.flatnonzero(counts > 0)
+    w = counts[syms]
+    n = syms.size
+    if n < 2:
+        return lengths  # no symbol, or one: length 0
     order = np.argsort(w, kind="mergesort")  # ascending counts, ties by symbol
     # nodes 0..n-1: leaves in ascending order; n..2n-2: internal nodes in creation order
-    weight = np.empty(2 * n - 1, np.int64)
+    weight = np.zeros(2 * n - 1, np.int64)
     parent = np.zeros(2 * n - 1, np.int64)
     for i in range(n):
         weight[i] = w[order[i]]
     leaf = 0
     inner = n
     for made in range(n, 2 * n - 1):
-        pick = np.empty(2, np.int64)
-        for c in range(2):
+        for _ in range(2):  # the two lightest of the leaves' and the inner nodes' queue fronts
             if leaf < n and (inner >= made or weight[leaf] <= weight[inner]):
-                pick[c] = leaf
+                child = leaf
                 leaf += 1
             else:
-                pick[c] = inner
+                child = inner
                 inner += 1
-        weight[made] = weight[pick[0]] + weight[pick[1]]
-        parent[pick[0]] = made
-        parent[pick[1]] = made
+            weight[made] += weight[child]
+            parent[child] = made
     depth = np.zeros(2 * n - 1, np.int64)
     for i in range(2 * n - 3, -1, -1):  # parents come after their children
         depth[i] = depth[parent[i]] + 1
