@@ -475,7 +475,7 @@ def encode_patch(
     Both give the same container, decoded by the same readers.
     """
     _check_encoding(encoding)
-    scratch: dict = {}  # one scratch pool for all pairs (see tile_codec.pooled)
+    scratch = tile_codec.kept_scratch()  # one pool for all pairs, and for the next patch
 
     def encoded() -> Iterable[EncodedTensor]:
         for name, old, new in pairs:
@@ -492,9 +492,13 @@ def encode_patch(
                     continue
             yield _encode_delta(name, diff_tensor(old, new), encoding)
 
-    return assemble_patch(
-        encoded(), base_version=base_version, target_version=target_version, target_root=target_root, encoding=encoding
-    )
+    try:
+        return assemble_patch(
+            encoded(), base_version=base_version, target_version=target_version, target_root=target_root,
+            encoding=encoding
+        )
+    finally:
+        tile_codec.trim_scratch(scratch)
 
 
 def _write_container(header: dict[str, Any], streams: Sequence[tuple[str, bytes | np.ndarray]]) -> bytes:

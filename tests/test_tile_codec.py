@@ -8,6 +8,8 @@ every write is undone.
 
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 import pytest
@@ -544,6 +546,43 @@ def test_a_scratch_pool_shared_across_tensors_gives_each_its_own_bytes() -> None
     first = {key: buf for key, buf in scratch.items()}
     tile_codec.encode_sparse(*pairs[1], CODEC_TILE, scratch)  # smaller: the pool's buffers are reused
     assert all(scratch[key] is buf for key, buf in first.items())
+
+
+def _patch_of(pairs: list[tuple[np.ndarray, np.ndarray]]) -> bytes:
+    return encode_patch(((f"t{i}", torch.from_numpy(a.view(np.int16)), torch.from_numpy(b.view(np.int16)))
+                         for i, (a, b) in enumerate(pairs)), base_version=1, target_version=2, target_root="r").data
+
+
+def test_encode_patch_keeps_its_scratch_for_the_next_patch_and_its_bytes_do_not_leak() -> None:
+    """A publisher encodes a patch every step: the thread's scratch pool outlives one
+    ``encode_patch`` (fresh scratch page-faults on every page it touches), and a patch
+    encoded after a larger, denser one is byte for byte what it is on its own."""
+    dense = [_pair(2, 400_000, 0.3, seed=1, far=0.2), _pair(2, 70_000, 0.5, seed=2, far=0.5)]
+    light = [_pair(2, 200_000, 0.01, seed=3), _pair(2, 5_000, 0.02, seed=4)]
+    tile_codec.kept_scratch().clear()
+    alone = _patch_of(light)
+    assert tile_codec.kept_scratch(), "encode_patch should leave its scratch in the thread's pool"
+    _patch_of(dense)  # grows the pool's buffers and leaves them dirty
+    grown = dict(tile_codec.kept_scratch())
+    assert _patch_of(light) == alone
+    pool = tile_codec.kept_scratch()
+    assert pool.keys() == grown.keys() and all(pool[key] is buf for key, buf in grown.items())
+
+    seen: list[dict] = []
+    worker = threading.Thread(target=lambda: seen.append(tile_codec.kept_scratch()))
+    worker.start()
+    worker.join()
+    assert seen[0] is not pool, "each thread needs its own pool: a pooled buffer is valid until its next use"
+
+
+def test_a_pool_above_the_kept_size_is_released_after_the_patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    tile_codec.kept_scratch().clear()
+    monkeypatch.setattr(tile_codec, "KEPT_SCRATCH_BYTES", 1 << 20)  # the 400k-element pair's scratch is larger
+    patch = _patch_of([_pair(2, 400_000, 0.05, seed=5)])
+    assert tile_codec.kept_scratch() == {}
+    monkeypatch.setattr(tile_codec, "KEPT_SCRATCH_BYTES", 1 << 40)
+    assert _patch_of([_pair(2, 400_000, 0.05, seed=5)]) == patch
+    assert tile_codec.kept_scratch()
 
 
 @pytest.mark.parametrize("cut", [1, 2])
