@@ -17,13 +17,27 @@ array around the call: an atomic increment and decrement in its runtime on every
 arms of hot loops (``tile_codec._scan_tile`` leaves its group loop for the rare long code).
 ``NUMBA_ENABLE_PROFILING=1`` under ``perf record -e cpu-clock`` shows them as calls to two
 tiny functions (``lock incq``/``lock decq``) next to the hot instructions.
+
+The disk cache: numba keys a function's cached machine code by its own source file only, but
+the kernels inline helpers from other files of this package (``bitops``, ``entropy``,
+``huffman``): an edit to a helper alone left kernels running their old machine code until
+the cache was cleared by hand. Importing this module registers a cache locator (before any
+kernel module defines a kernel: each imports this module first) that stamps every function
+of this package with a digest of all its numba sources as well, so any edit to one of them
+recompiles every kernel once. Installed wheels and fresh clones never had stale entries;
+editable checkouts that pull a change to one helper did.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import os
+import warnings
 from typing import Any, Callable
 
 import numba as nb
+from numba.core import caching
 from numba.core.cpu_options import ParallelOptions
 
 
@@ -36,3 +50,69 @@ PRANGE_ONLY = ParallelOptions({"prange": True, "numpy": False, "setitem": False,
 def parallel_kernel(fn: Callable[..., Any], *, cache: bool = True) -> Any:
     """``nb.njit`` with only the ``prange`` loops parallel; cached on disk, GIL released."""
     return nb.njit(parallel=PRANGE_ONLY, cache=cache, nogil=True)(fn)
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@functools.cache
+def kernel_sources_digest() -> str:
+    """sha256 over every module of this package that uses numba (name and content hash of
+    each, in name order): the part of a kernel's cache stamp its own file does not cover."""
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(_PACKAGE_DIR)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(_PACKAGE_DIR, name), "rb") as f:
+            data = f.read()
+        if b"numba" in data:
+            digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    return digest.hexdigest()
+
+
+class PackageStampedLocator(caching._CacheLocator):
+    """numba's own locator for a function of this package (wherever numba would cache it:
+    ``NUMBA_CACHE_DIR``, the ``__pycache__`` beside the file, the user's cache), with
+    ``kernel_sources_digest`` added to its source stamp; no locator for other functions."""
+
+    fallbacks: list[type] = []  # numba's locators, in numba's order (set at registration)
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def ensure_cache_path(self) -> None:
+        self._inner.ensure_cache_path()
+
+    def get_cache_path(self) -> str:
+        return self._inner.get_cache_path()
+
+    def get_source_stamp(self) -> Any:
+        return (self._inner.get_source_stamp(), kernel_sources_digest())
+
+    def get_disambiguator(self) -> str:
+        return self._inner.get_disambiguator()
+
+    @classmethod
+    def from_function(cls, py_func: Any, py_file: str) -> PackageStampedLocator | None:
+        if os.path.dirname(os.path.abspath(py_file)) != _PACKAGE_DIR:
+            return None
+        for fallback in cls.fallbacks:
+            inner = fallback.from_function(py_func, py_file)
+            if inner is not None:
+                return cls(inner)
+        return None
+
+
+def _register_locator() -> None:
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)
+    classes = getattr(impl, "_locator_classes", None)
+    if not isinstance(classes, list):
+        warnings.warn("this numba has no cache locator list to extend: after an edit to a kernel helper, "
+                      "clear the kernels' cache (cuda/__pycache__/*.nbi, *.nbc) by hand", RuntimeWarning, stacklevel=2)
+        return
+    if PackageStampedLocator not in classes:
+        PackageStampedLocator.fallbacks = list(classes)
+        classes.insert(0, PackageStampedLocator)
+
+
+_register_locator()

@@ -1,12 +1,18 @@
 """The kernels' compile options: only ``prange`` loops become parallel regions, for every
-signature a kernel is compiled for (see ``weftboard.cuda.jit``)."""
+signature a kernel is compiled for; and their disk cache, stamped with every numba source of
+the package (see ``weftboard.cuda.jit``)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numba as nb
 import numpy as np
 
-from weftboard.cuda import tile_codec
+from weftboard.cuda import jit, tile_codec
 from weftboard.cuda.jit import PRANGE_ONLY, parallel_kernel
 
 
@@ -43,3 +49,73 @@ def test_the_codec_kernels_use_those_options() -> None:
               tile_codec._compact_tiles, tile_codec._decode_tiles):
         assert k.targetoptions["parallel"] is PRANGE_ONLY
     assert not PRANGE_ONLY.numpy and not PRANGE_ONLY.setitem and PRANGE_ONLY.prange
+
+
+_STALE_PROBE = r"""
+import os, sys
+from weftboard.cuda import jit
+jit._PACKAGE_DIR = sys.argv[1]  # the probe package stands in for weftboard.cuda
+jit.kernel_sources_digest.cache_clear()
+sys.path.insert(0, sys.argv[1])
+import kern
+print(kern.kernel(), type(kern.kernel._cache._impl.locator).__name__)
+"""
+
+
+def _probe(pkg: Path, cache_dir: Path) -> tuple[str, str]:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir)}
+    out = subprocess.run([sys.executable, "-c", _STALE_PROBE, str(pkg)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    value, locator = out.stdout.split()
+    return value, locator
+
+
+def test_an_edit_to_an_inlined_helper_recompiles_the_cached_kernels_that_use_it(tmp_path: Path) -> None:
+    """numba stamps a cached kernel with its own file only: a kernel inlining a helper from
+    another file kept its old machine code after the helper changed. The package's locator
+    stamps it with every numba source of the package as well."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "helper.py").write_text("import numba\n\n@numba.njit(inline='always', cache=True)\ndef value():\n    return 1\n")
+    (pkg / "kern.py").write_text("import numba\nfrom helper import value\n\n@numba.njit(cache=True)\ndef kernel():\n"
+                                 "    return value() * 10\n")
+    cache = tmp_path / "cache"
+    assert _probe(pkg, cache) == ("10", "PackageStampedLocator")
+    assert any(cache.rglob("*kernel*.nbi")), "the kernel should be cached on disk"
+    (pkg / "helper.py").write_text((pkg / "helper.py").read_text().replace("return 1", "return 2"))
+    assert _probe(pkg, cache)[0] == "20"
+
+
+def test_the_sources_digest_covers_the_modules_that_use_numba_only(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "a.py").write_text("import numba\n")
+    (tmp_path / "b.py").write_text("x = 1\n")
+    monkeypatch.setattr(jit, "_PACKAGE_DIR", str(tmp_path))
+
+    def digest() -> str:
+        jit.kernel_sources_digest.cache_clear()
+        return jit.kernel_sources_digest()
+
+    before = digest()
+    (tmp_path / "b.py").write_text("x = 2\n")
+    assert digest() == before
+    (tmp_path / "a.py").write_text("import numba  # edited\n")
+    assert digest() != before
+    jit.kernel_sources_digest.cache_clear()
+
+
+def test_every_cached_kernel_of_the_package_gets_the_package_locator() -> None:
+    """Each kernel module imports ``jit`` before it defines a kernel, whichever is imported
+    first (checked in a fresh interpreter per module)."""
+    script = ("import importlib, sys, numba\n"
+              "m = importlib.import_module(sys.argv[1])\n"
+              "bad = [n for n, f in vars(m).items() if isinstance(f, numba.core.registry.CPUDispatcher)\n"
+              "       and f.__module__ == m.__name__ and f._cache.__class__.__name__ != 'NullCache'\n"
+              "       and type(f._cache._impl.locator).__name__ != 'PackageStampedLocator']\n"
+              "print(len([f for f in vars(m).values() if isinstance(f, numba.core.registry.CPUDispatcher)]), bad)\n")
+    for name in ("bitops", "entropy", "huffman", "tile_codec", "context_codec", "diff", "codec"):
+        out = subprocess.run([sys.executable, "-c", script, f"weftboard.cuda.{name}"], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        count, bad = out.stdout.split(" ", 1)
+        assert bad.strip() == "[]", f"{name}: {bad}"
