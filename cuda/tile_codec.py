@@ -782,8 +782,8 @@ def pooled(scratch: dict | None, key: str, nbytes: int) -> np.ndarray:
 
 # A thread's pool outlives one encode when its buffers total at most this: page-faulting
 # fresh scratch on every ``encode_patch`` cost 1-4 ms of the bench's 35-50 ms (bf16, 55M
-# parameters; the largest tensor's scratch is 82 MB, of which the pages a step's changes
-# touch stay resident).
+# parameters: a pool of 82 MB of address space, of which the 7 MB that a step's changes
+# touch stay resident). The publisher's read keeps its own, smaller pool per version.
 KEPT_SCRATCH_BYTES = 256 << 20
 _kept = threading.local()
 
