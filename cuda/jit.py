@@ -30,11 +30,12 @@ editable checkouts that pull a change to one helper did.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numba as nb
 from numba.core import caching
@@ -45,6 +46,23 @@ from numba.core.cpu_options import ParallelOptions
 # compiles, so a kernel's second signature would be compiled with every transformation on.
 PRANGE_ONLY = ParallelOptions({"prange": True, "numpy": False, "setitem": False, "reduction": False, "stencil": False,
                                "inplace_binop": False, "comprehension": False, "fusion": False})
+
+
+@contextlib.contextmanager
+def serial_kernels() -> Iterator[None]:
+    """Run the parallel kernels this thread calls inside the block on this thread alone.
+
+    For kernel work that overlaps other busy threads on the same cores (the publisher
+    finishes a version's streams while the trainer's next step runs): a parallel region ends
+    at a barrier, and one of its threads parked behind the other work holds up the whole
+    region, every region. numba's thread count is per calling thread, so other threads'
+    kernels keep theirs."""
+    before = nb.get_num_threads()
+    nb.set_num_threads(1)
+    try:
+        yield
+    finally:
+        nb.set_num_threads(before)
 
 
 def parallel_kernel(fn: Callable[..., Any], *, cache: bool = True) -> Any:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -427,3 +428,40 @@ async def test_commit_retries_while_the_board_is_down(board, local_store, tmp_pa
         await asyncio.to_thread(pub.close, False)
     async with BoardClient(board.address, board.admin_token) as client:
         await _follow_each(client, "down", local_store, tmp_path, views)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs numba's thread pool to have two threads or more")
+async def test_streams_are_finished_with_serial_kernels_and_reads_stay_parallel(board, local_store,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version's streams are finished while the trainer's next step runs: there the
+    kernels run on the finishing thread alone (a parallel region would wait at its barrier
+    for a thread parked behind the trainer's). The read, which the trainer waits for, keeps
+    every thread, and the thread count comes back after each finish."""
+    from weftboard.cuda import codec
+
+    seen: dict[str, set[int]] = {"read": set(), "finish": set()}
+    finish, project = codec.encoded_from_scans, Publisher._project_and_diff
+
+    def finishing(*args: Any, **kwargs: Any) -> Any:
+        seen["finish"].add(numba.get_num_threads())
+        return finish(*args, **kwargs)
+
+    def reading(self: Publisher, *args: Any, **kwargs: Any) -> Any:
+        seen["read"].add(numba.get_num_threads())
+        return project(self, *args, **kwargs)
+
+    monkeypatch.setattr(codec, "encoded_from_scans", finishing)
+    monkeypatch.setattr(Publisher, "_project_and_diff", reading)
+    trainer = Trainer(lr=1e-4)
+
+    def train() -> None:
+        with Publisher(board.address, "serial", token=board.admin_token, blob_store=local_store,
+                       anchor_every=100) as pub:
+            for _ in range(4):
+                trainer.step()
+                pub.publish(trainer.model, step=trainer.step_no)
+            pub.flush()
+
+    await asyncio.to_thread(train)
+    assert seen["finish"] == {1}, "a version's streams should be finished with serial kernels"
+    assert seen["read"] == {numba.config.NUMBA_NUM_THREADS}, "reads after a finish should get every thread back"
