@@ -790,8 +790,8 @@ _kept = threading.local()
 
 def kept_scratch() -> dict:
     """This thread's scratch pool for ``pooled``, kept from one encode to the next (release
-    it with ``trim_scratch`` after each): a publisher encodes a patch every step, and fresh
-    scratch page-faults its first touch of every page each time. Per thread, because a pooled
+    it with ``trim_scratch`` after each): a trainer that calls ``encode_patch`` every step
+    would otherwise page-fault its first touch of every scratch page each time. Per thread, because a pooled
     buffer is only valid until the next call that uses the pool."""
     pool = getattr(_kept, "pool", None)
     if pool is None:
