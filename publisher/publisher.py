@@ -709,7 +709,7 @@ class Publisher:
         # One thread, and its kernels serial: this runs while the trainer's next step uses
         # the cores, where each parallel region waited at its barrier for a thread parked
         # behind the trainer's (bench sync --wan, the count patched in one process: the finish
-        # stage 0.36-0.39 s a version with two threads, 0.23-0.28 s with one; uncontended, the
+        # stage 0.36-0.38 s a version with two threads, 0.23-0.28 s with one; uncontended, the
         # codec bench's 55M-parameter update finishes in 18-19 ms with one thread or two).
         with serial_kernels():
             for (name, scans), enc in zip(scanned, map(finish, scanned)):
