@@ -199,6 +199,7 @@ def _store_intrinsic(bits: int, big_endian: bool = False) -> Any:
 
 
 store_u32le = _store_intrinsic(32)
+store_u64le = _store_intrinsic(64)
 store_u16be = _store_intrinsic(16, big_endian=True)
 
 

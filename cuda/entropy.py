@@ -37,7 +37,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from weftboard.cuda.bitops import store_u32le
+from weftboard.cuda.bitops import store_u32le, store_u64le
 from weftboard.cuda.jit import parallel_kernel
 
 SCALE_BITS = 14
@@ -278,6 +278,21 @@ def bits_put(buf, p, acc, nbits, code, ln):
     store_u32le(buf, p, acc)
     full = nbits >> 5
     return p + (full << 2), acc >> (full << 5), nbits - (full << 5)
+
+
+@nb.njit(inline="always", cache=True)
+def bytes_put(buf, q, acc, nbits, code, ln):
+    """Append the ``ln`` <= 56 bits ``code`` (uint64s, all three) to a byte-granular writer:
+    ``acc`` holds the ``nbits`` < 8 bits not yet in a whole byte, the 8 bytes at ``q`` are
+    always stored and ``q`` moves by the whole bytes completed, so the caller leaves 7 bytes
+    of slack after the last byte. The bits are those ``bits_put`` writes (LSB-first); the
+    finished state closes with ``rice_flush``. Groups of codes go in one append: the
+    writer's dependency chain is paid once per group."""
+    acc |= code << nbits
+    nbits += ln
+    store_u64le(buf, q, acc)
+    whole = nbits >> np.uint64(3)
+    return q + np.int64(whole), acc >> (whole << np.uint64(3)), nbits & np.uint64(7)
 
 
 @nb.njit(inline="always", cache=True)

@@ -22,8 +22,9 @@ time into change masks (one vector compare per block, ``bitops.ne_mask64``), and
 ``scan_encode_tiles_packed`` packs each block's symbols and positions (all 64 symbols are
 computed in vectors; where the CPU has compress-stores, AVX-512 VBMI2, two instructions pack
 them, elsewhere an unrolled count-trailing-zeros walk eight lanes a round), then Rice-codes
-the packed positions in one long loop, two or four codes per append (no branch per change,
-the bit writer's dependency chain paid once per group); only the symbols (one byte each)
+the packed positions: every code and its length in one vectorised loop, then the appends,
+four codes per append (no branch per change, the bit writer's dependency chain paid once per
+group); only the symbols (one byte each)
 wait until the tensor's frequency table is known. ``scan_encode_tiles`` is the same scan as one walk of the masks
 (each change coded on the spot), kept for 64-bit elements and tiles above 65536; tests hold
 every path to the same bytes. rANS, whose every symbol waits on the previous one's multiply,
@@ -366,9 +367,59 @@ def _pack_block(a, bs, new, m, sym_buf, sym_at, pos, pos_at, base, rare, rare_at
     return walked
 
 
+@nb.njit(inline="always", cache=True)
+def _rice_tile_grouped(pos, cnt, k, rice_buf, p0, codes, lens):
+    """The Rice bits of a tile's ``cnt`` >= 1 packed positions at ``rice_buf[p0:]``, in two
+    passes: every code and its length first (a loop with no dependency between changes,
+    which LLVM vectorises), then the appends, four codes at a time (two when they exceed
+    56 bits). Returns the end of the flushed bits, or -1 before writing anything when a code
+    would be longer than 28 bits (a gap of ``28 << k`` or more): such a tile takes the
+    one-pass loop. ``codes`` and ``lens`` hold ``cnt`` uint32 each; the caller guarantees
+    that the bits and 8 bytes of slack fit. The same bits as ``entropy.rice_put`` (tests
+    hold the two to the same bytes)."""
+    one = np.uint32(1)
+    k32 = np.uint32(k)
+    lowmask = (one << k32) - one
+    codes[0] = np.uint32(pos[0])
+    for j in range(1, cnt):
+        codes[np.uint64(j)] = np.uint32(pos[np.uint64(j)]) - np.uint32(pos[np.uint64(j - 1)]) - one
+    longest = np.uint32(0)
+    for j in range(cnt):
+        g = codes[np.uint64(j)]
+        u = g >> k32
+        longest = max(longest, u)
+        lens[np.uint64(j)] = u + one + k32
+        # the shifts masked to 31 keep a long gap's code defined; such a tile is refused below
+        codes[np.uint64(j)] = ((one << (u & np.uint32(31))) - one) | ((g & lowmask) << ((u + one) & np.uint32(31)))
+    if np.int64(longest) + 1 + k > 28:
+        return -1
+    q = p0
+    acc = np.uint64(0)
+    nbits = np.uint64(0)
+    j = 0
+    while j + 3 < cnt:
+        at1 = np.uint64(lens[np.uint64(j)])
+        at2 = at1 + np.uint64(lens[np.uint64(j + 1)])
+        at3 = at2 + np.uint64(lens[np.uint64(j + 2)])
+        ln = at3 + np.uint64(lens[np.uint64(j + 3)])
+        first = np.uint64(codes[np.uint64(j)]) | (np.uint64(codes[np.uint64(j + 1)]) << at1)
+        second = np.uint64(codes[np.uint64(j + 2)]) | (np.uint64(codes[np.uint64(j + 3)]) << (at3 - at2))
+        if ln > np.uint64(56):
+            q, acc, nbits = entropy.bytes_put(rice_buf, q, acc, nbits, first, at2)
+            q, acc, nbits = entropy.bytes_put(rice_buf, q, acc, nbits, second, ln - at2)
+        else:
+            q, acc, nbits = entropy.bytes_put(rice_buf, q, acc, nbits, first | (second << at2), ln)
+        j += 4
+    while j < cnt:
+        q, acc, nbits = entropy.bytes_put(rice_buf, q, acc, nbits, np.uint64(codes[np.uint64(j)]),
+                                          np.uint64(lens[np.uint64(j)]))
+        j += 1
+    return entropy.rice_flush(rice_buf, q, np.int64(acc), np.int64(nbits))
+
+
 @nb.njit(cache=True, nogil=True)
 def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, lanes,
-               ns, ks, rice_len, n_esc, over, hist):
+               ns, ks, rice_len, n_esc, over, hist, codes, lens):
     """Tile ``t`` of ``scan_encode_tiles_packed``: its results at index ``t`` of ``ns`` ...
     ``hist``. ``new`` is the new bits or their cast form, ``lanes`` None (pack with
     compress-stores) or a row of 65 bytes or more (``pack_block``): each combination
@@ -471,14 +522,19 @@ def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, 
     prev = -1
     j = 0
     # The Rice bits are at most cnt * (k + 1) + (total gap >> k) (a sum of floors is at most
-    # the floor of the sum); when that leaves the check below no way to fire, codes go two at
-    # a time, or four where the codes are short (dense tiles: k <= 4), one append per group:
-    # the bit writer's dependency chain is paid once per group. A group too long for one
-    # append leaves its loop, and its first code goes alone the long way (``rice_put``): with
-    # ``rice_put`` inside the group loops, numba kept a reference count on the Rice buffer
-    # around every group (two atomic calls into its runtime, each a fence), a third of the
-    # time of the whole Rice pass.
-    if ((cnt * (k + 1) + ((lastpos + 1 - cnt) >> k)) >> 3) + 8 <= rstride - 16:
+    # the floor of the sum); when that leaves the check below no way to fire, the tile is
+    # coded in two passes (``_rice_tile_grouped``), or, if a code is too long for those,
+    # in the loops below: codes go two at a time, or four where the codes are short (dense
+    # tiles: k <= 4), one append per group: the bit writer's dependency chain is paid once
+    # per group. A group too long for one append leaves its loop, and its first code goes
+    # alone the long way (``rice_put``): with ``rice_put`` inside the group loops, numba kept
+    # a reference count on the Rice buffer around every group (two atomic calls into its
+    # runtime, each a fence), a third of the time of the whole Rice pass.
+    fits = ((cnt * (k + 1) + ((lastpos + 1 - cnt) >> k)) >> 3) + 8 <= rstride - 16
+    grouped = _rice_tile_grouped(pos, cnt, k, rice_buf, p0, codes, lens) if fits else -1
+    if grouped >= 0:
+        j = cnt  # coded: the loops below have nothing left
+    elif fits:
         while True:
             if k <= 4:
                 while j + 3 < cnt:
@@ -554,7 +610,7 @@ def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, 
         if nfull < nblocks:
             for i in range(s + 64 * nfull, e):
                 a[i] = new_element(a, new, i)
-    rice_len[t] = entropy.rice_flush(rice_buf, p, acc, nbits) - p0
+    rice_len[t] = (grouped if grouped >= 0 else entropy.rice_flush(rice_buf, p, acc, nbits)) - p0
     n_esc[t] = ne
 
 
@@ -574,7 +630,7 @@ def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, upda
     each), a (``nthreads``, 128) uint8 array with ``_pack_lanes`` walks.
 
     Positions within a tile are uint16, so ``tile`` is at most 65536. A thread's packed
-    positions, rare symbols, masks and lanes live in per-thread rows allocated once per call
+    positions, rare symbols, masks, lanes and Rice codes live in per-thread rows allocated once per call
     (a kernel called from two threads at once has two sets); ``nthreads`` is the size of
     numba's thread pool, above every thread id (asked by the caller: the kernel could not be
     cached if it asked)."""
@@ -586,6 +642,8 @@ def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, upda
     rare_rows = np.empty((nthreads, 64 * maxblocks), np.uint8)
     mask_rows = np.empty((nthreads, maxblocks), np.uint64)
     esc_rows = np.empty((nthreads, maxblocks), np.uint64)
+    code_rows = np.empty((nthreads, 64 * maxblocks), np.uint32)
+    len_rows = np.empty((nthreads, 64 * maxblocks), np.uint32)
     for t in nb.prange(ntiles):
         me = nb.get_thread_id()
         pos, rare, masks, escs = pos_rows[me], rare_rows[me], mask_rows[me], esc_rows[me]
@@ -594,16 +652,16 @@ def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, upda
         if src is None:
             if lane_rows is None:
                 _scan_tile(a, b, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, None,
-                           ns, ks, rice_len, n_esc, over, hist)
+                           ns, ks, rice_len, n_esc, over, hist, code_rows[me], len_rows[me])
             else:
                 _scan_tile(a, b, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs,
-                           lane_rows[me], ns, ks, rice_len, n_esc, over, hist)
+                           lane_rows[me], ns, ks, rice_len, n_esc, over, hist, code_rows[me], len_rows[me])
         elif lane_rows is None:
             _scan_tile(a, src, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs, None,
-                       ns, ks, rice_len, n_esc, over, hist)
+                       ns, ks, rice_len, n_esc, over, hist, code_rows[me], len_rows[me])
         else:
             _scan_tile(a, src, t, tile, width, rice_buf, rstride, sym_buf, update, pos, rare, masks, escs,
-                       lane_rows[me], ns, ks, rice_len, n_esc, over, hist)
+                       lane_rows[me], ns, ks, rice_len, n_esc, over, hist, code_rows[me], len_rows[me])
     return ns, ks, rice_len, n_esc, hist.sum(axis=0), over
 
 

@@ -163,6 +163,7 @@ def test_the_bit_writer_and_reader_agree(syms, skew) -> None:
     out = np.full(huffman.tile_bound(sym.size) + 16, 0xEE, np.uint8)  # junk after the stream
     (n,) = huffman.encode_tiles(sym, np.zeros(1, np.int64), np.array([sym.size], np.int64), codes, out, np.zeros(1, np.int64))
     assert n == (int(np.bincount(sym, minlength=NSYM) @ lengths) + 7) // 8
+    assert (out[huffman.tile_bound(sym.size):] == 0xEE).all()  # the writer's stores stay in the tile's room
     table = huffman.decoder_table(lengths, counts > 0)
     got, _ = _decode(out, n, sym.size, table)
     assert got.tolist() == sym.tolist()
@@ -314,3 +315,24 @@ def test_a_version_1_header_cannot_name_the_huffman_mode() -> None:
     assert torch.equal(bits_view(target["w"]), bits_view(_bf16(b)))
     with pytest.raises(CorruptData, match="format_version 3 is not supported"):
         codec.read_patch_info(rewrite(huff, format_version=3))
+
+
+@pytest.mark.parametrize("count", [4000, 4001, 4002, 4003])
+def test_groups_of_the_longest_codes_are_written_whole(count: int) -> None:
+    """Four codes of MAX_BITS go in one append (48 bits on top of up to 7 pending): a run of
+    the rarest symbols, in each tail length, reads back and stays inside the tile's room."""
+    counts = np.zeros(NSYM, np.int64)
+    counts[:20] = 1 << np.arange(20, 0, -1)  # lengths 1, 2, 3, ... limited to MAX_BITS
+    lengths = huffman.code_lengths(counts)
+    assert lengths.max() == huffman.MAX_BITS
+    rare = np.flatnonzero(lengths == huffman.MAX_BITS).astype(np.uint8)
+    rng = np.random.default_rng(count)
+    sym = rng.choice(rare, count)
+    sym[::7] = 0  # a one-bit code now and then, so the groups start at every bit offset
+    out = np.full(huffman.tile_bound(count) + 16, 0xEE, np.uint8)
+    (n,) = huffman.encode_tiles(sym, np.zeros(1, np.int64), np.array([count], np.int64),
+                                huffman.encoder_codes(lengths), out, np.zeros(1, np.int64))
+    assert n == (int(lengths[sym.astype(np.int64)].sum()) + 7) // 8
+    assert (out[huffman.tile_bound(count):] == 0xEE).all()
+    got, _ = _decode(out, n, count, huffman.decoder_table(lengths, counts > 0))
+    assert got.tolist() == sym.tolist()

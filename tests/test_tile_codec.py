@@ -530,6 +530,42 @@ def test_packed_scan_codes_long_gaps_like_the_walk(tile: int) -> None:
     assert stream is not None and changed == int((a != b).sum())
 
 
+def _tile_with_gaps(lead_gaps: list[int], tile: int = 4096) -> np.ndarray:
+    """Positions in one tile: the gaps ``lead_gaps`` first, then a change every 9th element
+    (so the tile's Rice parameter is 3 whatever the few long gaps add)."""
+    pos = np.cumsum(np.array(lead_gaps, np.int64) + 1) - 1
+    rest = np.arange(pos[-1] + 10, tile, 9)
+    return np.concatenate([pos, rest]).astype(np.uint16)
+
+
+@pytest.mark.parametrize("lead_gaps, grouped", [
+    ([150, 151, 152, 153], True),  # four codes of 22 bits: 88 > 56, appended two by two
+    ([195, 0, 0, 0, 5], True),  # the longest code the grouped pass takes: 24 + 1 + 3 = 28 bits
+    ([200, 3], False),  # a 29-bit code: the tile is left to the one-pass loops
+    ([7], True),  # a count that is not a multiple of four
+])
+def test_the_grouped_rice_pass_writes_the_walks_bits_or_leaves_the_tile(lead_gaps: list[int], grouped: bool) -> None:
+    pos = _tile_with_gaps(lead_gaps)[: 401 if lead_gaps == [7] else None]
+    cnt = pos.size
+    k = tile_codec.rice_k(int(pos[-1]) + 1 - cnt, cnt)
+    assert k == 3  # the premise of the code lengths above
+    buf = np.full(4096 + 64, 0xEE, np.uint8)
+    codes, lens = np.empty(cnt, np.uint32), np.empty(cnt, np.uint32)
+    end = tile_codec._rice_tile_grouped(pos, cnt, k, buf, 0, codes, lens)
+    assert (end >= 0) == grouped
+    if not grouped:
+        assert (buf == 0xEE).all()  # refused before writing anything
+        return
+    a = np.zeros(4096, np.uint16)
+    b = a.copy()
+    b[pos.astype(np.int64)] = 1
+    (ns, ks, rice_len, *_), ((walk_rice, _, _),), _ = _scan_with("walk", a, b, 4096, False, cast=False)
+    assert (ns, ks) == ([cnt], [k])
+    assert buf[:end].tobytes() == walk_rice and end == rice_len[0]
+    for kernel in ("compress", "lanes"):  # and the scan that calls it writes the same
+        assert _scan_with(kernel, a, b, 4096, False, cast=False) == _scan_with("walk", a, b, 4096, False, cast=False)
+
+
 def test_a_scratch_pool_shared_across_tensors_gives_each_its_own_bytes() -> None:
     """``encode_patch`` keeps one scratch pool for all its tensors: buffers left dirty by a
     larger, denser tensor must not leak into the next one's stream."""
