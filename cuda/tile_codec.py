@@ -371,10 +371,10 @@ def _pack_block(a, bs, new, m, sym_buf, sym_at, pos, pos_at, base, rare, rare_at
 def _rice_tile_grouped(pos, cnt, k, rice_buf, p0, codes, lens):
     """The Rice bits of a tile's ``cnt`` >= 1 packed positions at ``rice_buf[p0:]``, in two
     passes: every code and its length first (a loop with no dependency between changes,
-    which LLVM vectorises), then the appends, four codes at a time (two when they exceed
+    which LLVM vectorises, in 64-bit lanes), then the appends, four codes at a time (two when they exceed
     56 bits). Returns the end of the flushed bits, or -1 before writing anything when a code
-    would be longer than 28 bits (a gap of ``28 << k`` or more): such a tile takes the
-    one-pass loop. ``codes`` and ``lens`` hold ``cnt`` uint32 each; the caller guarantees
+    would be longer than 28 bits (a gap of ``(28 - k) << k`` or more): such a tile takes
+    the one-pass loops. ``codes`` and ``lens`` hold ``cnt`` uint32 each; the caller guarantees
     that the bits and 8 bytes of slack fit. The same bits as ``entropy.rice_put`` (tests
     hold the two to the same bytes)."""
     one = np.uint32(1)

@@ -553,17 +553,18 @@ def test_the_grouped_rice_pass_writes_the_walks_bits_or_leaves_the_tile(lead_gap
     codes, lens = np.empty(cnt, np.uint32), np.empty(cnt, np.uint32)
     end = tile_codec._rice_tile_grouped(pos, cnt, k, buf, 0, codes, lens)
     assert (end >= 0) == grouped
-    if not grouped:
-        assert (buf == 0xEE).all()  # refused before writing anything
-        return
     a = np.zeros(4096, np.uint16)
     b = a.copy()
     b[pos.astype(np.int64)] = 1
-    (ns, ks, rice_len, *_), ((walk_rice, _, _),), _ = _scan_with("walk", a, b, 4096, False, cast=False)
+    walked = _scan_with("walk", a, b, 4096, False, cast=False)
+    (ns, ks, rice_len, *_), ((walk_rice, _, _),), _ = walked
     assert (ns, ks) == ([cnt], [k])
-    assert buf[:end].tobytes() == walk_rice and end == rice_len[0]
-    for kernel in ("compress", "lanes"):  # and the scan that calls it writes the same
-        assert _scan_with(kernel, a, b, 4096, False, cast=False) == _scan_with("walk", a, b, 4096, False, cast=False)
+    if grouped:
+        assert buf[:end].tobytes() == walk_rice and end == rice_len[0]
+    else:
+        assert (buf == 0xEE).all()  # refused before writing anything
+    for kernel in ("compress", "lanes"):  # the scan that calls it (or, refused, its loops) writes the same
+        assert _scan_with(kernel, a, b, 4096, False, cast=False) == walked
 
 
 def test_a_scratch_pool_shared_across_tensors_gives_each_its_own_bytes() -> None:
