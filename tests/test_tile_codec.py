@@ -538,14 +538,16 @@ def _tile_with_gaps(lead_gaps: list[int], tile: int = 4096) -> np.ndarray:
     return np.concatenate([pos, rest]).astype(np.uint16)
 
 
-@pytest.mark.parametrize("lead_gaps, grouped", [
-    ([150, 151, 152, 153], True),  # four codes of 22 bits: 88 > 56, appended two by two
-    ([195, 0, 0, 0, 5], True),  # the longest code the grouped pass takes: 24 + 1 + 3 = 28 bits
-    ([200, 3], False),  # a 29-bit code: the tile is left to the one-pass loops
-    ([7], True),  # a count that is not a multiple of four
+@pytest.mark.parametrize("lead_gaps, count, grouped", [
+    ([150, 151, 152, 153], None, True),  # four codes of 22 bits: 88 > 56, appended two by two
+    ([195, 0, 0, 0, 5], None, True),  # the longest code the grouped pass takes: 24 + 1 + 3 = 28 bits
+    ([200, 3], None, False),  # a 29-bit code: the tile is left to the one-pass loops
+    ([7], 401, True),  # a count that is not a multiple of four
 ])
-def test_the_grouped_rice_pass_writes_the_walks_bits_or_leaves_the_tile(lead_gaps: list[int], grouped: bool) -> None:
-    pos = _tile_with_gaps(lead_gaps)[: 401 if lead_gaps == [7] else None]
+def test_the_grouped_rice_pass_writes_the_walks_bits_or_leaves_the_tile(lead_gaps: list[int], count: int | None,
+                                                                       grouped: bool) -> None:
+    pos = _tile_with_gaps(lead_gaps)[:count]
+    assert count is None or pos.size % 4 != 0
     cnt = pos.size
     k = tile_codec.rice_k(int(pos[-1]) + 1 - cnt, cnt)
     assert k == 3  # the premise of the code lengths above
