@@ -264,28 +264,11 @@ def rice_put(buf, p, acc, nbits, g, k, lowmask):
 
 
 @nb.njit(inline="always", cache=True)
-def rice_code(g, u, lowmask):
-    """The bits of Rice(k) of gap ``g`` (``u = g >> k``, ``lowmask = 2**k - 1``), first bit
-    lowest; ``u + 1 + k`` of them."""
-    return ((1 << u) - 1) | ((g & lowmask) << (u + 1))
-
-
-@nb.njit(inline="always", cache=True)
-def bits_put(buf, p, acc, nbits, code, ln):
-    """Append the ``ln`` <= 31 bits ``code`` to the writer of ``rice_put`` (same slack rule)."""
-    acc |= code << nbits
-    nbits += ln
-    store_u32le(buf, p, acc)
-    full = nbits >> 5
-    return p + (full << 2), acc >> (full << 5), nbits - (full << 5)
-
-
-@nb.njit(inline="always", cache=True)
 def bytes_put(buf, q, acc, nbits, code, ln):
     """Append the ``ln`` <= 56 bits ``code`` (uint64s, all three) to a byte-granular writer:
     ``acc`` holds the ``nbits`` < 8 bits not yet in a whole byte, the 8 bytes at ``q`` are
     always stored and ``q`` moves by the whole bytes completed, so the caller leaves 7 bytes
-    of slack after the last byte. The bits are those ``bits_put`` writes (LSB-first); the
+    of slack after the last byte. The bits are those ``rice_put`` writes (LSB-first); the
     finished state closes with ``rice_flush``. Groups of codes go in one append: the
     writer's dependency chain is paid once per group."""
     acc |= code << nbits
@@ -293,6 +276,20 @@ def bytes_put(buf, q, acc, nbits, code, ln):
     store_u64le(buf, q, acc)
     whole = nbits >> np.uint64(3)
     return q + np.int64(whole), acc >> (whole << np.uint64(3)), nbits & np.uint64(7)
+
+
+@nb.njit(inline="always", cache=True)
+def rice_bytes_put(buf, q, acc, nbits, g, k):
+    """Append Rice(k) of any gap ``g`` (``k`` <= MAX_K; uint64s, like the writer's state) to
+    the writer of ``bytes_put``: the unary part 32 one-bits at a time until the rest fits
+    one append. The bits ``rice_put`` writes; the caller leaves ``bytes_put``'s slack."""
+    u = g >> k
+    while u + k > np.uint64(55):  # u + 1 + k bits would not fit one append
+        q, acc, nbits = bytes_put(buf, q, acc, nbits, np.uint64(0xFFFFFFFF), np.uint64(32))
+        u -= np.uint64(32)
+    lowmask = (np.uint64(1) << k) - np.uint64(1)
+    code = ((np.uint64(1) << u) - np.uint64(1)) | ((g & lowmask) << (u + np.uint64(1)))
+    return bytes_put(buf, q, acc, nbits, code, u + np.uint64(1) + k)
 
 
 @nb.njit(inline="always", cache=True)

@@ -368,15 +368,45 @@ def _pack_block(a, bs, new, m, sym_buf, sym_at, pos, pos_at, base, rare, rare_at
 
 
 @nb.njit(inline="always", cache=True)
+def _rice_quad(codes, lens, j, rice_buf, q, acc, nbits):
+    """Codes ``j .. j+3`` of ``_rice_tile_grouped`` (each at most 28 bits) in one append of
+    the byte writer, two when together they exceed 56 bits."""
+    at1 = np.uint64(lens[np.uint64(j)])
+    at2 = at1 + np.uint64(lens[np.uint64(j + 1)])
+    at3 = at2 + np.uint64(lens[np.uint64(j + 2)])
+    ln = at3 + np.uint64(lens[np.uint64(j + 3)])
+    first = np.uint64(codes[np.uint64(j)]) | (np.uint64(codes[np.uint64(j + 1)]) << at1)
+    second = np.uint64(codes[np.uint64(j + 2)]) | (np.uint64(codes[np.uint64(j + 3)]) << (at3 - at2))
+    if ln > np.uint64(56):
+        q, acc, nbits = entropy.bytes_put(rice_buf, q, acc, nbits, first, at2)
+        return entropy.bytes_put(rice_buf, q, acc, nbits, second, ln - at2)
+    return entropy.bytes_put(rice_buf, q, acc, nbits, first | (second << at2), ln)
+
+
+@nb.njit(inline="always", cache=True)
+def _rice_one(pos, j, k, codes, lens, rice_buf, q, acc, nbits):
+    """Code ``j`` of ``_rice_tile_grouped`` alone: from ``codes`` when it is at most 28 bits
+    long, else from its gap (``entropy.rice_bytes_put``: ``codes`` holds no long code)."""
+    ln = np.uint64(lens[np.uint64(j)])
+    if ln <= np.uint64(28):
+        return entropy.bytes_put(rice_buf, q, acc, nbits, np.uint64(codes[np.uint64(j)]), ln)
+    g = np.uint64(pos[np.uint64(j)])
+    if j > 0:
+        g -= np.uint64(pos[np.uint64(j - 1)]) + np.uint64(1)
+    return entropy.rice_bytes_put(rice_buf, q, acc, nbits, g, np.uint64(k))
+
+
+@nb.njit(inline="always", cache=True)
 def _rice_tile_grouped(pos, cnt, k, rice_buf, p0, codes, lens):
     """The Rice bits of a tile's ``cnt`` >= 1 packed positions at ``rice_buf[p0:]``, in two
     passes: every code and its length first (a loop with no dependency between changes,
-    which LLVM vectorises, in 64-bit lanes), then the appends, four codes at a time (two when they exceed
-    56 bits). Returns the end of the flushed bits, or -1 before writing anything when a code
-    would be longer than 28 bits (a gap of ``(28 - k) << k`` or more): such a tile takes
-    the one-pass loops. ``codes`` and ``lens`` hold ``cnt`` uint32 each; the caller guarantees
-    that the bits and 8 bytes of slack fit. The same bits as ``entropy.rice_put`` (tests
-    hold the two to the same bytes)."""
+    which LLVM vectorises, in 64-bit lanes), then the appends, four codes at a time (two when
+    they exceed 56 bits). Codes longer than 28 bits (gaps of ``(28 - k) << k`` or more: rare
+    at random positions, common between the clusters of a clustered update) do not fit the
+    groups: a tile with one appends its groups that hold one code by code, the long ones
+    from their gaps. Returns the end of the flushed bits. ``codes`` and ``lens`` hold ``cnt``
+    uint32 each; the caller guarantees that the bits and 8 bytes of slack fit. The same bits
+    as ``entropy.rice_put`` (tests hold the two to the same bytes)."""
     one = np.uint32(1)
     k32 = np.uint32(k)
     lowmask = (one << k32) - one
@@ -389,30 +419,28 @@ def _rice_tile_grouped(pos, cnt, k, rice_buf, p0, codes, lens):
         u = g >> k32
         longest = max(longest, u)
         lens[np.uint64(j)] = u + one + k32
-        # the shifts masked to 31 keep a long gap's code defined; such a tile is refused below
+        # the shifts masked to 31 keep a long gap's code defined (and unused: ``_rice_one``)
         codes[np.uint64(j)] = ((one << (u & np.uint32(31))) - one) | ((g & lowmask) << ((u + one) & np.uint32(31)))
-    if np.int64(longest) + 1 + k > 28:
-        return -1
     q = p0
     acc = np.uint64(0)
     nbits = np.uint64(0)
     j = 0
-    while j + 3 < cnt:
-        at1 = np.uint64(lens[np.uint64(j)])
-        at2 = at1 + np.uint64(lens[np.uint64(j + 1)])
-        at3 = at2 + np.uint64(lens[np.uint64(j + 2)])
-        ln = at3 + np.uint64(lens[np.uint64(j + 3)])
-        first = np.uint64(codes[np.uint64(j)]) | (np.uint64(codes[np.uint64(j + 1)]) << at1)
-        second = np.uint64(codes[np.uint64(j + 2)]) | (np.uint64(codes[np.uint64(j + 3)]) << (at3 - at2))
-        if ln > np.uint64(56):
-            q, acc, nbits = entropy.bytes_put(rice_buf, q, acc, nbits, first, at2)
-            q, acc, nbits = entropy.bytes_put(rice_buf, q, acc, nbits, second, ln - at2)
-        else:
-            q, acc, nbits = entropy.bytes_put(rice_buf, q, acc, nbits, first | (second << at2), ln)
-        j += 4
+    if np.int64(longest) + 1 + k <= 28:
+        while j + 3 < cnt:
+            q, acc, nbits = _rice_quad(codes, lens, j, rice_buf, q, acc, nbits)
+            j += 4
+    else:
+        while j + 3 < cnt:
+            group = max(max(lens[np.uint64(j)], lens[np.uint64(j + 1)]),
+                        max(lens[np.uint64(j + 2)], lens[np.uint64(j + 3)]))
+            if group <= np.uint32(28):
+                q, acc, nbits = _rice_quad(codes, lens, j, rice_buf, q, acc, nbits)
+            else:
+                for i in range(j, j + 4):
+                    q, acc, nbits = _rice_one(pos, i, k, codes, lens, rice_buf, q, acc, nbits)
+            j += 4
     while j < cnt:
-        q, acc, nbits = entropy.bytes_put(rice_buf, q, acc, nbits, np.uint64(codes[np.uint64(j)]),
-                                          np.uint64(lens[np.uint64(j)]))
+        q, acc, nbits = _rice_one(pos, j, k, codes, lens, rice_buf, q, acc, nbits)
         j += 1
     return entropy.rice_flush(rice_buf, q, np.int64(acc), np.int64(nbits))
 
@@ -510,93 +538,16 @@ def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, 
         last -= 1
     lastpos, k = _last_and_k(masks, last, cnt)
     ks[t] = k
-    if bad:
-        over[t] = 1
-        return
-    lowmask = (1 << k) - 1
     p0 = t * rstride
-    p = p0
-    pend = p0 + rstride - 16
-    acc = 0
-    nbits = 0
-    prev = -1
-    j = 0
     # The Rice bits are at most cnt * (k + 1) + (total gap >> k) (a sum of floors is at most
-    # the floor of the sum); when that leaves the check below no way to fire, the tile is
-    # coded in two passes (``_rice_tile_grouped``), or, if a code is too long for those,
-    # in the loops below: codes go two at a time, or four where the codes are short (dense
-    # tiles: k <= 4), one append per group: the bit writer's dependency chain is paid once
-    # per group. A group too long for one append leaves its loop, and its first code goes
-    # alone the long way (``rice_put``): with ``rice_put`` inside the group loops, numba kept
-    # a reference count on the Rice buffer around every group (two atomic calls into its
-    # runtime, each a fence), a third of the time of the whole Rice pass.
-    fits = ((cnt * (k + 1) + ((lastpos + 1 - cnt) >> k)) >> 3) + 8 <= rstride - 16
-    grouped = _rice_tile_grouped(pos, cnt, k, rice_buf, p0, codes, lens) if fits else -1
-    if grouped >= 0:
-        j = cnt  # coded: the loops below have nothing left
-    elif fits:
-        while True:
-            if k <= 4:
-                while j + 3 < cnt:
-                    l0 = np.int64(pos[np.uint64(j)])
-                    l1 = np.int64(pos[np.uint64(j + 1)])
-                    l2 = np.int64(pos[np.uint64(j + 2)])
-                    l3 = np.int64(pos[np.uint64(j + 3)])
-                    g0 = l0 - prev - 1
-                    g1 = l1 - l0 - 1
-                    g2 = l2 - l1 - 1
-                    g3 = l3 - l2 - 1
-                    u0 = g0 >> k
-                    u1 = g1 >> k
-                    u2 = g2 >> k
-                    u3 = g3 >> k
-                    at1 = u0 + 1 + k
-                    at2 = at1 + u1 + 1 + k
-                    at3 = at2 + u2 + 1 + k
-                    ln = at3 + u3 + 1 + k
-                    if ln > 31:
-                        break
-                    prev = l3
-                    p, acc, nbits = entropy.bits_put(rice_buf, p, acc, nbits,
-                                                     entropy.rice_code(g0, u0, lowmask)
-                                                     | (entropy.rice_code(g1, u1, lowmask) << at1)
-                                                     | (entropy.rice_code(g2, u2, lowmask) << at2)
-                                                     | (entropy.rice_code(g3, u3, lowmask) << at3), ln)
-                    j += 4
-            if k > 4 or j + 3 >= cnt:  # pairs, unless a long quad is waiting for its first code
-                while j + 1 < cnt:
-                    l0 = np.int64(pos[np.uint64(j)])
-                    l1 = np.int64(pos[np.uint64(j + 1)])
-                    g0 = l0 - prev - 1
-                    g1 = l1 - l0 - 1
-                    u0 = g0 >> k
-                    u1 = g1 >> k
-                    ln0 = u0 + 1 + k
-                    ln = ln0 + u1 + 1 + k
-                    if ln > 31:
-                        break
-                    prev = l1
-                    p, acc, nbits = entropy.bits_put(rice_buf, p, acc, nbits,
-                                                     entropy.rice_code(g0, u0, lowmask)
-                                                     | (entropy.rice_code(g1, u1, lowmask) << ln0), ln)
-                    j += 2
-            if j + 1 >= cnt:  # at most one code left: the loop below
-                break
-            lp = np.int64(pos[np.uint64(j)])
-            p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, lp - prev - 1, k, lowmask)
-            prev = lp
-            j += 1
-    for j in range(j, cnt):
-        lp = np.int64(pos[j])
-        g = lp - prev - 1
-        prev = lp
-        if p + (((g >> k) + k) >> 3) + 8 > pend:
-            bad = True
-            break
-        p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, g, k, lowmask)
-    if bad:
+    # the floor of the sum): with ``rice_k``'s parameter at most 1.08 bits an element over a
+    # grid of every count and gap total of a 65536-element tile, well inside the tile's 8 bits
+    # of scratch. A tile whose bound would not fit (only with a smaller ``rstride``) is left
+    # to the caller's two-step encoder like one whose escapes overflowed.
+    if bad or ((cnt * (k + 1) + ((lastpos + 1 - cnt) >> k)) >> 3) + 8 > rstride - 16:
         over[t] = 1
         return
+    end = _rice_tile_grouped(pos, cnt, k, rice_buf, p0, codes, lens)
     h = hist[t]
     h[0] = cnt - n1 - nr
     h[1] = n1
@@ -610,7 +561,7 @@ def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, 
         if nfull < nblocks:
             for i in range(s + 64 * nfull, e):
                 a[i] = new_element(a, new, i)
-    rice_len[t] = (grouped if grouped >= 0 else entropy.rice_flush(rice_buf, p, acc, nbits)) - p0
+    rice_len[t] = end - p0
     n_esc[t] = ne
 
 

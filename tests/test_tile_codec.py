@@ -530,43 +530,81 @@ def test_packed_scan_codes_long_gaps_like_the_walk(tile: int) -> None:
     assert stream is not None and changed == int((a != b).sum())
 
 
-def _tile_with_gaps(lead_gaps: list[int], tile: int = 4096) -> np.ndarray:
+def _tile_with_gaps(lead_gaps: list[int], last_gap: int | None = None, tile: int = 4096) -> np.ndarray:
     """Positions in one tile: the gaps ``lead_gaps`` first, then a change every 9th element
-    (so the tile's Rice parameter is 3 whatever the few long gaps add)."""
+    (so the tile's Rice parameter is 3 whatever the few long gaps add), then, with
+    ``last_gap``, one more change that many elements after the last."""
     pos = np.cumsum(np.array(lead_gaps, np.int64) + 1) - 1
-    rest = np.arange(pos[-1] + 10, tile, 9)
-    return np.concatenate([pos, rest]).astype(np.uint16)
+    rest = np.arange(pos[-1] + 10, tile - (0 if last_gap is None else last_gap + 1), 9)
+    tail = [] if last_gap is None else [rest[-1] + last_gap + 1]
+    return np.concatenate([pos, rest, tail]).astype(np.uint16)
 
 
-@pytest.mark.parametrize("lead_gaps, count, grouped", [
-    ([150, 151, 152, 153], None, True),  # four codes of 22 bits: 88 > 56, appended two by two
-    ([195, 0, 0, 0, 5], None, True),  # the longest code the grouped pass takes: 24 + 1 + 3 = 28 bits
-    ([200, 3], None, False),  # a 29-bit code: the tile is left to the one-pass loops
-    ([7], 401, True),  # a count that is not a multiple of four
+@pytest.mark.parametrize("lead_gaps, last_gap, count", [
+    ([150, 151, 152, 153], None, None),  # four codes of 22 bits: 88 > 56, appended two by two
+    ([195, 0, 0, 0, 5], None, None),  # the longest code of a group: 24 + 1 + 3 = 28 bits
+    ([200, 3], None, None),  # a 29-bit code: its group goes code by code
+    ([1000, 0, 5, 300, 1, 2], None, None),  # unary parts of 125 and 37 bits (32 one-bits an append)
+    ([7], None, 401),  # a count that is not a multiple of four
+    ([7], 700, None),  # a long code among the last, ungrouped ones
 ])
-def test_the_grouped_rice_pass_writes_the_walks_bits_or_leaves_the_tile(lead_gaps: list[int], count: int | None,
-                                                                       grouped: bool) -> None:
-    pos = _tile_with_gaps(lead_gaps)[:count]
-    assert count is None or pos.size % 4 != 0
+def test_the_grouped_rice_pass_writes_the_walks_bits(lead_gaps: list[int], last_gap: int | None,
+                                                     count: int | None) -> None:
+    pos = _tile_with_gaps(lead_gaps, last_gap)[:count]
     cnt = pos.size
+    assert (count is None and last_gap is None) or cnt % 4 != 0
     k = tile_codec.rice_k(int(pos[-1]) + 1 - cnt, cnt)
     assert k == 3  # the premise of the code lengths above
     buf = np.full(4096 + 64, 0xEE, np.uint8)
     codes, lens = np.empty(cnt, np.uint32), np.empty(cnt, np.uint32)
     end = tile_codec._rice_tile_grouped(pos, cnt, k, buf, 0, codes, lens)
-    assert (end >= 0) == grouped
     a = np.zeros(4096, np.uint16)
     b = a.copy()
     b[pos.astype(np.int64)] = 1
     walked = _scan_with("walk", a, b, 4096, False, cast=False)
     (ns, ks, rice_len, *_), ((walk_rice, _, _),), _ = walked
     assert (ns, ks) == ([cnt], [k])
-    if grouped:
-        assert buf[:end].tobytes() == walk_rice and end == rice_len[0]
-    else:
-        assert (buf == 0xEE).all()  # refused before writing anything
-    for kernel in ("compress", "lanes"):  # the scan that calls it (or, refused, its loops) writes the same
+    assert buf[:end].tobytes() == walk_rice and end == rice_len[0]
+    for kernel in ("compress", "lanes"):  # the scan that calls it writes the same
         assert _scan_with(kernel, a, b, 4096, False, cast=False) == walked
+
+
+@pytest.mark.parametrize("kernel", ["compress", "lanes"])
+def test_a_tile_whose_rice_bound_exceeds_its_scratch_is_refused_untouched(kernel: str) -> None:
+    """The packed scan codes a tile's gaps only when their bound fits its Rice scratch, which
+    ``rice_k`` always leaves with the codec's stride; with a stride too small for it the tile
+    is refused (the two-step encoder takes it) and nothing past the stride is written."""
+    tile, rstride = 4096, 48
+    a = np.zeros(2 * tile, np.uint16)
+    b = a.copy()
+    b[[5, 9]] = 1  # tile 0: two changes, a few bits
+    b[tile::3] = 1  # tile 1: hundreds of bytes of Rice bits
+    rice = np.full(2 * rstride + 64, 0xEE, np.uint8)
+    syms = np.zeros(2 * 2 * tile, np.uint8)
+    ns, ks, rice_len, n_esc, counts, over = tile_codec.scan_encode_tiles_packed(
+        a, b, 2, tile, rice, rstride, syms, False, *tile_codec.packed_scan_args(None, kernel == "compress"))
+    assert over.tolist() == [0, 1] and ns[1] == (tile + 2) // 3 and 0 < rice_len[0] < rstride - 16
+    assert (rice[rstride:] == 0xEE).all()
+
+
+@given(gaps=st.lists(st.integers(0, 70) | st.integers(0, 5000), min_size=1, max_size=30), k=st.integers(0, 24))
+@settings(max_examples=200, deadline=None)
+def test_the_byte_writers_rice_codes_are_the_word_writers(gaps: list[int], k: int) -> None:
+    """``entropy.rice_bytes_put`` (the grouped pass's long codes) writes the bits of
+    ``entropy.rice_put`` (the one-walk scan's), unary parts of thousands of bits included."""
+    from weftboard.cuda import entropy
+
+    gaps = [g << (k // 2) for g in gaps]  # a parameter that fits the gaps as well as one that does not
+    room = sum((g >> k) + 1 + k for g in gaps) // 8 + 64
+    words, chars = np.zeros(room, np.uint8), np.zeros(room, np.uint8)
+    p, acc, nbits = 0, 0, 0
+    q, qacc, qbits = 0, np.uint64(0), np.uint64(0)
+    for g in gaps:
+        p, acc, nbits = entropy.rice_put(words, p, acc, nbits, g, k, (1 << k) - 1)
+        q, qacc, qbits = entropy.rice_bytes_put(chars, q, qacc, qbits, np.uint64(g), np.uint64(k))
+    end = entropy.rice_flush(words, p, acc, nbits)
+    assert entropy.rice_flush(chars, q, int(qacc), int(qbits)) == end
+    assert chars[:end].tobytes() == words[:end].tobytes()
 
 
 def test_a_scratch_pool_shared_across_tensors_gives_each_its_own_bytes() -> None:
