@@ -14,7 +14,8 @@ Reference counts: an ``inline="always"`` helper that takes an array and has loop
 called in one arm of a branch inside a hot loop, makes numba keep a reference count on that
 array around the call: an atomic increment and decrement in its runtime on every iteration
 (the encoder's Rice groups lost about a tenth of the scan that way). Keep such helpers out of the
-arms of hot loops (``tile_codec._scan_tile`` leaves its group loop for the rare long code).
+arms of hot loops (``tile_codec._rice_tile_grouped`` keeps the long-code path out of its
+common loop: only a tile that holds a long code runs the loop with it).
 ``NUMBA_ENABLE_PROFILING=1`` under ``perf record -e cpu-clock`` shows them as calls to two
 tiny functions (``lock incq``/``lock decq``) next to the hot instructions.
 
