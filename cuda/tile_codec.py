@@ -569,8 +569,8 @@ def _scan_tile(a, new, t, tile, width, rice_buf, rstride, sym_buf, update, pos, 
 def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, update, src, nthreads, lane_rows):
     """``scan_encode_tiles`` (the same results and bytes) in three passes per tile instead of
     one walk: each 64-element block's symbols and positions are packed (no branch per change,
-    no scattered reloads), then the packed positions are Rice-coded in one long loop, then
-    ``update`` folds the tile. Only the rare symbols (>= 2) are counted one by one; symbol 1
+    no scattered reloads), then the packed positions are Rice-coded (``_rice_tile_grouped``:
+    every code first, then four per append), then ``update`` folds the tile. Only the rare symbols (>= 2) are counted one by one; symbol 1
     is a popcount and symbol 0 the rest.
 
     Two choices are made by the arguments' types, when the kernel is compiled (numba prunes
