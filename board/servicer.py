@@ -12,10 +12,12 @@ Invariants:
 - Watch sends history from XRANGE, then live events from the run's shared feed, never
   a version twice and never with a gap (see fanout.py). Staged-part hints go only to
   watchers that asked, and only for versions after the last one sent.
-- StagePart checks the part exists (so an island's download finds it), notes that for
-  ``CHECKED_TTL_S`` and relays the hint. A commit checks every blob it names, taking such a
-  recent note for a part instead of asking the store again: keys are content addressed, so
-  a blob never changes, and GC deletes only keys of collected versions, never a staged part.
+- StagePart checks the part exists (so an island's download finds it), notes it and relays
+  the hint. A commit checks every blob it names, taking a note younger than
+  ``CHECKED_TTL_S`` for a part instead of asking the store again: keys are content
+  addressed, so a blob never changes, and GC deletes only keys of collected versions, never
+  a staged part. The note itself stays until a commit of its version or a later one settles
+  it (named, or an orphan for GC), however long the publisher takes to get there.
 - Nothing here blocks the event loop: Redis and the blob store are awaited.
 """
 

@@ -16,8 +16,9 @@ Redis Cluster slot and the commit script touches one slot only):
 - ``wb:{run}:seen``              hash: island id -> last_seen_ms
 - ``wb:{run}:leases``            sorted set: island id scored by lease expiry (ms)
 - ``wb:{run}:traj``              stream of trajectory records (field r), consumer groups on it
-- ``wb:{run}:checked``           hash: blob key -> "<size>:<version>" of the parts StagePart found
-                                 (expires; a commit takes out the keys it names)
+- ``wb:{run}:checked``           hash: blob key -> "<size>:<version>:<checked_ms>" of the parts
+                                 StagePart found; no expiry: a commit takes out the keys it names
+                                 and moves the rest of its version and older to the orphans
 - ``wb:{run}:orphans``           hash: blob key -> size of staged parts whose version was committed
                                  without them (a publisher that restarted mid-version); GC deletes them
 - ``wb:{tokens}:id:<id>``        hash: name, role, hash (sha256 hex of the token)
@@ -89,7 +90,13 @@ def k_staged(run: str) -> str:
 
 
 def k_checked(run: str) -> str:
-    """Hash: blob key -> "<size>:<version>", for parts StagePart found in the blob store (expires)."""
+    """Hash: blob key -> "<size>:<version>:<checked_ms>", for parts StagePart found in the blob store.
+
+    No TTL on the hash: it is the ledger of staged parts as well as a cache of their checks. A
+    TTL on the whole hash (as before) lost the parts of a version that never committed when
+    no part was staged for ``CHECKED_TTL_S`` (a publisher that died mid-version and came back
+    later): nothing named them any more, so GC never deleted them. The check alone goes stale,
+    by its own time (``checked_sizes``)."""
     return f"wb:{{{run}}}:checked"
 
 
@@ -98,7 +105,7 @@ def k_orphans(run: str) -> str:
     return f"wb:{{{run}}}:orphans"
 
 
-CHECKED_TTL_S = 900  # how long a StagePart's existence check stands in for the commit's
+CHECKED_TTL_S = 900  # how long a StagePart's existence check stands in for the commit's (the entry stays)
 
 
 def k_islands(run: str) -> str:
@@ -179,6 +186,8 @@ return cur
 
 # After version ARGV[1] committed: forgets the checks of the blobs it names (ARGV[2..]), then
 # moves every other checked part of a version up to ARGV[1] to the orphans. Returns how many.
+# Values are "<size>:<version>:<checked_ms>"; "<size>:<version>" (written before the check
+# time was kept) reads the same here.
 SETTLE_STAGED_LUA = """
 for i = 2, #ARGV do
   redis.call('HDEL', KEYS[1], ARGV[i])
@@ -187,9 +196,12 @@ local version = tonumber(ARGV[1])
 local checked = redis.call('HGETALL', KEYS[1])
 local moved = 0
 for i = 1, #checked, 2 do
-  local sep = string.find(checked[i + 1], ':', 1, true)
-  if sep and tonumber(string.sub(checked[i + 1], sep + 1)) <= version then
-    redis.call('HSET', KEYS[2], checked[i], string.sub(checked[i + 1], 1, sep - 1))
+  local value = checked[i + 1]
+  local sep = string.find(value, ':', 1, true)
+  local sep2 = sep and string.find(value, ':', sep + 1, true)
+  local staged_for = sep and tonumber(string.sub(value, sep + 1, (sep2 or 0) - 1))
+  if staged_for and staged_for <= version then
+    redis.call('HSET', KEYS[2], checked[i], string.sub(value, 1, sep - 1))
     redis.call('HDEL', KEYS[1], checked[i])
     moved = moved + 1
   end
@@ -379,17 +391,24 @@ class RedisStore:
         serialized ``WatchEvent`` (the staged part) to every board process's feed of ``run``, in
         one round trip; returns how many Redis subscribers got it (feeds, not watchers)."""
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(k_checked(run), key, f"{size}:{version}")
-        pipe.expire(k_checked(run), CHECKED_TTL_S)
+        pipe.hset(k_checked(run), key, f"{size}:{version}:{now_ms()}")
+        pipe.persist(k_checked(run))  # a hash written when it still had a TTL keeps none
         pipe.publish(k_staged(run), payload)
         return int((await pipe.execute())[-1])
 
     async def checked_sizes(self, run: str, keys: Sequence[str]) -> dict[str, int]:
-        """Sizes StagePart found for these blob keys within ``CHECKED_TTL_S`` (others absent)."""
+        """Sizes StagePart found for these blob keys within ``CHECKED_TTL_S`` (others absent:
+        older checks, and entries written before the check time was kept)."""
         if not keys:
             return {}
-        sizes = await self.redis.hmget(k_checked(run), list(keys))
-        return {k: int(s.split(b":", 1)[0]) for k, s in zip(keys, sizes) if s is not None}
+        values = await self.redis.hmget(k_checked(run), list(keys))
+        fresh_after = now_ms() - CHECKED_TTL_S * 1000
+        sizes: dict[str, int] = {}
+        for key, value in zip(keys, values):
+            fields = value.split(b":") if value is not None else []
+            if len(fields) == 3 and int(fields[2]) >= fresh_after:
+                sizes[key] = int(fields[0])
+        return sizes
 
     async def settle_staged(self, run: str, version: int, named: Sequence[str]) -> int:
         """After ``version`` was committed naming the blob keys ``named``: drop their checks

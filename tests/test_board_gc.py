@@ -188,6 +188,50 @@ async def test_staged_parts_no_commit_names_are_deleted_by_gc_and_checks_do_not_
         await store.close()
 
 
+async def test_parts_staged_long_before_their_version_commits_are_still_settled(board, local_store, redis_url,
+                                                                                monkeypatch):
+    """A publisher staged a part of version 3 and died; it came back twenty minutes later,
+    past ``CHECKED_TTL_S``, and committed version 3 as another blob. The part is still known
+    (the ledger of staged parts does not expire), so it becomes an orphan that GC deletes. Its
+    check, though, is stale: a part whose blob vanished meanwhile fails the commit's check."""
+    from weftboard.board import store as store_module
+    from weftboard.board.store import CHECKED_TTL_S, RedisStore, k_checked
+
+    store = RedisStore(redis_url)
+    real_now_ms = store_module.now_ms
+    try:
+        async with BoardClient(board.address, board.admin_token) as client:
+            await client.create_run(make_run("late"))
+            await publish(client, local_store, "late", [1, 2])
+            lost = await upload(local_store, "late", b"a part of version 3 whose publisher died")
+            await client.stage_part("late", 3, lost)
+            assert await store.redis.ttl(k_checked("late")) == -1  # exists, with no expiry
+            later = (CHECKED_TTL_S + 300) * 1000
+            monkeypatch.setattr(store_module, "now_ms", lambda: real_now_ms() + later)
+            assert await store.checked_sizes("late", [lost.key]) == {}  # the check is stale ...
+            assert set(await store.redis.hkeys(k_checked("late"))) == {lost.key.encode()}  # ... the note is not
+
+            await client.commit_version(await make_record(local_store, "late", 3))
+            assert await store.orphans("late") == {lost.key: lost.size}
+            assert list((await client.collect_garbage("late")).deleted_keys) == [lost.key]
+            assert await local_store.stat(lost.key) is None
+
+            # A part of version 4, checked now, then its blob deleted behind the board's back:
+            # twenty minutes on, the commit asks the store again instead of trusting the check.
+            monkeypatch.setattr(store_module, "now_ms", real_now_ms)
+            gone = await upload(local_store, "late", b"a part of version 4 that an operator deleted")
+            await client.stage_part("late", 4, gone)
+            await local_store.delete([gone.key])
+            record4 = await make_record(local_store, "late", 4)
+            record4.artifacts[0].ClearField("blobs")
+            record4.artifacts[0].blobs.append(gone)
+            monkeypatch.setattr(store_module, "now_ms", lambda: real_now_ms() + later)
+            with pytest.raises(errors.FailedPrecondition, match="does not exist"):
+                await client.commit_version(record4)
+    finally:
+        await store.close()
+
+
 async def test_gc_spares_live_island(board, local_store):
     async with BoardClient(board.address, board.admin_token) as client:
         await client.create_run(make_run("g", keep_anchors=1, keep_versions=1))
