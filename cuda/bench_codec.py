@@ -24,6 +24,7 @@ What it measures, all in the same run so the ratios are meaningful on any machin
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -86,6 +87,13 @@ def entropy_bound_bits(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
     q = c / changes
     h_val = float(-(c * np.log2(q)).sum())
     return h_pos + h_val, changes, elements
+
+
+def _root_of(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The root digest over ``tensors``: what a subscriber computes to verify a version."""
+    from weftboard.cuda.digest import dtype_name, root_digest, tensor_digest
+
+    return root_digest([(n, dtype_name(t.dtype), tuple(t.shape), tensor_digest(t)) for n, t in tensors.items()])
 
 
 def _best(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
@@ -199,7 +207,7 @@ def run(
     target = fresh()
     apply_patch_(target, baseline.data)
     lossless &= views_equal(target, new)
-    t_digest, _ = _best(lambda: root_digest([(n, dtype_name(t.dtype), tuple(t.shape), tensor_digest(t)) for n, t in target.items()]), repeat)
+    t_digest, _ = _best(functools.partial(_root_of, target), repeat)
     del target
     t_enc, t_apply, t_clone, t_copy = times["enc"], times["apply"], times["clone"], times["copy"]
 

@@ -294,7 +294,7 @@ class Projector:
         their dtypes; a view of another format is refused rather than half-used.
         """
         kept: dict[str, tuple[torch.Tensor, ...]] = {}
-        for name, tensor in served.items():
+        for name in served:
             if is_scale_tensor(name) or self.spec.kind not in _QUANTIZED_KINDS:
                 continue
             companions = self._companions(name)

@@ -412,7 +412,6 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     from weftboard.board.blobs import S3BlobStore
     from weftboard.board.server import BoardConfig, start_board
     from weftboard.board.services import start_redis, start_seaweedfs
-    from weftboard.cuda.digest import root_digest, tensor_digest
     from weftboard.publisher.anchors import write_checkpoint
     from weftboard.publisher.publisher import Publisher
 

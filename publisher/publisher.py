@@ -973,7 +973,7 @@ class Publisher:
 
         tensors = []
         changed_total = total = scale_changed = 0
-        for name, dtype, shape in self._layout:
+        for name, _dtype, shape in self._layout:
             numel = _numel(shape)
             if job.deltas is not None and job.version > 1:
                 changed = job.changed[name]

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import structlog
 import torch
 
-from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch, WeftboardError
+from weftboard.proto.errors import ApplyError, CorruptData, WeftboardError
 from weftboard.publisher.anchors import (
     checkpoint_files,
     load_safetensors_buffer,

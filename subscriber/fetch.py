@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable
 import structlog
 
 from weftboard.board.blobs.base import ChunkCallback
-from weftboard.proto.errors import DigestMismatch, NotFound, PermissionDenied, Unavailable, WeftboardError
+from weftboard.proto.errors import DigestMismatch, PermissionDenied, Unavailable, WeftboardError
 from weftboard.publisher.anchors import file_digest
 from weftboard.publisher.uploader import with_retries
 

@@ -28,7 +28,7 @@ from typing import Any, Mapping, NoReturn, Sequence
 import structlog
 import torch
 
-from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch
+from weftboard.proto.errors import ApplyError, CorruptData
 from weftboard.publisher.anchors import map_safetensors
 from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
 from weftboard.subscriber.destination import VersionTarget, require_parent, require_transition

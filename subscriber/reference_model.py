@@ -26,12 +26,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping, MutableMapping
+from typing import Any, AsyncIterator, Mapping
 
 import torch
 import torch.nn.functional as F
 
-from weftboard.proto.errors import ApplyError, FailedPrecondition, InvalidArgument
+from weftboard.proto.errors import ApplyError, InvalidArgument
 
 # ---------------------------------------------------------------------------
 # Tokenizer and config

@@ -8,7 +8,6 @@ test's loop, so every publisher call goes through ``asyncio.to_thread``.
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 from typing import Any
 

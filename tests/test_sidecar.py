@@ -31,7 +31,6 @@ SMALL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq": 96}
 
 
 def versions_of(n: int) -> dict[int, dict[str, torch.Tensor]]:
-    cfg = model_config(SMALL)
     return {v: init_parameters(model_config({**SMALL, "seed": 100 + v}), torch.bfloat16) for v in range(1, n + 1)}
 
 
