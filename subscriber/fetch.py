@@ -62,6 +62,28 @@ def _replay(path: Path, start: int, end: int, on_chunk: ChunkCallback, chunk: in
             pos += len(data)
 
 
+def _cached_size(final: Path) -> int | None:
+    """The size of a cached blob's file, None when there is none (its folder is made)."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return final.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _resume_offset(part: Path, size: int) -> int:
+    """Bytes of a ``size``-byte blob already in its ``.part`` file; one longer than the blob
+    cannot be a prefix of it and starts over."""
+    try:
+        offset = part.stat().st_size
+    except FileNotFoundError:
+        return 0
+    if offset > size:
+        part.unlink()
+        return 0
+    return offset
+
+
 def cache_path(cache_dir: Path, ref: Any) -> Path:
     hexpart = ref.digest.split(":", 1)[1]
     if ref.name:
@@ -133,23 +155,23 @@ class Fetcher:
             return await self._fetch(ref, final, on_chunk)
 
     async def _fetch(self, ref: Any, final: Path, on_chunk: ChunkCallback | None) -> Path:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if final.exists():
-            if final.stat().st_size == ref.size and await asyncio.to_thread(file_digest, final) == ref.digest:
+        # Every file-system call goes through a worker thread: the cache may sit on network
+        # storage, where a stat can wait on the server, and the event loop serves the board's
+        # watch stream and heartbeats meanwhile.
+        cached = await asyncio.to_thread(_cached_size, final)
+        if cached is not None:
+            if cached == ref.size and await asyncio.to_thread(file_digest, final) == ref.digest:
                 if on_chunk is not None:
                     await asyncio.to_thread(_replay, final, 0, ref.size, on_chunk)
                 self._last_key = ref.key
                 return final
-            final.unlink()
+            await asyncio.to_thread(final.unlink, missing_ok=True)
         part = final.with_name(final.name + ".part")
         streamed = False
         async with self._sem:
             async def attempt() -> None:
                 nonlocal streamed
-                offset = part.stat().st_size if part.exists() else 0
-                if offset > ref.size:
-                    part.unlink()
-                    offset = 0
+                offset = await asyncio.to_thread(_resume_offset, part, ref.size)
                 if offset == ref.size:
                     return
                 if self.store is not None:
@@ -171,18 +193,18 @@ class Fetcher:
                     )
 
             await with_retries(f"download of {ref.key}", attempt, deadline_s=self.timeout_s)
-        size = part.stat().st_size
+        size = (await asyncio.to_thread(part.stat)).st_size
         self.bytes_downloaded += size
         if self.on_bytes is not None:
             self.on_bytes(size)
         digest = await asyncio.to_thread(file_digest, part) if size == ref.size else None
         if digest != ref.digest:
-            part.unlink(missing_ok=True)
+            await asyncio.to_thread(part.unlink, missing_ok=True)
             raise DigestMismatch(
                 f"blob {ref.key}: downloaded {size} bytes hashing to {digest}, the record says "
                 f"{ref.size} bytes hashing to {ref.digest}"
             )
-        os.replace(part, final)
+        await asyncio.to_thread(os.replace, part, final)
         self._last_key = ref.key
         if on_chunk is not None and not streamed:
             await asyncio.to_thread(_replay, final, 0, size, on_chunk)

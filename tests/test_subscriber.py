@@ -194,6 +194,26 @@ async def test_fetch_resumes_partial_download_and_rejects_bad_bytes(local_store,
     assert (await fetcher.fetch(ref)).read_bytes() == data  # the next attempt starts clean
 
 
+async def test_fetch_starts_over_from_a_part_longer_than_the_blob_and_replaces_a_bad_cached_file(
+        local_store, tmp_path: Path) -> None:
+    data = bytes(range(256)) * 1000
+    ref = await _stored_blob(local_store, data)
+    fetcher = Fetcher(tmp_path / "cache", local_store)
+    final = cache_path(fetcher.cache_dir, ref)
+    part = final.with_name(final.name + ".part")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    part.write_bytes(data + b"tail")  # cannot be a prefix of the blob: downloaded again, whole
+    assert (await fetcher.fetch(ref)).read_bytes() == data
+    assert fetcher.bytes_downloaded == len(data) and not part.exists()
+
+    final.write_bytes(b"\1" * len(data))  # the cached file damaged in place, its size intact
+    assert (await fetcher.fetch(ref)).read_bytes() == data
+    assert fetcher.bytes_downloaded == 2 * len(data)
+
+    assert (await fetcher.fetch(ref)).read_bytes() == data  # a good cached file is taken as is
+    assert fetcher.bytes_downloaded == 2 * len(data)
+
+
 async def test_a_local_directory_store_is_judged_near_once_measured(local_store, tmp_path: Path) -> None:
     """Unknown at first (assume far: hints and ranges cost little if wrong), then the opens of
     its files say near, so its island asks for no staged parts and fetches in one stream."""
