@@ -234,6 +234,15 @@ async def test_local_store_never_escapes_root(tmp_path: Path) -> None:
         await store.put_bytes("r/.tmp-sneaky", b"x")
 
 
+async def test_uploading_a_file_that_is_not_there_is_not_found(store: BlobStore, tmp_path: Path) -> None:
+    for source in (tmp_path / "no-such-file", tmp_path):  # missing, and a directory
+        with pytest.raises(NotFound, match="no such file"):
+            await store.put_file("r/blobs/gone", source)
+        with pytest.raises(NotFound, match="no such file"):  # refused before any request is made
+            await upload_url("http://127.0.0.1:9/never-asked", source)
+    assert await store.stat("r/blobs/gone") is None
+
+
 async def test_local_store_leaves_no_temp_files(local_store: LocalDirBlobStore, tmp_path: Path) -> None:
     await local_store.put_bytes("r/blobs/a", b"abc")
     missing = tmp_path / "no-such-file"

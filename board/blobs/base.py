@@ -18,10 +18,12 @@ Invariants:
 from __future__ import annotations
 
 import abc
+import asyncio
+import os
 from pathlib import Path
 from typing import Callable, Iterable
 
-from weftboard.proto.errors import InvalidArgument
+from weftboard.proto.errors import InvalidArgument, NotFound
 
 # ``(offset, data)``: bytes of an object written to the destination file at ``offset``.
 ChunkCallback = Callable[[int, bytes], None]
@@ -45,6 +47,18 @@ def check_key(key: str) -> str:
         if segment in ("", ".", ".."):
             raise InvalidArgument(f"blob key {key!r} has an empty, '.' or '..' segment")
     return key
+
+
+async def upload_source_size(path: Path | str) -> int:
+    """The size of a file about to be uploaded, NotFound when it is not a file. Asked from a
+    worker thread: the file may sit on network storage, where a stat waits on the server."""
+
+    def size() -> int:
+        if not os.path.isfile(path):
+            raise NotFound(f"cannot upload {path}: no such file")
+        return os.path.getsize(path)
+
+    return await asyncio.to_thread(size)
 
 
 def check_prefix(prefix: str) -> str:

@@ -14,13 +14,13 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 from pathlib import Path
 from typing import AsyncIterator
 
 import aiohttp
 
+from weftboard.board.blobs.base import upload_source_size
 from weftboard.proto.errors import NotFound, PermissionDenied, Unavailable, WeftboardError
 
 _CHUNK = 1 << 20
@@ -89,7 +89,8 @@ async def fetch_url(
     except aiohttp.ClientError as exc:
         raise Unavailable(f"cannot download {_redact(url)}: {exc}") from exc
     except asyncio.TimeoutError as exc:
-        raise Unavailable(f"download of {_redact(url)} timed out; resume with offset={dest.stat().st_size if dest.exists() else 0}") from exc
+        kept = await asyncio.to_thread(lambda: dest.stat().st_size if dest.exists() else 0)
+        raise Unavailable(f"download of {_redact(url)} timed out; resume with offset={kept}") from exc
     finally:
         if own:
             await session.close()
@@ -125,7 +126,7 @@ async def upload_url(
 ) -> int:
     """PUT a local file to a presigned URL (streamed, with Content-Length); returns its size."""
     source = Path(path)
-    size = os.path.getsize(source)
+    size = await upload_source_size(source)
     own = session is None
     session = session or aiohttp.ClientSession(timeout=_timeout(timeout_s, connect_timeout_s))
     try:

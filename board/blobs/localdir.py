@@ -19,7 +19,14 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterable
 
-from weftboard.board.blobs.base import FIRST_BYTE_SAMPLES, BlobStore, ChunkCallback, check_key, check_prefix
+from weftboard.board.blobs.base import (
+    FIRST_BYTE_SAMPLES,
+    BlobStore,
+    ChunkCallback,
+    check_key,
+    check_prefix,
+    upload_source_size,
+)
 from weftboard.proto.errors import InvalidArgument, NotFound
 
 _TMP_PREFIX = ".tmp-"
@@ -77,8 +84,7 @@ class LocalDirBlobStore(BlobStore):
             with open(path, "rb") as src:
                 shutil.copyfileobj(src, out, _CHUNK)
 
-        if not Path(path).is_file():
-            raise NotFound(f"cannot upload {path}: no such file")
+        await upload_source_size(path)
         return await asyncio.to_thread(self._write_atomic, key, copy)
 
     # -- reads ----------------------------------------------------------------

@@ -33,7 +33,14 @@ from minio.deleteobjects import DeleteObject
 from minio.error import InvalidResponseError, S3Error, ServerError
 from minio.helpers import check_bucket_name
 
-from weftboard.board.blobs.base import FIRST_BYTE_SAMPLES, BlobStore, ChunkCallback, check_key, check_prefix
+from weftboard.board.blobs.base import (
+    FIRST_BYTE_SAMPLES,
+    BlobStore,
+    ChunkCallback,
+    check_key,
+    check_prefix,
+    upload_source_size,
+)
 from weftboard.proto.errors import DigestMismatch, InvalidArgument, NotFound, PermissionDenied, Unavailable
 
 _MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
@@ -166,10 +173,9 @@ class S3BlobStore(BlobStore):
 
     async def put_file(self, key: str, path: Path | str) -> int:
         name = self._name(key)
-        if not Path(path).is_file():
-            raise NotFound(f"cannot upload {path}: no such file")
+        size = await upload_source_size(path)
         await self._run(key, self._client.fput_object, self.bucket, name, str(path), part_size=self.part_size)
-        return os.path.getsize(path)
+        return size
 
     async def get_bytes(self, key: str) -> bytes:
         name = self._name(key)
