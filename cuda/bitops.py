@@ -10,11 +10,12 @@ generic vector operations that LLVM lowers to whatever the build machine has: on
 bits are the same everywhere and only the instruction count differs.
 
 ``sym_compress64`` and ``cast_sym_compress64`` turn a block's changes into the packed symbols
-and positions the ``sparse`` stream codes, with compress-stores (``vpcompressb``/``vpcompressw``
-where the CPU has AVX-512 VBMI2: ``HAS_VECTOR_COMPRESS``). LLVM lowers them on any CPU, but
-without those instructions into 64 conditional stores each; there ``sym_lanes64`` stores all
-64 symbols with one vector store and the caller packs the changed lanes (the bytes are the
-same). The ``block_*`` functions pick the plain or the cast form of each operation by the
+and positions the ``sparse`` stream codes, each output packed in a register (``vpcompressb``/
+``vpcompressw`` where the CPU has AVX-512 VBMI2: ``HAS_VECTOR_COMPRESS``) and written with one
+plain vector store of all 64 lanes, so each output needs room for 64 lanes past its start. LLVM
+lowers the compress on any CPU, but without those instructions lane by lane through the stack;
+there ``sym_lanes64`` stores all 64 symbols with one vector store and the caller packs the
+changed lanes (the bytes are the same). The ``block_*`` functions pick the plain or the cast form of each operation by the
 types of a kernel's arguments (see the note above them).
 
 Invariants: ``cttz64(0)`` and ``ctlz64(0)`` are undefined (callers only ask about the lowest or
@@ -223,14 +224,43 @@ _MAX_DELTA = 64
 _ESC = 2 * _MAX_DELTA
 
 
-def _compress_store(builder: Any, vec: Any, ptr: Any, mask: Any) -> None:
-    """``llvm.masked.compressstore``: the lanes of ``vec`` whose bit is set in the uint64
-    ``mask``, packed in lane order at ``ptr``."""
+def _compress_into(builder: Any, vec: Any, ptr: Any, mask: Any) -> None:
+    """The lanes of ``vec`` whose bit is set in the integer ``mask`` (as wide as ``vec`` has
+    lanes), packed in lane order into a register (``llvm.experimental.vector.compress``:
+    ``vpcompressb``/``vpcompressw`` to a register with VBMI2), then one plain store of the
+    whole vector at ``ptr``: the lanes past the packed ones are scratch the next block
+    overwrites, so ``ptr`` needs room for every lane. Not ``llvm.masked.compressstore``: its
+    memory form of ``vpcompress`` is microcoded on AMD Zen 4 (the codec bench's encode ran at
+    1.1-1.4 GB/s with it on such a host, against 5-6 GB/s for the lane walk)."""
     n = vec.type.count
     bits = ir.VectorType(ir.IntType(1), n)
-    fnty = ir.FunctionType(ir.VoidType(), [vec.type, ptr.type, bits])
-    fn = cgutils.get_or_insert_function(builder.module, fnty, f"llvm.masked.compressstore.v{n}i{vec.type.element.width}")
-    builder.call(fn, [vec, ptr, builder.bitcast(mask, bits)])
+    fnty = ir.FunctionType(vec.type, [vec.type, bits, vec.type])
+    fn = cgutils.get_or_insert_function(builder.module, fnty,
+                                        f"llvm.experimental.vector.compress.v{n}i{vec.type.element.width}")
+    packed = builder.call(fn, [vec, builder.bitcast(mask, bits), ir.Constant(vec.type, ir.Undefined)])
+    builder.store(packed, builder.bitcast(ptr, vec.type.as_pointer()), align=1)
+
+
+def _compress_store(builder: Any, vec: Any, ptr: Any, mask: Any) -> None:
+    """The 64 lanes of ``vec`` whose bit is set in the uint64 ``mask``, packed in lane order
+    at ``ptr``, which has room for 64 lanes. A vector wider than 512 bits (64 words) goes in
+    two halves, the second stored after the first's packed lanes: LLVM would otherwise split
+    one compress of an illegal width through a stack slot, lane by lane."""
+    width = vec.type.element.width
+    if width == 8:
+        _compress_into(builder, vec, ptr, mask)
+        return
+    half = ir.IntType(32)
+    lanes = [ir.Constant(ir.IntType(32), i) for i in range(64)]
+    for low, part_mask in ((True, builder.trunc(mask, half)),
+                           (False, builder.trunc(builder.lshr(mask, ir.Constant(mask.type, 32)), half))):
+        part = builder.shuffle_vector(vec, ir.Constant(vec.type, ir.Undefined),
+                                      ir.Constant(ir.VectorType(ir.IntType(32), 32), lanes[:32] if low else lanes[32:]))
+        if low:
+            at = ptr
+        else:
+            at = builder.gep(ptr, [builder.zext(builder.ctpop(builder.trunc(mask, half)), ir.IntType(64))])
+        _compress_into(builder, part, at, part_mask)
 
 
 def _vsplat(builder: Any, value: Any, bits: int) -> Any:

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weftboard.cuda import codec, tile_codec
+from weftboard.cuda.bitops import sym_compress64, sym_lanes64
 from weftboard.cuda.codec import CODEC_TILE, apply_patch_, decode_stream, encode_deltas, encode_patch
 from weftboard.cuda.diff import bits_view, diff_tensor
 from weftboard.proto.errors import CorruptData, InvalidArgument
@@ -464,6 +465,41 @@ def test_packed_and_walking_cast_scans_give_the_same_bytes(update: bool) -> None
             packed = _scan_with(kernel, old, stepped.view(np.uint32), tile, update, cast=True)
             assert packed == walked, kernel
         assert sum(walked[0][5]) == 3  # the tiles of the two NaNs and the subnormal
+
+
+@numba.njit(cache=False)
+def _compress_block(a, b, m, sym, sym_at, pos, pos_at, base, rare, rare_at, lanes):
+    packed = sym_compress64(a, 0, b, 0, m, sym, sym_at, pos, pos_at, base, rare, rare_at)
+    return packed, sym_lanes64(a, 0, b, 0, m, lanes)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_a_block_compress_packs_the_changed_lanes_and_writes_nothing_past_64(width: int) -> None:
+    """``sym_compress64`` packs each output in a register and stores all 64 lanes: the packed
+    lanes must be the changed ones in lane order (positions in two 32-lane halves, the second
+    after the first's count), and no byte before an output's start or past its 64 lanes may
+    move. Masks: none, one lane, each half alone, all, and random ones."""
+    rng = np.random.default_rng(width)
+    masks = [0, 1, 1 << 63, (1 << 32) - 1, ((1 << 32) - 1) << 32, (1 << 64) - 1]
+    masks += [int(x) for x in rng.integers(0, 1 << 63, 40, dtype=np.int64)]
+    guard = 24
+    for i, m in enumerate(masks):
+        a, b = _pair(width, 64, 0.6, seed=100 + i, far=0.2)
+        sym_at, pos_at, rare_at, base = (int(x) for x in rng.integers(0, 40, 4))
+        sym = np.full(sym_at + 64 + guard, 0xA5, np.uint8)
+        pos = np.full(pos_at + 64 + guard, 0xA5A5, np.uint16)
+        rare = np.full(rare_at + 64 + guard, 0xA5, np.uint8)
+        lanes = np.zeros(64, np.uint8)
+        packed, expected = _compress_block(a, b, np.uint64(m), sym, sym_at, pos, pos_at, base, rare, rare_at, lanes)
+        assert packed == expected
+        changed = np.array([lane for lane in range(64) if m >> lane & 1], np.int64)
+        assert sym[sym_at : sym_at + changed.size].tolist() == lanes[changed].tolist()
+        assert pos[pos_at : pos_at + changed.size].tolist() == (base + changed).tolist()
+        rare_lanes = [lane for lane in changed if lanes[lane] >= 2]
+        assert rare[rare_at : rare_at + len(rare_lanes)].tolist() == lanes[rare_lanes].tolist()
+        assert packed[2] == sum(1 << int(lane) for lane in rare_lanes)
+        for buf, at, fill in ((sym, sym_at, 0xA5), (pos, pos_at, 0xA5A5), (rare, rare_at, 0xA5)):
+            assert (buf[:at] == fill).all() and (buf[at + 64 :] == fill).all(), (m, buf.dtype)
 
 
 def test_the_packed_scan_uses_compress_stores_where_the_cpu_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
