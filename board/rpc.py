@@ -7,6 +7,8 @@
 - a ``weftboard.proto.errors`` exception becomes its status code with its message, a
   Redis connection failure becomes UNAVAILABLE, anything else INTERNAL (logged with its
   traceback, never silently);
+- a server stream whose peer has gone (a write refused by gRPC after the client cancelled
+  or disconnected) ends as CANCELLED, logged at info: nobody is left to tell;
 - every call is counted by method and final status code, with its latency.
 """
 
@@ -54,6 +56,11 @@ def status_of(method: str, exc: BaseException, redis_url: str) -> tuple[grpc.Sta
     return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
 
 
+class _PeerGone(Exception):
+    """A server stream's write failed because its call is over: the client cancelled or its
+    connection closed between two writes."""
+
+
 class _Guard:
     def __init__(self, auth: Authenticator, metrics: BoardMetrics, redis_url: str) -> None:
         self.auth = auth
@@ -80,6 +87,10 @@ class _Guard:
                 except asyncio.CancelledError:
                     code = grpc.StatusCode.CANCELLED
                     raise
+                except _PeerGone as exc:
+                    code = grpc.StatusCode.CANCELLED
+                    log.info("stream ended: the peer went away", detail=str(exc))
+                    return None
                 except Exception as exc:  # noqa: BLE001 - mapped to a status below
                     code, message = status_of(method, exc, self.redis_url)
                 finally:
@@ -91,8 +102,22 @@ class _Guard:
 
     def stream(self, method: str, fn: Callable) -> Callable:
         """Server streaming: ``fn`` is a coroutine that writes with ``context.write`` and
-        returns None, so the same guard as for unary methods serves it."""
-        return self.unary(method, fn)
+        returns None, so the same guard as for unary methods serves it.
+
+        A write on a call the client has left raises gRPC's ``InternalError`` (its
+        ``ExecuteBatchError``), while ``context.cancelled()`` and ``context.done()`` still
+        say False; the handler is often, not always, cancelled first. Such a stream ends
+        as CANCELLED, not as a board error with a traceback: a watcher that exits (an
+        island shutting down) is routine."""
+
+        @functools.wraps(fn)
+        async def writing(request, context):
+            try:
+                return await fn(request, context)
+            except grpc.aio.InternalError as exc:
+                raise _PeerGone(f"{type(exc).__name__}: {exc}") from exc
+
+        return self.unary(method, writing)
 
 
 def _message_or_bytes(message: Any) -> bytes:
