@@ -15,8 +15,8 @@ and positions the ``sparse`` stream codes, each output packed in a register (``v
 plain vector store of all 64 lanes, so each output needs room for 64 lanes past its start. LLVM
 lowers the compress on any CPU, but without those instructions lane by lane through the stack;
 there ``sym_lanes64`` stores all 64 symbols with one vector store and the caller packs the
-changed lanes (the bytes are the same). The ``block_*`` functions pick the plain or the cast form of each operation by the
-types of a kernel's arguments (see the note above them).
+changed lanes (the bytes are the same). The ``block_*`` functions pick the plain or the cast
+form of each operation by the types of a kernel's arguments (see the note above them).
 
 Invariants: ``cttz64(0)`` and ``ctlz64(0)`` are undefined (callers only ask about the lowest or
 highest set bit of a non-zero mask). The mask, load and store intrinsics do no bounds check:
@@ -246,21 +246,18 @@ def _compress_store(builder: Any, vec: Any, ptr: Any, mask: Any) -> None:
     at ``ptr``, which has room for 64 lanes. A vector wider than 512 bits (64 words) goes in
     two halves, the second stored after the first's packed lanes: LLVM would otherwise split
     one compress of an illegal width through a stack slot, lane by lane."""
-    width = vec.type.element.width
-    if width == 8:
+    if vec.type.element.width == 8:
         _compress_into(builder, vec, ptr, mask)
         return
     half = ir.IntType(32)
-    lanes = [ir.Constant(ir.IntType(32), i) for i in range(64)]
-    for low, part_mask in ((True, builder.trunc(mask, half)),
-                           (False, builder.trunc(builder.lshr(mask, ir.Constant(mask.type, 32)), half))):
-        part = builder.shuffle_vector(vec, ir.Constant(vec.type, ir.Undefined),
-                                      ir.Constant(ir.VectorType(ir.IntType(32), 32), lanes[:32] if low else lanes[32:]))
-        if low:
-            at = ptr
-        else:
-            at = builder.gep(ptr, [builder.zext(builder.ctpop(builder.trunc(mask, half)), ir.IntType(64))])
-        _compress_into(builder, part, at, part_mask)
+    low_mask = builder.trunc(mask, half)
+    high_mask = builder.trunc(builder.lshr(mask, ir.Constant(mask.type, 32)), half)
+    lanes = ir.VectorType(ir.IntType(32), 32)
+    undef = ir.Constant(vec.type, ir.Undefined)
+    low = builder.shuffle_vector(vec, undef, ir.Constant(lanes, list(range(32))))
+    high = builder.shuffle_vector(vec, undef, ir.Constant(lanes, list(range(32, 64))))
+    _compress_into(builder, low, ptr, low_mask)
+    _compress_into(builder, high, builder.gep(ptr, [builder.zext(builder.ctpop(low_mask), ir.IntType(64))]), high_mask)
 
 
 def _vsplat(builder: Any, value: Any, bits: int) -> Any:
