@@ -1233,6 +1233,108 @@ def decode_tiles(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, c
     return errs
 
 
+@nb.njit(inline="always", cache=True)
+def _value_bits(buf, q, acc, nbits):
+    """Top the Huffman reader ``(q, acc, nbits)`` of ``_apply_huffman_tile`` (below 57 bits
+    held) up to at least 56 bits with one 8-byte load: near the end of ``buf`` the 8 bytes
+    that end it, shifted down, and zero bytes past its end (what ``huffman.symbol`` reads
+    there), ``q`` going on past it. ``buf.size`` >= 8."""
+    take = (63 - nbits) >> 3
+    have = buf.size - q
+    if have >= 8:
+        word = np.int64(load_u64le(buf, q))
+    elif have > 0:
+        word = np.int64(load_u64le(buf, buf.size - 8) >> np.uint64((8 - have) << 3))
+    else:
+        word = np.int64(0)
+    acc |= (word & ((1 << (take << 3)) - 1)) << nbits
+    return q + take, acc, nbits + (take << 3)
+
+
+@nb.njit(cache=True, nogil=True)
+def value_table(table, sym2diff):
+    """``huffman.decoder_table`` with each symbol's difference in its entry, for 8- and
+    16-bit elements: ``diff << 16 | escape << 4 | length``, escape set for ESC (whose
+    difference is in the escape bytes). One load a change finds both."""
+    out = np.empty(table.size, np.uint32)
+    for j in range(table.size):
+        s = np.int64(table[j] >> np.uint16(4))
+        ln = np.uint32(table[j] & np.uint16(15))
+        if s == ESC:
+            out[j] = ln | np.uint32(16)
+        else:
+            out[j] = ln | (np.uint32(sym2diff[s]) << np.uint32(16))
+    return out
+
+
+@nb.njit(inline="always", cache=True)
+def _apply_huffman_tile(buf, target, p, rend, pa, aend_bits, e, eend, width, k, lowmask, tile, prev, tile_end, lim,
+                        vtab, sign, mask):
+    """Apply the first ``lim`` changes of a Huffman tile of 8- or 16-bit elements, the value
+    bits held in a register: returns ``(applied, p, acc, nbits, pa, e, n_esc, err)``, the
+    state the loop of ``_decode_tiles`` ends with, for its end-of-tile checks.
+
+    Why a loop of its own: ``huffman.symbol`` reads each symbol at a bit position, which puts
+    an 8-byte load on every change's dependency chain (position, load, shift, table load,
+    position), and the Rice reader of ``rice_gap`` tops up on every call, another load on
+    the other chain. Here the value bits sit in a register, topped up when fewer than
+    ``MAX_BITS`` are left, and the Rice bits are read from the register the same way, going
+    through ``rice_gap`` (from the same state) only for a code longer than the bits held;
+    ``value_table`` gives symbol and difference in one load. Measured on the codec bench's
+    update, one thread: 30 -> 26 ms. The symbols, gaps, error codes and ending state are
+    those of the bit-position loop, which still reads every other form (a test holds the two
+    to the same verdicts on damaged streams). ``rend`` >= 8."""
+    hq = pa >> 3
+    hacc = 0
+    hbits = 0
+    acc = 0
+    nbits = 0
+    e0 = e
+    err = 0
+    applied = 0
+    hmask = np.int64((1 << huffman.MAX_BITS) - 1)
+    while applied < lim:
+        if hbits < huffman.MAX_BITS:
+            hq, hacc, hbits = _value_bits(buf, hq, hacc, hbits)
+        entry = vtab[np.uint64(hacc & hmask)]
+        ln = np.int64(entry & np.uint32(15))
+        hacc >>= ln
+        hbits -= ln
+        if (hq << 3) - hbits > aend_bits:
+            err = 6
+            break
+        d = np.uint64(entry >> np.uint32(16))
+        if entry & np.uint32(16):
+            if e + width > eend:
+                err = 8
+                break
+            d = np.uint64(buf[np.uint64(e)])
+            if width == 2:
+                d |= np.uint64(buf[np.uint64(e + 1)]) << np.uint64(8)
+            e += width
+            if sign < 0:
+                d = (np.uint64(0) - d) & mask
+        ones = np.int64(cttz64(np.uint64(~acc)))  # acc is zero above nbits: ones <= nbits
+        used = ones + 1 + k
+        if used <= nbits:
+            g = (ones << k) | ((acc >> (ones + 1)) & lowmask)
+            acc >>= used
+            nbits -= used
+        else:
+            g, p, acc, nbits, err = rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile)
+            if err:
+                break
+        cur = prev + 1 + g
+        if cur >= tile_end:
+            err = 2
+            break
+        at = np.uint64(cur)
+        target[at] = np.uint64(target[at]) + d
+        prev = cur
+        applied += 1
+    return applied, p, acc, nbits, (hq << 3) - hbits, e, (e - e0) // width, err
+
+
 @parallel_kernel
 def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, slot2sym,
                   sign, limit):
@@ -1254,6 +1356,11 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
         if sign < 0:
             v = (np.uint64(0) - v) & mask
         sym2diff[s] = v
+    vtab = np.zeros(1, np.uint32)
+    if freq is None:  # nested ifs on None: numba prunes them where the kernel is typed
+        if out_pos is None:
+            if width <= 2:  # the form _apply_huffman_tile applies
+                vtab = value_table(slot2sym, sym2diff)
     for t in nb.prange(ntiles):
         n = ns[t]
         lim = min(n, limit[t])
@@ -1286,7 +1393,15 @@ def _decode_tiles(buf, target, out_pos, out_diff, numel, tile, width, ns, ks, ri
         err = 0
         lowmask = (1 << k) - 1
         applied = 0
-        for i in range(lim):
+        rest = lim
+        if freq is None:
+            if out_pos is None:
+                if width <= 2 and rend >= 8:
+                    applied, p, acc, nbits, pa, e, n_esc, err = _apply_huffman_tile(
+                        buf, target, p, rend, pa, aend_bits, e, eend, width, k, lowmask, tile, prev, tile_end, lim,
+                        vtab, sign, mask)
+                    rest = 0
+        for i in range(rest):
             if freq is None:
                 s, pa, err = huffman.symbol(buf, pa, aend_bits, slot2sym)
             else:

@@ -8,6 +8,7 @@ every write is undone.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numba
@@ -810,3 +811,71 @@ def test_long_unary_codes_decode_and_apply_bitwise() -> None:
     target = a.copy()
     _fused_apply(stream, target, changed)
     assert np.array_equal(target, b)
+
+
+def _damaged_streams(sp: codec.SparseStream, rng: np.random.Generator) -> list[tuple[str, codec.SparseStream]]:
+    """``sp`` with one thing wrong each: a byte flipped in a tile's Rice bits, its value bits
+    or its escapes, a section's recorded length one byte short or long, a Rice parameter one
+    off, or the last tile's bytes cut off the buffer."""
+    out = []
+    for t in range(sp.ns.size):
+        start, rend = int(sp.offs[t]), int(sp.offs[t] + sp.rice[t])
+        aend = rend + int(sp.rans[t])
+        eend = aend + int(sp.esc[t]) * sp.width
+        for what, lo, hi in (("rice", start, rend), ("values", rend, aend), ("escapes", aend, eend)):
+            for _ in range(3 if hi > lo else 0):
+                buf = sp.buf.copy()
+                at = int(rng.integers(lo, hi))
+                buf[at] ^= np.uint8(rng.integers(1, 256))
+                out.append((f"tile {t}: {what} byte {at} flipped", dataclasses.replace(sp, buf=buf)))
+        for field_name in ("rice", "rans", "esc", "ks"):
+            for delta in (-1, 1):
+                arr = getattr(sp, field_name).copy()
+                arr[t] += delta
+                if arr[t] >= 0:
+                    out.append((f"tile {t}: {field_name} {delta:+d}", dataclasses.replace(sp, **{field_name: arr})))
+    cut = int(sp.offs[-1] + sp.rice[-1] + sp.rans[-1] + sp.esc[-1] * sp.width)
+    out.append(("the buffer cut after its last tile's bytes", dataclasses.replace(sp, buf=sp.buf[:cut].copy())))
+    return out
+
+
+@pytest.mark.parametrize("width", [1, 2])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_the_register_apply_gives_the_bit_position_loops_verdicts_on_damaged_streams(width: int, sign: int) -> None:
+    """A Huffman stream of 8- or 16-bit elements is applied by ``_apply_huffman_tile`` (its
+    bits in registers), and decoded into arrays by the loop that reads at bit positions. On
+    every damage below the two give each tile the same error code and stop at the same
+    change, the apply writes exactly the first differences the decoder found, and undoing
+    those writes restores the target."""
+    rng = np.random.default_rng(50 + width)
+    a, b = _pair(width, 3 * CODEC_TILE + 777, 0.04, seed=60 + width, far=0.02)  # escapes in every tile
+    changed, stream = tile_codec.encode_huffman(a, b, CODEC_TILE)
+    assert stream is not None
+    sp = codec._parse_sparse(_entry(width, a.size, changed, "huffman"), stream, width)
+    assert (sp.esc > 0).all() and sp.freq is None
+    mask = (1 << (8 * width)) - 1
+    cases = [("undamaged", sp)] + _damaged_streams(sp, rng)
+    verdicts = set()
+    for label, d in cases:
+        pos = np.full(changed, -1, np.int64)
+        diff = np.zeros(changed, UNSIGNED[width])
+        errs_dec = tile_codec.decode_tiles(d.buf, d.numel, d.tile, width, d.ns, d.ks, d.rice, d.rans, d.esc, d.offs,
+                                           None, None, d.slot2sym, pos, diff)
+        target = a.copy()
+        errs, done = tile_codec.apply_tiles(d.buf, target, d.numel, d.tile, width, d.ns, d.ks, d.rice, d.rans, d.esc,
+                                            d.offs, None, None, d.slot2sym, sign, d.ns)
+        assert errs.tolist() == errs_dec.tolist(), label
+        want = a.astype(np.int64)
+        starts = np.concatenate([[0], np.cumsum(d.ns)])
+        for t in range(d.ns.size):
+            written = pos[starts[t]:starts[t + 1]]
+            stop = int(np.argmax(written < 0)) if (written < 0).any() else written.size
+            assert done[t] == stop, (label, t)
+            at = written[:stop]
+            want[at] = (want[at] + sign * diff[starts[t]:starts[t] + stop].astype(np.int64)) & mask
+        assert np.array_equal(target.astype(np.int64), want), label
+        tile_codec.apply_tiles(d.buf, target, d.numel, d.tile, width, d.ns, d.ks, d.rice, d.rans, d.esc, d.offs, None,
+                               None, d.slot2sym, -sign, done)
+        assert np.array_equal(target, a), label
+        verdicts.update(int(e) for e in errs)
+    assert {0, 1, 2, 3, 6, 7, 8} <= verdicts, verdicts  # the damage reached each of the checks
