@@ -31,7 +31,10 @@ every path to the same bytes. rANS, whose every symbol waits on the previous one
 codes a tensor's tiles two at a time (``rans_encode_tile_pairs``) so that a core has two
 independent chains to run; Huffman codes each tile in one pass of table lookups and appends.
 In the decoder, the Rice reader and the value reader (rANS state, or a Huffman bit position)
-are two independent chains per change; the Huffman one is about half as long.
+are two independent chains per change; the Huffman one is about half as long. The apply of a
+Huffman stream of 8- or 16-bit elements (the served formats) holds both readers' bits in
+registers instead (``_apply_huffman_tile``), so neither chain waits on a load from the stream;
+every other form reads at bit positions, and a test holds the two to the same verdicts.
 
 Invariants:
 - Tiles are independent and write only their own regions, so ``prange`` over tiles gives the
