@@ -816,7 +816,8 @@ def test_long_unary_codes_decode_and_apply_bitwise() -> None:
 def _damaged_streams(sp: codec.SparseStream, rng: np.random.Generator) -> list[tuple[str, codec.SparseStream]]:
     """``sp`` with one thing wrong each: a byte flipped in a tile's Rice bits, its value bits
     or its escapes, a section's recorded length one byte short or long, a Rice parameter one
-    off, or the last tile's bytes cut off the buffer."""
+    off, or the buffer cut right after the last tile's bytes (the readers' end-of-buffer
+    paths)."""
     out = []
     for t in range(sp.ns.size):
         start, rend = int(sp.offs[t]), int(sp.offs[t] + sp.rice[t])
