@@ -1,6 +1,6 @@
 """Bit intrinsics for the numba kernels: count trailing/leading zeros, population count, the
 change mask of 64 elements (``ne_mask64``; ``cast_ne_mask64`` compares a bf16 view with the
-bf16 cast of fp32 bits; ``mag_ge_mask64`` compares 16-bit float magnitudes with a bound), and unaligned little-endian word loads and stores.
+bf16 cast of fp32 bits; ``mag_ge_mask64`` compares 16-bit float magnitudes with a bound), unaligned little-endian word loads and stores, and a prefetch hint (``prefetch64``).
 
 numba exposes none of them, and the portable fallbacks (de Bruijn tables, byte loops, word
 tricks) cost several instructions where the CPU has one (``tzcnt``, ``popcnt``, a vector
@@ -19,7 +19,8 @@ changed lanes (the bytes are the same). The ``block_*`` functions pick the plain
 form of each operation by the types of a kernel's arguments (see the note above them).
 
 Invariants: ``cttz64(0)`` and ``ctlz64(0)`` are undefined (callers only ask about the lowest or
-highest set bit of a non-zero mask). The mask, load and store intrinsics do no bounds check:
+highest set bit of a non-zero mask). ``prefetch64`` is only a hint: it changes no result and
+may point past an array's end. The mask, load and store intrinsics do no bounds check:
 the caller proves ``start + 64`` elements (or the 4 or 8 bytes) lie inside each array, which
 must be 1-d and C-contiguous (the typers refuse any other layout).
 """
@@ -173,6 +174,35 @@ def load_u64le(typingctx, buf, pos):  # type: ignore[no-untyped-def]
         return builder.load(ptr, align=1)
 
     return types.uint64(buf, types.int64), codegen
+
+
+@intrinsic
+def prefetch64(typingctx, ary, start):  # type: ignore[no-untyped-def]
+    """Ask the CPU to start loading the cache lines of the 64 elements ``ary[start:]`` (1, 2,
+    4 or 8 lines of 64 bytes, by the element width) into every cache level: ``prefetcht0``
+    on x86-64. A hint, never a fault, so ``start`` may run past the end of the array.
+
+    Why: the scans read two arrays once, front to back, and between two blocks' loads do
+    enough work (packing, counting) that the hardware prefetcher alone leaves them waiting
+    on memory, most of all on a busy shared host (see ``tile_codec.PREFETCH_AHEAD``)."""
+    if not isinstance(ary, types.Array) or ary.ndim != 1 or ary.layout != "C" or not isinstance(ary.dtype, types.Integer):
+        raise errors.TypingError(f"prefetch64 needs a 1-d C-contiguous integer array, got {ary}")
+    lines = max(1, ary.dtype.bitwidth * 64 // 8 // 64)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        first = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+        for line in range(lines):
+            # (address, read, keep in all levels, data cache)
+            at = builder.gep(first, [ir.Constant(ir.IntType(64), 64 * line)])
+            builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.none(ary, types.int64), codegen
 
 
 def _store_intrinsic(bits: int, big_endian: bool = False) -> Any:

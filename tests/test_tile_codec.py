@@ -9,6 +9,7 @@ every write is undone.
 from __future__ import annotations
 
 import dataclasses
+import platform
 import threading
 
 import numba
@@ -516,6 +517,30 @@ def test_the_packed_scan_uses_compress_stores_where_the_cpu_has_them(monkeypatch
     assert args[8] is None  # plain new bits, not a cast
     assert (args[10] is None) == bitops.HAS_VECTOR_COMPRESS  # no lane rows: compress-stores
     assert changed == np.count_nonzero(a != b) and stream is not None
+
+
+@pytest.mark.parametrize("dtype,lines", [(np.uint8, 1), (np.uint16, 2), (np.uint32, 4), (np.uint64, 8)])
+def test_prefetch64_asks_for_every_line_of_the_block_and_changes_nothing(dtype, lines: int) -> None:
+    from weftboard.cuda.bitops import prefetch64
+
+    @numba.njit
+    def sum_with_hints(a, ahead):
+        total = 0
+        for bs in range(0, a.size, 64):
+            prefetch64(a, bs + ahead)  # runs past the end near the last blocks: a hint, not a load
+            for i in range(bs, min(bs + 64, a.size)):
+                total += a[i]
+        return total
+
+    a = np.arange(1000, dtype=dtype)
+    for ahead in (0, 512, 1 << 20):
+        assert sum_with_hints(a, ahead) == int(a.astype(np.int64).sum())
+    ir = sum_with_hints.inspect_llvm(sum_with_hints.signatures[0])
+    assert ir.count("call void @llvm.prefetch") == lines
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert "prefetcht0" in sum_with_hints.inspect_asm(sum_with_hints.signatures[0])
+    with pytest.raises(numba.core.errors.TypingError, match="prefetch64 needs"):
+        numba.njit(lambda x: prefetch64(x, 0))(np.zeros((2, 64), np.uint16))
 
 
 @pytest.mark.parametrize("counts", [[0], [5], [7, 0], [3, 9, 0, 1], [0, 0, 4], [4096, 17, 2500, 2500, 1]])
