@@ -76,6 +76,7 @@ from weftboard.cuda.diff import (
     TensorDelta,
     bits_view,
     check_pair,
+    cpu_bits,
     diff_tensor,
     int_view_dtype,
     scatter_bits_,
@@ -272,8 +273,8 @@ def _encode_pair_context(name: str, old: torch.Tensor, new: torch.Tensor) -> Enc
     if not context_codec.supports(old.dtype):
         return None
     check_pair(old, new)
-    a = unsigned_np(bits_view(old.detach().contiguous()))
-    b = unsigned_np(bits_view(new.detach().contiguous()))
+    a = cpu_bits(old)
+    b = cpu_bits(new)
     thresholds = context_codec.choose_thresholds(a, old.dtype)
     if thresholds.size == 0:
         return None
@@ -293,8 +294,8 @@ def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor, scratch:
     a pool kept across the pairs of one encode (``tile_codec.pooled``).
     """
     check_pair(old, new)
-    a = unsigned_np(bits_view(old.detach().contiguous()))
-    b = unsigned_np(bits_view(new.detach().contiguous()))
+    a = cpu_bits(old)
+    b = cpu_bits(new)
     numel = a.size
     changed, stream = tile_codec.encode_huffman(a, b, CODEC_TILE, scratch)
     if changed == 0:

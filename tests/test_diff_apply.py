@@ -15,8 +15,10 @@ from weftboard.cuda.diff import (
     TensorDelta,
     apply_delta_,
     bits_view,
+    cpu_bits,
     diff_and_update_,
     diff_tensor,
+    unsigned_np,
 )
 from weftboard.proto.errors import InvalidArgument
 
@@ -146,6 +148,24 @@ def test_apply_delta_round_trip_and_shape_checks() -> None:
         diff_tensor(old, new.float())
     with pytest.raises(InvalidArgument):
         diff_tensor(old, new[:10])
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.int8, torch.int64])
+def test_cpu_bits_is_the_flat_unsigned_view_of_any_layout(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    t = _random_bits(60, dtype, gen).reshape(6, 10)
+    for view in (t, t.t(), t[:, 2:7], t.reshape(-1)[3], t.reshape(2, 3, 10)):
+        got = cpu_bits(view)
+        want = unsigned_np(bits_view(view.contiguous())).reshape(-1)
+        assert got.ndim == 1 and got.dtype == want.dtype and got.dtype.kind == "u"
+        assert got.tobytes() == want.tobytes()
+    # a contiguous tensor is viewed, not copied: the encoder reads the caller's memory
+    assert cpu_bits(t).ctypes.data == t.data_ptr()
+
+
+def test_cpu_bits_takes_a_tensor_that_requires_grad() -> None:
+    w = torch.randn(8, requires_grad=True)
+    assert cpu_bits(w).tobytes() == w.detach().numpy().tobytes()
 
 
 # ---------------------------------------------------------------------------
