@@ -59,10 +59,10 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
 
 def cpu_bits(t: torch.Tensor) -> np.ndarray:
     """The stored elements of a CPU tensor as a flat numpy array of the unsigned type of their
-    width: ``unsigned_np(bits_view(t.detach().contiguous()))`` in two torch calls instead of
-    six. The encoder takes this path for every tensor of a patch, and each torch call costs
-    microseconds when it follows a kernel that has just streamed a large tensor through the
-    caches. No copy unless ``t`` is not contiguous."""
+    width: ``unsigned_np(bits_view(t.detach().contiguous()))`` with two tensor operations (a
+    dtype view and ``numpy()``) instead of six. The encoder takes this path for every tensor of
+    a patch, and each torch operation costs microseconds when it follows a kernel that has just
+    streamed a large tensor through the caches. No copy unless ``t`` is not contiguous."""
     if t.requires_grad:
         t = t.detach()
     if not t.is_contiguous():
