@@ -187,7 +187,7 @@ def prefetch64(typingctx, ary, start):  # type: ignore[no-untyped-def]
     on memory, most of all on a busy shared host (see ``tile_codec.PREFETCH_AHEAD``)."""
     if not isinstance(ary, types.Array) or ary.ndim != 1 or ary.layout != "C" or not isinstance(ary.dtype, types.Integer):
         raise errors.TypingError(f"prefetch64 needs a 1-d C-contiguous integer array, got {ary}")
-    lines = max(1, ary.dtype.bitwidth * 64 // 8 // 64)
+    lines = ary.dtype.bitwidth // 8  # 64 elements of w bytes fill w lines of 64 bytes
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         i8p = ir.IntType(8).as_pointer()
