@@ -480,7 +480,7 @@ def encode_patch(
 
     def encoded() -> Iterable[EncodedTensor]:
         for name, old, new in pairs:
-            on_cpu = old.device.type == "cpu" and new.device.type == "cpu"
+            on_cpu = old.is_cpu and new.is_cpu
             if encoding == "context" and on_cpu:
                 fused = _encode_pair_context(name, old, new)
                 if fused is not None:

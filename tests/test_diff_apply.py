@@ -3,6 +3,7 @@ kernels (run by Triton's interpreter on CPU tensors) byte for byte against the C
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
@@ -166,6 +167,32 @@ def test_cpu_bits_is_the_flat_unsigned_view_of_any_layout(dtype: torch.dtype) ->
 def test_cpu_bits_takes_a_tensor_that_requires_grad() -> None:
     w = torch.randn(8, requires_grad=True)
     assert cpu_bits(w).tobytes() == w.detach().numpy().tobytes()
+
+
+def test_cpu_bits_keeps_the_memory_alive_and_writes_through() -> None:
+    t = torch.arange(100, dtype=torch.int16).to(torch.bfloat16)
+    want = t.view(torch.int16).numpy().view("uint16").copy()
+    bits = cpu_bits(t)
+    bits[0] = 0x7FC0  # a NaN's bits: the array is the tensor's memory, not a copy of it
+    assert t.view(torch.int16)[0].item() == 0x7FC0
+    del t
+    gc.collect()
+    assert bits[1:].tobytes() == want[1:].tobytes()  # still readable: the array holds the tensor
+
+
+def test_cpu_bits_of_an_empty_tensor_and_of_tensors_whose_memory_is_not_their_values() -> None:
+    empty = cpu_bits(torch.empty(0, dtype=torch.bfloat16))
+    assert empty.size == 0 and empty.dtype.name == "uint16"
+    # A negative or conjugate view's memory holds the values before the sign or conjugation,
+    # and a meta tensor has none: each is refused, never read as if it were plain elements.
+    with pytest.raises(RuntimeError, match="negative bit"):
+        cpu_bits(torch._neg_view(torch.ones(4)))
+    with pytest.raises(RuntimeError, match="conjugate"):
+        cpu_bits(torch.ones(4, dtype=torch.complex64).conj())
+    with pytest.raises(TypeError, match="meta"):
+        cpu_bits(torch.empty(4, device="meta"))
+    with pytest.raises(InvalidArgument, match="width 16"):
+        cpu_bits(torch.zeros(2, dtype=torch.complex128))
 
 
 # ---------------------------------------------------------------------------
