@@ -1,6 +1,7 @@
 """Bit intrinsics for the numba kernels: count trailing/leading zeros, population count, the
 change mask of 64 elements (``ne_mask64``; ``cast_ne_mask64`` compares a bf16 view with the
-bf16 cast of fp32 bits; ``mag_ge_mask64`` compares 16-bit float magnitudes with a bound), unaligned little-endian word loads and stores, and a prefetch hint (``prefetch64``).
+bf16 cast of fp32 bits; ``mag_ge_mask64`` compares 16-bit float magnitudes with a bound), unaligned little-endian word loads and stores, a prefetch hint (``prefetch64``) and a
+byte copy (``copy_bytes``).
 
 numba exposes none of them, and the portable fallbacks (de Bruijn tables, byte loops, word
 tricks) cost several instructions where the CPU has one (``tzcnt``, ``popcnt``, a vector
@@ -37,6 +38,10 @@ from numba import types
 from numba.core import cgutils
 from numba.core import errors
 from numba.extending import intrinsic, overload
+
+# Imported before ``copy_bytes`` is defined: it registers the cache locator that stamps a kernel
+# with every numba source of the package (``jit``'s docstring).
+import weftboard.cuda.jit  # noqa: F401, E402
 
 
 def _uint64_intrinsic(emit: Callable[[Any, Any], Any], doc: str) -> Any:
@@ -232,6 +237,36 @@ def _store_intrinsic(bits: int, big_endian: bool = False) -> Any:
 store_u32le = _store_intrinsic(32)
 store_u64le = _store_intrinsic(64)
 store_u16be = _store_intrinsic(16, big_endian=True)
+
+
+@intrinsic
+def _move_bytes(typingctx, dst, d0, src, s0, n):  # type: ignore[no-untyped-def]
+    """``dst[d0:d0 + n] = src[s0:s0 + n]`` as one ``llvm.memmove``; no bounds check."""
+    _check_flat(dst, types.uint8, "copy_bytes")
+    _check_flat(src, types.uint8, "copy_bytes")
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        to = builder.gep(context.make_array(signature.args[0])(context, builder, args[0]).data, [args[1]])
+        at = builder.gep(context.make_array(signature.args[2])(context, builder, args[2]).data, [args[3]])
+        cgutils.raw_memmove(builder, to, at, args[4], 1)
+        return context.get_dummy_value()
+
+    return types.none(dst, types.int64, src, types.int64, types.int64), codegen
+
+
+@numba.njit(inline="always", cache=True)
+def copy_bytes(dst, d0, src, s0, n):  # type: ignore[no-untyped-def]
+    """``dst[d0:d0 + n] = src[s0:s0 + n]`` for 1-d uint8 arrays, as one ``memmove`` (the ranges
+    may overlap). Raises IndexError when a range is not inside its array.
+
+    Why not the slice assignment: numba compiles it to a loop over the elements behind an
+    overlap check, about 2 GB/s on one thread where the C library's copy runs at 13 GB/s:
+    the assembly of a stream's tile pieces took 0.8 ms instead of 0.11 ms for the codec bench's
+    largest tensor (1.45 MB of stream)."""
+    if n < 0 or d0 < 0 or s0 < 0 or d0 + n > dst.size or s0 + n > src.size:
+        raise IndexError("copy_bytes: a range lies outside its array")
+    if n > 0:
+        _move_bytes(dst, d0, src, s0, n)
 
 
 def _host_has_vector_compress() -> bool:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from weftboard.cuda.bitops import store_u32le, store_u64le
+from weftboard.cuda.bitops import copy_bytes, store_u32le, store_u64le
 from weftboard.cuda.jit import parallel_kernel
 
 SCALE_BITS = 14
@@ -597,6 +597,6 @@ def assemble(freq, ns, ks, rice_bytes, rans_len, n_esc, width, scratch, scratch_
             continue
         src = scratch_off[t]
         m = rice_bytes[t] + rans_len[t] + n_esc[t] * width  # Rice | rANS | escapes, contiguous
-        out[p : p + m] = scratch[src : src + m]
+        copy_bytes(out, p, scratch, src, m)
         p += m
     return out[:p]

@@ -66,8 +66,9 @@ from numba.extending import overload
 
 from weftboard.cuda import entropy, huffman
 from weftboard.cuda.bitops import (HAS_VECTOR_COMPRESS, block_fold64, block_ne_mask64, block_special64,
-                                   block_sym_compress64, block_sym_lanes64, cast_ne_mask64, cast_special64, ctlz64,
-                                   ctpop64, cttz64, cttz64z, load_u64le, ne_mask64, prefetch64, store_u16be)
+                                   block_sym_compress64, block_sym_lanes64, cast_ne_mask64, cast_special64,
+                                   copy_bytes, ctlz64, ctpop64, cttz64, cttz64z, load_u64le, ne_mask64, prefetch64,
+                                   store_u16be)
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 from weftboard.cuda.jit import parallel_kernel
 
@@ -768,15 +769,13 @@ def assemble_tiles(prefix, freq, ns, ks, rice_len, rans_start, rans_off, n_esc, 
             continue
         o = dest[t]
         for c in range(nclasses):
-            r0 = rice_off[t, c]
-            out[o:o + rice_len[t, c]] = rice_buf[r0:r0 + rice_len[t, c]]
+            copy_bytes(out, o, rice_buf, rice_off[t, c], rice_len[t, c])
             o += rice_len[t, c]
         m = rans_off[t + 1] - rans_start[t]
-        out[o:o + m] = rans_buf[rans_start[t]:rans_start[t] + m]
+        copy_bytes(out, o, rans_buf, rans_start[t], m)
         o += m
         for c in range(nclasses):
-            e0 = esc_off[t, c]
-            out[o:o + n_esc[t, c] * width] = esc_buf[e0:e0 + n_esc[t, c] * width]
+            copy_bytes(out, o, esc_buf, esc_off[t, c], n_esc[t, c] * width)
             o += n_esc[t, c] * width
     return out[:p]
 
@@ -1119,11 +1118,11 @@ def _compact_tiles(ns, rice_len, n_esc, width, rice_buf, rice_off, sym_buf, sym_
         r = ro[t]
         e = eo[t]
         for c in range(nclasses):
-            rice[r:r + rice_len[t, c]] = rice_buf[rice_off[t, c]:rice_off[t, c] + rice_len[t, c]]
+            copy_bytes(rice, r, rice_buf, rice_off[t, c], rice_len[t, c])
             r += rice_len[t, c]
-            escs[e:e + n_esc[t, c] * width] = sym_buf[esc_off[t, c]:esc_off[t, c] + n_esc[t, c] * width]
+            copy_bytes(escs, e, sym_buf, esc_off[t, c], n_esc[t, c] * width)
             e += n_esc[t, c] * width
-        syms[so[t]:so[t] + ns[t]] = sym_buf[sym_off[t]:sym_off[t] + ns[t]]
+        copy_bytes(syms, so[t], sym_buf, sym_off[t], ns[t])
     return rice, syms, escs
 
 

@@ -543,6 +543,36 @@ def test_prefetch64_asks_for_every_line_of_the_block_and_changes_nothing(dtype, 
         numba.njit(lambda x: prefetch64(x, 0))(np.zeros((2, 64), np.uint16))
 
 
+def test_copy_bytes_is_a_slice_copy_that_may_overlap_and_refuses_ranges_outside_its_arrays() -> None:
+    from weftboard.cuda.bitops import copy_bytes
+
+    @numba.njit
+    def copy(dst, d0, src, s0, n):
+        copy_bytes(dst, d0, src, s0, n)
+
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, 300, dtype=np.uint8)
+    for d0, s0, n in [(0, 0, 300), (7, 11, 0), (0, 299, 1), (299, 0, 1), (13, 5, 200), (100, 0, 200)]:
+        dst = rng.integers(0, 256, 300, dtype=np.uint8)
+        want = dst.copy()
+        want[d0:d0 + n] = src[s0:s0 + n]
+        copy(dst, d0, src, s0, n)
+        assert dst.tobytes() == want.tobytes()
+    for d0, s0 in [(10, 0), (0, 10)]:  # one array, overlapping ranges in both directions
+        buf = np.arange(100, dtype=np.uint8)
+        want = buf.copy()
+        want[d0:d0 + 80] = buf[s0:s0 + 80].copy()
+        copy(buf, d0, buf, s0, 80)
+        assert buf.tobytes() == want.tobytes()
+    dst = np.zeros(16, np.uint8)
+    for d0, s0, n in [(10, 0, 7), (0, 10, 7), (-1, 0, 2), (0, -1, 2), (0, 0, -1), (0, 0, 17)]:
+        with pytest.raises(IndexError, match="outside its array"):
+            copy(dst, d0, src[:16], s0, n)
+    assert not dst.any()  # nothing written by a refused copy
+    with pytest.raises(numba.core.errors.TypingError, match="copy_bytes needs"):
+        copy(np.zeros(4, np.uint16), 0, np.zeros(4, np.uint16), 0, 2)
+
+
 @pytest.mark.parametrize("counts", [[0], [5], [7, 0], [3, 9, 0, 1], [0, 0, 4], [4096, 17, 2500, 2500, 1]])
 def test_tiles_coded_in_pairs_give_the_same_rans_bytes(counts: list[int]) -> None:
     """rANS codes two tiles in lockstep (two dependency chains per core): odd tile counts,
