@@ -1,7 +1,8 @@
 """Bit intrinsics for the numba kernels: count trailing/leading zeros, population count, the
 change mask of 64 elements (``ne_mask64``; ``cast_ne_mask64`` compares a bf16 view with the
-bf16 cast of fp32 bits; ``mag_ge_mask64`` compares 16-bit float magnitudes with a bound), unaligned little-endian word loads and stores, a prefetch hint (``prefetch64``) and a
-byte copy (``copy_bytes``).
+bf16 cast of fp32 bits; ``mag_ge_mask64`` compares 16-bit float magnitudes with a bound),
+unaligned little-endian word loads and stores, a prefetch hint (``prefetch64``) and a byte copy
+(``copy_bytes``).
 
 numba exposes none of them, and the portable fallbacks (de Bruijn tables, byte loops, word
 tricks) cost several instructions where the CPU has one (``tzcnt``, ``popcnt``, a vector
@@ -23,7 +24,8 @@ Invariants: ``cttz64(0)`` and ``ctlz64(0)`` are undefined (callers only ask abou
 highest set bit of a non-zero mask). ``prefetch64`` is only a hint: it changes no result and
 may point past an array's end. The mask, load and store intrinsics do no bounds check:
 the caller proves ``start + 64`` elements (or the 4 or 8 bytes) lie inside each array, which
-must be 1-d and C-contiguous (the typers refuse any other layout).
+must be 1-d and C-contiguous (the typers refuse any other layout). ``copy_bytes`` alone checks
+its ranges: it copies whole pieces, so the check costs nothing that counts.
 """
 
 from __future__ import annotations
