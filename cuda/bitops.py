@@ -25,7 +25,10 @@ highest set bit of a non-zero mask). ``prefetch64`` is only a hint: it changes n
 may point past an array's end. The mask, load and store intrinsics do no bounds check:
 the caller proves ``start + 64`` elements (or the 4 or 8 bytes) lie inside each array, which
 must be 1-d and C-contiguous (the typers refuse any other layout). ``copy_bytes`` alone checks
-its ranges: it copies whole pieces, so the check costs nothing that counts.
+its ranges: it copies whole pieces, so the check costs nothing that counts. ``move_bytes`` is
+the same copy unchecked, for the body of a ``prange`` loop, whose caller checks every range
+with ``range_fits`` before the loop: a ``raise`` in the body makes numba compile the loop
+serially (it warns "no transformation for parallel execution was possible").
 """
 
 from __future__ import annotations
@@ -257,6 +260,21 @@ def _move_bytes(typingctx, dst, d0, src, s0, n):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(inline="always", cache=True)
+def range_fits(ary, start, n):  # type: ignore[no-untyped-def]
+    """Whether ``ary[start:start + n]`` is ``n >= 0`` elements inside ``ary``."""
+    return n >= 0 and start >= 0 and start + n <= ary.size
+
+
+@numba.njit(inline="always", cache=True)
+def move_bytes(dst, d0, src, s0, n):  # type: ignore[no-untyped-def]
+    """``copy_bytes`` without its bounds check, for a ``prange`` loop's body: numba does not
+    parallelise a loop that can raise, so the caller checks each range with ``range_fits``
+    before the loop."""
+    if n > 0:
+        _move_bytes(dst, d0, src, s0, n)
+
+
+@numba.njit(inline="always", cache=True)
 def copy_bytes(dst, d0, src, s0, n):  # type: ignore[no-untyped-def]
     """``dst[d0:d0 + n] = src[s0:s0 + n]`` for 1-d uint8 arrays, as one ``memmove`` (the ranges
     may overlap). Raises IndexError when a range is not inside its array.
@@ -265,10 +283,9 @@ def copy_bytes(dst, d0, src, s0, n):  # type: ignore[no-untyped-def]
     overlap check, about 2 GB/s on one thread where the C library's copy runs at 13 GB/s:
     the assembly of a stream's tile pieces took 0.8 ms instead of 0.11 ms for the codec bench's
     largest tensor (1.45 MB of stream)."""
-    if n < 0 or d0 < 0 or s0 < 0 or d0 + n > dst.size or s0 + n > src.size:
+    if not (range_fits(dst, d0, n) and range_fits(src, s0, n)):
         raise IndexError("copy_bytes: a range lies outside its array")
-    if n > 0:
-        _move_bytes(dst, d0, src, s0, n)
+    move_bytes(dst, d0, src, s0, n)
 
 
 def _host_has_vector_compress() -> bool:

@@ -67,8 +67,8 @@ from numba.extending import overload
 from weftboard.cuda import entropy, huffman
 from weftboard.cuda.bitops import (HAS_VECTOR_COMPRESS, block_fold64, block_ne_mask64, block_special64,
                                    block_sym_compress64, block_sym_lanes64, cast_ne_mask64, cast_special64,
-                                   copy_bytes, ctlz64, ctpop64, cttz64, cttz64z, load_u64le, ne_mask64, prefetch64,
-                                   store_u16be)
+                                   ctlz64, ctpop64, cttz64, cttz64z, load_u64le, move_bytes, ne_mask64, prefetch64,
+                                   range_fits, store_u16be)
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 from weftboard.cuda.jit import parallel_kernel
 
@@ -742,8 +742,15 @@ def assemble_tiles(prefix, freq, ns, ks, rice_len, rans_start, rans_off, n_esc, 
         for c in range(nclasses):
             tot[t] += ns[t, c]
             size[t] += rice_len[t, c] + n_esc[t, c] * width
-        if tot[t]:
-            size[t] += rans_off[t + 1] - rans_start[t]
+        if tot[t] == 0:
+            continue
+        size[t] += rans_off[t + 1] - rans_start[t]
+        fits = range_fits(rans_buf, rans_start[t], rans_off[t + 1] - rans_start[t])
+        for c in range(nclasses):  # checked here: a raise in the prange loop would make it serial
+            fits = fits and range_fits(rice_buf, rice_off[t, c], rice_len[t, c])
+            fits = fits and range_fits(esc_buf, esc_off[t, c], n_esc[t, c] * width)
+        if not fits:
+            raise IndexError("assemble_tiles: a tile's piece lies outside its buffer")
     out = np.empty(prefix.size + nclasses * (10 + NSYM * 20) + ntiles * (20 + 20 * nclasses) + size.sum(), np.uint8)
     p = prefix.size
     out[:p] = prefix
@@ -764,18 +771,20 @@ def assemble_tiles(prefix, freq, ns, ks, rice_len, rans_start, rans_off, n_esc, 
     for t in range(ntiles):
         dest[t] = p
         p += size[t]
+    if p > out.size:
+        raise IndexError("assemble_tiles: the directory outgrew its bound")
     for t in nb.prange(ntiles):
         if tot[t] == 0:
             continue
         o = dest[t]
         for c in range(nclasses):
-            copy_bytes(out, o, rice_buf, rice_off[t, c], rice_len[t, c])
+            move_bytes(out, o, rice_buf, rice_off[t, c], rice_len[t, c])
             o += rice_len[t, c]
         m = rans_off[t + 1] - rans_start[t]
-        copy_bytes(out, o, rans_buf, rans_start[t], m)
+        move_bytes(out, o, rans_buf, rans_start[t], m)
         o += m
         for c in range(nclasses):
-            copy_bytes(out, o, esc_buf, esc_off[t, c], n_esc[t, c] * width)
+            move_bytes(out, o, esc_buf, esc_off[t, c], n_esc[t, c] * width)
             o += n_esc[t, c] * width
     return out[:p]
 
@@ -1111,6 +1120,12 @@ def _compact_tiles(ns, rice_len, n_esc, width, rice_buf, rice_off, sym_buf, sym_
         ro[t + 1] = ro[t] + rice_len[t].sum()
         so[t + 1] = so[t] + ns[t]
         eo[t + 1] = eo[t] + n_esc[t].sum() * width
+        fits = range_fits(sym_buf, sym_off[t], ns[t])
+        for c in range(nclasses):  # checked here: a raise in the prange loop would make it serial
+            fits = fits and range_fits(rice_buf, rice_off[t, c], rice_len[t, c])
+            fits = fits and range_fits(sym_buf, esc_off[t, c], n_esc[t, c] * width)
+        if not fits:
+            raise IndexError("_compact_tiles: a tile's piece lies outside the scratch")
     rice = np.empty(ro[ntiles], np.uint8)
     syms = np.empty(so[ntiles], np.uint8)
     escs = np.empty(eo[ntiles], np.uint8)
@@ -1118,11 +1133,11 @@ def _compact_tiles(ns, rice_len, n_esc, width, rice_buf, rice_off, sym_buf, sym_
         r = ro[t]
         e = eo[t]
         for c in range(nclasses):
-            copy_bytes(rice, r, rice_buf, rice_off[t, c], rice_len[t, c])
+            move_bytes(rice, r, rice_buf, rice_off[t, c], rice_len[t, c])
             r += rice_len[t, c]
-            copy_bytes(escs, e, sym_buf, esc_off[t, c], n_esc[t, c] * width)
+            move_bytes(escs, e, sym_buf, esc_off[t, c], n_esc[t, c] * width)
             e += n_esc[t, c] * width
-        copy_bytes(syms, so[t], sym_buf, sym_off[t], ns[t])
+        move_bytes(syms, so[t], sym_buf, sym_off[t], ns[t])
     return rice, syms, escs
 
 

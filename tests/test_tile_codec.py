@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import threading
+import warnings
 
 import numba
 import numpy as np
@@ -571,6 +572,111 @@ def test_copy_bytes_is_a_slice_copy_that_may_overlap_and_refuses_ranges_outside_
     assert not dst.any()  # nothing written by a refused copy
     with pytest.raises(numba.core.errors.TypingError, match="copy_bytes needs"):
         copy(np.zeros(4, np.uint16), 0, np.zeros(4, np.uint16), 0, 2)
+
+
+def _parallel_regions(kernel) -> int:
+    return len(kernel.overloads[kernel.signatures[0]].metadata["parfor_diagnostics"].initial_parfors)
+
+
+def _copies_in_prange(copy):
+    def kernel(dst, src, n):
+        for t in numba.prange(dst.size // n):
+            copy(dst, t * n, src, t * n, n)
+    return kernel
+
+
+def test_a_prange_loop_that_can_raise_compiles_serially_so_parallel_loops_copy_with_move_bytes() -> None:
+    """The yardstick for the next test: ``copy_bytes``' bounds check can raise, and numba then
+    makes no parallel region of the loop (and warns); ``move_bytes`` cannot, and it does."""
+    from weftboard.cuda.bitops import copy_bytes, move_bytes
+    from weftboard.cuda.jit import parallel_kernel
+
+    src = np.arange(64, dtype=np.uint8)
+    serial = parallel_kernel(_copies_in_prange(copy_bytes), cache=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", numba.core.errors.NumbaPerformanceWarning)
+        dst = np.zeros(64, np.uint8)
+        serial(dst, src, 8)
+    assert any("no transformation for parallel" in str(w.message) for w in caught)
+    assert dst.tobytes() == src.tobytes() and _parallel_regions(serial) == 0
+    parallel = parallel_kernel(_copies_in_prange(move_bytes), cache=False)
+    dst = np.zeros(64, np.uint8)
+    parallel(dst, src, 8)
+    assert dst.tobytes() == src.tobytes() and _parallel_regions(parallel) == 1
+
+
+def _scattered_pieces(nclasses: int) -> dict:
+    """Five tiles' pieces (the second with no changes) scattered over three buffers, as the
+    scan and rANS passes leave them: a tile's rANS stream ends where the next one's room starts."""
+    rng = np.random.default_rng(nclasses)
+    ns = rng.integers(1, 5, (5, nclasses)).astype(np.int64)
+    ns[1] = 0
+    slots = 10 * np.arange(5 * nclasses, dtype=np.int64).reshape(5, nclasses)
+    rans_off = 12 * np.arange(6, dtype=np.int64)
+    return dict(
+        ns=ns, rice_len=np.where(ns > 0, rng.integers(0, 4, ns.shape), 0).astype(np.int64),
+        n_esc=np.where(ns > 0, rng.integers(0, 3, ns.shape), 0).astype(np.int64), width=2,
+        rice_buf=rng.integers(0, 256, 10 * ns.size, dtype=np.uint8), rice_off=slots,
+        esc_buf=rng.integers(0, 256, 10 * ns.size, dtype=np.uint8), esc_off=slots + 3,
+        rans_buf=rng.integers(0, 256, 60, dtype=np.uint8), rans_start=rans_off[:-1] + 2, rans_off=rans_off,
+        sym_off=7 * np.arange(5, dtype=np.int64),
+    )
+
+
+def _assemble_args(p: dict) -> tuple:
+    return (np.arange(4, dtype=np.uint8), np.zeros((0, tile_codec.NSYM), np.int64), p["ns"], np.ones_like(p["ns"]),
+            p["rice_len"], p["rans_start"], p["rans_off"], p["n_esc"], p["width"], p["rice_buf"], p["rice_off"],
+            p["esc_buf"], p["esc_off"], p["rans_buf"])
+
+
+def _compact_args(p: dict) -> tuple:  # the escapes and the symbols share one scratch, as in a scan
+    return (p["ns"].sum(axis=1), p["rice_len"], p["n_esc"], p["width"], p["rice_buf"], p["rice_off"], p["esc_buf"],
+            p["sym_off"], p["esc_off"])
+
+
+def _piece(buf: np.ndarray, start: int, n: int) -> bytes:
+    return buf[start:start + n].tobytes()
+
+
+@pytest.mark.parametrize("nclasses", [1, 3])
+def test_the_assembly_and_the_compaction_copy_their_tiles_in_a_parallel_loop(nclasses: int) -> None:
+    """Both kernels check their pieces' ranges before the ``prange`` loop, so the loop compiles
+    to a parallel region. Compiled afresh here (a kernel from the disk cache carries no
+    diagnostics), each writes the cached kernel's bytes, and those are the pieces in order."""
+    from weftboard.cuda.jit import parallel_kernel
+
+    p = _scattered_pieces(nclasses)
+    ns, rice_len, n_esc, w = p["ns"], p["rice_len"], p["n_esc"], p["width"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", numba.core.errors.NumbaPerformanceWarning)
+        assemble = parallel_kernel(tile_codec.assemble_tiles.py_func, cache=False)
+        stream = assemble(*_assemble_args(p))
+        compact = parallel_kernel(tile_codec._compact_tiles.py_func, cache=False)
+        compacted = compact(*_compact_args(p))
+    assert _parallel_regions(assemble) == 1 and _parallel_regions(compact) == 1
+    assert stream.tobytes() == tile_codec.assemble_tiles(*_assemble_args(p)).tobytes()
+    assert [x.tobytes() for x in compacted] == [x.tobytes() for x in tile_codec._compact_tiles(*_compact_args(p))]
+
+    changed = [t for t in range(5) if ns[t].any()]
+    rice = [b"".join(_piece(p["rice_buf"], p["rice_off"][t, c], rice_len[t, c]) for c in range(nclasses)) for t in changed]
+    escs = [b"".join(_piece(p["esc_buf"], p["esc_off"][t, c], n_esc[t, c] * w) for c in range(nclasses)) for t in changed]
+    rans = [_piece(p["rans_buf"], p["rans_start"][t], p["rans_off"][t + 1] - p["rans_start"][t]) for t in changed]
+    assert stream.tobytes().endswith(b"".join(r + a + e for r, a, e in zip(rice, rans, escs)))
+    syms = b"".join(_piece(p["esc_buf"], p["sym_off"][t], ns[t].sum()) for t in range(5))
+    assert [x.tobytes() for x in compacted] == [b"".join(rice), syms, b"".join(escs)]
+
+
+@pytest.mark.parametrize("field, shift", [("rice_off", 1000), ("esc_off", 1000), ("rans_start", -100),
+                                          ("rice_len", -10)])
+def test_the_assembly_and_the_compaction_refuse_a_piece_outside_its_buffer(field: str, shift: int) -> None:
+    p = _scattered_pieces(3)
+    p[field] = p[field].copy()
+    p[field][-1] += shift  # the last tile has changes: its pieces are copied
+    with pytest.raises(IndexError, match="assemble_tiles: a tile's piece lies outside its buffer"):
+        tile_codec.assemble_tiles(*_assemble_args(p))
+    if field != "rans_start":  # the compaction has no rANS stream
+        with pytest.raises(IndexError, match="_compact_tiles: a tile's piece lies outside the scratch"):
+            tile_codec._compact_tiles(*_compact_args(p))
 
 
 @pytest.mark.parametrize("counts", [[0], [5], [7, 0], [3, 9, 0, 1], [0, 0, 4], [4096, 17, 2500, 2500, 1]])
