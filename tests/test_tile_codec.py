@@ -20,6 +20,7 @@ import torch
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_jit import _parallel_regions
 
 from weftboard.cuda import codec, tile_codec
 from weftboard.cuda.bitops import sym_compress64, sym_lanes64
@@ -574,10 +575,6 @@ def test_copy_bytes_is_a_slice_copy_that_may_overlap_and_refuses_ranges_outside_
         copy(np.zeros(4, np.uint16), 0, np.zeros(4, np.uint16), 0, 2)
 
 
-def _parallel_regions(kernel) -> int:
-    return len(kernel.overloads[kernel.signatures[0]].metadata["parfor_diagnostics"].initial_parfors)
-
-
 def _copies_in_prange(copy):
     def kernel(dst, src, n):
         for t in numba.prange(dst.size // n):
@@ -598,11 +595,11 @@ def test_a_prange_loop_that_can_raise_compiles_serially_so_parallel_loops_copy_w
         dst = np.zeros(64, np.uint8)
         serial(dst, src, 8)
     assert any("no transformation for parallel" in str(w.message) for w in caught)
-    assert dst.tobytes() == src.tobytes() and _parallel_regions(serial) == 0
+    assert dst.tobytes() == src.tobytes() and _parallel_regions(serial, serial.signatures[0]) == 0
     parallel = parallel_kernel(_copies_in_prange(move_bytes), cache=False)
     dst = np.zeros(64, np.uint8)
     parallel(dst, src, 8)
-    assert dst.tobytes() == src.tobytes() and _parallel_regions(parallel) == 1
+    assert dst.tobytes() == src.tobytes() and _parallel_regions(parallel, parallel.signatures[0]) == 1
 
 
 def _scattered_pieces(nclasses: int) -> dict:
@@ -653,7 +650,7 @@ def test_the_assembly_and_the_compaction_copy_their_tiles_in_a_parallel_loop(ncl
         stream = assemble(*_assemble_args(p))
         compact = parallel_kernel(tile_codec._compact_tiles.py_func, cache=False)
         compacted = compact(*_compact_args(p))
-    assert _parallel_regions(assemble) == 1 and _parallel_regions(compact) == 1
+    assert _parallel_regions(assemble, assemble.signatures[0]) == 1 and _parallel_regions(compact, compact.signatures[0]) == 1
     assert stream.tobytes() == tile_codec.assemble_tiles(*_assemble_args(p)).tobytes()
     assert [x.tobytes() for x in compacted] == [x.tobytes() for x in tile_codec._compact_tiles(*_compact_args(p))]
 
