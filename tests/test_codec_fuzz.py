@@ -247,27 +247,49 @@ def test_container_reader_on_random_bytes(raw) -> None:
             apply_patch_({}, data)
 
 
+def _with_first_entry_field(data: bytes, field: str, value) -> bytes:
+    """``data`` with the first tensor entry's ``field`` set to ``value`` and the header's
+    checksum made consistent again, so only the field's own check can refuse it."""
+    import xxhash
+
+    (hlen,) = struct.unpack("<Q", data[:8])
+    st_header = json.loads(data[8 : 8 + hlen])
+    header = json.loads(st_header["__metadata__"]["weftboard"])
+    header["tensors"][0][field] = value
+    text = json.dumps(header)
+    st_header["__metadata__"] = {"weftboard": text, "weftboard_xxh3_64": xxhash.xxh3_64_hexdigest(text.encode())}
+    blob = json.dumps(st_header).encode()
+    return struct.pack("<Q", len(blob)) + blob + data[8 + hlen :]
+
+
 @FUZZ
-@given(field=st.sampled_from(["numel", "changed", "tile", "stream_bytes", "mode", "dtype", "index_bytes", "name"]), value=st.one_of(st.integers(-5, 2**40), st.text(max_size=8), st.none()))
+@given(field=st.sampled_from(["numel", "changed", "tile", "stream_bytes", "mode", "dtype", "index_bytes", "name"]),
+       value=st.one_of(st.integers(-5, 2**40), st.text(max_size=8), st.none(), st.booleans()))
 def test_header_fields_are_validated(field, value) -> None:
     """A header rewritten with a consistent checksum but a wrong field is still refused."""
     patch, olds, news = PATCHES["default"]
     (hlen,) = struct.unpack("<Q", patch.data[:8])
-    st_header = json.loads(patch.data[8 : 8 + hlen])
-    header = json.loads(st_header["__metadata__"]["weftboard"])
-    if header["tensors"][0].get(field) == value:
+    first = json.loads(json.loads(patch.data[8 : 8 + hlen])["__metadata__"]["weftboard"])["tensors"][0]
+    if first.get(field) == value and type(first.get(field)) is type(value):
         return
-    header["tensors"][0][field] = value
-    import xxhash
-
-    text = json.dumps(header)
-    st_header["__metadata__"] = {"weftboard": text, "weftboard_xxh3_64": xxhash.xxh3_64_hexdigest(text.encode())}
-    blob = json.dumps(st_header).encode()
-    data = struct.pack("<Q", len(blob)) + blob + patch.data[8 + hlen :]
+    data = _with_first_entry_field(patch.data, field, value)
     target = {n: t.clone() for n, t in olds.items()}
     with pytest.raises(CorruptData):
         apply_patch_(target, data)
     assert all(torch.equal(bits_view(target[n]), bits_view(olds[n])) for n in olds)
+
+
+@pytest.mark.parametrize("field, value, kind", [("name", 7, "str"), ("numel", True, "int"), ("changed", "3", "int"),
+                                                 ("tile", 65536.0, "int"), ("xxh3_64", None, "str"),
+                                                 ("index_bytes", False, "int")])
+def test_a_header_field_of_the_wrong_type_is_named(field, value, kind) -> None:
+    """The entries' types are checked in one comparison on the common path; a field of the
+    wrong type (a bool where an int belongs too) still gets its own message."""
+    patch, olds, _ = PATCHES["default"]
+    data = _with_first_entry_field(patch.data, field, value)
+    where = "tensor #0" if field == "name" else "tensor "
+    with pytest.raises(CorruptData, match=f"{where}.*field '{field}' is missing or not a {kind}"):
+        read_patch_info(data)
 
 
 SPARSE = [i for i, (e, _) in enumerate(STREAMS) if e["mode"] in ("huffman", "sparse")]
