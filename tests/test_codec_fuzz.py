@@ -22,6 +22,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from patchkit import with_header
 
 from weftboard.cuda import codec
 from weftboard.cuda.codec import apply_patch_, decode_stream, encode_patch, read_patch_info
@@ -248,18 +249,8 @@ def test_container_reader_on_random_bytes(raw) -> None:
 
 
 def _with_first_entry_field(data: bytes, field: str, value) -> bytes:
-    """``data`` with the first tensor entry's ``field`` set to ``value`` and the header's
-    checksum made consistent again, so only the field's own check can refuse it."""
-    import xxhash
-
-    (hlen,) = struct.unpack("<Q", data[:8])
-    st_header = json.loads(data[8 : 8 + hlen])
-    header = json.loads(st_header["__metadata__"]["weftboard"])
-    header["tensors"][0][field] = value
-    text = json.dumps(header)
-    st_header["__metadata__"] = {"weftboard": text, "weftboard_xxh3_64": xxhash.xxh3_64_hexdigest(text.encode())}
-    blob = json.dumps(st_header).encode()
-    return struct.pack("<Q", len(blob)) + blob + data[8 + hlen :]
+    """``data`` with the first tensor entry's ``field`` set to ``value`` (checksum consistent)."""
+    return with_header(data, lambda header: header["tensors"][0].__setitem__(field, value))
 
 
 @FUZZ

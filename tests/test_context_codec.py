@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from patchkit import with_header
+
 from weftboard.cuda import codec, context_codec as cc, tile_codec
 from weftboard.cuda.bitops import mag_ge_mask64
 from weftboard.cuda.codec import CODEC_TILE, apply_patch_, decode_stream, encode_patch, read_patch_info
@@ -144,22 +146,14 @@ def test_deltas_with_their_targets_encode_as_context_streams() -> None:
 
 
 def test_the_mode_is_refused_outside_the_context_encoding() -> None:
-    import json
-    import struct
-
-    import xxhash
-
     old, new = _step(10_000, torch.bfloat16, seed=6)
     patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding="context")
-    (hlen,) = struct.unpack("<Q", patch.data[:8])
-    st_header = json.loads(patch.data[8 : 8 + hlen])
-    header = json.loads(st_header["__metadata__"]["weftboard"])
-    assert header["tensors"][0]["mode"] == "context"
-    header["encoding"] = "default"  # with a consistent checksum: only the rule can refuse it
-    text = json.dumps(header)
-    st_header["__metadata__"] = {"weftboard": text, "weftboard_xxh3_64": xxhash.xxh3_64_hexdigest(text.encode())}
-    blob = json.dumps(st_header).encode()
-    forged = struct.pack("<Q", len(blob)) + blob + patch.data[8 + hlen :]
+
+    def to_default(header: dict) -> None:
+        assert header["tensors"][0]["mode"] == "context"
+        header["encoding"] = "default"  # with a consistent checksum: only the rule can refuse it
+
+    forged = with_header(patch.data, to_default)
     with pytest.raises(CorruptData, match="not valid for encoding"):
         read_patch_info(forged)
 

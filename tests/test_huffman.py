@@ -13,6 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from patchkit import with_header
+
 from weftboard.cuda import codec, huffman, tile_codec
 from weftboard.cuda.codec import CODEC_TILE, apply_patch_, decode_stream, encode_patch
 from weftboard.cuda.diff import bits_view
@@ -281,20 +283,10 @@ def _table_end(buf: np.ndarray) -> int:
 def test_a_version_1_header_cannot_name_the_huffman_mode() -> None:
     """Format 1 had no Huffman streams: a header that says 1 and huffman is refused, while a
     format 1 patch of rANS ``sparse`` streams still applies."""
-    import json
-    import struct
-
     import xxhash
 
     def rewrite(data: bytes, **changes) -> bytes:
-        (hlen,) = struct.unpack("<Q", data[:8])
-        st_header = json.loads(data[8:8 + hlen])
-        header = json.loads(st_header["__metadata__"]["weftboard"])
-        header.update(changes)
-        text = json.dumps(header)
-        st_header["__metadata__"] = {"weftboard": text, "weftboard_xxh3_64": xxhash.xxh3_64_hexdigest(text.encode())}
-        blob = json.dumps(st_header).encode()
-        return struct.pack("<Q", len(blob)) + blob + data[8 + hlen:]
+        return with_header(data, lambda header: header.update(changes))
 
     rng = np.random.default_rng(9)
     a = rng.integers(0, 2**15, CODEC_TILE, dtype=np.uint16)
