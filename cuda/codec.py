@@ -704,6 +704,13 @@ class DecodedTensor:
     is_difference: bool
 
 
+def _stream_array(stream: memoryview | bytes | bytearray) -> np.ndarray:
+    """A stream's bytes as a read-only uint8 array, whatever holds them: a decoder only reads
+    them, and the kernels are compiled once per array type, so a writable buffer (a container
+    in a bytearray, the bytes of a part still arriving) would compile every decoder again."""
+    return np.frombuffer(memoryview(stream).toreadonly(), dtype=np.uint8)
+
+
 def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes, base: np.ndarray | None = None) -> DecodedTensor:
     """Decode and validate one tensor's stream (after its checksum was verified). A
     ``context`` stream decodes against ``base``, the unsigned bits it applies to."""
@@ -711,7 +718,7 @@ def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes, base: np
     width = _torch_dtype(entry["dtype"], name).itemsize
     udt = _NP_UNSIGNED[width]
     numel, changed, mode = entry["numel"], entry["changed"], entry["mode"]
-    buf = np.frombuffer(stream, dtype=np.uint8)
+    buf = _stream_array(stream)
 
     def bad(msg: str) -> CorruptData:
         return CorruptData(f"patch stream for tensor {name!r} ({mode}): {msg}")
@@ -1016,9 +1023,9 @@ def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any],
     if xxhash.xxh3_64_hexdigest(stream) != entry["xxh3_64"]:
         raise CorruptData(f"patch stream for tensor {entry['name']!r} fails its xxh3-64 check: corrupted in storage or transit")
     if entry["mode"] in ("huffman", "sparse") and target.device.type == "cpu":
-        return _parse_sparse(entry, np.frombuffer(stream, dtype=np.uint8), target.element_size())
+        return _parse_sparse(entry, _stream_array(stream), target.element_size())
     if entry["mode"] == "context" and target.device.type == "cpu":
-        return _parse_context(entry, np.frombuffer(stream, dtype=np.uint8))
+        return _parse_context(entry, _stream_array(stream))
     if entry["mode"] == "context":  # decoded against the target's bits, copied off the GPU
         return decode_stream(entry, stream, unsigned_np(bits_view(target.detach()).cpu()))
     return decode_stream(entry, stream)

@@ -606,7 +606,10 @@ def scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf, upda
     esc_rows = np.empty((nthreads, maxblocks), np.uint64)
     code_rows = np.empty((nthreads, 64 * maxblocks), np.uint32)
     len_rows = np.empty((nthreads, 64 * maxblocks), np.uint32)
-    for t in nb.prange(ntiles):
+    for tile_index in nb.prange(ntiles):
+        # One index type for every caller: numba types a prange index int64 in one lowering and
+        # uint64 in another, and each type compiled ``_scan_tile``, the largest function, once more.
+        t = np.int64(tile_index)
         me = nb.get_thread_id()
         pos, rare, masks, escs = pos_rows[me], rare_rows[me], mask_rows[me], esc_rows[me]
         # Arguments spelled out: passing the rows and results as tuples unpacked with * made
@@ -864,7 +867,7 @@ def _encode(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None, h
         # Every pass in one compiled call: a tensor's Python and dispatch costs (about 0.1 ms
         # when the passes were called one by one) are paid once per tensor, not per pass.
         value_buf = pooled(scratch, "values", _value_bytes(old.size, ntiles))
-        total, stream = _encode_sparse_packed(old, new, width, tile, rice_buf, sym_buf, value_buf, huff,
+        total, stream = _encode_sparse_packed(old, new, width, tile, rice_buf, sym_buf, value_buf, huff, False,
                                               *packed_scan_args(None, _VECTOR_COMPRESS))
         return int(total), (stream if stream.size else None)
     ns, ks, rice_len, n_esc, counts, over = _scan(old, new, tile, rice_buf, sym_buf)
@@ -885,14 +888,16 @@ def _value_bytes(changes: int, ntiles: int) -> int:
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode_sparse_packed(a, b, width, tile, rice_buf, sym_buf, value_buf, huff, src, nthreads, lane_rows):
+def _encode_sparse_packed(a, b, width, tile, rice_buf, sym_buf, value_buf, huff, update, src, nthreads, lane_rows):
     """``encode_sparse`` (``huff`` False) or ``encode_huffman`` of a packed-scan pair
     (``_packs``): the scan, then ``_finish_sparse`` or ``_finish_huffman``. Returns (changes,
     stream), the stream empty when there is none (nothing changed or a tile overflowed).
-    ``value_buf``: ``_value_bytes`` of scratch."""
+    ``value_buf``: ``_value_bytes`` of scratch. ``update`` (False from every caller) comes
+    from Python, typed a plain bool: a ``False`` written here is typed as a literal, and the
+    scan was compiled once more for it beside the publisher's form (``scan_tiles``)."""
     rstride = tile + _RICE_SLACK
     ns, ks, rice_len, n_esc, counts, over = scan_encode_tiles_packed(a, b, width, tile, rice_buf, rstride, sym_buf,
-                                                                     False, src, nthreads, lane_rows)
+                                                                     update, src, nthreads, lane_rows)
     ntiles = ns.size
     total = 0
     overflow = False

@@ -516,8 +516,9 @@ def test_the_packed_scan_uses_compress_stores_where_the_cpu_has_them(monkeypatch
     a, b = _pair(2, 5000, 0.1, seed=3)
     changed, stream = tile_codec.encode_sparse(a, b, 1024)
     (args,) = seen
-    assert args[8] is None  # plain new bits, not a cast
-    assert (args[10] is None) == bitops.HAS_VECTOR_COMPRESS  # no lane rows: compress-stores
+    assert args[8] is False  # no fold: the encoder leaves ``old`` as it is
+    assert args[9] is None  # plain new bits, not a cast
+    assert (args[11] is None) == bitops.HAS_VECTOR_COMPRESS  # no lane rows: compress-stores
     assert changed == np.count_nonzero(a != b) and stream is not None
 
 
