@@ -35,6 +35,8 @@ import contextlib
 import functools
 import hashlib
 import os
+import stat
+import tempfile
 import warnings
 from typing import Any, Callable, Iterator
 
@@ -64,6 +66,35 @@ def serial_kernels() -> Iterator[None]:
         yield
     finally:
         nb.set_num_threads(before)
+
+
+def kernel_signatures() -> frozenset[tuple[str, str]]:
+    """Every (kernel, argument types) this process has compiled or loaded from the disk cache
+    so far, over the numba functions of this package: what a warm-up (``weftboard.cuda.warmup``)
+    is measured by. A kernel called with other argument types (a read-only buffer where it had
+    a writable one, an int64 where it had a uint64) gets another entry, and another compile."""
+    import sys
+
+    from numba.core.dispatcher import Dispatcher
+
+    found = set()
+    prefix = __name__.rsplit(".", 1)[0] + "."
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith(prefix):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, Dispatcher) and value.__module__ == module_name:
+                found.update((f"{module_name}.{attr}", str(sig)) for sig in value.signatures)
+    return frozenset(found)
+
+
+def kernel_cache_dir() -> str:
+    """Where the kernels' machine code is cached on disk (numba's choice: ``NUMBA_CACHE_DIR``,
+    else the ``__pycache__`` beside this package where it is writable, else the user's cache)."""
+    from weftboard.cuda import tile_codec
+
+    cache = getattr(tile_codec._decode_tiles, "_cache", None)  # numba's own attributes, not an API
+    return str(getattr(cache, "_cache_path", "") or "numba's default location")
 
 
 def parallel_kernel(fn: Callable[..., Any], *, cache: bool = True) -> Any:
@@ -121,7 +152,57 @@ class PackageStampedLocator(caching._CacheLocator):
             inner = fallback.from_function(py_func, py_file)
             if inner is not None:
                 return cls(inner)
-        return None
+        inner = PrivateTempLocator.from_function(py_func, py_file)
+        return None if inner is None else cls(inner)
+
+
+class PrivateTempLocator(caching._CacheLocator):
+    """The last resort: a directory of this user's own under the temporary directory, used
+    when none of numba's places is writable (an installed package's ``__pycache__`` and a home
+    that a sandbox such as systemd's ``ProtectSystem=strict``/``ProtectHome=true`` or a
+    read-only container keeps read-only). Without it numba refuses to define a cached kernel
+    at all ("cannot cache function ...: no locator available"), and the codec does not
+    import. The directory must be owned by this user and closed to others, since what is
+    cached there is machine code that is loaded and run: a directory someone else made first
+    is refused (and the codec then fails as before, rather than load another user's code).
+    Set ``NUMBA_CACHE_DIR`` to a lasting writable directory instead where one exists."""
+
+    def __init__(self, py_func: Any, py_file: str) -> None:
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        self._root = os.path.join(tempfile.gettempdir(), f"weftboard-kernels-{os.getuid()}")
+        self._cache_path = os.path.join(self._root, self.get_suitable_cache_subpath(py_file))
+
+    def ensure_cache_path(self) -> None:
+        os.makedirs(self._root, mode=0o700, exist_ok=True)
+        st = os.lstat(self._root)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise OSError(f"{self._root} is not a directory of this user's alone")
+        super().ensure_cache_path()
+
+    def get_cache_path(self) -> str:
+        return self._cache_path
+
+    def get_source_stamp(self) -> Any:
+        st = os.stat(self._py_file)
+        return st.st_mtime, st.st_size  # what numba's own locators stamp a source file with
+
+    def get_disambiguator(self) -> str:
+        return str(self._lineno)
+
+    @classmethod
+    def from_function(cls, py_func: Any, py_file: str) -> PrivateTempLocator | None:
+        if not os.path.exists(py_file):
+            return None
+        locator = cls(py_func, py_file)
+        try:
+            locator.ensure_cache_path()
+        except OSError:
+            return None
+        warnings.warn(f"no writable place for the kernels' disk cache: using {locator._root}, which may not outlast "
+                      "this machine's temporary files; set NUMBA_CACHE_DIR to a lasting writable directory",
+                      RuntimeWarning, stacklevel=2)
+        return locator
 
 
 def _register_locator() -> None:

@@ -122,3 +122,49 @@ def test_every_cached_kernel_of_the_package_gets_the_package_locator() -> None:
         assert bad.strip() == "[]", f"{name}: {bad}"
         checked += int(count)
     assert checked > 0, "no dispatcher was found to check: the test would pass on anything"
+
+
+_READ_ONLY_PROBE = r"""
+import sys
+from weftboard.cuda import jit
+jit._PACKAGE_DIR = sys.argv[1]  # the probe package stands in for weftboard.cuda
+jit.kernel_sources_digest.cache_clear()
+for place in jit.PackageStampedLocator.fallbacks:  # numba's own places, all read-only here
+    place.from_function = classmethod(lambda cls, py_func, py_file: None)
+sys.path.insert(0, sys.argv[1])
+import kern
+locator = kern.kernel._cache._impl.locator
+print(kern.kernel(), type(locator._inner).__name__, locator.get_cache_path())
+"""
+
+
+def test_kernels_are_cached_in_a_private_temp_dir_where_nothing_else_is_writable(tmp_path: Path) -> None:
+    """A sandboxed service (systemd's ProtectSystem=strict and ProtectHome=true, a read-only
+    container) has no writable ``__pycache__`` and no writable home: numba then refused to
+    define a cached kernel at all and the codec did not import. The kernels now go to a
+    directory of this user's own under the temporary directory, and one that another user
+    could have made is refused."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "kern.py").write_text("import numba\n\n@numba.njit(cache=True)\ndef kernel():\n    return 10\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"} | {"TMPDIR": str(tmp)}
+
+    def probe() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _READ_ONLY_PROBE, str(pkg)], env=env, capture_output=True,
+                              text=True, timeout=120)
+
+    out = probe()
+    assert out.returncode == 0, out.stderr[-2000:]
+    value, inner, path = out.stdout.split()
+    root = tmp / f"weftboard-kernels-{os.getuid()}"
+    assert (value, inner) == ("10", "PrivateTempLocator") and Path(path).parent == root
+    assert "set NUMBA_CACHE_DIR" in out.stderr  # said once, not left to be found
+    assert (root.stat().st_mode & 0o777) == 0o700 and any(root.rglob("*kernel*.nbi"))
+
+    for entry in sorted(root.rglob("*"), reverse=True):
+        entry.unlink() if entry.is_file() else entry.rmdir()
+    root.chmod(0o777)  # as if someone else had made it first, open to all
+    refused = probe()
+    assert refused.returncode != 0 and "no locator available" in refused.stderr
