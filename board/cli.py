@@ -14,7 +14,7 @@ import typer
 
 COMMAND_MODULES = (
     "weftboard.board.commands",       # serve, history, status, token, gc, bench board
-    "weftboard.cuda.commands",        # bench codec
+    "weftboard.cuda.commands",        # warmup, bench codec, bench formats
     "weftboard.publisher.commands",   # bench sync
     "weftboard.subscriber.commands",  # subscribe
     "weftboard.subscriber.serving_commands",  # sidecar, demo

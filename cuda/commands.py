@@ -1,4 +1,5 @@
-"""``weftboard bench codec``: registered on the ``bench`` group (see weftboard.board.cli)."""
+"""``weftboard bench codec`` (on the ``bench`` group) and ``weftboard warmup``: registered by
+weftboard.board.cli."""
 
 from __future__ import annotations
 
@@ -6,6 +7,33 @@ import typer
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
+    @app.command("warmup")
+    def warmup(
+        formats: list[str] = typer.Option(None, "--format",
+                                          help="served format to warm (repeat for several; default: every format)"),
+        encodings: list[str] = typer.Option(None, "--encoding",
+                                            help="patch encoding to warm (repeat for several; default: every encoding)"),
+    ) -> None:
+        """Compile the CPU codec's kernels now (once per machine, image or cache directory) instead of
+        in a trainer's first publish or an island's first apply; with a warm cache it only loads them."""
+        from weftboard.cuda import warmup as wu
+        from weftboard.cuda.codec import ENCODINGS
+        from weftboard.cuda.jit import kernel_cache_dir
+
+        bad = sorted(set(formats or ()) - set(wu.ALL_FORMATS))
+        if bad:
+            raise typer.BadParameter(f"{', '.join(bad)}: choose from {', '.join(wu.ALL_FORMATS)}", param_hint="--format")
+        bad = sorted(set(encodings or ()) - set(ENCODINGS))
+        if bad:
+            raise typer.BadParameter(f"{', '.join(bad)}: choose from {', '.join(ENCODINGS)}", param_hint="--encoding")
+        typer.echo(f"kernel cache: {kernel_cache_dir()} (NUMBA_CACHE_DIR moves it)")
+        done = wu.warm_up_kernels(tuple(formats or wu.ALL_FORMATS), tuple(encodings or wu.ALL_ENCODINGS),
+                                  say=lambda line: typer.echo(f"  {line}"))
+        widths = "/".join(str(w) for w in done.widths)
+        typer.echo(f"warm: {len(done.signatures)} kernel signatures compiled or loaded for {widths}-byte elements and "
+                   f"the {', '.join(done.encodings)} encoding{'s' if len(done.encodings) > 1 else ''} "
+                   f"in {done.seconds:.1f} s")
+
     @bench.command("codec")
     def bench_codec(
         format: str = typer.Option("bf16", "--format", help="served format: bf16, fp16, fp8, fp8_e5m2, mxfp4 or nvfp4"),

@@ -43,6 +43,7 @@ from typing import Any, Sequence
 
 import torch
 
+from weftboard.cuda.warmup import warm_up_kernels
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.islands import IslandProcess, IslandSpec
 
@@ -251,23 +252,6 @@ class RssSampler:
 # ---------------------------------------------------------------------------
 
 
-def _warm_up_kernels() -> None:
-    """Compile the diff/encode/digest kernels once on a tiny tensor (numba JIT, cached on disk)."""
-    from weftboard.cuda import tile_codec
-    from weftboard.cuda.codec import CODEC_TILE, encode_deltas
-    from weftboard.cuda.diff import diff_and_update_
-    from weftboard.cuda.digest import tensor_digest
-
-    a = torch.zeros(4096, dtype=torch.bfloat16)
-    b = a.clone()
-    b[::7] = 1.0
-    bits = [t.view(torch.int16).numpy().view("uint16") for t in (a, b)]
-    tile_codec.finish_huffman([tile_codec.scan_tiles(*bits, CODEC_TILE)], 2)
-    d = diff_and_update_(a, b)
-    tensor_digest(a)
-    encode_deltas([("w", d)], base_version=1, target_version=2, target_root="xxh3-128:" + "0" * 32)
-
-
 def full_island_main(argv: Sequence[str]) -> int:
     """``python -m weftboard.publisher.bench_sync full-island ENDPOINT ACCESS SECRET BUCKET DIR``.
 
@@ -447,7 +431,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         view_bytes = trainer.numel * 2
         say(f"model: {trainer.numel:,} parameters, served view {view_bytes / 1e6:.0f} MB (bf16)")
 
-        await asyncio.to_thread(_warm_up_kernels)  # one-time JIT compiles are not the publisher's memory
+        # One-time kernel compiles are not the publisher's memory or time.
+        await asyncio.to_thread(warm_up_kernels, ("bf16",), (cfg.encoding,))
         rss0 = _rss_bytes()
         results: dict[int, dict[str, Any]] = {}
         with RssSampler() as sampler:

@@ -37,6 +37,7 @@ import aiohttp
 import torch
 from rich.console import Console
 
+from weftboard.cuda.warmup import warm_up_kernels
 from weftboard.subscriber.demo_view import DemoStep, DemoView, IslandRow, VersionRow, plot, summary_table
 
 RUN = "demo"
@@ -121,29 +122,6 @@ class Trainer:
         return float(loss.detach())
 
 
-def warm_codec() -> float:
-    """Run the patch codec once on small tensors, sparse and dense, so numba compiles its
-    kernels (cached on disk afterwards) before the loop, not in the middle of an activation."""
-    from weftboard.cuda.codec import apply_patch_, encode_patch
-    from weftboard.cuda.diff import diff_and_update_
-
-    t0 = time.perf_counter()
-    g = torch.Generator().manual_seed(0)
-    for density in (0.01, 0.9):
-        old = torch.randn(70_000, generator=g).to(torch.bfloat16)
-        bits = old.clone().view(torch.int16)
-        bits[torch.rand(old.numel(), generator=g) < density] += 1
-        new = bits.view(torch.bfloat16)
-        data = encode_patch([("w", old, new)], base_version=1, target_version=2,
-                            target_root="xxh3-128:" + "0" * 32).data
-        live = {"w": old.clone()}
-        apply_patch_(live, data)
-        if not torch.equal(live["w"].view(torch.int16), new.view(torch.int16)):
-            raise RuntimeError("patch codec warm-up did not reproduce the new tensor bitwise")
-        diff_and_update_(old.clone(), new)
-    return time.perf_counter() - t0
-
-
 async def _ready(session: aiohttp.ClientSession, url: str) -> bool:
     try:
         async with session.get(url + "/health/ready", timeout=aiohttp.ClientTimeout(total=2)) as r:
@@ -191,8 +169,10 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResul
     late_join = cfg.late_join_step if cfg.late_join_step is not None else max(1, cfg.steps // 3)
     started: list[str] = []
 
-    console.print("[bold]preparing[/bold] the patch codec (numba compiles its kernels on the first run only)")
-    console.print(f"[bold]ready[/bold] codec warm in {await asyncio.to_thread(warm_codec):.1f}s")
+    console.print("[bold]preparing[/bold] the patch codec (its CPU kernels compile on a machine's first run only)")
+    warm = await asyncio.to_thread(warm_up_kernels, ("bf16",), ("default",))
+    console.print(f"[bold]ready[/bold] codec warm in {warm.seconds:.1f}s ({len(warm.signatures)} kernel signatures "
+                  "compiled or loaded)")
 
     async with AsyncExitStack() as stack:
         redis = await asyncio.to_thread(start_redis, out / "redis")

@@ -19,6 +19,8 @@ Fixtures
   and returns a ``RunningBoard`` (``.address``, ``.admin_token``, ``.handle``,
   ``.stop()``, ``.restart()``); every board started is stopped after the test.
 - ``board`` (function, async): one such board on ``local_store``.
+- ``warm_kernels`` (session): the CPU codec's kernels compiled once (``weftboard.cuda.warmup``);
+  modules that publish or follow runs use it through ``pubsubkit.WARM_KERNELS``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,18 @@ import structlog
 
 from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
 from weftboard.board.services import ManagedProcess, free_port, start_redis, start_seaweedfs
+
+
+@pytest.fixture(scope="session")
+def warm_kernels() -> Any:
+    """Every CPU codec kernel compiled, or loaded from the disk cache, once per session, before
+    the tests that publish or follow a run (``pubsubkit.WARM_KERNELS`` in those modules' ``pytestmark``,
+    with a time limit that has room for it): on an empty cache (a fresh clone) the first publish would otherwise
+    compile for a minute inside a test's own waits. Returns the ``WarmUp``."""
+    from weftboard.cuda.warmup import warm_up_kernels
+
+    return warm_up_kernels()
+
 
 
 @pytest.fixture(autouse=True)

@@ -7,8 +7,14 @@ bitwise against an independent record of the truth.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
+
+# ``pytestmark`` of a module whose tests publish or follow runs: the session's kernel warm-up
+# (conftest's ``warm_kernels``) before its first test, and a time limit with room for that
+# warm-up on an empty cache (about three minutes on a two-core host).
+WARM_KERNELS = [pytest.mark.usefixtures("warm_kernels"), pytest.mark.timeout(600)]
 
 
 class TinyBlock(nn.Module):

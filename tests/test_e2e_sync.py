@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from pubsubkit import Trainer, bits_equal, first_difference, zeros_like_layout
+from pubsubkit import WARM_KERNELS, Trainer, bits_equal, first_difference, zeros_like_layout
 from weftboard.board.client import BoardClient
 from weftboard.cuda.digest import root_digest, tensor_digest
 from weftboard.proto.v1 import board_pb2 as pb
@@ -26,7 +26,7 @@ from weftboard.subscriber.checkpoint_dir import HANG_ENV
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
 from weftboard.subscriber.subscriber import Subscriber
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, *WARM_KERNELS]
 
 
 def _root_of(view: dict) -> str:

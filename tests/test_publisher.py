@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pubsubkit import Trainer, bits_equal, first_difference, zeros_like_layout
+from pubsubkit import WARM_KERNELS, Trainer, bits_equal, first_difference, zeros_like_layout
 from weftboard.board.blobs import LocalDirBlobStore
 from weftboard.board.client import BoardClient
 from weftboard.cuda.codec import read_patch_info
@@ -26,6 +26,8 @@ from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.publisher import Publisher
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
 from weftboard.subscriber.subscriber import Subscriber
+
+pytestmark = WARM_KERNELS
 
 
 async def _follow_each(client: BoardClient, run: str, store: Any, tmp: Path, views: dict[int, dict], *, presigned: bool = False) -> None:

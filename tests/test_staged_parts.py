@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from boardkit import upload
-from pubsubkit import Trainer, bits_equal, first_difference, zeros_like_layout
+from pubsubkit import WARM_KERNELS, Trainer, bits_equal, first_difference, zeros_like_layout
 from weftboard.board.client import BoardClient
 from weftboard.cuda.codec import join_patches, read_patch_info
 from weftboard.proto.v1 import board_pb2 as pb
@@ -23,6 +23,8 @@ from weftboard.publisher.publisher import Publisher
 from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
 from weftboard.subscriber.subscriber import Subscriber
+
+pytestmark = WARM_KERNELS
 
 PART_BYTES = 2048
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pubsubkit import Trainer, bits_equal, zeros_like_layout
+from pubsubkit import WARM_KERNELS, Trainer, bits_equal, zeros_like_layout
 from weftboard.board.client import BoardClient
 from weftboard.proto.errors import ApplyError, DigestMismatch
 from weftboard.proto.v1 import board_pb2 as pb
@@ -16,6 +16,8 @@ from weftboard.publisher.publisher import Publisher
 from weftboard.subscriber.fetch import Fetcher, cache_path
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
 from weftboard.subscriber.subscriber import Subscriber
+
+pytestmark = WARM_KERNELS
 
 
 async def _publish(board, store, run: str, n: int, **kw) -> dict[int, dict]:

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 import torch
 
+from pubsubkit import WARM_KERNELS
 from weftboard.board.client import BoardClient
 from weftboard.cuda.digest import root_digest, tensor_digest
 from weftboard.proto.errors import ApplyError
@@ -25,6 +26,8 @@ from weftboard.publisher.publisher import Publisher
 from weftboard.publisher.trajectories import SyncTrajectoryConsumer, TrajectoryConsumer
 from weftboard.subscriber.demo import Trainer
 from weftboard.subscriber.island import REFERENCE_CONFIG_LABEL, start_island
+
+pytestmark = WARM_KERNELS
 
 MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq": 32}
 RUN = "traj"
@@ -58,15 +61,6 @@ class Training:
 
     def close(self) -> None:
         self.publisher.close(flush=False)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def compiled_codec() -> None:
-    """Compile the patch codec's numba kernels once (cached on disk) before any island
-    applies a patch, so a fresh clone's first compile never eats a test's wait budget."""
-    from weftboard.subscriber.demo import warm_codec
-
-    warm_codec()
 
 
 @pytest.fixture

@@ -1,0 +1,245 @@
+"""Compile the CPU codec's kernels before they are needed: ``weftboard warmup``.
+
+Why: the CPU kernels are compiled the first time a process calls one with new argument types,
+and the machine code is kept in a disk cache (``weftboard.cuda.jit``). Where that cache is empty
+(a fresh install, a new container, a CI clone) the first patch a publisher reads compiles for
+about a minute, inside the trainer's ``publish`` call, and an island compiles again before its
+first apply. ``warm_up_kernels`` takes every CPU path of the publisher's read (the fused cast
+scan of an fp32 master served as bf16, plain scans of each element width, the context scans,
+the tiles a scan leaves to ``diff_and_update_``, the finish of each stream), of an island's apply
+(every stream mode, in place and undone, and decoded into arrays for GPU destinations) and of
+``encode_patch``, on tensors of a few tiles, so that cost is paid when the caller chooses; with
+a warm cache it only loads the kernels.
+
+The kernels are typed by element width (1, 2 or 4 bytes), not by dtype: a served format's
+stored dtypes (``formats.Projector`` on a small master) say which widths to warm.
+
+Invariant: the paths here are those the publisher and the subscriber take, with the same
+argument types (each type is compiled apart: a read-only buffer is another type than a
+writable one). ``tests/test_warmup.py`` holds it: after this warm-up, a real publisher and
+island compile nothing more.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from weftboard.cuda.jit import kernel_signatures
+
+# Spread over a few tiles, the last one partial, so every per-tile branch runs.
+_ELEMENTS = 2 * (1 << 16) + 777
+# One dtype per element width: the kernels see only the unsigned bits of that width.
+_WIDTH_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
+ALL_FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4", "raw")
+ALL_ENCODINGS = ("default", "baseline", "context")
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What a warm-up did: the element widths and encodings it took, how long it took, and the
+    kernel signatures compiled or loaded from the disk cache during it (none when this process
+    already had them all)."""
+
+    widths: tuple[int, ...]
+    encodings: tuple[str, ...]
+    seconds: float
+    signatures: frozenset[tuple[str, str]]
+
+
+def served_widths(formats: Iterable[str]) -> tuple[int, ...]:
+    """The element widths the served formats ``formats`` store (scales included)."""
+    from weftboard.cuda.formats import Projector, ServedFormatSpec, make_test_master
+
+    master = make_test_master(layers=1, hidden=256, intermediate=512, vocab=512)
+    widths: set[int] = set()
+    for kind in formats:
+        served = Projector(ServedFormatSpec(kind)).project(master, anchor=True)
+        widths.update(t.element_size() for t in served.values())
+    return tuple(sorted(widths))
+
+
+def warm_up_kernels(formats: Sequence[str] = ALL_FORMATS, encodings: Sequence[str] = ALL_ENCODINGS, *,
+                    say: Callable[[str], None] | None = None) -> WarmUp:
+    """Run every CPU codec path of the served ``formats`` and patch ``encodings`` once on small
+    tensors, checking each result bitwise; see the module docstring. ``say`` gets a line per
+    stage."""
+    from weftboard.cuda.codec import ENCODINGS
+    from weftboard.proto.errors import InvalidArgument
+
+    unknown = sorted(set(encodings) - set(ENCODINGS))
+    if unknown or not encodings:
+        raise InvalidArgument(f"encodings must be some of {', '.join(ENCODINGS)}, got {list(encodings)}")
+    widths = served_widths(formats)
+    encodings = tuple(e for e in ALL_ENCODINGS if e in encodings)
+    before = kernel_signatures()
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    for width in widths:
+        dtype = _WIDTH_DTYPES[width]
+        stages: list[tuple[str, Callable[[], None]]] = []
+        if width == 2:
+            stages.append(("the read of an fp32 master served as bf16 (cast inside the scan)",
+                           lambda: _publisher_cast_scans(gen, encodings)))
+        stages += [
+            ("the read of a projected view (plain scans)", lambda: _publisher_plain_scans(gen, dtype, encodings)),
+            ("patches of every mode, applied, undone and decoded", lambda: _streams_applied(gen, dtype, encodings)),
+            ("the one-pass encoder and digests", lambda: _fused_encoder(gen, dtype, encodings)),
+        ]
+        for what, stage in stages:
+            if say is not None:
+                say(f"{width}-byte elements: {what}")
+            stage()
+    return WarmUp(widths, encodings, time.perf_counter() - t0, kernel_signatures() - before)
+
+
+# ---------------------------------------------------------------------------
+# the stages
+# ---------------------------------------------------------------------------
+
+
+def _random(gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(_ELEMENTS, generator=gen) * 0.05).to(dtype)
+
+
+def _stepped(old: torch.Tensor, gen: torch.Generator, density: float = 0.02) -> torch.Tensor:
+    """``old`` with a fraction of its elements one unit in the last place up or down, a few far
+    off (escaped differences), and every element of the first tile far off: with elements of
+    two bytes or more, more escapes than a scan has room for, so that tile is diffed instead."""
+    from weftboard.cuda.codec import CODEC_TILE
+    from weftboard.cuda.diff import bits_view
+
+    bits = bits_view(old.clone())
+    n = bits.numel()
+    moved = torch.rand(n, generator=gen) < density
+    step = torch.where(torch.rand(n, generator=gen) < 0.5, 1, -1).to(bits.dtype)
+    bits[moved] += step[moved]
+    bits[::4099] += 100  # beyond the largest coded difference (64): escapes
+    bits[:CODEC_TILE] += 100
+    return bits.view(old.dtype)
+
+
+def _scan_encodings(encodings: Sequence[str], dtype: torch.dtype) -> list[str]:
+    """The scans a read takes for these encodings: the context scan for 16-bit floats in the
+    context encoding, the tile scan otherwise (``baseline`` reads scan too, then re-encode)."""
+    from weftboard.cuda import context_codec
+
+    scans = ["context"] if "context" in encodings and context_codec.supports(dtype) else []
+    if set(encodings) - {"context"} or not context_codec.supports(dtype):
+        scans.insert(0, "default")
+    return scans
+
+
+def _finish(scan, encoding: str, thresholds: np.ndarray, view: torch.Tensor, dtype: torch.dtype) -> None:
+    """What the publisher does with a tensor's scan: its stream, or (tiles the scan left) its
+    delta recovered from the folded view."""
+    from weftboard.cuda import context_codec
+    from weftboard.cuda.codec import delta_from_scans, encoded_from_scans
+
+    whole = dataclasses.replace(scan, overflowed=np.empty(0, np.int64))
+    scans = [whole] if encoding == "default" else context_codec.ContextScans(thresholds, [whole])
+    if scan.overflowed.size or encoded_from_scans("w", dtype, view.numel(), scans) is None:
+        delta_from_scans(scans, view)
+
+
+def _publisher_cast_scans(gen: torch.Generator, encodings: Sequence[str]) -> None:
+    """The publisher's common case: an fp32 master served as bf16 on the CPU, cast inside the
+    scan (``scan_tiles(cast=True)``, and the context scan's), the tiles a scan leaves (a NaN
+    master) cast by torch and diffed, then the finish."""
+    from weftboard.cuda import context_codec, tile_codec
+    from weftboard.cuda.codec import CODEC_TILE
+    from weftboard.cuda.diff import bits_view, diff_and_update_, unsigned_np
+
+    master = torch.randn(_ELEMENTS, generator=gen) * 0.02
+    stepped = master + torch.randn(_ELEMENTS, generator=gen) * 1e-5
+    stepped[5] = float("nan")  # the first tile is left to torch's cast
+    src = stepped.view(torch.int32).numpy().view(np.uint32)
+    new = stepped.to(torch.bfloat16)
+    for encoding in _scan_encodings(encodings, torch.bfloat16):
+        view = master.to(torch.bfloat16)
+        old_bits = unsigned_np(bits_view(view))
+        thresholds = context_codec.choose_thresholds(old_bits, torch.bfloat16)
+        if encoding == "default":
+            scan = tile_codec.scan_tiles(old_bits, src, CODEC_TILE, {}, update=True, cast=True)
+        else:
+            scan = context_codec.scan_tiles(old_bits, src, thresholds, CODEC_TILE, {}, update=True, cast=True)
+        for t in scan.overflowed.tolist():
+            lo, hi = t * CODEC_TILE, min((t + 1) * CODEC_TILE, _ELEMENTS)
+            diff_and_update_(view[lo:hi], new[lo:hi])
+        if not torch.equal(bits_view(view), bits_view(new)):
+            raise RuntimeError("kernel warm-up: the cast scan did not fold the new version in")
+        _finish(scan, encoding, thresholds, view, torch.bfloat16)
+
+
+def _publisher_plain_scans(gen: torch.Generator, dtype: torch.dtype, encodings: Sequence[str]) -> None:
+    """A served view the publisher projects whole and then folds in: a plain scan, once with a
+    tile too dense for it (diffed, then the delta recovered) and once without."""
+    from weftboard.cuda import context_codec, tile_codec
+    from weftboard.cuda.codec import CODEC_TILE
+    from weftboard.cuda.diff import bits_view, diff_and_update_, unsigned_np
+
+    old = _random(gen, dtype)
+    for new in (_stepped(old, gen), (bits_view(old.clone()) + 1).view(dtype)):
+        for encoding in _scan_encodings(encodings, dtype):
+            view = old.clone()
+            a, b = unsigned_np(bits_view(view)), unsigned_np(bits_view(new))
+            thresholds = context_codec.choose_thresholds(a, dtype) if encoding == "context" else np.empty(0, np.int64)
+            if encoding == "default":
+                scan = tile_codec.scan_tiles(a, b, CODEC_TILE, {}, update=True)
+            else:
+                scan = context_codec.scan_tiles(a, b, thresholds, CODEC_TILE, {}, update=True)
+            for t in scan.overflowed.tolist():
+                lo, hi = t * CODEC_TILE, min((t + 1) * CODEC_TILE, _ELEMENTS)
+                diff_and_update_(view[lo:hi], new[lo:hi])
+            if not torch.equal(bits_view(view), bits_view(new)):
+                raise RuntimeError(f"kernel warm-up: a plain {encoding} scan of {dtype} did not fold the new version in")
+            _finish(scan, encoding, thresholds, view, dtype)
+
+
+def _streams_applied(gen: torch.Generator, dtype: torch.dtype, encodings: Sequence[str]) -> None:
+    """Patches of every mode, encoded from deltas as the publisher finishes them, applied in
+    place as an island does (from bytes and from writable buffers), undone, and decoded into
+    arrays as for a GPU destination."""
+    from weftboard.cuda.codec import _read_container, apply_patch_, decode_stream, encode_deltas
+    from weftboard.cuda.diff import bits_view, diff_tensor
+
+    old = _random(gen, dtype)
+    pairs = {"sparse": _stepped(old, gen), "dense": _stepped(old, gen, density=0.6),  # a bitmap stream
+             "every": (bits_view(old.clone()) + 1).view(dtype)}  # an ``all`` stream
+    for encoding in encodings:
+        data = encode_deltas(((n, diff_tensor(old, new)) for n, new in pairs.items()), base_version=1,
+                             target_version=2, target_root="", encoding=encoding).data
+        for container in (data, bytearray(data)):
+            live = {n: old.clone() for n in pairs}
+            applied = apply_patch_(live, container)
+            if not all(torch.equal(bits_view(live[n]), bits_view(new)) for n, new in pairs.items()):
+                raise RuntimeError(f"kernel warm-up: a {encoding} patch of {dtype} did not apply bitwise")
+            applied.revert()
+        read = _read_container(data)
+        for entry in read.entries:
+            if entry["mode"] not in ("empty", "context"):  # a context stream decodes against its target
+                decode_stream(entry, read.streams[entry["name"]])
+
+
+def _fused_encoder(gen: torch.Generator, dtype: torch.dtype, encodings: Sequence[str]) -> None:
+    """``encode_patch``, the one-pass encoder of a caller that holds both versions (benchmarks,
+    tools), and the digest an island verifies with."""
+    from weftboard.cuda.codec import apply_patch_, encode_patch
+    from weftboard.cuda.diff import bits_view
+    from weftboard.cuda.digest import tensor_digest
+
+    old = _random(gen, dtype)
+    new = _stepped(old, gen)
+    tensor_digest(new)
+    for encoding in encodings:
+        data = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root="",
+                            encoding=encoding).data
+        live = {"w": old.clone()}
+        apply_patch_(live, data)
+        if not torch.equal(bits_view(live["w"]), bits_view(new)):
+            raise RuntimeError(f"kernel warm-up: encode_patch ({encoding}) of {dtype} did not apply bitwise")
