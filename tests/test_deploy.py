@@ -148,3 +148,23 @@ async def test_dashboard_metrics_are_exported_by_a_board(board_factory, local_st
     assert readme_metrics, "deploy/README.md lists no metrics"
     families = {re.sub(r"_(bucket|sum|count|created)$", "", m) for m in exported}
     assert readme_metrics <= families | exported, readme_metrics - families - exported
+
+
+def test_every_island_keeps_its_compiled_kernels_on_persistent_storage() -> None:
+    """An island compiles the codec's kernels on first use: each deployment points
+    NUMBA_CACHE_DIR into the island's own persistent, writable path, so a restart loads them
+    (and a sandboxed or read-only install has somewhere to write them at all)."""
+    k8s = next(d for d in yaml.safe_load_all((DEPLOY / "k8s" / "island.yaml").read_text()) if d["kind"] == "StatefulSet")
+    (container,) = k8s["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mounts = [m["mountPath"] for m in container["volumeMounts"]]
+    assert any(env["NUMBA_CACHE_DIR"].startswith(m + "/") for m in mounts), (env["NUMBA_CACHE_DIR"], mounts)
+
+    island = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["island"]
+    volumes = [v.split(":")[1] for v in island["volumes"] if not v.endswith(":ro")]
+    assert any(island["environment"]["NUMBA_CACHE_DIR"].startswith(v + "/") for v in volumes)
+
+    unit = (DEPLOY / "systemd" / "weftboard-island@.service").read_text()
+    (cache,) = re.findall(r"^Environment=NUMBA_CACHE_DIR=(\S+)$", unit, re.M)
+    (writable,) = re.findall(r"^ReadWritePaths=(\S+)$", unit, re.M)
+    assert cache.startswith(writable + "/")
