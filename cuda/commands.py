@@ -17,15 +17,14 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """Compile the CPU codec's kernels now (once per machine, image or cache directory) instead of
         in a trainer's first publish or an island's first apply; with a warm cache it only loads them."""
         from weftboard.cuda import warmup as wu
-        from weftboard.cuda.codec import ENCODINGS
         from weftboard.cuda.jit import kernel_cache_dir
 
         bad = sorted(set(formats or ()) - set(wu.ALL_FORMATS))
         if bad:
             raise typer.BadParameter(f"{', '.join(bad)}: choose from {', '.join(wu.ALL_FORMATS)}", param_hint="--format")
-        bad = sorted(set(encodings or ()) - set(ENCODINGS))
+        bad = sorted(set(encodings or ()) - set(wu.ALL_ENCODINGS))
         if bad:
-            raise typer.BadParameter(f"{', '.join(bad)}: choose from {', '.join(ENCODINGS)}", param_hint="--encoding")
+            raise typer.BadParameter(f"{', '.join(bad)}: choose from {', '.join(wu.ALL_ENCODINGS)}", param_hint="--encoding")
         typer.echo(f"kernel cache: {kernel_cache_dir()} (NUMBA_CACHE_DIR moves it)")
         done = wu.warm_up_kernels(tuple(formats or wu.ALL_FORMATS), tuple(encodings or wu.ALL_ENCODINGS),
                                   say=lambda line: typer.echo(f"  {line}"))

@@ -156,7 +156,7 @@ class PackageStampedLocator(caching._CacheLocator):
         return None if inner is None else cls(inner)
 
 
-class PrivateTempLocator(caching._CacheLocator):
+class PrivateTempLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
     """The last resort: a directory of this user's own under the temporary directory, used
     when none of numba's places is writable (an installed package's ``__pycache__`` and a home
     that a sandbox such as systemd's ``ProtectSystem=strict``/``ProtectHome=true`` or a
@@ -183,21 +183,11 @@ class PrivateTempLocator(caching._CacheLocator):
     def get_cache_path(self) -> str:
         return self._cache_path
 
-    def get_source_stamp(self) -> Any:
-        st = os.stat(self._py_file)
-        return st.st_mtime, st.st_size  # what numba's own locators stamp a source file with
-
-    def get_disambiguator(self) -> str:
-        return str(self._lineno)
-
     @classmethod
     def from_function(cls, py_func: Any, py_file: str) -> PrivateTempLocator | None:
-        if not os.path.exists(py_file):
-            return None
-        locator = cls(py_func, py_file)
-        try:
-            locator.ensure_cache_path()
-        except OSError:
+        """numba's own (source stamp and disambiguator too, from its mixin), saying where."""
+        locator = super().from_function(py_func, py_file)
+        if locator is None:
             return None
         warnings.warn(f"no writable place for the kernels' disk cache: using {locator._root}, which may not outlast "
                       "this machine's temporary files; set NUMBA_CACHE_DIR to a lasting writable directory",

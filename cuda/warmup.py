@@ -30,14 +30,14 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
+from weftboard.cuda.codec import ENCODINGS as ALL_ENCODINGS
+from weftboard.cuda.formats import KINDS as ALL_FORMATS
 from weftboard.cuda.jit import kernel_signatures
 
 # Spread over a few tiles, the last one partial, so every per-tile branch runs.
 _ELEMENTS = 2 * (1 << 16) + 777
 # One dtype per element width: the kernels see only the unsigned bits of that width.
 _WIDTH_DTYPES = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}
-ALL_FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4", "raw")
-ALL_ENCODINGS = ("default", "baseline", "context")
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,11 @@ def warm_up_kernels(formats: Sequence[str] = ALL_FORMATS, encodings: Sequence[st
     """Run every CPU codec path of the served ``formats`` and patch ``encodings`` once on small
     tensors, checking each result bitwise; see the module docstring. ``say`` gets a line per
     stage."""
-    from weftboard.cuda.codec import ENCODINGS
     from weftboard.proto.errors import InvalidArgument
 
-    unknown = sorted(set(encodings) - set(ENCODINGS))
+    unknown = sorted(set(encodings) - set(ALL_ENCODINGS))
     if unknown or not encodings:
-        raise InvalidArgument(f"encodings must be some of {', '.join(ENCODINGS)}, got {list(encodings)}")
+        raise InvalidArgument(f"encodings must be some of {', '.join(ALL_ENCODINGS)}, got {list(encodings)}")
     widths = served_widths(formats)
     encodings = tuple(e for e in ALL_ENCODINGS if e in encodings)
     before = kernel_signatures()
@@ -135,70 +134,55 @@ def _scan_encodings(encodings: Sequence[str], dtype: torch.dtype) -> list[str]:
     return scans
 
 
-def _finish(scan, encoding: str, thresholds: np.ndarray, view: torch.Tensor, dtype: torch.dtype) -> None:
-    """What the publisher does with a tensor's scan: its stream, or (tiles the scan left) its
-    delta recovered from the folded view."""
-    from weftboard.cuda import context_codec
-    from weftboard.cuda.codec import delta_from_scans, encoded_from_scans
+def _scan_fold_finish(view: torch.Tensor, src: np.ndarray, new: torch.Tensor, encoding: str, cast: bool) -> None:
+    """What the publisher's read does with one tensor: scan ``src`` (the new bits, or with
+    ``cast`` the fp32 master's) into ``view`` (the tile scan, or the context scan), diff the tiles
+    the scan left, check the view now holds ``new`` bitwise, then finish: the stream, or (tiles
+    the scan left, a mode it does not fit) the delta recovered from the folded view."""
+    from weftboard.cuda import context_codec, tile_codec
+    from weftboard.cuda.codec import CODEC_TILE, delta_from_scans, encoded_from_scans
+    from weftboard.cuda.diff import bits_view, diff_and_update_, unsigned_np
 
+    old_bits = unsigned_np(bits_view(view))
+    if encoding == "default":
+        thresholds = np.empty(0, np.int64)
+        scan = tile_codec.scan_tiles(old_bits, src, CODEC_TILE, {}, update=True, cast=cast)
+    else:
+        thresholds = context_codec.choose_thresholds(old_bits, view.dtype)
+        scan = context_codec.scan_tiles(old_bits, src, thresholds, CODEC_TILE, {}, update=True, cast=cast)
+    for t in scan.overflowed.tolist():
+        lo, hi = t * CODEC_TILE, min((t + 1) * CODEC_TILE, view.numel())
+        diff_and_update_(view[lo:hi], new[lo:hi])
+    if not torch.equal(bits_view(view), bits_view(new)):
+        raise RuntimeError(f"kernel warm-up: a {'cast ' if cast else ''}{encoding} scan of {view.dtype} did not fold "
+                           "the new version in")
     whole = dataclasses.replace(scan, overflowed=np.empty(0, np.int64))
     scans = [whole] if encoding == "default" else context_codec.ContextScans(thresholds, [whole])
-    if scan.overflowed.size or encoded_from_scans("w", dtype, view.numel(), scans) is None:
+    if scan.overflowed.size or encoded_from_scans("w", view.dtype, view.numel(), scans) is None:
         delta_from_scans(scans, view)
 
 
 def _publisher_cast_scans(gen: torch.Generator, encodings: Sequence[str]) -> None:
     """The publisher's common case: an fp32 master served as bf16 on the CPU, cast inside the
     scan (``scan_tiles(cast=True)``, and the context scan's), the tiles a scan leaves (a NaN
-    master) cast by torch and diffed, then the finish."""
-    from weftboard.cuda import context_codec, tile_codec
-    from weftboard.cuda.codec import CODEC_TILE
-    from weftboard.cuda.diff import bits_view, diff_and_update_, unsigned_np
-
+    master) cast by torch and diffed."""
     master = torch.randn(_ELEMENTS, generator=gen) * 0.02
     stepped = master + torch.randn(_ELEMENTS, generator=gen) * 1e-5
     stepped[5] = float("nan")  # the first tile is left to torch's cast
     src = stepped.view(torch.int32).numpy().view(np.uint32)
-    new = stepped.to(torch.bfloat16)
     for encoding in _scan_encodings(encodings, torch.bfloat16):
-        view = master.to(torch.bfloat16)
-        old_bits = unsigned_np(bits_view(view))
-        thresholds = context_codec.choose_thresholds(old_bits, torch.bfloat16)
-        if encoding == "default":
-            scan = tile_codec.scan_tiles(old_bits, src, CODEC_TILE, {}, update=True, cast=True)
-        else:
-            scan = context_codec.scan_tiles(old_bits, src, thresholds, CODEC_TILE, {}, update=True, cast=True)
-        for t in scan.overflowed.tolist():
-            lo, hi = t * CODEC_TILE, min((t + 1) * CODEC_TILE, _ELEMENTS)
-            diff_and_update_(view[lo:hi], new[lo:hi])
-        if not torch.equal(bits_view(view), bits_view(new)):
-            raise RuntimeError("kernel warm-up: the cast scan did not fold the new version in")
-        _finish(scan, encoding, thresholds, view, torch.bfloat16)
+        _scan_fold_finish(master.to(torch.bfloat16), src, stepped.to(torch.bfloat16), encoding, cast=True)
 
 
 def _publisher_plain_scans(gen: torch.Generator, dtype: torch.dtype, encodings: Sequence[str]) -> None:
     """A served view the publisher projects whole and then folds in: a plain scan, once with a
-    tile too dense for it (diffed, then the delta recovered) and once without."""
-    from weftboard.cuda import context_codec, tile_codec
-    from weftboard.cuda.codec import CODEC_TILE
-    from weftboard.cuda.diff import bits_view, diff_and_update_, unsigned_np
+    tile too dense for it (diffed, then the delta recovered) and once with every element changed."""
+    from weftboard.cuda.diff import bits_view, unsigned_np
 
     old = _random(gen, dtype)
     for new in (_stepped(old, gen), (bits_view(old.clone()) + 1).view(dtype)):
         for encoding in _scan_encodings(encodings, dtype):
-            view = old.clone()
-            a, b = unsigned_np(bits_view(view)), unsigned_np(bits_view(new))
-            thresholds = context_codec.choose_thresholds(a, dtype) if encoding == "context" else np.empty(0, np.int64)
-            if encoding == "default":
-                scan = tile_codec.scan_tiles(a, b, CODEC_TILE, {}, update=True)
-            else:
-                scan = context_codec.scan_tiles(a, b, thresholds, CODEC_TILE, {}, update=True)
-            for t in scan.overflowed.tolist():
-                lo, hi = t * CODEC_TILE, min((t + 1) * CODEC_TILE, _ELEMENTS)
-                diff_and_update_(view[lo:hi], new[lo:hi])
-            if not torch.equal(bits_view(view), bits_view(new)):
-                raise RuntimeError(f"kernel warm-up: a plain {encoding} scan of {dtype} did not fold the new version in")
-            _finish(scan, encoding, thresholds, view, dtype)
+            _scan_fold_finish(old.clone(), unsigned_np(bits_view(new)), new, encoding, cast=False)
 
 
 def _streams_applied(gen: torch.Generator, dtype: torch.dtype, encodings: Sequence[str]) -> None:

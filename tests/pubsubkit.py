@@ -7,6 +7,9 @@ bitwise against an independent record of the truth.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -102,3 +105,20 @@ def first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 
 def zeros_like_layout(view: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: torch.zeros_like(t) for n, t in view.items()}
+
+
+async def follow_each(client: Any, run: str, store: Any, tmp: Path, views: dict[int, dict], *,
+                      presigned: bool = False) -> None:
+    """A subscriber steps through every version up to the head and must match ``views`` (the
+    expected served view by version) bitwise at each; ``presigned``: blobs through the
+    board's presigned URLs instead of ``store``."""
+    from weftboard.subscriber.live_tensors import LiveTensorsDestination
+    from weftboard.subscriber.subscriber import Subscriber
+
+    head = (await client.get_head(run)).version
+    dest = LiveTensorsDestination(zeros_like_layout(views[head]))
+    sub = Subscriber(client, run, dest, island_id="checker", blob_store=None if presigned else store,
+                     cache_dir=tmp / "checker-cache", heartbeat=False)
+    for v in range(1, head + 1):
+        assert await sub.sync_to(v) == v
+        assert bits_equal(dest.tensors, views[v]), f"version {v}: {first_difference(dest.tensors, views[v])}"

@@ -17,28 +17,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pubsubkit import WARM_KERNELS, Trainer, bits_equal, first_difference, zeros_like_layout
+from pubsubkit import WARM_KERNELS, Trainer, bits_equal, follow_each
 from weftboard.board.blobs import LocalDirBlobStore
 from weftboard.board.client import BoardClient
 from weftboard.cuda.codec import read_patch_info
 from weftboard.proto.errors import FailedPrecondition
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.publisher import Publisher
-from weftboard.subscriber.live_tensors import LiveTensorsDestination
-from weftboard.subscriber.subscriber import Subscriber
 
 pytestmark = WARM_KERNELS
-
-
-async def _follow_each(client: BoardClient, run: str, store: Any, tmp: Path, views: dict[int, dict], *, presigned: bool = False) -> None:
-    """A subscriber steps through every version and must match the trainer's view at each."""
-    head = (await client.get_head(run)).version
-    dest = LiveTensorsDestination(zeros_like_layout(views[head]))
-    sub = Subscriber(client, run, dest, island_id="checker", blob_store=None if presigned else store,
-                     cache_dir=tmp / "checker-cache", heartbeat=False)
-    for v in range(1, head + 1):
-        assert await sub.sync_to(v) == v
-        assert bits_equal(dest.tensors, views[v]), f"version {v}: {first_difference(dest.tensors, views[v])}"
 
 
 async def _records(client: BoardClient, run: str) -> list[pb.VersionRecord]:
@@ -81,7 +68,7 @@ async def test_publish_versions_anchors_and_patches_bitwise(board, local_store, 
         path = tmp_path / "anchor.safetensors"
         path.write_bytes(await local_store.get_bytes(anchor.blobs[0].key))
         assert bits_equal(load_file(path), views[4])
-        await _follow_each(client, "r1", local_store, tmp_path, views)
+        await follow_each(client, "r1", local_store, tmp_path, views)
 
 
 async def test_patch_fraction_triggers_anchor_and_shards(board, local_store, tmp_path: Path) -> None:
@@ -102,7 +89,7 @@ async def test_patch_fraction_triggers_anchor_and_shards(board, local_store, tmp
         assert anchors[0] == 1 and len(anchors) >= 2  # patches add up past 5% of an anchor quickly
         shard_names = [b.name for a in recs[0].artifacts for b in a.blobs]
         assert len(shard_names) > 1 and shard_names[0].startswith("model-00001-of-")
-        await _follow_each(client, "r2", local_store, tmp_path, views)
+        await follow_each(client, "r2", local_store, tmp_path, views)
 
 
 class SlowStore(LocalDirBlobStore):
@@ -159,7 +146,7 @@ async def test_backpressure(board_factory, tmp_path: Path, mode: str, encoding: 
         assert any(records[i].step != handles[i].step for i in range(len(handles)))
         assert recovered and all(n > 0 for n in recovered)  # merges started from encoded streams
     async with BoardClient(board.address, board.admin_token) as client:
-        await _follow_each(client, f"bp-{mode}", store, tmp_path, views)
+        await follow_each(client, f"bp-{mode}", store, tmp_path, views)
         modes = set()
         for rec in await _records(client, f"bp-{mode}"):
             for a in rec.artifacts:
@@ -190,7 +177,7 @@ async def test_restart_resumes_from_head(board, local_store, tmp_path: Path) -> 
     async with BoardClient(board.address, board.admin_token) as client:
         recs = await _records(client, "rs")
         assert [sorted(_kinds(r)) for r in recs] == [["anchor"], ["patch"], ["patch"], ["patch"], ["patch"], ["patch"], ["anchor"]]
-        await _follow_each(client, "rs", local_store, tmp_path, views)
+        await follow_each(client, "rs", local_store, tmp_path, views)
 
 
 async def test_presigned_mode_without_credentials(board_factory, s3_store, tmp_path: Path) -> None:
@@ -207,7 +194,7 @@ async def test_presigned_mode_without_credentials(board_factory, s3_store, tmp_p
     await asyncio.to_thread(train)
     async with BoardClient(board.address, board.admin_token) as client:
         assert (await client.get_head("ps")).version == 3
-        await _follow_each(client, "ps", None, tmp_path, views, presigned=True)
+        await follow_each(client, "ps", None, tmp_path, views, presigned=True)
 
 
 async def test_layout_mismatch_is_refused(board, local_store) -> None:
@@ -241,7 +228,7 @@ async def test_lora_adapter_versions_are_whole(board, local_store, tmp_path: Pat
         recs = await _records(client, "lora")
         assert [sorted(_kinds(r)) for r in recs] == [["anchor"]] * 3
         views = {i + 1: {k: v.clone() for k, v in a.items()} for i, a in enumerate(adapters)}
-        await _follow_each(client, "lora", local_store, tmp_path, views)
+        await follow_each(client, "lora", local_store, tmp_path, views)
 
 
 async def test_attached_optimizer_reads_in_background_bitwise(board, local_store, tmp_path: Path) -> None:
@@ -265,7 +252,7 @@ async def test_attached_optimizer_reads_in_background_bitwise(board, local_store
     assert [h.version for h in handles] == [1, 2, 3, 4, 5]
     assert all(h.blocked_s >= 0 for h in handles)
     async with BoardClient(board.address, board.admin_token) as client:
-        await _follow_each(client, "att", local_store, tmp_path, views)
+        await follow_each(client, "att", local_store, tmp_path, views)
 
 
 async def test_fp8_served_format_with_fixed_scales(board, local_store, tmp_path: Path) -> None:
@@ -292,7 +279,7 @@ async def test_fp8_served_format_with_fixed_scales(board, local_store, tmp_path:
         run = await client.get_run("f8")
         assert any(t.dtype == "float8_e4m3fn" for t in run.layout.tensors)
         assert any(is_scale_tensor(t.name) for t in run.layout.tensors)
-        await _follow_each(client, "f8", local_store, tmp_path, views)
+        await follow_each(client, "f8", local_store, tmp_path, views)
 
 
 def _scan_for(encoding: str | None, prev: torch.Tensor):
@@ -428,7 +415,7 @@ async def test_commit_retries_while_the_board_is_down(board, local_store, tmp_pa
     finally:
         await asyncio.to_thread(pub.close, False)
     async with BoardClient(board.address, board.admin_token) as client:
-        await _follow_each(client, "down", local_store, tmp_path, views)
+        await follow_each(client, "down", local_store, tmp_path, views)
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs numba's thread pool to have two threads or more")

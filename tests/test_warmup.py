@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pubsubkit import Trainer, bits_equal, first_difference, zeros_like_layout
+from pubsubkit import Trainer, follow_each
 
 # (served format, its options, patch encoding, publisher options): the fp32-master bf16 read in
 # both scans and staged in parts, the baseline encoding, fp8 with block scales (1-, 2- and
@@ -38,8 +38,6 @@ def _publish_and_follow(address: str, token: str, blob_dir: Path, work: Path, ca
     from weftboard.board.client import BoardClient
     from weftboard.cuda.formats import Projector, ServedFormatSpec
     from weftboard.publisher.publisher import Publisher
-    from weftboard.subscriber.live_tensors import LiveTensorsDestination
-    from weftboard.subscriber.subscriber import Subscriber
 
     kind, spec_options, encoding, publisher_options = case
     run = f"warm-{kind}-{encoding}"
@@ -59,12 +57,7 @@ def _publish_and_follow(address: str, token: str, blob_dir: Path, work: Path, ca
 
     async def follow() -> None:
         async with BoardClient(address, token) as client:
-            dest = LiveTensorsDestination(zeros_like_layout(views[3]))
-            sub = Subscriber(client, run, dest, island_id="warm", blob_store=store, cache_dir=work / run,
-                             heartbeat=False)
-            for v in (1, 2, 3):
-                assert await sub.sync_to(v) == v
-                assert bits_equal(dest.tensors, views[v]), f"{run} v{v}: {first_difference(dest.tensors, views[v])}"
+            await follow_each(client, run, store, work / run, views)
 
     asyncio.run(follow())
 
