@@ -1189,6 +1189,16 @@ def rans_symbol(buf, x, pa, aend, freq, cum, slot2sym):
 
 
 @nb.njit(inline="always", cache=True)
+def _top_up(acc, nbits, word):
+    """Add to an LSB-first reader's register ``acc`` (``nbits`` <= 63 held, zero above them)
+    the low whole bytes of ``word`` that fit: returns ``(bytes taken, acc, nbits)``, at
+    least 56 bits held after it, none taken at 56 or more."""
+    take = (63 - nbits) >> 3
+    acc |= (word & ((1 << (take << 3)) - 1)) << nbits
+    return take, acc, nbits + (take << 3)
+
+
+@nb.njit(inline="always", cache=True)
 def rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile):
     """Read one Rice(k) gap from the LSB-first reader ``(buf, p, rend, acc, nbits)``: returns
     ``(gap, p, acc, nbits, err)``, ``err`` 1 when the bits run past ``rend`` and 2 for a
@@ -1199,11 +1209,8 @@ def rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile):
     little-endian read and without a branch (whether a refill was due is a coin flip for the
     predictor); near the end it reads byte by byte."""
     if p + 8 <= rend:  # whole bytes up to 63 bits (none when nbits > 55)
-        take = (63 - nbits) >> 3
-        word = np.int64(load_u64le(buf, p))
-        acc |= (word & ((1 << (take << 3)) - 1)) << nbits
+        take, acc, nbits = _top_up(acc, nbits, np.int64(load_u64le(buf, p)))
         p += take
-        nbits += take << 3
     elif nbits < 32:
         while nbits <= 55 and p < rend:
             acc |= np.int64(buf[p]) << nbits
@@ -1269,7 +1276,6 @@ def _value_bits(buf, q, acc, nbits):
     held; at 56 or more it takes nothing) up to at least 56 bits with one 8-byte load: near
     the end of ``buf`` the 8 bytes that end it, shifted down, and zero bytes past its end
     (what ``huffman.symbol`` reads there), ``q`` going on past it. ``buf.size`` >= 8."""
-    take = (63 - nbits) >> 3
     have = buf.size - q
     if have >= 8:
         word = np.int64(load_u64le(buf, q))
@@ -1277,8 +1283,8 @@ def _value_bits(buf, q, acc, nbits):
         word = np.int64(load_u64le(buf, buf.size - 8) >> np.uint64((8 - have) << 3))
     else:
         word = np.int64(0)
-    acc |= (word & ((1 << (take << 3)) - 1)) << nbits
-    return q + take, acc, nbits + (take << 3)
+    take, acc, nbits = _top_up(acc, nbits, word)
+    return q + take, acc, nbits
 
 
 @nb.njit(cache=True, nogil=True)
@@ -1295,6 +1301,16 @@ def value_table(table, sym2diff):
         else:
             out[j] = ln | (np.uint32(sym2diff[s]) << np.uint32(16))
     return out
+
+
+@nb.njit(inline="always", cache=True)
+def _rice_gap_unchecked(acc, k, lowmask):
+    """``(gap, bits used)`` of the Rice code at the bottom of ``acc``, with no check that the
+    register holds all of it (the caller checks the bits used against the bits held). Shifts
+    are taken mod 64, so a code longer than the register gives a wrong gap, never undefined
+    behaviour, and then uses more bits than it holds."""
+    ones = np.int64(cttz64(np.uint64(~acc)))
+    return (ones << k) | ((acc >> ((ones + 1) & 63)) & lowmask), ones + 1 + k
 
 
 @nb.njit(inline="always", cache=True)
@@ -1321,10 +1337,8 @@ def _huffman_change(buf, target, p, rend, hq, hacc, hbits, aend_bits, e, eend, w
         e += width
         if sign < 0:
             d = (np.uint64(0) - d) & mask
-    ones = np.int64(cttz64(np.uint64(~acc)))  # acc is zero above nbits: ones <= nbits
-    used = ones + 1 + k
+    g, used = _rice_gap_unchecked(acc, k, lowmask)
     if used <= nbits:
-        g = (ones << k) | ((acc >> (ones + 1)) & lowmask)
         acc >>= used
         nbits -= used
     else:
@@ -1337,16 +1351,6 @@ def _huffman_change(buf, target, p, rend, hq, hacc, hbits, aend_bits, e, eend, w
     at = np.uint64(cur)
     target[at] = np.uint64(target[at]) + d
     return p, hq, hacc, hbits, e, cur, acc, nbits, 0
-
-
-@nb.njit(inline="always", cache=True)
-def _rice_gap_unchecked(acc, k, lowmask):
-    """``(gap, bits used)`` of the Rice code at the bottom of ``acc``, with no check that the
-    register holds all of it (the caller checks the bits used against the bits held). Shifts
-    are taken mod 64, so a code longer than the register gives a wrong gap, never undefined
-    behaviour, and then uses more bits than it holds."""
-    ones = np.int64(cttz64(np.uint64(~acc)))
-    return (ones << k) | ((acc >> ((ones + 1) & 63)) & lowmask), ones + 1 + k
 
 
 @nb.njit(inline="always", cache=True)
@@ -1385,11 +1389,8 @@ def _apply_huffman_tile(buf, target, p, rend, pa, aend_bits, e, eend, width, k, 
     while applied < lim:
         hq, hacc, hbits = _value_bits(buf, hq, hacc, hbits)
         if p + 8 <= rend:  # the Rice reader's top-up of rice_gap, once a group
-            take = (63 - nbits) >> 3
-            word = np.int64(load_u64le(buf, p))
-            acc |= (word & ((1 << (take << 3)) - 1)) << nbits
+            take, acc, nbits = _top_up(acc, nbits, np.int64(load_u64le(buf, p)))
             p += take
-            nbits += take << 3
         if lim - applied >= 4 and (hq << 3) - hbits + 4 * huffman.MAX_BITS <= aend_bits:
             v1 = vtab[np.uint64(hacc & hmask)]
             h = hacc >> np.int64(v1 & vmask)
