@@ -15,6 +15,9 @@ One command that builds, checks and times everything on an NVIDIA GPU in a few m
 4. checks that every applied tensor equals the new set bit for bit (and the torch baseline's
    result too), and prints a short table with GB/s of served bytes and % of copy bandwidth.
 
+``cuda/device_check.sh`` wraps it for a lent GPU machine: one call that runs it tiny, then
+full, then the CUDA-only tests, from the checkout with nothing installed.
+
 Without a CUDA device it exits with status 2 and says so. For a dry run of the same code path
 on a CPU, ``TRITON_INTERPRET=1 python -m weftboard.cuda.gpu_bench --device cpu --tiny`` runs the
 Triton kernels in the interpreter on a tiny set (timings there mean nothing).

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import gc
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
 
@@ -270,6 +274,39 @@ def test_gpu_bench_dry_run_on_cpu(tk, capsys) -> None:
     assert rc == 0, out
     assert "diff, Triton" in out and "torch ne+nonzero" in out and "index_copy_" in out
     assert out.count(": OK") == 4
+
+
+_REPO = Path(__file__).resolve().parent.parent
+_DEVICE_CHECK = _REPO / "cuda" / "device_check.sh"
+
+
+def _device_check(tmp_path: Path, python: str) -> tuple[subprocess.CompletedProcess, str]:
+    env = {**os.environ, "DEVICE_CHECK_CPU": "1", "OUT": str(tmp_path / "out"), "PYTHON": python}
+    proc = subprocess.run(["bash", str(_DEVICE_CHECK)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    return proc, (tmp_path / "out" / "device_check.log").read_text()
+
+
+def test_the_device_check_script_runs_every_step_from_the_checkout_alone(tmp_path) -> None:
+    """The one call a GPU session spends its minutes on, dry-run on this CPU: weftboard.cuda
+    imported from the checkout through the script's shim, both benchmark runs' bitwise checks
+    passed, the CUDA tests collected, and its log where the device tool fetches files from."""
+    proc, log = _device_check(tmp_path, sys.executable)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert log == proc.stdout  # everything printed is in the log that comes back
+    shim = re.search(r"weftboard.cuda from \['([^']+)'\]", log)
+    assert shim and shim.group(1).endswith("/weftboard/cuda") and Path(shim.group(1)) != _REPO / "cuda"
+    assert log.count("check patch round trip + revert bitwise: OK") == 2
+    assert log.count(": OK") == 8 and "FAILED" not in log
+    assert re.search(r"(\d+) skipped", log), log[-2000:]  # no GPU here: the CUDA tests skip, but they ran
+    assert "device_check: every step passed" in log
+
+
+def test_the_device_check_script_fails_when_a_step_fails(tmp_path) -> None:
+    proc, log = _device_check(tmp_path, str(tmp_path / "no-such-python"))
+    assert proc.returncode == 1
+    assert "skipping the full gpu_bench: the tiny run failed" in log
+    assert "device_check: FAILED: machine (exit" in log and "FAILED: CUDA tests (exit" in log
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="only meaningful without a GPU")
