@@ -17,7 +17,7 @@
 # Everything printed is also written to $OUT/device_check.log ($OUT: the device tool's folder
 # that comes back; /tmp/weftboard-device elsewhere). Exit status: 0 only if every step passed.
 #
-# With the device tool:   run(command="bash cuda/device_check.sh", timeout_s=570)
+# With the device tool:   run(command="bash cuda/device_check.sh", timeout_s=600)  (the steps: at most 570 s)
 # A dry run on a CPU (the same steps, Triton in its interpreter on tiny sets, no CUDA tests):
 #   DEVICE_CHECK_CPU=1 bash cuda/device_check.sh
 set -uo pipefail
@@ -71,22 +71,22 @@ PYEOF
 }
 export PY
 export -f machine
-step "machine" 60 bash -c machine
+step "machine" 20 bash -c machine
 
 if [ "${DEVICE_CHECK_CPU:-0}" = 1 ]; then
   TINY=(${FULL[@]+"${FULL[@]}"})
 else
   TINY=(--tiny)
 fi
-if step "gpu_bench --tiny" 240 "$PY" -m weftboard.cuda.gpu_bench ${TINY[@]+"${TINY[@]}"}; then
-  step "gpu_bench, the full set (7B-size bf16 on a GPU)" 360 "$PY" -m weftboard.cuda.gpu_bench ${FULL[@]+"${FULL[@]}"}
+if step "gpu_bench --tiny" 180 "$PY" -m weftboard.cuda.gpu_bench ${TINY[@]+"${TINY[@]}"}; then
+  step "gpu_bench, the full set (7B-size bf16 on a GPU)" 300 "$PY" -m weftboard.cuda.gpu_bench ${FULL[@]+"${FULL[@]}"}
 else
   echo "skipping the full gpu_bench: the tiny run failed" | tee -a "$LOG"
 fi
 
 # --noconftest: tests/conftest.py starts Redis and SeaweedFS fixtures and imports the board;
 # the tests named here need neither. -o clears the ini's pytest-asyncio options (not installed there).
-step "CUDA tests" 120 "$PY" -m pytest -q -p no:cacheprovider --noconftest -o asyncio_mode=strict \
+step "CUDA tests" 60 "$PY" -m pytest -q -p no:cacheprovider --noconftest -o asyncio_mode=strict \
   -o asyncio_default_fixture_loop_scope=function -W ignore::pytest.PytestConfigWarning \
   "$ROOT/tests/test_formats.py" -k cuda
 

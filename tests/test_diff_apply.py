@@ -283,7 +283,7 @@ _DEVICE_CHECK = _REPO / "cuda" / "device_check.sh"
 def _device_check(tmp_path: Path, python: str) -> tuple[subprocess.CompletedProcess, str]:
     env = {**os.environ, "DEVICE_CHECK_CPU": "1", "OUT": str(tmp_path / "out"), "PYTHON": python}
     proc = subprocess.run(["bash", str(_DEVICE_CHECK)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=290)
     return proc, (tmp_path / "out" / "device_check.log").read_text()
 
 
