@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from weftboard.board.auth import Authenticator
 from weftboard.board.fanout import FanOut
+from weftboard.board.logs import quiet_undelivered_responses
 from weftboard.board.metrics import BoardMetrics
 from weftboard.board.rpc import add_board_to_server
 from weftboard.board.servicer import BoardServicer
@@ -169,6 +170,7 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
         trajectory_maxlen=config.trajectory_maxlen,
         default_progress_ms=max(int(config.watch_progress_s * 1000), 100),
     )
+    quiet_undelivered_responses()  # a client's cancelled call is not the board's error
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),

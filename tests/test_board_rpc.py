@@ -500,3 +500,31 @@ async def test_bad_run_names_are_invalid_argument(board, method, request_):
             await getattr(stub, method)(request_, metadata=(("authorization", f"Bearer {board.admin_token}"),), timeout=5)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "run" in info.value.details() and "not a valid name" in info.value.details()
+
+
+async def test_a_response_grpc_could_not_deliver_is_an_info_line_not_an_error_traceback(board, admin, caplog):
+    """grpc's asyncio server logs an ERROR with a traceback when a handler's response finds its
+    call already ended (the client cancelled or went away: the demo printed one as its islands
+    stopped). A running board turns exactly that record into one info line naming the method,
+    and lets every other record of grpc's logger through."""
+    import logging
+
+    import structlog
+
+    from weftboard.board.logs import GRPC_CORE_LOGGER
+
+    grpc_log = logging.getLogger(GRPC_CORE_LOGGER)
+    caplog.set_level(logging.INFO)
+    assert (await admin.list_runs()) is not None  # the board serves
+    with structlog.testing.capture_logs() as logs:
+        try:  # what grpc's _handle_exceptions does with a failed send
+            raise RuntimeError('Failed "execute_batch": (SendInitialMetadataOperation, SendMessageOperation)')
+        except RuntimeError:
+            grpc_log.exception("ExecuteBatchError raised in core by servicer method [%s]",
+                               "/weftboard.v1.Board/Heartbeat")
+        grpc_log.error("Unexpected [ValueError] raised by servicer method [/weftboard.v1.Board/Commit]")
+    assert [r.getMessage() for r in caplog.records if r.name == GRPC_CORE_LOGGER] == [
+        "Unexpected [ValueError] raised by servicer method [/weftboard.v1.Board/Commit]"]
+    undelivered = [e for e in logs if e["event"].startswith("rpc response not delivered")]
+    assert undelivered == [{"event": undelivered[0]["event"], "log_level": "info",
+                            "method": "/weftboard.v1.Board/Heartbeat", "error": "RuntimeError"}]
