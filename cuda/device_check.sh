@@ -37,11 +37,13 @@ ln -s "$ROOT/cuda" "$SHIM/weftboard/cuda"
 ln -s "$ROOT/proto" "$SHIM/weftboard/proto"
 export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
 
-if [ "${DEVICE_CHECK_CPU:-0}" = 1 ]; then
+if [ "${DEVICE_CHECK_CPU:-0}" = 1 ]; then  # both runs on one small set in the interpreter
   export TRITON_INTERPRET=1
   FULL=(--device cpu --layers 1 --hidden 128 --intermediate 256 --vocab 300)
+  TINY=("${FULL[@]}")
 else
   FULL=()
+  TINY=(--tiny)
 fi
 
 failed=()
@@ -73,21 +75,15 @@ export PY
 export -f machine
 step "machine" 20 bash -c machine
 
-if [ "${DEVICE_CHECK_CPU:-0}" = 1 ]; then
-  TINY=(${FULL[@]+"${FULL[@]}"})
-else
-  TINY=(--tiny)
-fi
-if step "gpu_bench --tiny" 180 "$PY" -m weftboard.cuda.gpu_bench ${TINY[@]+"${TINY[@]}"}; then
+if step "gpu_bench --tiny" 180 "$PY" -m weftboard.cuda.gpu_bench "${TINY[@]}"; then
   step "gpu_bench, the full set (7B-size bf16 on a GPU)" 300 "$PY" -m weftboard.cuda.gpu_bench ${FULL[@]+"${FULL[@]}"}
 else
   echo "skipping the full gpu_bench: the tiny run failed" | tee -a "$LOG"
 fi
 
 # --noconftest: tests/conftest.py starts Redis and SeaweedFS fixtures and imports the board;
-# the tests named here need neither. -o clears the ini's pytest-asyncio options (not installed there).
-step "CUDA tests" 60 "$PY" -m pytest -q -p no:cacheprovider --noconftest -o asyncio_mode=strict \
-  -o asyncio_default_fixture_loop_scope=function -W ignore::pytest.PytestConfigWarning \
+# the tests named here need neither. -W: the ini's pytest-asyncio keys are unknown there.
+step "CUDA tests" 60 "$PY" -m pytest -q -p no:cacheprovider --noconftest -W ignore::pytest.PytestConfigWarning \
   "$ROOT/tests/test_formats.py" -k cuda
 
 if [ "${#failed[@]}" = 0 ]; then
