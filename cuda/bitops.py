@@ -187,6 +187,28 @@ def load_u64le(typingctx, buf, pos):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
+def _pointer_like(typingctx, address, like):  # type: ignore[no-untyped-def]
+    """``address`` as a pointer to elements of ``like``'s dtype (``array_at``)."""
+    if not isinstance(address, types.Integer) or not isinstance(like, types.Array):
+        raise errors.TypingError(f"_pointer_like needs an integer address and an array, got {address}, {like}")
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return types.CPointer(like.dtype)(address, like), codegen
+
+
+@numba.njit(inline="always", cache=True)
+def array_at(address, n, like):  # type: ignore[no-untyped-def]
+    """The ``n`` elements of ``like``'s dtype at ``address`` as a 1-d C-contiguous array, the
+    same numba type as ``like`` when ``like`` is one (so kernels typed for it compile nothing
+    new). For one kernel call over many arrays (``tile_codec.encode_huffman_batch``): a list of
+    arrays would be boxed element by element. No reference is held and nothing is checked:
+    the caller passes addresses and sizes of arrays it keeps alive for the call."""
+    return numba.carray(_pointer_like(address, like), n)
+
+
+@intrinsic
 def prefetch64(typingctx, ary, start):  # type: ignore[no-untyped-def]
     """Ask the CPU to start loading the cache lines of the 64 elements ``ary[start:]`` (1, 2,
     4 or 8 lines of 64 bytes, by the element width) into every cache level: ``prefetcht0``

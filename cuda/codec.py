@@ -64,7 +64,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numba as nb
 import numpy as np
@@ -286,26 +286,20 @@ def _encode_pair_context(name: str, old: torch.Tensor, new: torch.Tensor) -> Enc
     return EncodedTensor(name, old.dtype, a.size, changed, "context", stream)
 
 
-def _encode_pair_fused(name: str, old: torch.Tensor, new: torch.Tensor, scratch: dict | None = None) -> EncodedTensor | None:
-    """The default encoding of a CPU pair in one read of both tensors (``tile_codec``).
-
-    None when the tensor is better served by the bitmap mode or a tile was pathologically
-    dense; the caller then takes the two-step path, which picks the mode itself. ``scratch``:
-    a pool kept across the pairs of one encode (``tile_codec.pooled``).
-    """
-    check_pair(old, new)
-    a = cpu_bits(old)
-    b = cpu_bits(new)
-    numel = a.size
-    changed, stream = tile_codec.encode_huffman(a, b, CODEC_TILE, scratch)
+def _fused_result(name: str, dtype: torch.dtype, b: np.ndarray, changed: int, stream: np.ndarray | None) -> EncodedTensor | None:
+    """The entry of a CPU pair from the fused encoder's (changes, ``huffman`` stream) over its
+    new bits ``b`` (``tile_codec``: one read of both tensors): ``empty``, ``all`` (the new
+    bits), ``huffman``, or None when the bitmap mode is smaller or a tile was pathologically
+    dense; the caller then takes the two-step path, which picks the mode itself."""
+    numel = b.size
     if changed == 0:
-        return EncodedTensor(name, old.dtype, numel, 0, "empty", np.empty(0, np.uint8))
+        return EncodedTensor(name, dtype, numel, 0, "empty", np.empty(0, np.uint8))
     if changed == numel:
         # A copy: the stream must not change if the caller's tensor does before assembly.
-        return EncodedTensor(name, old.dtype, numel, changed, "all", b.view(np.uint8).copy())
-    if stream is None or stream.size > _bitmap_bytes(numel, changed, a.itemsize):
+        return EncodedTensor(name, dtype, numel, changed, "all", b.view(np.uint8).copy())
+    if stream is None or stream.size > _bitmap_bytes(numel, changed, b.itemsize):
         return None
-    return EncodedTensor(name, old.dtype, numel, changed, "huffman", stream)
+    return EncodedTensor(name, dtype, numel, changed, "huffman", stream)
 
 
 Scans = Sequence[tile_codec.TileScan] | context_codec.ContextScans
@@ -472,26 +466,31 @@ def encode_patch(
     """Diff each (name, old, new) pair as it comes and encode it into one patch.
 
     CPU pairs in the default encoding go through the fused kernels (one read of both tensors,
-    no position arrays); other pairs are diffed first (Triton on CUDA) and then encoded.
-    Both give the same container, decoded by the same readers.
+    no position arrays), consecutive ones of one element width in batches of up to
+    ``BATCH_TILES`` tiles (one compiled call and one parallel scan a batch); other pairs are
+    diffed first (Triton on CUDA) and then encoded. Both give the same container, decoded by
+    the same readers. A pair is read after later pairs have been drawn from ``pairs``, so an
+    iterator must not reuse one pair's memory for the next.
     """
     _check_encoding(encoding)
     scratch = tile_codec.kept_scratch()  # one pool for all pairs, and for the next patch
+    batch = _FusedBatch(scratch, encoding)
 
     def encoded() -> Iterable[EncodedTensor]:
         for name, old, new in pairs:
             on_cpu = old.is_cpu and new.is_cpu
             if encoding == "context" and on_cpu:
+                yield from batch.flush()
                 fused = _encode_pair_context(name, old, new)
                 if fused is not None:
                     yield fused
                     continue
             if encoding != "baseline" and on_cpu:
-                fused = _encode_pair_fused(name, old, new, scratch)
-                if fused is not None:
-                    yield fused
-                    continue
+                yield from batch.add(name, old, new)
+                continue
+            yield from batch.flush()
             yield _encode_delta(name, diff_tensor(old, new), encoding)
+        yield from batch.flush()
 
     try:
         return assemble_patch(
@@ -500,6 +499,50 @@ def encode_patch(
         )
     finally:
         tile_codec.trim_scratch(scratch)
+
+
+# A batch of ``encode_patch`` closes once it holds this many tiles: about the bench's embedding
+# (250 tiles of 65536), so its scratch pool (about 84 MB of address space for 16-bit elements)
+# is no larger than one such tensor needs alone and stays under ``tile_codec.KEPT_SCRATCH_BYTES``
+# (with 1024 tiles the pool outgrew it, was released after every patch and page-faulted anew:
+# the bench's encode ran 8% slower), and the pairs it holds (the caller's tensors, not copies)
+# stay a small part of a large model.
+BATCH_TILES = 256
+
+
+class _FusedBatch:
+    """CPU pairs of one element width waiting for one ``tile_codec.encode_huffman_batch``
+    call (``encode_patch``). ``add`` and ``flush`` yield finished entries in the pairs' order."""
+
+    def __init__(self, scratch: dict, encoding: str) -> None:
+        self._scratch = scratch
+        self._encoding = encoding  # of the two-step path, for a pair the fused encoder leaves
+        self._items: list[tuple[str, torch.dtype, np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]] = []
+        self._tiles = 0
+
+    def add(self, name: str, old: torch.Tensor, new: torch.Tensor) -> Iterator[EncodedTensor]:
+        check_pair(old, new)
+        a = cpu_bits(old)
+        b = cpu_bits(new)
+        if not tile_codec.batchable(a, CODEC_TILE):
+            yield from self.flush()
+            fused = _fused_result(name, old.dtype, b, *tile_codec.encode_huffman(a, b, CODEC_TILE, self._scratch))
+            yield fused if fused is not None else _encode_delta(name, diff_tensor(old, new), self._encoding)
+            return
+        tiles = -(-a.size // CODEC_TILE)
+        if self._items and (self._items[0][2].itemsize != a.itemsize or self._tiles + tiles > BATCH_TILES):
+            yield from self.flush()
+        self._items.append((name, old.dtype, a, b, old, new))
+        self._tiles += tiles
+
+    def flush(self) -> Iterator[EncodedTensor]:
+        items, self._items, self._tiles = self._items, [], 0
+        if not items:
+            return
+        results = tile_codec.encode_huffman_batch([(a, b) for _, _, a, b, _, _ in items], CODEC_TILE, self._scratch)
+        for (name, dtype, _, b, old, new), (changed, stream) in zip(items, results):
+            fused = _fused_result(name, dtype, b, changed, stream)
+            yield fused if fused is not None else _encode_delta(name, diff_tensor(old, new), self._encoding)
 
 
 def _write_container(header: dict[str, Any], streams: Sequence[tuple[str, bytes | np.ndarray]]) -> bytes:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
-from weftboard.cuda import jit, tile_codec
+from weftboard.cuda import huffman, jit, tile_codec
 from weftboard.cuda.jit import PRANGE_ONLY, parallel_kernel
 
 
@@ -45,8 +45,9 @@ def test_the_same_function_with_parallel_true_has_more_regions() -> None:
 
 
 def test_the_codec_kernels_use_those_options() -> None:
-    for k in (tile_codec.scan_encode_tiles, tile_codec.rans_encode_tiles, tile_codec.assemble_tiles,
-              tile_codec._compact_tiles, tile_codec._decode_tiles):
+    for k in (tile_codec.scan_encode_tiles, tile_codec.scan_encode_tiles_packed, tile_codec.scan_encode_batch_packed,
+              tile_codec.rans_encode_tiles, tile_codec.move_pieces, tile_codec._compact_tiles, tile_codec._decode_tiles,
+              huffman.encode_tiles, huffman.encode_tiles_by_row):
         assert k.targetoptions["parallel"] is PRANGE_ONLY
     assert not PRANGE_ONLY.numpy and not PRANGE_ONLY.setitem and PRANGE_ONLY.prange
 

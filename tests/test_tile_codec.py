@@ -645,14 +645,20 @@ def test_the_assembly_and_the_compaction_copy_their_tiles_in_a_parallel_loop(ncl
 
     p = _scattered_pieces(nclasses)
     ns, rice_len, n_esc, w = p["ns"], p["rice_len"], p["n_esc"], p["width"]
+    args = _assemble_args(p)
+    stream = tile_codec.assemble_tiles(*args)
+    prefix, _, _, _, _, rans_start, rans_off, _, _, rice_buf, rice_off, esc_buf, esc_off, rans_buf = args
+    out = np.zeros(tile_codec.assembly_bound(prefix, *args[2:3], *args[4:]), np.uint8)
+    dest, tot, end = tile_codec.assembly_head(out, 0, *args)  # the serial part: tables and directory
     with warnings.catch_warnings():
         warnings.simplefilter("error", numba.core.errors.NumbaPerformanceWarning)
-        assemble = parallel_kernel(tile_codec.assemble_tiles.py_func, cache=False)
-        stream = assemble(*_assemble_args(p))
+        moves = parallel_kernel(tile_codec.move_pieces.py_func, cache=False)
+        moves(out, dest, tot, rice_buf, rice_off, rice_len, rans_buf, rans_start, rans_off[1:] - rans_start, esc_buf,
+              esc_off, n_esc * w)
         compact = parallel_kernel(tile_codec._compact_tiles.py_func, cache=False)
         compacted = compact(*_compact_args(p))
-    assert _parallel_regions(assemble, assemble.signatures[0]) == 1 and _parallel_regions(compact, compact.signatures[0]) == 1
-    assert stream.tobytes() == tile_codec.assemble_tiles(*_assemble_args(p)).tobytes()
+    assert _parallel_regions(moves, moves.signatures[0]) == 1 and _parallel_regions(compact, compact.signatures[0]) == 1
+    assert out[:end].tobytes() == stream.tobytes()
     assert [x.tobytes() for x in compacted] == [x.tobytes() for x in tile_codec._compact_tiles(*_compact_args(p))]
 
     changed = [t for t in range(5) if ns[t].any()]
@@ -819,6 +825,81 @@ def test_a_scratch_pool_shared_across_tensors_gives_each_its_own_bytes() -> None
     first = {key: buf for key, buf in scratch.items()}
     tile_codec.encode_sparse(*pairs[1], CODEC_TILE, scratch)  # smaller: the pool's buffers are reused
     assert all(scratch[key] is buf for key, buf in first.items())
+
+
+@given(specs=st.lists(st.tuples(st.integers(0, 3 * 256 + 70), st.sampled_from([0.0, 0.01, 0.3, 1.0]),
+                                 st.sampled_from([0.0, 0.3])), max_size=6),
+       width=st.sampled_from([1, 2, 4]), seed=st.integers(0, 1 << 16))
+@settings(max_examples=60, deadline=None)
+def test_a_batch_gives_each_pair_the_changes_and_stream_it_gets_alone(specs: list, width: int, seed: int) -> None:
+    """``encode_huffman_batch`` scans every pair's tiles in one loop and codes them in
+    another, each tile in slots numbered across the batch: each pair must still get exactly
+    what ``encode_huffman`` gives it alone (its stream, or None where a tile overflowed)."""
+    tile = 256  # many tiles from small pairs; far jumps overflow some tiles' escape room
+    pairs = [_pair(width, n, density, seed + i, far) for i, (n, density, far) in enumerate(specs)]
+    got = tile_codec.encode_huffman_batch(pairs, tile, {})
+    assert len(got) == len(pairs)
+    for (a, b), (changed, stream) in zip(pairs, got):
+        want_changed, want = tile_codec.encode_huffman(a, b, tile)
+        assert changed == want_changed
+        assert (stream is None) == (want is None)
+        if want is not None:
+            assert stream is not None and stream.tobytes() == want.tobytes()
+
+
+def test_a_batch_refuses_mixed_widths_and_wide_elements() -> None:
+    assert tile_codec.encode_huffman_batch([], CODEC_TILE) == []
+    with pytest.raises(ValueError, match="one element width"):
+        tile_codec.encode_huffman_batch([_pair(2, 100, 0.1, 1), _pair(4, 100, 0.1, 2)], CODEC_TILE)
+    with pytest.raises(ValueError, match="1-, 2- or 4-byte elements"):
+        tile_codec.encode_huffman_batch([_pair(8, 100, 0.1, 1)], CODEC_TILE)
+    a, b = _pair(2, 100, 0.1, 1)
+    with pytest.raises(ValueError, match="one dtype and size"):
+        tile_codec.encode_huffman_batch([(a, b[:50])], CODEC_TILE)
+
+
+def _tensor(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(bits.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[bits.itemsize])).view(
+        DTYPE_OF_WIDTH[bits.itemsize])
+
+
+def _patch_one_pair_at_a_time(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], encoding: str) -> bytes:
+    """``encode_patch`` as it was before batches: each pair encoded alone, in order."""
+    entries = []
+    for name, old, new in pairs:
+        if encoding == "context":
+            entry = codec._encode_pair_context(name, old, new)
+            if entry is not None:
+                entries.append(entry)
+                continue
+        a, b = codec.cpu_bits(old), codec.cpu_bits(new)
+        entry = codec._fused_result(name, old.dtype, b, *tile_codec.encode_huffman(a, b, CODEC_TILE))
+        entries.append(entry if entry is not None else codec._encode_delta(name, diff_tensor(old, new), encoding))
+    return codec.assemble_patch(entries, base_version=1, target_version=2, target_root=ROOT, encoding=encoding).data
+
+
+@pytest.mark.parametrize("batch_tiles", [1, 3, 256])
+@pytest.mark.parametrize("encoding", ["default", "context"])
+def test_encode_patch_in_batches_writes_the_patch_of_one_pair_at_a_time(monkeypatch: pytest.MonkeyPatch,
+                                                                        batch_tiles: int, encoding: str) -> None:
+    """Batches close on a full batch and on a change of element width, and a pair the fused
+    encoder leaves (wide elements, a bitmap-sized change, all changed) or the context encoding
+    takes flushes the batch first: the container is byte for byte the one-pair-at-a-time one,
+    and applies bitwise."""
+    monkeypatch.setattr(codec, "BATCH_TILES", batch_tiles)
+    specs = [(2, 2 * CODEC_TILE + 5, 0.02, 0.0), (2, 1000, 0.1, 0.01), (2, 0, 0.0, 0.0), (4, 700, 0.05, 0.0),
+             (2, 64, 1.0, 0.0), (1, 5000, 0.2, 0.3), (8, 300, 0.1, 0.0), (2, CODEC_TILE, 0.0, 0.0),
+             (2, 90_000, 0.4, 0.0), (1, 3 * CODEC_TILE, 0.01, 0.0), (2, 513, 0.03, 0.0)]
+    pairs = [(f"t{i}", _tensor(a), _tensor(b)) for i, (w, n, d, far) in enumerate(specs)
+             for a, b in [_pair(w, n, d, seed=i, far=far)]]
+    data = encode_patch(iter(pairs), base_version=1, target_version=2, target_root=ROOT, encoding=encoding).data
+    assert data == _patch_one_pair_at_a_time(pairs, encoding)
+    modes = {t.name: t.mode for t in codec.read_patch_info(data).tensors}
+    assert modes["t2"] == modes["t7"] == "empty" and modes["t4"] == "all"
+    assert "huffman" in modes.values() and (encoding == "default" or "context" in modes.values())
+    target = {name: old.clone() for name, old, _ in pairs}
+    apply_patch_(target, data)
+    assert all(torch.equal(bits_view(target[name]), bits_view(new)) for name, _, new in pairs)
 
 
 def _patch_of(pairs: list[tuple[np.ndarray, np.ndarray]]) -> bytes:
