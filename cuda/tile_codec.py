@@ -8,7 +8,7 @@ for ``sparse`` has a ``huffman`` twin where the coder matters (``encode_huffman`
 ``encode_sparse`` turns one read of the old and new stored bits into the finished stream (diff
 and encode fused); ``encode_huffman_batch`` does it for several tensors of one element width
 in one compiled call, each parallel pass over all their tiles at once (``codec.encode_patch``'s
-path: a tensor of a few tiles alone paid each pass's setup and left a thread idle);
+path: one call's Python and dispatch per batch instead of per tensor);
 ``scan_tiles`` and ``finish_sparse`` split it for a caller that reads a tensor piece by piece
 (the publisher, which also lets the scan fold the new bits into its view: ``update``); ``apply_tiles`` makes one pass over a stream and writes the tensor in place
 (decode and apply fused); the same kernel with ``sign=-1`` takes a patch back out, and
@@ -655,9 +655,9 @@ def scan_encode_batch_packed(addr_a, addr_b, numels, like, width, tile, rice_buf
     slots ``first[i]:first[i + 1]``. Returns ``first`` and the per-slot results, histograms
     per slot (slots, NSYM).
 
-    Why one loop: a tensor of a few tiles leaves a thread idle at the end of its own loop, and
-    the bench's 49 tensors of 4 or 12 tiles scanned about a seventh slower one call each than
-    in one loop (Intel host, two threads). The caller keeps the tensors alive (``array_at``)."""
+    The scan itself is no faster than one call per tensor (measured: the same within noise on
+    the bench's tensors); it is one loop so that ``_encode_huffman_batch`` is one call. The
+    caller keeps the tensors alive (``array_at``)."""
     ntensors = numels.size
     first = np.zeros(ntensors + 1, np.int64)
     for i in range(ntensors):
@@ -1128,9 +1128,10 @@ def _encode_huffman_batch(addr_a, addr_b, numels, like, width, tile, rice_buf, s
     tensor's stream in the returned buffer, length 0 where ``encode_huffman`` gives None,
     the buffer).
 
-    Why the finish is batched too: each tensor's own finish paid two parallel regions and
-    their setup, about 80 us, and the bench's 49 tensors of 4 or 12 tiles lost about 4 ms of
-    an encode to it (Intel host, two threads)."""
+    Why one call: the kernels take about as long either way, but a call per tensor paid its
+    wrapper's pools, checks and dispatch (about 20 us on a 512-element tensor whose scan takes
+    13) and ran that Python on caches the kernel before had emptied; on the bench's 66
+    tensors ``encode_patch`` took 4-8% less time batched (``cuda/PERFORMANCE.md``)."""
     rstride = tile + _RICE_SLACK
     first, ns, ks, rice_len, n_esc, hist, over = scan_encode_batch_packed(addr_a, addr_b, numels, like, width, tile,
                                                                           rice_buf, rstride, sym_buf, update,
