@@ -518,7 +518,7 @@ class _FusedBatch:
     def __init__(self, scratch: dict, encoding: str) -> None:
         self._scratch = scratch
         self._encoding = encoding  # of the two-step path, for a pair the fused encoder leaves
-        self._items: list[tuple[str, torch.dtype, np.ndarray, np.ndarray, torch.Tensor, torch.Tensor]] = []
+        self._items: list[tuple[str, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = []
         self._tiles = 0
 
     def add(self, name: str, old: torch.Tensor, new: torch.Tensor) -> Iterator[EncodedTensor]:
@@ -527,23 +527,26 @@ class _FusedBatch:
         b = cpu_bits(new)
         if not tile_codec.batchable(a, CODEC_TILE):
             yield from self.flush()
-            fused = _fused_result(name, old.dtype, b, *tile_codec.encode_huffman(a, b, CODEC_TILE, self._scratch))
-            yield fused if fused is not None else _encode_delta(name, diff_tensor(old, new), self._encoding)
+            yield self._entry(name, old, new, b, *tile_codec.encode_huffman(a, b, CODEC_TILE, self._scratch))
             return
         tiles = -(-a.size // CODEC_TILE)
-        if self._items and (self._items[0][2].itemsize != a.itemsize or self._tiles + tiles > BATCH_TILES):
+        if self._items and (self._items[0][3].itemsize != a.itemsize or self._tiles + tiles > BATCH_TILES):
             yield from self.flush()
-        self._items.append((name, old.dtype, a, b, old, new))
+        self._items.append((name, old, new, a, b))
         self._tiles += tiles
 
     def flush(self) -> Iterator[EncodedTensor]:
         items, self._items, self._tiles = self._items, [], 0
         if not items:
             return
-        results = tile_codec.encode_huffman_batch([(a, b) for _, _, a, b, _, _ in items], CODEC_TILE, self._scratch)
-        for (name, dtype, _, b, old, new), (changed, stream) in zip(items, results):
-            fused = _fused_result(name, dtype, b, changed, stream)
-            yield fused if fused is not None else _encode_delta(name, diff_tensor(old, new), self._encoding)
+        results = tile_codec.encode_huffman_batch([(a, b) for *_, a, b in items], CODEC_TILE, self._scratch)
+        for (name, old, new, _, b), (changed, stream) in zip(items, results):
+            yield self._entry(name, old, new, b, changed, stream)
+
+    def _entry(self, name: str, old: torch.Tensor, new: torch.Tensor, b: np.ndarray, changed: int,
+               stream: np.ndarray | None) -> EncodedTensor:
+        fused = _fused_result(name, old.dtype, b, changed, stream)
+        return fused if fused is not None else _encode_delta(name, diff_tensor(old, new), self._encoding)
 
 
 def _write_container(header: dict[str, Any], streams: Sequence[tuple[str, bytes | np.ndarray]]) -> bytes:

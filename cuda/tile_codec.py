@@ -10,8 +10,9 @@ and encode fused); ``encode_huffman_batch`` does it for several tensors of one e
 in one compiled call, each parallel pass over all their tiles at once (``codec.encode_patch``'s
 path: one call's Python and dispatch per batch instead of per tensor);
 ``scan_tiles`` and ``finish_sparse`` split it for a caller that reads a tensor piece by piece
-(the publisher, which also lets the scan fold the new bits into its view: ``update``); ``apply_tiles`` makes one pass over a stream and writes the tensor in place
-(decode and apply fused); the same kernel with ``sign=-1`` takes a patch back out, and
+(the publisher, which also lets the scan fold the new bits into its view: ``update``);
+``apply_tiles`` makes one pass over a stream and writes the tensor in place (decode and apply
+fused); the same kernel with ``sign=-1`` takes a patch back out, and
 ``decode_tiles`` (the same kernel again) writes position and difference arrays instead, for
 CUDA destinations. The bytes are exactly the layout ``weftboard.cuda.entropy`` documents, so
 streams of the two-step encoder there decode here and the other way round (tests cross-check
@@ -1083,7 +1084,7 @@ def _finish_huffman(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, 
     table = np.empty(huffman.TABLE_BYTES, np.uint8)
     table_len, codes = _huffman_table(counts, table)
     starts = np.zeros(ntiles, np.int64)
-    _value_starts(ns, starts, 0)
+    _value_starts(ns, starts)
     ends = _value_ends(starts, huffman.encode_tiles(sym_buf, sym_off, ns, codes, value_buf, starts))
     return assemble_tiles(table[:table_len], np.zeros((0, NSYM), np.int64), ns.reshape(ntiles, 1),
                           ks.reshape(ntiles, 1), rice_len.reshape(ntiles, 1), starts, ends,
@@ -1100,14 +1101,14 @@ def _huffman_table(counts, table):
 
 
 @nb.njit(inline="always", cache=True)
-def _value_starts(ns, starts, q):
-    """Where each tile's coded values go from byte ``q`` on, at ``huffman.tile_bound``
-    strides (written into ``starts``); returns the next free byte."""
+def _value_starts(ns, starts):
+    """Where each tile's coded values go, at ``huffman.tile_bound`` strides from byte 0
+    (written into ``starts``)."""
+    q = 0
     for t in range(ns.size):
         starts[t] = q
         if ns[t]:
             q += huffman.tile_bound(ns[t])
-    return q
 
 
 @nb.njit(inline="always", cache=True)
@@ -1159,17 +1160,19 @@ def _encode_huffman_batch(addr_a, addr_b, numels, like, width, tile, rice_buf, s
             coded_ns[g0:g1] = ns[g0:g1]
             table_len[i], codes[i] = _huffman_table(hist[g0:g1].sum(axis=0), tables[i])
     starts = np.zeros(nslots, np.int64)
-    _value_starts(coded_ns, starts, 0)
+    _value_starts(coded_ns, starts)
     lens = huffman.encode_tiles_by_row(sym_buf, sym_off, coded_ns, codes, row, value_buf, starts)
     ns2, ks2, rice_len2, esc_len = ns.reshape(-1, 1), ks.reshape(-1, 1), rice_len.reshape(-1, 1), n_esc.reshape(-1, 1)
     no_freq = np.zeros((0, NSYM), np.int64)
+    ends = np.zeros(nslots + ntensors, np.int64)  # tensor i's ``_value_ends`` at first[i] + i
     bound = 0
     for i in range(ntensors):
         g0, g1 = first[i], first[i + 1]
         if table_len[i]:
+            ends[g0 + i:g1 + i + 1] = _value_ends(starts[g0:g1], lens[g0:g1])
             bound += assembly_bound(tables[i, :table_len[i]], ns2[g0:g1], rice_len2[g0:g1], starts[g0:g1],
-                                    _value_ends(starts[g0:g1], lens[g0:g1]), esc_len[g0:g1], width, rice_buf,
-                                    rice_off[g0:g1], sym_buf, esc_off[g0:g1], value_buf)
+                                    ends[g0 + i:g1 + i + 1], esc_len[g0:g1], width, rice_buf, rice_off[g0:g1],
+                                    sym_buf, esc_off[g0:g1], value_buf)
     out = np.empty(bound, np.uint8)
     spans = np.zeros((ntensors, 2), np.int64)
     dest = np.zeros(nslots, np.int64)
@@ -1180,9 +1183,8 @@ def _encode_huffman_batch(addr_a, addr_b, numels, like, width, tile, rice_buf, s
         if table_len[i]:
             dest[g0:g1], tot[g0:g1], end = assembly_head(out, p, tables[i, :table_len[i]], no_freq, ns2[g0:g1],
                                                          ks2[g0:g1], rice_len2[g0:g1], starts[g0:g1],
-                                                         _value_ends(starts[g0:g1], lens[g0:g1]), esc_len[g0:g1],
-                                                         width, rice_buf, rice_off[g0:g1], sym_buf, esc_off[g0:g1],
-                                                         value_buf)
+                                                         ends[g0 + i:g1 + i + 1], esc_len[g0:g1], width, rice_buf,
+                                                         rice_off[g0:g1], sym_buf, esc_off[g0:g1], value_buf)
             spans[i, 0] = p
             spans[i, 1] = end - p
             p = end
