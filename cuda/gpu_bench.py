@@ -7,7 +7,9 @@ One command that builds, checks and times everything on an NVIDIA GPU in a few m
    about 1% clustered density (changed elements sit in hot 256-element segments, each moved by
    +-1 unit in the last place, a few by far jumps);
 2. times, with CUDA events, the device copy (``tensor.copy_``, the yardstick), the Triton diff
-   (staged in-block compaction, one host sync per batch), the torch-native diff baseline
+   (staged in-block compaction, one host sync per batch) at the launch's warps per program and
+   at the others of ``--diff-warps`` (``triton_compile`` reports each one's registers; this
+   measures which is fastest), the torch-native diff baseline
    (``ne`` + ``nonzero`` + gather, one sync per tensor), the Triton in-place apply and the
    torch-native apply (``index_copy_``);
 3. encodes the deltas into a patch (entropy coding on CPU threads, documented in codec.py)
@@ -114,7 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--tiny", action="store_true", help="2 layers of 256/512, vocab 1000: a functional dry run")
     ap.add_argument("--skip-codec", action="store_true", help="time only the device kernels, not the CPU entropy coder")
+    ap.add_argument("--diff-warps", default="4,8,32",
+                    help="also time the Triton diff at these warps per program (comma-separated; the launch's "
+                         "own, triton_kernels.DIFF_WARPS, is always timed), each checked against the torch diff")
     args = ap.parse_args(argv)
+    try:
+        sweep = [int(w) for w in args.diff_warps.split(",") if w.strip()]
+    except ValueError:
+        ap.error(f"--diff-warps {args.diff_warps!r}: give comma-separated integers")
+    if any(w < 1 or w & (w - 1) or w > 32 for w in sweep):
+        ap.error(f"--diff-warps {args.diff_warps!r}: each must be a power of two from 1 to 32")
     if args.tiny:
         args.layers, args.hidden, args.intermediate, args.vocab = 2, 256, 512, 1000
 
@@ -173,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             for batch in batches:
                 for n, d in zip(batch, tk.diff_many_cuda([(old[n], new[n]) for n in batch])):
                     deltas[n] = d
-    rows.append(Row("diff, Triton (staged compaction)", t_diff.seconds, f"{len(batches)} host syncs"))
+    rows.append(Row(f"diff, Triton (staged, {tk.DIFF_WARPS} warps)", t_diff.seconds, f"{len(batches)} host syncs"))
     changed = sum(d.changed for d in deltas.values())
 
     for rnd in range(2):
@@ -185,6 +196,19 @@ def main(argv: list[str] | None = None) -> int:
                 ref[n] = (idx, b[idx])
     rows.append(Row("diff, torch ne+nonzero (baseline)", t_ref.seconds, f"{len(names)} host syncs"))
     diff_ok = all(torch.equal(deltas[n].positions, ref[n][0]) and torch.equal(deltas[n].new_bits, ref[n][1]) for n in names)
+
+    # the same diff at other warps per program: the register report (triton_compile) predicts, this measures
+    for warps in [w for w in sweep if w != tk.DIFF_WARPS]:
+        for rnd in range(2):
+            swept = {}
+            with _Timer(device) as t_sweep:
+                for batch in batches:
+                    for n, d in zip(batch, tk.diff_many_cuda([(old[n], new[n]) for n in batch], warps=warps)):
+                        swept[n] = d
+        rows.append(Row(f"diff, Triton (staged, {warps} warps)", t_sweep.seconds, "sweep"))
+        diff_ok &= all(torch.equal(swept[n].positions, ref[n][0]) and torch.equal(swept[n].new_bits, ref[n][1])
+                       for n in names)
+        del swept
 
     # apply kernels on device, from device-resident (position, bits) arrays
     target = {n: t.clone() for n, t in old.items()}

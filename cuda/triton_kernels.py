@@ -35,6 +35,8 @@ from weftboard.cuda.diff import TensorDelta, bits_view
 BLOCK = 4096  # elements per program: one coalesced pass, the in-block scan stays in registers
 STAGE = 512  # staged changes per block (12.5%); denser blocks are compacted in the second pass
 APPLY_BLOCK = 1024
+DIFF_WARPS = 16  # warps per diff program: the fewest with no register spills and 8 elements (16 bytes of bf16) a thread; see triton_compile
+APPLY_WARPS = 4
 
 
 @triton.jit
@@ -111,8 +113,8 @@ def _scatter(t_ptr, pos_ptr, v_ptr, n, BLOCK: tl.constexpr):
 class _Pending:
     """A diff whose counts are computed but whose outputs are not yet sized."""
 
-    def __init__(self, old: torch.Tensor, new: torch.Tensor, update: bool):
-        self.old, self.new, self.update = old, new, update
+    def __init__(self, old: torch.Tensor, new: torch.Tensor, update: bool, warps: int):
+        self.old, self.new, self.update, self.warps = old, new, update, warps
         self.a = bits_view(old)
         self.b = bits_view(new.contiguous())
         self.n = self.a.numel()
@@ -125,7 +127,7 @@ class _Pending:
         if self.nblocks:
             _diff_stage[(self.nblocks,)](
                 self.a, self.b, self.counts, self.st_pos, self.st_old, self.st_new, self.n,
-                UPDATE=update, BLOCK=BLOCK, STAGE=STAGE,
+                UPDATE=update, BLOCK=BLOCK, STAGE=STAGE, num_warps=warps,
             )
         ends = torch.cumsum(self.counts, 0)
         self.starts = ends - self.counts
@@ -140,13 +142,17 @@ class _Pending:
             _diff_place[(self.nblocks,)](
                 self.a, self.b, self.counts, self.starts, self.st_pos, self.st_old, self.st_new,
                 pos, olds, news, self.n, UPDATE=self.update, BLOCK=BLOCK, STAGE=STAGE,
+                num_warps=self.warps,
             )
         return TensorDelta(positions=pos, old_bits=olds, new_bits=news, numel=self.n, dtype=self.old.dtype)
 
 
-def diff_many_cuda(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, update: bool = False) -> list[TensorDelta]:
-    """Diff a batch of (old, new) pairs with a single host synchronization for all of them."""
-    pending = [_Pending(old, new, update) for old, new in pairs]
+def diff_many_cuda(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, update: bool = False,
+                   warps: int = DIFF_WARPS) -> list[TensorDelta]:
+    """Diff a batch of (old, new) pairs with a single host synchronization for all of them.
+
+    ``warps`` (warps per program) is for the GPU benchmark's sweep; the result does not depend on it."""
+    pending = [_Pending(old, new, update, warps) for old, new in pairs]
     if not pending:
         return []
     totals = torch.cat([p.total for p in pending]).cpu().tolist()  # the one host sync
@@ -162,11 +168,13 @@ def apply_diff_cuda_(target_bits: torch.Tensor, positions: torch.Tensor, diffs: 
     """target_bits[positions] += diffs (wrapping), old bits saved into old_out; in place."""
     n = positions.numel()
     if n:
-        _apply_diff[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, diffs, old_out, n, BLOCK=APPLY_BLOCK)
+        _apply_diff[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, diffs, old_out, n, BLOCK=APPLY_BLOCK,
+                                                        num_warps=APPLY_WARPS)
 
 
 def scatter_cuda_(target_bits: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     """target_bits[positions] = values, in place."""
     n = positions.numel()
     if n:
-        _scatter[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, values, n, BLOCK=APPLY_BLOCK)
+        _scatter[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, values, n, BLOCK=APPLY_BLOCK,
+                                                     num_warps=APPLY_WARPS)

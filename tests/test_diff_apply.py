@@ -272,8 +272,19 @@ def test_gpu_bench_dry_run_on_cpu(tk, capsys) -> None:
     rc = gpu_bench.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--vocab", "100"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "diff, Triton" in out and "torch ne+nonzero" in out and "index_copy_" in out
+    assert "torch ne+nonzero" in out and "index_copy_" in out
+    # the launch's warps, then the sweep's others, each checked against the torch diff ("OK" below)
+    assert [w for w in (4, 8, 16, 32) if f"diff, Triton (staged, {w} warps)" in out] == [4, 8, 16, 32]
     assert out.count(": OK") == 4
+
+
+@pytest.mark.parametrize("warps", ["3", "64", "4,x", "0"])
+def test_gpu_bench_refuses_a_bad_warps_sweep(warps, capsys) -> None:
+    from weftboard.cuda import gpu_bench
+
+    with pytest.raises(SystemExit) as exc:
+        gpu_bench.main(["--device", "cpu", "--tiny", "--diff-warps", warps])
+    assert exc.value.code == 2 and "--diff-warps" in capsys.readouterr().err
 
 
 _REPO = Path(__file__).resolve().parent.parent
