@@ -16,8 +16,9 @@ Invariants:
 - The arguments are typed as a launch types them: pointers to the element width's integer
   view (``diff.int_view_dtype``), 16-byte aligned as torch allocates them (the runtime
   specializes on that too), positions int64, staged in-block positions int32, ``n`` int32
-  (Triton passes an int below 2**31 as i32). The constexprs are the module's launch
-  constants. A kernel argument with no known role is an error, so a new kernel or argument
+  (Triton passes an int below 2**31 as i32). ``n`` comes in both forms the runtime compiles:
+  a multiple of 16 (almost every weight tensor; the masked loads then vectorize, 16 bytes a
+  load) and any other size. The constexprs are the module's launch constants. A kernel argument with no known role is an error, so a new kernel or argument
   cannot go unchecked.
 - It refuses to run once ``triton_kernels`` was imported under the interpreter (its kernels
   are then interpreter functions, which do not lower).
@@ -28,6 +29,7 @@ Invariants:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -74,6 +76,7 @@ class CompiledKernel:
     kernel: str
     element: str
     variant: str  # the constexprs that vary between launches, e.g. "UPDATE=True"
+    n_multiple_of_16: bool  # the runtime's specialization of the element count
     arch: int
     warps: int
     registers: int
@@ -119,7 +122,7 @@ def _kernels() -> dict[str, tuple[Any, dict[str, Any], tuple[dict[str, Any], ...
     return kernels
 
 
-def _signature(fn: Any, element: str) -> tuple[dict[str, str], dict[tuple[int, ...], list]]:
+def _signature(fn: Any, element: str, n_multiple_of_16: bool = True) -> tuple[dict[str, str], dict[tuple[int, ...], list]]:
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list] = {}
     for i, param in enumerate(fn.params):
@@ -131,7 +134,7 @@ def _signature(fn: Any, element: str) -> tuple[dict[str, str], dict[tuple[int, .
         except KeyError:
             raise CompileCheckError(f"{fn.__name__}: argument {param.name!r} has no known type; add it to _ROLES") from None
         signature[param.name] = f"*{element}" if role == "element" else role
-        if signature[param.name].startswith("*"):
+        if signature[param.name].startswith("*") or (param.name == "n" and n_multiple_of_16):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return signature, attrs
 
@@ -174,8 +177,8 @@ def compile_kernels(archs: tuple[int, ...] = (80, 90), warps: tuple[int, ...] | 
         target = GPUTarget("cuda", arch, 32)
         backend = make_backend(target)
         for name, (fn, fixed, variants, launch_warps) in _kernels().items():
-            for element in elements:
-                signature, attrs = _signature(fn, element)
+            for element, n16 in itertools.product(elements, (True, False)):
+                signature, attrs = _signature(fn, element, n16)
                 for variant in variants:
                     for w in warps or (launch_warps,):
                         options = backend.parse_options({"num_warps": w}).__dict__
@@ -183,13 +186,14 @@ def compile_kernels(archs: tuple[int, ...] = (80, 90), warps: tuple[int, ...] | 
                         try:
                             compiled = triton.compile(src, target=target, options=options)
                         except Exception as exc:
-                            raise CompileCheckError(f"{name} ({element}, {variant or 'one variant'}, sm_{arch}, "
-                                                    f"{w} warps) does not compile: {exc}") from exc
+                            raise CompileCheckError(f"{name} ({element}, {variant or 'one variant'}, "
+                                                    f"n{' % 16 == 0' if n16 else ' any'}, sm_{arch}, {w} warps) "
+                                                    f"does not compile: {exc}") from exc
                         res = cubin_resources(compiled.asm["cubin"])
                         yield CompiledKernel(
                             kernel=name, element=element,
                             variant=",".join(f"{k}={v}" for k, v in variant.items()) or "-",
-                            arch=arch, warps=w, registers=res["REG"], stack_bytes=res["STACK"],
+                            n_multiple_of_16=n16, arch=arch, warps=w, registers=res["REG"], stack_bytes=res["STACK"],
                             local_bytes=res["LOCAL"], shared_bytes=res["SHARED"],
                             cubin_bytes=len(compiled.asm["cubin"]),
                             occupancy=register_limited_occupancy(res["REG"], w, ARCHS[arch]),
@@ -213,14 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = []
         if not args.json:
-            print(f"{'kernel':12s} {'elem':4s} {'variant':12s} {'arch':>5s} {'warps':>5s} {'regs':>5s} "
+            print(f"{'kernel':12s} {'elem':4s} {'variant':12s} {'n%16':>4s} {'arch':>5s} {'warps':>5s} {'regs':>5s} "
                   f"{'stack':>5s} {'local':>5s} {'shared':>6s} {'occup.':>6s}")
         for row in compile_kernels(args.arch, args.warps, tuple(args.element or ELEMENTS)):
             rows.append(row)
             if args.json:
                 print(json.dumps({**asdict(row), "spills": row.spills}), flush=True)
             else:
-                print(f"{row.kernel:12s} {row.element:4s} {row.variant:12s} {'sm_' + str(row.arch):>5s} {row.warps:5d} "
+                print(f"{row.kernel:12s} {row.element:4s} {row.variant:12s} {'0' if row.n_multiple_of_16 else 'any':>4s} "
+                      f"{'sm_' + str(row.arch):>5s} {row.warps:5d} "
                       f"{row.registers:5d} {row.stack_bytes:5d} {row.local_bytes:5d} {row.shared_bytes:6d} "
                       f"{row.occupancy:6.0%}", flush=True)
     except CompileCheckError as exc:

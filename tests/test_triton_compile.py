@@ -52,7 +52,9 @@ def test_signature_types_pointers_by_role_and_marks_them_aligned() -> None:
                                                 param(name="BLOCK", is_constexpr=True)])
     signature, attrs = tc._signature(fn, "u8")
     assert signature == {"t_ptr": "*u8", "pos_ptr": "*i64", "n": "i32", "BLOCK": "constexpr"}
-    assert attrs == {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    assert attrs == {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
+    assert tc._signature(fn, "u8", n_multiple_of_16=False)[1] == {(0,): [["tt.divisibility", 16]],
+                                                                    (1,): [["tt.divisibility", 16]]}
 
 
 def test_refuses_under_the_interpreter(monkeypatch) -> None:
@@ -75,8 +77,8 @@ def test_every_kernel_compiles_for_a100_and_h100_without_spills() -> None:
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    launched = {(r["kernel"], r["element"], r["variant"], r["arch"]) for r in rows}
-    expected = {(k, e, v, a) for a in (80, 90) for e in tc.ELEMENTS
+    launched = {(r["kernel"], r["element"], r["variant"], r["n_multiple_of_16"], r["arch"]) for r in rows}
+    expected = {(k, e, v, n16, a) for a in (80, 90) for e in tc.ELEMENTS for n16 in (True, False)
                 for k, v in [("_diff_stage", "UPDATE=False"), ("_diff_stage", "UPDATE=True"),
                              ("_diff_place", "UPDATE=False"), ("_diff_place", "UPDATE=True"),
                              ("_apply_diff", "-"), ("_scatter", "-")]}
@@ -97,15 +99,16 @@ def test_the_table_reports_each_compiled_kernel_and_a_summary() -> None:
                            "--element", "i16"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines[0].split() == ["kernel", "elem", "variant", "arch", "warps", "regs", "stack", "local", "shared",
+    assert lines[0].split() == ["kernel", "elem", "variant", "n%16", "arch", "warps", "regs", "stack", "local", "shared",
                                 "occup."]
     body = [line.split() for line in lines[1:-1]]
-    assert sorted((cols[0], cols[2]) for cols in body) == [
-        ("_apply_diff", "-"), ("_diff_place", "UPDATE=False"), ("_diff_place", "UPDATE=True"),
-        ("_diff_stage", "UPDATE=False"), ("_diff_stage", "UPDATE=True"), ("_scatter", "-")]
-    assert all(cols[1] == "i16" and cols[3] == "sm_90" and cols[4] == "8" and int(cols[5]) > 0 for cols in body)
-    spilled = sum(int(cols[6]) > 0 or int(cols[7]) > 0 for cols in body)
-    assert lines[-1] == f"6 kernels compiled; {spilled} use stack or local memory"
+    assert sorted((cols[0], cols[2], cols[3]) for cols in body) == sorted(
+        (k, v, n) for n in ("0", "any") for k, v in [
+            ("_apply_diff", "-"), ("_diff_place", "UPDATE=False"), ("_diff_place", "UPDATE=True"),
+            ("_diff_stage", "UPDATE=False"), ("_diff_stage", "UPDATE=True"), ("_scatter", "-")])
+    assert all(cols[1] == "i16" and cols[4] == "sm_90" and cols[5] == "8" and int(cols[6]) > 0 for cols in body)
+    spilled = sum(int(cols[7]) > 0 or int(cols[8]) > 0 for cols in body)
+    assert lines[-1] == f"12 kernels compiled; {spilled} use stack or local memory"
 
 
 def test_bad_arguments_exit_with_usage_errors() -> None:
