@@ -15,7 +15,8 @@ One command that builds, checks and times everything on an NVIDIA GPU in a few m
 3. encodes the deltas into a patch (entropy coding on CPU threads, documented in codec.py)
    and decodes + applies it end to end with ``apply_patch_`` into a copy of the old set;
 4. checks that every applied tensor equals the new set bit for bit (and the torch baseline's
-   result too), and prints a short table with GB/s of served bytes and % of copy bandwidth.
+   result too), and prints a short table with GB/s of served bytes and % of copy bandwidth,
+   then each Triton kernel's registers and spills as the device loaded it (``kernel_resources``).
 
 ``cuda/device_check.sh`` wraps it for a lent GPU machine: one call that runs it tiny, then
 full, then the CUDA-only tests, from the checkout with nothing installed.
@@ -32,6 +33,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -100,6 +102,23 @@ def make_update(old: torch.Tensor, density: float, gen: torch.Generator) -> torc
     bits = new.view(-1).view(torch.int16)
     bits.add_(step * mask.to(torch.int16))
     return new
+
+
+def kernel_resources(fn: Any) -> list[str]:
+    """What the driver reports for each form of a Triton kernel compiled in this process: its
+    warps, registers and spilled registers, to set beside ``triton_compile``'s figures, made
+    with no GPU. These are Triton internals (``device_caches``, ``n_regs``), so a failure reads
+    as unavailable and costs the benchmark nothing."""
+    try:
+        lines = []
+        for caches in fn.device_caches.values():
+            for kernel in caches[0].values():
+                kernel._init_handles()
+                lines.append(f"{fn.__name__}: {kernel.metadata.num_warps} warps, {kernel.n_regs} registers, "
+                             f"{kernel.n_spills} spilled")
+        return lines or [f"{fn.__name__}: no compiled form"]
+    except Exception as exc:
+        return [f"{fn.__name__}: resources unavailable ({type(exc).__name__}: {exc})"]
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -272,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for k, v in checks.items():
         print(f"check {k}: {'OK' if v else 'FAILED'}")
+    if device.type == "cuda":
+        print()
+        print("kernels as this device loaded them:")
+        for fn in (tk._diff_stage, tk._diff_place, tk._apply_diff, tk._scatter):
+            for line in kernel_resources(fn):
+                print(f"  {line}")
     return 0 if all(checks.values()) else 1
 
 

@@ -326,3 +326,30 @@ def test_gpu_bench_says_clearly_when_there_is_no_gpu(capsys) -> None:
 
     assert gpu_bench.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_bench_reports_each_loaded_kernel_form_and_survives_triton_internals_changing() -> None:
+    """``kernel_resources`` reads Triton's caches of compiled kernels (no GPU here: stand-ins
+    shaped like Triton 3's), and says "unavailable" instead of failing the bench when they
+    are not there."""
+    from types import SimpleNamespace
+
+    from weftboard.cuda import gpu_bench
+
+    loaded = []
+
+    def kernel(warps: int, regs: int, spills: int) -> SimpleNamespace:
+        k = SimpleNamespace(metadata=SimpleNamespace(num_warps=warps), n_regs=regs, n_spills=spills)
+        k._init_handles = lambda: loaded.append(warps)
+        return k
+
+    fn = SimpleNamespace(__name__="_diff_stage",
+                         device_caches={0: ({"a": kernel(16, 75, 0), "b": kernel(4, 255, 2)}, {}, None, None, None)})
+    assert gpu_bench.kernel_resources(fn) == ["_diff_stage: 16 warps, 75 registers, 0 spilled",
+                                              "_diff_stage: 4 warps, 255 registers, 2 spilled"]
+    assert loaded == [16, 4]
+    empty = SimpleNamespace(__name__="_scatter", device_caches={})
+    assert gpu_bench.kernel_resources(empty) == ["_scatter: no compiled form"]
+    interpreted = SimpleNamespace(__name__="_apply_diff")  # no device_caches, as under TRITON_INTERPRET
+    (line,) = gpu_bench.kernel_resources(interpreted)
+    assert line.startswith("_apply_diff: resources unavailable (AttributeError")
