@@ -13,7 +13,9 @@
 #   2. gpu_bench --tiny on the GPU: a functional run that compiles the Triton kernels for real
 #      and the CPU coder's numba kernels (a cold cache compiles for a minute or more);
 #   3. the full gpu_bench: the 7B-size bf16 set, its table and its bitwise checks;
-#   4. the tests that run only with a CUDA device (served projections on the GPU give the CPU's bytes).
+#   4. the tests that run only with a CUDA device: served projections on the GPU give the CPU's
+#      bytes, and the compiled Triton kernels give the CPU path's on every element width and the
+#      adversarial pairs (test_triton_cuda.py; the interpreter tests cannot see warps or vector loads).
 # Everything printed is also written to $OUT/device_check.log ($OUT: the device tool's folder
 # that comes back; /tmp/weftboard-device elsewhere). Exit status: 0 only if every step passed.
 #
@@ -84,7 +86,7 @@ fi
 # --noconftest: tests/conftest.py starts Redis and SeaweedFS fixtures and imports the board;
 # the tests named here need neither. -W: the ini's pytest-asyncio keys are unknown there.
 step "CUDA tests" 60 "$PY" -m pytest -q -p no:cacheprovider --noconftest -W ignore::pytest.PytestConfigWarning \
-  "$ROOT/tests/test_formats.py" -k cuda
+  "$ROOT/tests/test_formats.py" "$ROOT/tests/test_triton_cuda.py" -k cuda
 
 if [ "${#failed[@]}" = 0 ]; then
   echo "device_check: every step passed; log in $LOG" | tee -a "$LOG"

@@ -27,28 +27,9 @@ from weftboard.cuda.diff import (
 )
 from weftboard.proto.errors import InvalidArgument
 
+from diffcases import adversarial_pairs, mutate, random_bits, triton_cases
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.float64]
-
-
-def _random_bits(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    width = torch.empty(0, dtype=dtype).element_size()
-    return torch.randint(0, 256, (n * width,), dtype=torch.uint8, generator=gen).view(dtype)
-
-
-def _mutate(t: torch.Tensor, density: float, gen: torch.Generator) -> torch.Tensor:
-    out = t.clone()
-    b = bits_view(out)
-    n = b.numel()
-    if n == 0 or density <= 0:
-        return out
-    mask = torch.rand(n, generator=gen) < density
-    # +-1 ulp mostly, some far jumps
-    step = torch.randint(-2, 3, (n,), generator=gen)
-    step[step == 0] = 1
-    far = torch.rand(n, generator=gen) < 0.05
-    wide = b.to(torch.int64) + step + far * 1000
-    b[mask] = wide[mask].to(b.dtype) if b.dtype != torch.uint8 else (wide[mask] % 256).to(torch.uint8)
-    return out
 
 
 def _reference(old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,51 +47,17 @@ def _assert_delta(delta: TensorDelta, old: torch.Tensor, new: torch.Tensor) -> N
     assert delta.numel == old.numel() and delta.dtype == old.dtype
 
 
-def _adversarial_pairs() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(7)
-    cases = []
-    z = torch.zeros(1000)
-    cases.append(("pos-neg-zero", z, -z))
-    nan = torch.full((513,), float("nan"))
-    cases.append(("same-nan", nan, nan.clone()))
-    other_nan = nan.clone()
-    other_nan.view(torch.int32)[::3] |= 1  # a different NaN payload is a change
-    cases.append(("nan-payload", nan, other_nan))
-    inf = torch.tensor([float("inf"), -float("inf"), 1.0, 0.0] * 100)
-    cases.append(("inf-flip", inf, -inf))
-    base = _random_bits(DIFF_TILE * 2 + 5, torch.bfloat16, gen)
-    cases.append(("all-changed", base, (bits_view(base) ^ 0x5555).view(torch.bfloat16)))
-    cases.append(("none-changed", base, base.clone()))
-    cases.append(("empty", torch.empty(0, dtype=torch.bfloat16), torch.empty(0, dtype=torch.bfloat16)))
-    one = torch.tensor([1.0], dtype=torch.bfloat16)
-    cases.append(("single", one, -one))
-    odd = _random_bits(7, torch.float8_e4m3fn, gen)
-    cases.append(("odd-fp8", odd, _mutate(odd, 0.5, gen)))
-    # dense first tile, sparse second (both compaction strategies), last element changed
-    t = _random_bits(DIFF_TILE * 2 + 3, torch.bfloat16, gen)
-    u = _mutate(t, 0.0, gen)
-    bits_view(u)[: DIFF_TILE // 2] ^= 1
-    bits_view(u)[DIFF_TILE + 17] ^= 0x8000
-    bits_view(u)[-1] ^= 1
-    cases.append(("mixed-tiles", t, u))
-    # a misaligned view: storage offset of one element, so no 64-bit word view exists
-    big = _random_bits(1001, torch.bfloat16, gen)
-    big2 = _mutate(big, 0.1, gen)
-    cases.append(("misaligned", big[1:], big2[1:]))
-    return cases
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("density", [0.0, 0.001, 0.02, 0.3, 1.0])
 @pytest.mark.parametrize("n", [1, 9, DIFF_TILE + 1001])
 def test_cpu_diff_matches_reference(dtype: torch.dtype, density: float, n: int) -> None:
     gen = torch.Generator().manual_seed(n)
-    old = _random_bits(n, dtype, gen)
-    new = _mutate(old, density, gen)
+    old = random_bits(n, dtype, gen)
+    new = mutate(old, density, gen)
     _assert_delta(diff_tensor(old, new), old, new)
 
 
-@pytest.mark.parametrize("case", _adversarial_pairs(), ids=lambda c: c[0])
+@pytest.mark.parametrize("case", adversarial_pairs(), ids=lambda c: c[0])
 def test_cpu_diff_adversarial(case) -> None:
     _, old, new = case
     delta = diff_tensor(old, new)
@@ -129,8 +76,8 @@ def test_float_compare_would_be_wrong_but_bits_are_right() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8, torch.float32], ids=str)
 def test_diff_and_update_makes_prev_new_in_place(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(3)
-    old = _random_bits(DIFF_TILE * 3 + 77, dtype, gen).reshape(-1, 1)
-    new = _mutate(old, 0.05, gen)
+    old = random_bits(DIFF_TILE * 3 + 77, dtype, gen).reshape(-1, 1)
+    new = mutate(old, 0.05, gen)
     prev = old.clone()
     ptr = prev.data_ptr()
     delta = diff_and_update_(prev, new)
@@ -141,8 +88,8 @@ def test_diff_and_update_makes_prev_new_in_place(dtype: torch.dtype) -> None:
 
 def test_apply_delta_round_trip_and_shape_checks() -> None:
     gen = torch.Generator().manual_seed(4)
-    old = _random_bits(5000, torch.bfloat16, gen).reshape(50, 100)
-    new = _mutate(old, 0.1, gen)
+    old = random_bits(5000, torch.bfloat16, gen).reshape(50, 100)
+    new = mutate(old, 0.1, gen)
     delta = diff_tensor(old, new)
     target = old.clone()
     apply_delta_(target, delta)
@@ -158,7 +105,7 @@ def test_apply_delta_round_trip_and_shape_checks() -> None:
 @pytest.mark.parametrize("dtype", DTYPES + [torch.int8, torch.int64])
 def test_cpu_bits_is_the_flat_unsigned_view_of_any_layout(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(5)
-    t = _random_bits(60, dtype, gen).reshape(6, 10)
+    t = random_bits(60, dtype, gen).reshape(6, 10)
     for view in (t, t.t(), t[:, 2:7], t.reshape(-1)[3], t.reshape(2, 3, 10)):
         got = cpu_bits(view)
         want = unsigned_np(bits_view(view.contiguous())).reshape(-1)
@@ -215,17 +162,7 @@ def tk():
     return triton_kernels
 
 
-def _triton_cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(11)
-    cases = [c for c in _adversarial_pairs() if c[1].numel() <= 20_000]
-    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.uint8, torch.float64):
-        for density in (0.01, 0.3):  # 0.3 overflows the kernel's per-block stage, 0.01 does not
-            old = _random_bits(9_001, dtype, gen)
-            cases.append((f"{dtype}-{density}", old, _mutate(old, density, gen)))
-    return cases
-
-
-@pytest.mark.parametrize("case", _triton_cases(), ids=lambda c: c[0])
+@pytest.mark.parametrize("case", triton_cases(), ids=lambda c: c[0])
 def test_triton_diff_matches_cpu(tk, case) -> None:
     _, old, new = case
     old, new = old.contiguous(), new.contiguous()
@@ -240,7 +177,7 @@ def test_triton_diff_matches_cpu(tk, case) -> None:
     assert torch.equal(bits_view(prev), bits_view(new))
 
 
-@pytest.mark.parametrize("case", _triton_cases()[-6:], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", triton_cases()[-6:], ids=lambda c: c[0])
 def test_triton_apply_matches_cpu(tk, case) -> None:
     _, old, new = case
     ref = diff_tensor(old, new)
@@ -259,8 +196,8 @@ def test_triton_batch_diff_one_sync(tk) -> None:
     gen = torch.Generator().manual_seed(5)
     pairs = []
     for n in (3, 4096, 4097, 12_000):
-        old = _random_bits(n, torch.bfloat16, gen)
-        pairs.append((old, _mutate(old, 0.2, gen)))
+        old = random_bits(n, torch.bfloat16, gen)
+        pairs.append((old, mutate(old, 0.2, gen)))
     for (old, new), got in zip(pairs, tk.diff_many_cuda(pairs)):
         assert torch.equal(got.positions, diff_tensor(old, new).positions)
 
