@@ -123,6 +123,8 @@ def _kernels() -> dict[str, tuple[Any, dict[str, Any], tuple[dict[str, Any], ...
 
 
 def _signature(fn: Any, element: str, n_multiple_of_16: bool = True) -> tuple[dict[str, str], dict[tuple[int, ...], list]]:
+    """``fn``'s argument types and the runtime's alignment hints for one launch form: what
+    ``triton.compile`` needs to build the cubin the runtime would build for that launch."""
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list] = {}
     for i, param in enumerate(fn.params):
