@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from weftboard.cuda.diff import DIFF_TILE, bits_view
+from weftboard.cuda.diff import DIFF_TILE, bits_view, diff_tensor
 
 
 def random_bits(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -74,3 +74,42 @@ def triton_cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
             old = random_bits(9_001, dtype, gen)
             cases.append((f"{dtype}-{density}", old, mutate(old, density, gen)))
     return cases
+
+
+def placed(t: torch.Tensor, device: str) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` with the same storage offset, so a misaligned view stays
+    misaligned (the kernels' loads are specialized on alignment)."""
+    base = torch.empty(t.numel() + t.storage_offset(), dtype=t.dtype, device=device)
+    view = base[t.storage_offset():]
+    view.copy_(t)
+    return view
+
+
+def check_triton_diff(tk, old: torch.Tensor, new: torch.Tensor, device: str) -> None:
+    """``tk.diff_cuda`` of the pair placed on ``device`` (CPU tensors for the interpreter)
+    against the CPU path, plain and then with ``update`` (which must leave old equal to new)."""
+    old, new = old.contiguous(), new.contiguous()
+    ref = diff_tensor(old, new)
+    on_old, on_new = placed(old, device), placed(new, device)
+    got = tk.diff_cuda(on_old, on_new)
+    assert got.positions.device == on_old.device
+    for field in ("positions", "old_bits", "new_bits"):
+        assert torch.equal(getattr(got, field).cpu(), getattr(ref, field)), field
+    upd = tk.diff_cuda(on_old, on_new, update=True)
+    assert torch.equal(upd.positions.cpu(), ref.positions) and torch.equal(upd.old_bits.cpu(), ref.old_bits)
+    assert torch.equal(bits_view(on_old).cpu(), bits_view(new))
+
+
+def check_triton_apply(tk, old: torch.Tensor, new: torch.Tensor, device: str) -> None:
+    """``tk.apply_diff_cuda_`` then ``tk.scatter_cuda_`` on the pair's old tensor placed on
+    ``device``: new bits after the apply (the old ones saved), old bits after the scatter."""
+    ref = diff_tensor(old, new)
+    tb = bits_view(placed(old, device))
+    positions, old_bits = ref.positions.to(device), ref.old_bits.to(device)
+    diffs = (ref.new_bits.to(torch.int64) - ref.old_bits.to(torch.int64)).to(ref.new_bits.dtype).to(device)
+    saved = torch.empty_like(old_bits)
+    tk.apply_diff_cuda_(tb, positions, diffs, saved)
+    assert torch.equal(tb.cpu(), bits_view(new))
+    assert torch.equal(saved.cpu(), ref.old_bits)
+    tk.scatter_cuda_(tb, positions, saved)
+    assert torch.equal(tb.cpu(), bits_view(old))

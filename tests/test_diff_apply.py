@@ -27,7 +27,7 @@ from weftboard.cuda.diff import (
 )
 from weftboard.proto.errors import InvalidArgument
 
-from diffcases import adversarial_pairs, mutate, random_bits, triton_cases
+from diffcases import adversarial_pairs, check_triton_apply, check_triton_diff, mutate, random_bits, triton_cases
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.float64]
 
@@ -164,32 +164,12 @@ def tk():
 
 @pytest.mark.parametrize("case", triton_cases(), ids=lambda c: c[0])
 def test_triton_diff_matches_cpu(tk, case) -> None:
-    _, old, new = case
-    old, new = old.contiguous(), new.contiguous()
-    ref = diff_tensor(old, new)
-    got = tk.diff_cuda(old, new)
-    assert torch.equal(got.positions, ref.positions)
-    assert torch.equal(got.old_bits, ref.old_bits)
-    assert torch.equal(got.new_bits, ref.new_bits)
-    prev = old.clone()
-    upd = tk.diff_cuda(prev, new, update=True)
-    assert torch.equal(upd.positions, ref.positions) and torch.equal(upd.old_bits, ref.old_bits)
-    assert torch.equal(bits_view(prev), bits_view(new))
+    check_triton_diff(tk, case[1], case[2], "cpu")
 
 
 @pytest.mark.parametrize("case", triton_cases()[-6:], ids=lambda c: c[0])
 def test_triton_apply_matches_cpu(tk, case) -> None:
-    _, old, new = case
-    ref = diff_tensor(old, new)
-    target = old.clone()
-    tb = bits_view(target)
-    saved = torch.empty_like(ref.old_bits)
-    diffs = (ref.new_bits.to(torch.int64) - ref.old_bits.to(torch.int64)).to(ref.new_bits.dtype)
-    tk.apply_diff_cuda_(tb, ref.positions, diffs, saved)
-    assert torch.equal(tb, bits_view(new))
-    assert torch.equal(saved, ref.old_bits)
-    tk.scatter_cuda_(tb, ref.positions, saved)
-    assert torch.equal(tb, bits_view(old))
+    check_triton_apply(tk, case[1], case[2], "cpu")
 
 
 def test_triton_batch_diff_one_sync(tk) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from weftboard.cuda.diff import bits_view, diff_tensor
 
-from diffcases import mutate, random_bits, triton_cases
+from diffcases import check_triton_apply, check_triton_diff, mutate, random_bits, triton_cases
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -36,30 +36,9 @@ def tk():
     return triton_kernels
 
 
-def _on_device(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the device with the same storage offset (a misaligned view stays misaligned)."""
-    if t.storage_offset() == 0:
-        return t.cuda()
-    base = torch.empty(t.numel() + t.storage_offset(), dtype=t.dtype, device="cuda")
-    view = base[t.storage_offset():]
-    view.copy_(t)
-    return view
-
-
 @pytest.mark.parametrize("case", triton_cases(), ids=lambda c: c[0])
 def test_cuda_diff_matches_cpu(tk, case) -> None:
-    _, old, new = case
-    old, new = old.contiguous(), new.contiguous()
-    ref = diff_tensor(old, new)
-    d_old, d_new = _on_device(old), _on_device(new)
-    got = tk.diff_cuda(d_old, d_new)
-    assert got.positions.is_cuda
-    assert torch.equal(got.positions.cpu(), ref.positions)
-    assert torch.equal(got.old_bits.cpu(), ref.old_bits)
-    assert torch.equal(got.new_bits.cpu(), ref.new_bits)
-    upd = tk.diff_cuda(d_old, d_new, update=True)  # writes new into d_old where they differ
-    assert torch.equal(upd.positions.cpu(), ref.positions) and torch.equal(upd.old_bits.cpu(), ref.old_bits)
-    assert torch.equal(bits_view(d_old).cpu(), bits_view(new))
+    check_triton_diff(tk, case[1], case[2], "cuda")
 
 
 @pytest.mark.parametrize("warps", SWEEP)
@@ -78,18 +57,7 @@ def test_cuda_diff_gives_the_same_result_at_every_warps(tk, warps, density) -> N
 
 @pytest.mark.parametrize("case", triton_cases()[-6:], ids=lambda c: c[0])
 def test_cuda_apply_and_scatter_match_cpu(tk, case) -> None:
-    _, old, new = case
-    ref = diff_tensor(old, new)
-    target = old.cuda()
-    tb = bits_view(target)
-    positions, old_bits = ref.positions.cuda(), ref.old_bits.cuda()
-    diffs = (ref.new_bits.to(torch.int64) - ref.old_bits.to(torch.int64)).to(ref.new_bits.dtype).cuda()
-    saved = torch.empty_like(old_bits)
-    tk.apply_diff_cuda_(tb, positions, diffs, saved)
-    assert torch.equal(tb.cpu(), bits_view(new))
-    assert torch.equal(saved, old_bits)
-    tk.scatter_cuda_(tb, positions, saved)
-    assert torch.equal(tb.cpu(), bits_view(old))
+    check_triton_apply(tk, case[1], case[2], "cuda")
 
 
 def test_cuda_patch_round_trip(tk) -> None:
