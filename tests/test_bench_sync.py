@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# The smoke runs start a trainer and islands in processes of their own, which load the CPU
+# codec's kernels from the disk cache; on an empty cache (a fresh clone) each compiled them at
+# once on two cores, and a run took more than its 280 s. So the session's kernel warm-up
+# (conftest's ``warm_kernels``) fills the cache first: 433 s on an empty cache on a two-core host,
+# where this module is the first to ask for it, so the time limit has room for that and a run
+# (30 s each once warm).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_kernels"), pytest.mark.timeout(900)]
 
 KEYS = {
     "params", "islands", "versions", "delta_bytes_per_version", "full_bytes_per_version",
