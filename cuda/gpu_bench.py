@@ -196,14 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     for n in names:
         groups.setdefault(n.split(".")[2] if n.startswith("model.layers.") else n, []).append(n)
     batches = list(groups.values())
-    deltas = {}
-    for rnd in range(2):
-        deltas = {}
-        with _Timer(device) as t_diff:
-            for batch in batches:
-                for n, d in zip(batch, tk.diff_many_cuda([(old[n], new[n]) for n in batch])):
-                    deltas[n] = d
-    rows.append(Row(f"diff, Triton (staged, {tk.DIFF_WARPS} warps)", t_diff.seconds, f"{len(batches)} host syncs"))
+
+    def triton_diff(warps: int) -> tuple[float, dict]:
+        """The seconds of the second of two rounds (the first warms up), and its deltas."""
+        for rnd in range(2):
+            out = {}
+            with _Timer(device) as t:
+                for batch in batches:
+                    for n, d in zip(batch, tk.diff_many_cuda([(old[n], new[n]) for n in batch], warps=warps)):
+                        out[n] = d
+        return t.seconds, out
+
+    t_diff, deltas = triton_diff(tk.DIFF_WARPS)
+    rows.append(Row(f"diff, Triton (staged, {tk.DIFF_WARPS} warps)", t_diff, f"{len(batches)} host syncs"))
     changed = sum(d.changed for d in deltas.values())
 
     for rnd in range(2):
@@ -214,19 +219,16 @@ def main(argv: list[str] | None = None) -> int:
                 idx = torch.ne(a, b).nonzero().squeeze(1)
                 ref[n] = (idx, b[idx])
     rows.append(Row("diff, torch ne+nonzero (baseline)", t_ref.seconds, f"{len(names)} host syncs"))
-    diff_ok = all(torch.equal(deltas[n].positions, ref[n][0]) and torch.equal(deltas[n].new_bits, ref[n][1]) for n in names)
 
+    def same_as_torch(got: dict) -> bool:
+        return all(torch.equal(got[n].positions, ref[n][0]) and torch.equal(got[n].new_bits, ref[n][1]) for n in names)
+
+    diff_ok = same_as_torch(deltas)
     # the same diff at other warps per program: the register report (triton_compile) predicts, this measures
     for warps in [w for w in sweep if w != tk.DIFF_WARPS]:
-        for rnd in range(2):
-            swept = {}
-            with _Timer(device) as t_sweep:
-                for batch in batches:
-                    for n, d in zip(batch, tk.diff_many_cuda([(old[n], new[n]) for n in batch], warps=warps)):
-                        swept[n] = d
-        rows.append(Row(f"diff, Triton (staged, {warps} warps)", t_sweep.seconds, "sweep"))
-        diff_ok &= all(torch.equal(swept[n].positions, ref[n][0]) and torch.equal(swept[n].new_bits, ref[n][1])
-                       for n in names)
+        t_sweep, swept = triton_diff(warps)
+        rows.append(Row(f"diff, Triton (staged, {warps} warps)", t_sweep, "sweep"))
+        diff_ok &= same_as_torch(swept)
         del swept
 
     # apply kernels on device, from device-resident (position, bits) arrays
