@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from weftboard.cuda.triton_compile import warps_list
+
 
 @dataclass
 class Row:
@@ -135,16 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--tiny", action="store_true", help="2 layers of 256/512, vocab 1000: a functional dry run")
     ap.add_argument("--skip-codec", action="store_true", help="time only the device kernels, not the CPU entropy coder")
-    ap.add_argument("--diff-warps", default="4,8,32",
+    ap.add_argument("--diff-warps", type=warps_list, default=(4, 8, 32),
                     help="also time the Triton diff at these warps per program (comma-separated; the launch's "
                          "own, triton_kernels.DIFF_WARPS, is always timed), each checked against the torch diff")
     args = ap.parse_args(argv)
-    try:
-        sweep = [int(w) for w in args.diff_warps.split(",") if w.strip()]
-    except ValueError:
-        ap.error(f"--diff-warps {args.diff_warps!r}: give comma-separated integers")
-    if any(w < 1 or w & (w - 1) or w > 32 for w in sweep):
-        ap.error(f"--diff-warps {args.diff_warps!r}: each must be a power of two from 1 to 32")
+    sweep = args.diff_warps
     if args.tiny:
         args.layers, args.hidden, args.intermediate, args.vocab = 2, 256, 512, 1000
 

@@ -209,10 +209,19 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: give comma-separated integers") from None
 
 
+def warps_list(text: str) -> tuple[int, ...]:
+    """An argparse type: comma-separated warps per program, each a power of two from 1 to 32
+    (a program is at most 1024 threads). Shared with ``gpu_bench --diff-warps``."""
+    warps = _ints(text)
+    if any(w < 1 or w & (w - 1) or w > 32 for w in warps):
+        raise argparse.ArgumentTypeError(f"{text!r}: each must be a power of two from 1 to 32")
+    return warps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", type=_ints, default=(80, 90), help="compute capabilities, e.g. 80,90 (A100, H100/H200)")
-    ap.add_argument("--warps", type=_ints, default=None, help="warps per program to try (default: the launch's)")
+    ap.add_argument("--warps", type=warps_list, default=None, help="warps per program to try (default: the launch's)")
     ap.add_argument("--element", action="append", choices=ELEMENTS, help="element views (default: all)")
     ap.add_argument("--json", action="store_true", help="one JSON object per compiled kernel instead of a table")
     args = ap.parse_args(argv)

@@ -114,7 +114,8 @@ def test_the_table_reports_each_compiled_kernel_and_a_summary() -> None:
     assert lines[-1] == f"12 kernels compiled; {spilled} use stack or local memory"
 
 
-def test_bad_arguments_exit_with_usage_errors() -> None:
+@pytest.mark.parametrize("args", [["--arch", "nine"], ["--warps", "3"], ["--warps", "64"], ["--warps", "0"]])
+def test_bad_arguments_exit_with_usage_errors(args) -> None:
     with pytest.raises(SystemExit) as exc:
-        tc.main(["--arch", "nine"])
+        tc.main(args)
     assert exc.value.code == 2
