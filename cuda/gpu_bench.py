@@ -123,6 +123,11 @@ def kernel_resources(fn: Any) -> list[str]:
         return [f"{fn.__name__}: resources unavailable ({type(exc).__name__}: {exc})"]
 
 
+def _same_as_torch(got: dict, ref: dict) -> bool:
+    """Each tensor's Triton delta has the torch diff's positions and new bits."""
+    return all(torch.equal(d.positions, ref[n][0]) and torch.equal(d.new_bits, ref[n][1]) for n, d in got.items())
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
@@ -208,24 +213,26 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(Row(f"diff, Triton (staged, {tk.DIFF_WARPS} warps)", t_diff, f"{len(batches)} host syncs"))
     changed = sum(d.changed for d in deltas.values())
 
-    for rnd in range(2):
-        with _Timer(device) as t_ref:
-            ref = {}
-            for n in names:
-                a, b = bits_view(old[n]), bits_view(new[n])
-                idx = torch.ne(a, b).nonzero().squeeze(1)
-                ref[n] = (idx, b[idx])
-    rows.append(Row("diff, torch ne+nonzero (baseline)", t_ref.seconds, f"{len(names)} host syncs"))
+    def torch_diff() -> tuple[float, dict]:
+        """The baseline's seconds (second of two rounds) and its (positions, new bits) per tensor."""
+        for rnd in range(2):
+            out = {}
+            with _Timer(device) as t:
+                for n in names:
+                    a, b = bits_view(old[n]), bits_view(new[n])
+                    idx = torch.ne(a, b).nonzero().squeeze(1)
+                    out[n] = (idx, b[idx])
+        return t.seconds, out
 
-    def same_as_torch(got: dict) -> bool:
-        return all(torch.equal(got[n].positions, ref[n][0]) and torch.equal(got[n].new_bits, ref[n][1]) for n in names)
+    t_ref, ref = torch_diff()
+    rows.append(Row("diff, torch ne+nonzero (baseline)", t_ref, f"{len(names)} host syncs"))
 
-    diff_ok = same_as_torch(deltas)
+    diff_ok = _same_as_torch(deltas, ref)
     # the same diff at other warps per program: the register report (triton_compile) predicts, this measures
     for warps in [w for w in sweep if w != tk.DIFF_WARPS]:
         t_sweep, swept = triton_diff(warps)
         rows.append(Row(f"diff, Triton (staged, {warps} warps)", t_sweep, "sweep"))
-        diff_ok &= same_as_torch(swept)
+        diff_ok &= _same_as_torch(swept, ref)
         del swept
 
     # apply kernels on device, from device-resident (position, bits) arrays
