@@ -34,6 +34,7 @@ export PYTHONUNBUFFERED=1
 
 # weftboard.cuda and weftboard.proto from this checkout, under the names the code imports
 SHIM=$(mktemp -d)
+trap 'rm -rf "$SHIM"' EXIT  # the shim holds only links; nothing of it outlives the run
 mkdir -p "$SHIM/weftboard"
 ln -s "$ROOT/cuda" "$SHIM/weftboard/cuda"
 ln -s "$ROOT/proto" "$SHIM/weftboard/proto"

@@ -209,9 +209,14 @@ _DEVICE_CHECK = _REPO / "cuda" / "device_check.sh"
 
 
 def _device_check(tmp_path: Path, python: str) -> tuple[subprocess.CompletedProcess, str]:
-    env = {**os.environ, "DEVICE_CHECK_CPU": "1", "OUT": str(tmp_path / "out"), "PYTHON": python}
+    """Runs the script with its temporary files in ``tmp_path/tmp``, and checks it left none there."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "DEVICE_CHECK_CPU": "1", "OUT": str(tmp_path / "out"), "PYTHON": python,
+           "TMPDIR": str(scratch)}
     proc = subprocess.run(["bash", str(_DEVICE_CHECK)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=290)
+    assert not any(scratch.iterdir()), sorted(p.name for p in scratch.iterdir())  # the shim is removed
     return proc, (tmp_path / "out" / "device_check.log").read_text()
 
 
