@@ -3,6 +3,9 @@
 ``plan_gc`` is pure. Its invariants (tested directly):
 - ``oldest_available`` never moves back, and every version in [oldest_available, head]
   stays reachable: the anchor at oldest_available and every patch after it are kept.
+- Every blob a retained version's record names is kept, the oldest's patch included: the
+  catch-up planner (``domain.plan_catch_up``) starts an island holding oldest_available - 1
+  from that patch, and ``GetVersion`` must not name a deleted blob.
 - No blob on the catch-up chain of a live island is deleted: the new oldest is at or
   below every live island's version, so the patches after it are all retained.
 - The newest ``keep_anchors`` anchors are kept, and so are the patches after the oldest
@@ -81,15 +84,16 @@ def plan_gc(
     for v, blobs in versions.items():
         if v < oldest_available:
             continue  # collected by an earlier run of GC
-        keep_patch = v > new_oldest
-        keep_anchor = v >= new_oldest
+        # The oldest's own patch is kept with it: the catch-up planner hands it to an island
+        # still holding oldest - 1, and a retained version's record names no deleted blob.
+        keep = v >= new_oldest
         for key, size in blobs.patch:
-            if keep_patch:
+            if keep:
                 kept.add(key)
-            elif v > oldest_available:  # the oldest's own patch went when it became the oldest
+            else:
                 dropped[key] = size
         for key, size in blobs.anchor:
-            if keep_anchor:
+            if keep:
                 kept.add(key)
             else:
                 dropped[key] = size

@@ -48,8 +48,12 @@ def test_plan_keeps_newest_versions_and_anchors():
     deleted = {k for k, _ in plan.delete}
     # newest 4 versions: 17..20 -> floor 17; newest 2 anchors: 10, 15 -> floor 10 -> oldest 10
     assert plan.oldest_available == 10
-    assert deleted == {"a1", "a5"} | {f"p{v}" for v in range(2, 11)}
-    assert plan.freed_bytes == 200 + 9 * 10
+    assert deleted == {"a1", "a5"} | {f"p{v}" for v in range(2, 10)}  # p10 stays with version 10
+    assert plan.freed_bytes == 200 + 8 * 10
+    # the next run, from oldest 10 to 15, collects version 10's patch with it
+    later = plan_gc(versions, 20, 10, [], keep_anchors=1, keep_versions=4)
+    assert later.oldest_available == 15
+    assert {k for k, _ in later.delete} == {"a10"} | {f"p{v}" for v in range(10, 15)}
 
 
 def test_plan_never_drops_a_live_islands_chain():
@@ -97,6 +101,9 @@ def test_plan_properties(head, anchors, islands, keep_anchors, keep_versions, ol
         assert reachable(versions, deleted, v, plan.oldest_available, head), v
     for v in range(max(head - keep_versions + 1, oldest), head + 1):
         assert v >= plan.oldest_available
+    # a retained version's record names no deleted blob, the oldest's patch included
+    for v in range(plan.oldest_available, head + 1):
+        assert not {k for k, _ in versions[v].patch + versions[v].anchor} & deleted, v
     for a in all_anchors[-keep_anchors:]:
         assert f"a{a}" not in deleted or a < oldest
     for u in islands:
@@ -142,6 +149,14 @@ async def test_collect_garbage_end_to_end(board, local_store):
         assert events == [5, 6, 7, 8]
         plan = await client.plan_catch_up("g", have_version=0)
         assert [s.to_version for s in plan.steps] == [5, 6, 7, 8]
+        # an island that lapsed at 4 (= oldest - 1) is sent the oldest's patch, which GC kept
+        plan = await client.plan_catch_up("g", have_version=4)
+        assert [(s.from_version, s.to_version) for s in plan.steps] == [(4, 5), (5, 6), (6, 7), (7, 8)]
+        for step in plan.steps:
+            assert all([await local_store.stat(b.key) for b in step.blobs]), step
+        for v in range(5, 9):  # and no retained record names a deleted blob
+            record = await client.get_version("g", v)
+            assert all([await local_store.stat(b.key) for a in record.artifacts for b in a.blobs]), v
         again = await client.collect_garbage("g")
         assert list(again.deleted_keys) == [] and again.oldest_available == 5
 
