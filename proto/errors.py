@@ -54,6 +54,11 @@ class PermissionDenied(WeftboardError):
     grpc_code_name = "PERMISSION_DENIED"
 
 
+class UrlExpired(PermissionDenied):
+    """A presigned URL was refused (HTTP 403): it expired or names another object. Unlike a
+    refused token this passes: a new plan from the board carries fresh URLs."""
+
+
 class DeadlineExceeded(WeftboardError):
     grpc_code_name = "DEADLINE_EXCEEDED"
 

@@ -10,6 +10,8 @@ Invariants:
 - The sidecar's ``VersionState.held`` is only moved by the engine destination, after an
   activation succeeded; ``head`` follows what the subscriber learns from the board.
 - ``stop()`` ends every task this island started and closes its servers and client.
+- A task that ends before ``stop()`` (a fatal error) is logged at once, and ``failed()``
+  returns its error, so ``weftboard sidecar`` exits instead of serving a stale version.
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ class RunningIsland:
     _closers: list[Any] = field(default_factory=list)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
+    async def failed(self) -> BaseException:
+        """Waits for one of the island's tasks to end and returns why. They run until ``stop``,
+        so one ends only on an error that retrying cannot cure (a token the board refuses) or a
+        bug; a process serving the island should then exit rather than serve a stale version."""
+        done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+        task = next(iter(done))
+        if task.cancelled():
+            return asyncio.CancelledError(f"task {task.get_name()} was cancelled")
+        return task.exception() or RuntimeError(f"task {task.get_name()} returned")
+
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
@@ -72,6 +84,14 @@ async def reference_config_of_run(client: Any, run: str, timeout_s: float = 60.0
             if asyncio.get_running_loop().time() > deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+def _log_end(task: asyncio.Task) -> None:
+    """An island's task ending on an error is logged where it happens, not first at ``stop``."""
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        log.error("island task ended; the island no longer follows its run", task=task.get_name(),
+                  error=f"{type(exc).__name__}: {exc}")
 
 
 async def _follow_head(subscriber: Any, state: VersionState, every_s: float = 0.05) -> None:
@@ -147,6 +167,8 @@ async def start_island(
                                closers)
         island._tasks.append(asyncio.create_task(subscriber.run(), name=f"subscriber-{island_id}"))
         island._tasks.append(asyncio.create_task(_follow_head(subscriber, state), name=f"head-{island_id}"))
+        for task in island._tasks:
+            task.add_done_callback(_log_end)
         log.info("island started", island=island_id, url=url, engine=engine, engine_url=engine_url,
                  mode=gate.mode.value)
         return island

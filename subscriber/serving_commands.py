@@ -42,6 +42,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
         from weftboard.board.logs import configure
         from weftboard.subscriber.engines.base import require_mode
+        from weftboard.proto.errors import WeftboardError
         from weftboard.subscriber.island import start_island
 
         configure(json=log_json)
@@ -59,20 +60,33 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             store = LocalDirBlobStore(blob_dir)
 
         async def main() -> None:
-            island = await start_island(
-                board=board, token=token, run=run, island_id=island_id, engine=engine, engine_url=engine_url,
-                checkpoint_dir=dir / "checkpoint", cache_dir=dir / "cache", mode=mode, host=host or "127.0.0.1",
-                port=int(port), blob_store=store, default_deadline_s=deadline_ms / 1000.0,
-            )
+            try:
+                island = await start_island(
+                    board=board, token=token, run=run, island_id=island_id, engine=engine, engine_url=engine_url,
+                    checkpoint_dir=dir / "checkpoint", cache_dir=dir / "cache", mode=mode, host=host or "127.0.0.1",
+                    port=int(port), blob_store=store, default_deadline_s=deadline_ms / 1000.0,
+                )
+            except WeftboardError as exc:
+                typer.echo(f"sidecar did not start: {type(exc).__name__}: {exc}", err=True)
+                raise typer.Exit(1) from None
             typer.echo(f"sidecar for run {run} serving on {island.url} (engine {engine}, activation {mode.value})")
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
+            stopping = asyncio.ensure_future(stop.wait())
+            failing = asyncio.ensure_future(island.failed())
             try:
-                await stop.wait()
+                await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
             finally:
+                for waiter in (stopping, failing):
+                    waiter.cancel()
                 await island.stop()
+            if failing.done() and not failing.cancelled():
+                exc = failing.result()
+                typer.echo(f"sidecar stopped: the island no longer follows run {run}: {type(exc).__name__}: {exc}",
+                           err=True)
+                raise typer.Exit(1)
 
         asyncio.run(main())
 

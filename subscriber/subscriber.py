@@ -23,12 +23,16 @@ Invariants:
 - ``run()`` never misses a version: it watches from the held version (the board's watch
   replays everything after it) and, when the held version falls out of retained history
   (OUT_OF_RANGE), catches up from an anchor and watches again.
+- ``run()`` ends only on an error that retrying cannot cure (``FATAL_ERRORS``) or a bug;
+  the board or the store away, slow or failing inside, and a full disk are retried with
+  a growing delay while the held version stays served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,13 +41,17 @@ from typing import Any, Callable
 import structlog
 
 from weftboard.proto.errors import (
+    AlreadyExists,
     ApplyError,
     CorruptData,
     DigestMismatch,
     FailedPrecondition,
+    InvalidArgument,
     NotFound,
     OutOfRange,
-    Unavailable,
+    PermissionDenied,
+    Unauthenticated,
+    UrlExpired,
     WeftboardError,
 )
 from weftboard.proto.v1 import board_pb2 as pb
@@ -53,7 +61,20 @@ from weftboard.subscriber.fetch import Fetcher, cache_path
 
 log = structlog.get_logger("weftboard.subscriber")
 
-_RECOVERABLE = (CorruptData, ApplyError, NotFound)
+# A step failing with one of these is retried (refetch, then an anchor): its blobs were bad or
+# gone, its presigned URLs expired, or the disk refused a write (OSError) and may not next time.
+_RECOVERABLE = (CorruptData, ApplyError, NotFound, UrlExpired, OSError)
+# What ends ``run()``: following again cannot cure a refused token or a request the board calls
+# invalid; retrying them would only hide a misconfiguration (UrlExpired is retried before these).
+FATAL_ERRORS = (Unauthenticated, PermissionDenied, InvalidArgument, AlreadyExists)
+RETRY_MAX_S = 30.0
+
+
+def retry_delay_s(failures: int) -> float:
+    """Seconds to wait after the ``failures``-th failure in a row: 1, 2, 4 ... up to RETRY_MAX_S,
+    so islands do not meet an outage of the board with a retry every second (``run`` draws
+    each wait between 3/4 of this and all of it, so that they do not retry in step either)."""
+    return min(RETRY_MAX_S, 2.0 ** (max(failures, 1) - 1))
 MAX_PREFETCHED = 64  # staged parts downloading or waiting for their commit; later hints are ignored
 MAX_PREFETCH_BYTES = 64 << 20  # a staged part is held in memory as it lands: a larger one waits for the commit
 
@@ -450,18 +471,32 @@ class Subscriber:
     # -- following ------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Follow the run forever: catch up, then apply every new version as it is committed."""
+        """Follow the run forever: catch up, then apply every new version as it is committed.
+
+        Only an error that following again cannot cure ends it (``FATAL_ERRORS``: a token or a
+        request the board refuses) or a bug; everything else (the board or the blob store away
+        or slow, an internal error of the board, bad bytes, a full disk) is logged and retried
+        after ``retry_delay_s``, the held version served meanwhile.
+        """
         hb = asyncio.ensure_future(self._heartbeat_loop()) if self._heartbeat_enabled else None
+        failures = 0
         try:
             while True:
+                held = self.held_version
                 try:
                     await self._follow()
+                    failures = 0
                 except (OutOfRange, FailedPrecondition) as exc:
                     log.warning("fell behind retained history or run empty; re-planning", island=self.island_id, error=str(exc))
                     await asyncio.sleep(0.5)
-                except (ApplyError, CorruptData, Unavailable, NotFound) as exc:
-                    log.error("follow loop error; retrying", island=self.island_id, error=str(exc))
-                    await asyncio.sleep(1.0)
+                except (WeftboardError, OSError) as exc:
+                    if isinstance(exc, FATAL_ERRORS) and not isinstance(exc, UrlExpired):
+                        raise  # (an expired URL passes: the next plan carries fresh ones)
+                    failures = 1 if self.held_version > held else failures + 1
+                    delay = retry_delay_s(failures) * random.uniform(0.75, 1.0)
+                    log.error("follow loop error; retrying", island=self.island_id, error=f"{type(exc).__name__}: {exc}",
+                              failures=failures, retry_in_s=delay, held=self.held_version)
+                    await asyncio.sleep(delay)
         finally:
             self._drop_prefetched(upto=1 << 62)
             if hb is not None:

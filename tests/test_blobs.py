@@ -18,7 +18,7 @@ from weftboard.board.blobs import (
     upload_url,
 )
 from weftboard.board.services import free_port
-from weftboard.proto.errors import DigestMismatch, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from weftboard.proto.errors import DigestMismatch, InvalidArgument, NotFound, PermissionDenied, Unavailable, UrlExpired
 
 
 @pytest.fixture(params=["s3", "local"])
@@ -291,7 +291,7 @@ async def test_s3_presigned_url_is_scoped_to_one_object(s3_store: S3BlobStore, t
     url_a = await s3_store.presign_get("r/blobs/a", 60)
     tampered = url_a.replace("/r/blobs/a?", "/r/blobs/b?")
     assert tampered != url_a
-    with pytest.raises(PermissionDenied):
+    with pytest.raises(UrlExpired):
         await fetch_url(tampered, tmp_path / "x")
     missing = await s3_store.presign_get("r/blobs/missing", 60)
     with pytest.raises(NotFound):
@@ -304,7 +304,7 @@ async def test_s3_expired_presigned_url_is_refused(s3_store: S3BlobStore, tmp_pa
     await s3_store.put_bytes("r/blobs/exp", b"x")
     url = await s3_store.presign_get("r/blobs/exp", 1)
     await asyncio.sleep(2.1)
-    with pytest.raises(PermissionDenied, match="expired"):
+    with pytest.raises(UrlExpired, match="expired"):  # a PermissionDenied that a new plan cures
         await fetch_url(url, tmp_path / "x")
 
 

@@ -166,6 +166,64 @@ async def test_run_follows_new_versions_and_signals(board, local_store, tmp_path
         await asyncio.to_thread(pub.close, False)
 
 
+class FlakyBoard:
+    """A real board client whose ``get_head`` first raises each of ``failures`` in turn."""
+
+    def __init__(self, client: BoardClient, failures: list[BaseException]) -> None:
+        self._client, self.failures, self.raised = client, list(failures), []
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    async def get_head(self, run: str) -> pb.Head:
+        if self.failures:
+            self.raised.append(self.failures.pop(0))
+            raise self.raised[-1]
+        return await self._client.get_head(run)
+
+
+async def test_run_outlasts_what_retrying_cures_and_ends_on_what_it_cannot(board, local_store, tmp_path: Path,
+                                                                           monkeypatch) -> None:
+    """A slow board (DEADLINE_EXCEEDED), an internal error or an exhausted resource on it (the
+    client's bare WeftboardError), an expired presigned URL and a full disk are retried until
+    the island holds the version; a token the board refuses ends ``run()`` with that error."""
+    from weftboard.proto import errors
+    from weftboard.subscriber import subscriber as subscriber_module
+
+    waits: list[float] = []
+    monkeypatch.setattr(subscriber_module, "retry_delay_s", lambda failures: waits.append(failures) or 0.01)
+    views = await _publish(board, local_store, "fl", 1)
+    transient = [errors.DeadlineExceeded("deadline"), errors.from_status_code("INTERNAL", "boom"),
+                 errors.from_status_code("RESOURCE_EXHAUSTED", "busy"), errors.Unavailable("away"),
+                 errors.UrlExpired("403"), OSError(28, "No space left on device")]
+    async with BoardClient(board.address, board.admin_token) as real:
+        flaky = FlakyBoard(real, transient)
+        dest = LiveTensorsDestination(zeros_like_layout(views[1]))
+        sub = Subscriber(flaky, "fl", dest, island_id="fl", blob_store=local_store, cache_dir=tmp_path / "c",
+                         heartbeat=False)
+        task = asyncio.ensure_future(sub.run())
+        try:
+            assert await sub.wait_for_version(1, 30) == 1
+            assert bits_equal(dest.tensors, views[1]) and len(flaky.raised) == len(transient)
+            assert waits == [1, 2, 3, 4, 5, 6]  # the failures in a row, counted for the growing delay
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        for fatal in (errors.Unauthenticated("token refused"), errors.PermissionDenied("not this run")):
+            sub = Subscriber(FlakyBoard(real, [fatal]), "fl", LiveTensorsDestination(zeros_like_layout(views[1])),
+                             island_id="fl2", blob_store=local_store, cache_dir=tmp_path / "c2", heartbeat=False)
+            with pytest.raises(type(fatal)):
+                await asyncio.wait_for(sub.run(), 10)
+
+
+def test_retry_delay_grows_to_its_cap() -> None:
+    from weftboard.subscriber.subscriber import RETRY_MAX_S, retry_delay_s
+
+    assert [retry_delay_s(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
+    assert retry_delay_s(50) == RETRY_MAX_S == 30.0
+
+
 async def _stored_blob(store, data: bytes) -> pb.BlobRef:
     """``data`` put in ``store`` under its content-addressed key of run "r"."""
     import xxhash

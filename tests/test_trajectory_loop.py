@@ -282,6 +282,45 @@ async def test_sync_consumer_and_sidecar_cli(board, local_store, training, tmp_p
     assert proc.returncode == 0, output[-2000:]
 
 
+async def test_an_island_whose_token_cannot_plan_ends_and_its_sidecar_process_exits(board, local_store, training,
+                                                                                   tmp_path):
+    """A READER token may watch but not plan a catch-up (PERMISSION_DENIED): retrying cannot
+    cure that, so the island's follower ends, ``failed()`` says why, and ``weftboard sidecar``
+    exits 1 with the reason instead of serving nothing forever. A token the board does not know
+    stops the sidecar at start, with the reason and no traceback."""
+    from weftboard.proto import errors
+
+    await training.publish()
+    async with BoardClient(board.address, board.admin_token) as admin:
+        reader = (await admin.create_token("reader", pb.ROLE_READER)).token
+    island = await start_island(board=board.address, token=reader, run=RUN, island_id="ro", cache_dir=tmp_path / "ro",
+                                blob_store=local_store, heartbeat_s=0.5)
+    try:
+        failure = await asyncio.wait_for(island.failed(), 30)
+        assert isinstance(failure, errors.PermissionDenied) and "PlanCatchUp" in str(failure)
+        assert island.state.held == 0
+    finally:
+        await island.stop()
+
+    async def sidecar(token: str) -> tuple[int, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "weftboard.board.cli", "sidecar", "--board", board.address, "--token", token,
+            "--run", RUN, "--listen", "127.0.0.1:0", "--dir", str(tmp_path / "cli-ro"), "--blob-dir",
+            str(local_store.root), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), 90)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        return proc.returncode, err.decode()
+
+    code, err = await sidecar(reader)
+    assert code == 1 and f"the island no longer follows run {RUN}: PermissionDenied" in err, err[-2000:]
+    code, err = await sidecar("not-a-token")
+    assert code == 1 and "sidecar did not start: Unauthenticated" in err and "Traceback" not in err, err[-2000:]
+
+
 async def test_engine_in_its_own_server_loads_verified_checkpoints(board, local_store, training, tmp_path):
     """The checkpoint path (as for vLLM/SGLang): subscriber writes a verified checkpoint
     directory while serving; activation makes the engine load it over its admin HTTP API."""

@@ -7,8 +7,8 @@ Invariants:
 - ``fetch_url`` resumes: with ``offset > 0`` it sends a Range request and appends; if the
   server ignores the range (200 instead of 206) the file is rewritten from byte 0.
 - File I/O runs in worker threads so the caller's event loop keeps serving.
-- HTTP statuses map to weftboard errors: 403 -> PermissionDenied (expired or foreign
-  URL), 404 -> NotFound, 5xx and network failures -> Unavailable.
+- HTTP statuses map to weftboard errors: 403 -> UrlExpired (a PermissionDenied: expired or
+  foreign URL), 404 -> NotFound, 5xx and network failures -> Unavailable.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import AsyncIterator
 import aiohttp
 
 from weftboard.board.blobs.base import upload_source_size
-from weftboard.proto.errors import NotFound, PermissionDenied, Unavailable, WeftboardError
+from weftboard.proto.errors import NotFound, Unavailable, UrlExpired, WeftboardError
 
 _CHUNK = 1 << 20
 _CONTENT_RANGE = re.compile(r"bytes (?:(\d+)-(\d+)|\*)/(\d+)")
@@ -40,7 +40,7 @@ def _raise_for_status(status: int, url: str, body: str) -> None:
     where = _redact(url)
     snippet = body[:300].strip()
     if status == 403:
-        raise PermissionDenied(f"GET/PUT {where} refused (403): the presigned URL expired or is for another object; ask the board for a new one. {snippet}")
+        raise UrlExpired(f"GET/PUT {where} refused (403): the presigned URL expired or is for another object; ask the board for a new one. {snippet}")
     if status == 404:
         raise NotFound(f"{where} does not exist (404)")
     if status >= 500:
