@@ -5,8 +5,8 @@
 - run, method and peer are bound to structlog's context for the request (the servicer
   binds the version where it has one);
 - a ``weftboard.proto.errors`` exception becomes its status code with its message, a
-  Redis connection failure becomes UNAVAILABLE, anything else INTERNAL (logged with its
-  traceback, never silently);
+  Redis connection failure or a write refused by a replica (a failover) becomes
+  UNAVAILABLE, anything else INTERNAL (logged with its traceback, never silently);
 - a server stream whose peer has gone (a write refused by gRPC after the client cancelled
   or disconnected) ends as CANCELLED, logged at info: nobody is left to tell;
 - every call is counted by method and final status code, with its latency.
@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import grpc
 import structlog
+from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 
 from weftboard.board.auth import Authenticator
 from weftboard.board.metrics import BoardMetrics
@@ -52,6 +53,8 @@ def status_of(method: str, exc: BaseException, redis_url: str) -> tuple[grpc.Sta
         return getattr(grpc.StatusCode, exc.grpc_code_name, grpc.StatusCode.INTERNAL), str(exc)
     if isinstance(exc, REDIS_ERRORS):
         return grpc.StatusCode.UNAVAILABLE, f"Redis at {redis_url} is unreachable ({exc}); retry"
+    if isinstance(exc, RedisReadOnlyError):  # a failover in progress, or the URL names a replica
+        return grpc.StatusCode.UNAVAILABLE, f"Redis at {redis_url} refuses writes, being a replica ({exc}); retry"
     log.error("unexpected error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
 

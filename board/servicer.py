@@ -56,7 +56,13 @@ MAX_PRESIGN_S = 3600
 DEFAULT_PRESIGN_S = 900
 MAX_BLOCK_MS = 60_000
 EXPIRED_VISIBLE_MS = 3_600_000
-_STREAM_ID = re.compile(r"^\d+-\d+$")
+# A Redis stream entry id: two unsigned 64-bit decimals (ASCII digits; the range is checked apart).
+_STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+
+
+def _is_stream_id(value: str) -> bool:
+    parts = _STREAM_ID.fullmatch(value)
+    return parts is not None and all(int(p) < 1 << 64 for p in parts.groups())
 
 def _page_size(value: int) -> int:
     if value > MAX_PAGE:
@@ -488,7 +494,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         check_name("run", request.run)
         check_name("group", request.group)
         for i, entry_id in enumerate(request.ids):
-            if not _STREAM_ID.match(entry_id):
+            if not _is_stream_id(entry_id):
                 raise InvalidArgument(f"ids[{i}] {entry_id!r} is not a stream entry id from ConsumeTrajectories")
         await self.store.get_run(request.run)
         return pb.AckTrajectoriesResponse(acked=await self.store.ack(request.run, request.group, list(request.ids)))

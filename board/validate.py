@@ -17,7 +17,7 @@ from weftboard.proto.domain import blob_key, check_digest, check_name
 from weftboard.proto.errors import FailedPrecondition, InvalidArgument
 from weftboard.proto.v1 import board_pb2 as pb
 
-_DTYPE = re.compile(r"^[a-z][a-z0-9_]*$")
+_DTYPE = re.compile(r"[a-z][a-z0-9_]*")  # fullmatch: no trailing newline
 
 
 def check_run(run: pb.Run) -> None:
@@ -36,7 +36,7 @@ def check_run(run: pb.Run) -> None:
         if spec.name in seen:
             raise InvalidArgument(f"run.layout.tensors[{i}].name {spec.name!r} appears twice")
         seen.add(spec.name)
-        if not _DTYPE.match(spec.dtype):
+        if not _DTYPE.fullmatch(spec.dtype):
             raise InvalidArgument(
                 f"run.layout.tensors[{i}].dtype {spec.dtype!r} is not a torch dtype name (e.g. 'bfloat16')"
             )

@@ -21,14 +21,15 @@ from typing import Iterable, Mapping
 
 from weftboard.proto.errors import FailedPrecondition, InvalidArgument, OutOfRange
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# Matched whole (fullmatch): "$" would also accept a name ending in a newline.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 DIGEST_ALGORITHM = "xxh3-128"
-_DIGEST_PATTERN = re.compile(r"^xxh3-128:[0-9a-f]{32}$")
+_DIGEST_PATTERN = re.compile(r"xxh3-128:[0-9a-f]{32}")
 
 
 def check_name(field: str, value: str) -> str:
     """Validate a run or island name; the message names the field so a caller can fix it."""
-    if not NAME_PATTERN.match(value or ""):
+    if not NAME_PATTERN.fullmatch(value or ""):
         raise InvalidArgument(
             f"{field} {value!r} is not a valid name: 1-64 characters of [A-Za-z0-9._-], "
             "starting with a letter or digit"
@@ -43,7 +44,7 @@ def format_digest(raw: bytes) -> str:
 
 
 def check_digest(field: str, value: str) -> str:
-    if not _DIGEST_PATTERN.match(value or ""):
+    if not _DIGEST_PATTERN.fullmatch(value or ""):
         raise InvalidArgument(f"{field} {value!r} is not a digest of the form 'xxh3-128:<32 lowercase hex>'")
     return value
 

@@ -73,11 +73,13 @@ async def test_create_get_list_runs(pub, reader):
     [
         (lambda r: setattr(r, "run", "bad name"), "run.run"),
         (lambda r: setattr(r, "run", "-x"), "run.run"),
+        (lambda r: setattr(r, "run", "r1\n"), "run.run"),  # a distinct run whose keys end in a newline, before
         (lambda r: setattr(r, "kind", pb.RUN_KIND_UNSPECIFIED), "run.kind"),
         (lambda r: r.served_format.Clear(), "served_format"),
         (lambda r: r.layout.Clear(), "layout"),
         (lambda r: setattr(r.layout.tensors[1], "name", "w.0"), "twice"),
         (lambda r: setattr(r.layout.tensors[0], "dtype", "Bfloat 16"), "dtype"),
+        (lambda r: setattr(r.layout.tensors[0], "dtype", "bfloat16\n"), "dtype"),
         (lambda r: r.layout.tensors[0].shape.append(-1), "negative"),
     ],
 )
@@ -444,6 +446,35 @@ async def test_redis_outage_is_unavailable(tmp_path, local_store):
                 await asyncio.sleep(0.1)
             assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
+        if running is not None:
+            await running.stop()
+        proc.stop()
+
+
+async def test_a_redis_that_became_a_replica_is_unavailable(tmp_path, local_store):
+    """A failover leaves the board's Redis URL on a replica for a while: its writes are refused
+    (READONLY), which a caller should retry (UNAVAILABLE), not take for a bug (INTERNAL)."""
+    import redis.asyncio as aioredis
+
+    from weftboard.board.server import BoardConfig, start_board
+    from weftboard.board.services import start_redis
+
+    proc = start_redis(tmp_path / "own-redis")
+    running = None
+    admin_redis = aioredis.from_url(f"redis://127.0.0.1:{proc.port}/0")
+    try:
+        config = BoardConfig(redis_url=f"redis://127.0.0.1:{proc.port}/0", admin_token="a" * 32)
+        running = await start_board(config, blobs=local_store)
+        async with BoardClient(running.address, "a" * 32) as client:
+            await client.create_run(make_run("r"))
+            await admin_redis.execute_command("REPLICAOF", "127.0.0.1", "1")  # a master that is not there
+            with pytest.raises(errors.Unavailable, match="refuses writes, being a replica"):
+                await client.create_run(make_run("r2"))
+            assert (await client.get_head("r")).version == 0  # reads still answer
+            await admin_redis.execute_command("REPLICAOF", "NO", "ONE")
+            assert (await client.create_run(make_run("r2"))).run == "r2"
+    finally:
+        await admin_redis.aclose()
         if running is not None:
             await running.stop()
         proc.stop()

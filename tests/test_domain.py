@@ -27,7 +27,7 @@ def test_valid_names(name: str) -> None:
     assert check_name("run", name) == name
 
 
-@pytest.mark.parametrize("name", ["", "-x", ".x", "a/b", "a b", "x" * 65, "é"])
+@pytest.mark.parametrize("name", ["", "-x", ".x", "a/b", "a b", "x" * 65, "é", "run\n", "run\r\n", "\nrun"])
 def test_invalid_names_say_which_field(name: str) -> None:
     with pytest.raises(errors.InvalidArgument, match="island_id"):
         check_name("island_id", name)
@@ -37,7 +37,7 @@ def test_digest_round_trip_and_key() -> None:
     digest = format_digest(bytes(range(16)))
     assert check_digest("d", digest) == digest
     assert blob_key("r1", digest) == "r1/blobs/000102030405060708090a0b0c0d0e0f"
-    for bad in ["xxh3-128:ABC", "sha256:" + "0" * 32, "xxh3-128:" + "0" * 31]:
+    for bad in ["xxh3-128:ABC", "sha256:" + "0" * 32, "xxh3-128:" + "0" * 31, digest + "\n"]:
         with pytest.raises(errors.InvalidArgument):
             check_digest("d", bad)
 

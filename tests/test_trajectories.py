@@ -105,6 +105,10 @@ async def test_largest_batch_in_one_call(client):
         (lambda c: c.consume_trajectories("t", "g", "c", max_records=10001), "max_records"),
         (lambda c: c.consume_trajectories("t", "g", "c", block_ms=60001), "block_ms"),
         (lambda c: c.ack_trajectories("t", "g", ["not-an-id"]), "ids\\[0\\]"),
+        # what Redis would refuse (an INTERNAL before): a trailing newline, other digits, past 64 bits
+        (lambda c: c.ack_trajectories("t", "g", ["1-1", "1-1\n"]), "ids\\[1\\]"),
+        (lambda c: c.ack_trajectories("t", "g", ["\u0661-\u0661"]), "ids\\[0\\]"),
+        (lambda c: c.ack_trajectories("t", "g", [f"{1 << 64}-1"]), "ids\\[0\\]"),
     ],
 )
 async def test_malformed(client, call, match):
