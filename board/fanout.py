@@ -213,7 +213,11 @@ class FanOut:
         feed.subs.add(sub)
         if staged:
             feed.listen_staged()
-        await feed.started.wait()
+        try:
+            await feed.started.wait()
+        except BaseException:  # the Watch was cancelled while the feed started: nobody will read it
+            self.unsubscribe(sub)
+            raise
         if feed.start_error is not None:
             self.unsubscribe(sub)
             raise feed.start_error

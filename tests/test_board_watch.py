@@ -239,3 +239,35 @@ async def test_a_commit_says_whether_a_watcher_asks_for_staged_parts(board, loca
         else:
             pytest.fail("commits still said parts were wanted 2 s after the last asking stream closed")
         await plain.aclose()
+
+
+async def test_a_watch_cancelled_while_its_feed_starts_leaves_no_feed_behind(redis_url):
+    """The client of the first Watch of a run goes away during the feed's first Redis round
+    trip: its subscription is dropped, so the run's feed (an XREAD loop and a ticker) stops
+    instead of queueing every later commit for nobody."""
+    from weftboard.board.fanout import FanOut
+    from weftboard.board.store import RedisStore
+
+    class SlowStore(RedisStore):
+        async def last_event_id(self, run: str):
+            await asyncio.sleep(0.3)  # one slow Redis round trip
+            return await super().last_event_id(run)
+
+    store = SlowStore(redis_url)
+    fanout = FanOut(store, tick_s=0.05)
+    try:
+        watch = asyncio.ensure_future(fanout.subscribe("r", 1.0))
+        await asyncio.sleep(0.05)
+        feed = fanout._feeds["r"]
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        await asyncio.sleep(0.4)
+        assert "r" not in fanout._feeds and not feed.subs and feed.task.done()
+        # a later watcher gets a feed of its own that starts and serves
+        sub = await asyncio.wait_for(fanout.subscribe("r", 1.0), 5)
+        assert fanout._feeds["r"] is sub.feed and sub.feed is not feed and sub.feed.start_error is None
+        fanout.unsubscribe(sub)
+    finally:
+        for task in fanout.cancel_all():
+            task.cancel()
+        await store.close()
