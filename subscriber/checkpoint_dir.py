@@ -2,7 +2,8 @@
 
 Layout under ``root``::
 
-    root/current -> versions/vN          (a relative symlink; engines load root/current)
+    root/current -> versions/vN          (a relative symlink; engines load root/current;
+                                          versions/vN-<ns> when the held version was rebuilt)
     root/versions/vN/model.safetensors   (or model-0000i-of-0000K.safetensors + index json)
     root/versions/vN/weftboard.json      (version, root digest, tensor digests)
 
@@ -15,7 +16,10 @@ Invariants:
 - At start-up nothing on disk is trusted: what ``current`` points to is re-hashed and
   compared with its ``weftboard.json`` before ``held_version()`` reports it; leftover
   temporary directories from a crash are removed.
-- Older versions are pruned after the swap, keeping the newest ``keep`` (>= 1).
+- Older versions are pruned after the swap, keeping the newest ``keep`` (>= 1). The held
+  version can be loaded again (the subscriber's last resort, an anchor, may be the version
+  it holds, whose copy on disk proved damaged): it is built beside the held copy under a
+  name of its own and swapped in like any other, and the old copy pruned.
 - ``apply_patch_arriving`` patches the in-memory copy while the patch downloads; nothing is
   written aside before the fetcher has verified the blob's digest.
 """
@@ -49,6 +53,14 @@ log = structlog.get_logger("weftboard.subscriber")
 
 META_NAME = "weftboard.json"
 HANG_ENV = "WEFTBOARD_TEST_HANG_IN_APPLY_S"  # tests: sleep inside apply, before the swap
+
+
+def _dir_version(name: str) -> int | None:
+    """The version a ``versions/`` entry holds: ``vN``, or ``vN-<ns>`` for a reloaded held version."""
+    head, _, tail = name.partition("-")
+    if head[:1] == "v" and head[1:].isdigit() and (not tail or tail.isdigit()):
+        return int(head[1:])
+    return None
 
 
 def _fsync(path: Path) -> None:
@@ -106,6 +118,8 @@ class CheckpointDirDestination:
         self._arriving = ArrivingApplier()  # apply_patch_arriving's thread
         for stale in (self.root / "versions").glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        for link in self.root.glob(".current-*"):  # a swap's new link, left by a crash before its rename
+            link.unlink(missing_ok=True)
         if verify:
             self._recover()
 
@@ -242,9 +256,12 @@ class CheckpointDirDestination:
             _fsync(f)
         _fsync(tmp)
         final = self.root / "versions" / f"v{target.version}"
-        if final.exists():  # a leftover of an earlier attempt that never became current
-            if self.current.exists() and self.current.resolve() == final.resolve():
-                raise ApplyError(f"{final} is current already; refusing to overwrite it")
+        held = self.current.resolve() if self.current.exists() else None
+        if held is not None and held.name.partition("-")[0] == final.name:
+            # The held version itself again (an anchor reloaded over a damaged copy): built
+            # beside it under a name of its own, swapped in, and the old copy pruned after.
+            final = final.with_name(f"{final.name}-{time.monotonic_ns()}")
+        elif final.exists():  # a leftover of an earlier attempt that never became current
             shutil.rmtree(final)
         if self.before_swap is not None:
             self.before_swap(tmp)
@@ -254,16 +271,20 @@ class CheckpointDirDestination:
         os.symlink(os.path.join("versions", final.name), link_tmp)
         os.replace(link_tmp, self.current)
         _fsync(self.root)
-        self._prune(target.version)
+        self._prune(final)
 
-    def _prune(self, newest: int) -> None:
-        versions = []
+    def _prune(self, current: Path) -> None:
+        """Keep ``current`` and the newest ``keep - 1`` other versions; a replaced copy of the
+        current version goes too."""
+        version = _dir_version(current.name)
+        others = []
         for d in (self.root / "versions").iterdir():
-            if d.name.startswith("v") and d.name[1:].isdigit():
-                versions.append(int(d.name[1:]))
-        for v in sorted(versions)[:-self.keep]:
-            if v != newest:
-                shutil.rmtree(self.root / "versions" / f"v{v}", ignore_errors=True)
+            v = _dir_version(d.name)
+            if v is not None and d.name != current.name:
+                others.append((v, d))
+        older = sorted((o for o in others if o[0] != version), key=lambda o: o[0], reverse=True)
+        for _, d in older[self.keep - 1:] + [o for o in others if o[0] == version]:
+            shutil.rmtree(d, ignore_errors=True)
 
     # -- start-up --------------------------------------------------------------------------
 

@@ -149,7 +149,8 @@ async def start_island(
                 raise InvalidArgument(f"--engine {engine} at {engine_url} needs --dir for the checkpoint it loads")
             adapter = make_adapter(engine, engine_url)
             closers.append(adapter.close)
-            inner = CheckpointDirDestination(checkpoint_dir)
+            # its start re-hashes the checkpoint on disk (minutes for a large model): not on the loop
+            inner = await asyncio.to_thread(CheckpointDirDestination, checkpoint_dir)
             destination = EngineDestination(adapter, gate, state, inner, checkpoint_dir=inner.current)
             if inner.held_version():  # a restart: serve the verified checkpoint on disk first
                 await destination.activate_held()

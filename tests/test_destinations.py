@@ -132,6 +132,46 @@ async def test_checkpoint_dir_tampered_disk_is_not_trusted(tmp_path: Path) -> No
     assert CheckpointDirDestination(root).held_version() == 0
 
 
+async def test_checkpoint_dir_reloads_the_held_version_over_a_damaged_copy(tmp_path: Path) -> None:
+    """The subscriber's last resort is a plan from an anchor, which may be the version held:
+    when the held copy on disk is damaged (so no patch from it verifies), that anchor is
+    loaded beside it and swapped in, and the damaged copy pruned; before, the reload was
+    refused ("current already") on every attempt."""
+    v1, root = _view(6), tmp_path / "island"
+    dest = CheckpointDirDestination(root)
+    await dest.load_anchor(_anchor(tmp_path / "a1", v1), _target(v1, 1))
+    v2 = _step(v1, 2)
+    t2 = _target(v2, 2)
+    await dest.apply_patch(_patch(tmp_path, v1, v2, 1, t2), t2)
+    f = root / "current" / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[-3] ^= 0x40  # in the last tensor, which every step below changes
+    f.write_bytes(bytes(raw))
+    v3 = _step(v2, 3, frac=0.5)
+    t3 = _target(v3, 3)
+    with pytest.raises(CorruptData):
+        await dest.apply_patch(_patch(tmp_path, v2, v3, 2, t3), t3)
+    assert dest.held_version() == 2
+    await dest.load_anchor(_anchor(tmp_path / "a2", v2), t2)  # the held version, again
+    assert dest.held_version() == 2 and _equal(_loaded(root), v2)
+    reloaded = (root / "current").resolve().name
+    assert reloaded.startswith("v2-") and sorted(p.name for p in (root / "versions").iterdir()) == ["v1", reloaded]
+    await dest.apply_patch(_patch(tmp_path, v2, v3, 2, t3), t3)
+    assert _equal(_loaded(root), v3) and sorted(p.name for p in (root / "versions").iterdir()) == [reloaded, "v3"]
+    assert CheckpointDirDestination(root).held_version() == 3  # a restart verifies it
+
+
+async def test_checkpoint_dir_start_removes_what_a_crash_left(tmp_path: Path) -> None:
+    v1, root = _view(7), tmp_path / "island"
+    await CheckpointDirDestination(root).load_anchor(_anchor(tmp_path / "a", v1), _target(v1, 1))
+    (root / "versions" / ".tmp-v2-1-1").mkdir()  # a version being built aside
+    (root / ".current-1-1").symlink_to("versions/.tmp-v2-1-1")  # and the swap's new link, never renamed
+    again = CheckpointDirDestination(root)
+    assert again.held_version() == 1 and _equal(_loaded(root), v1)
+    assert sorted(p.name for p in root.iterdir()) == ["current", "versions"]
+    assert [p.name for p in (root / "versions").iterdir()] == ["v1"]
+
+
 async def test_checkpoint_dir_rejects_anchor_with_wrong_digest(tmp_path: Path) -> None:
     v1, root = _view(5), tmp_path / "island"
     dest = CheckpointDirDestination(root)
