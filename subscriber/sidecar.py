@@ -129,8 +129,10 @@ def plan_request(request: web.Request, body: dict, default_deadline_s: float) ->
     deadline_ms: Any = request.headers.get(DEADLINE_HEADER, body.pop("weftboard_deadline_ms", None))
     try:
         deadline_s = default_deadline_s if deadline_ms is None else float(deadline_ms) / 1000.0
-    except ValueError:
-        raise InvalidArgument(f"{DEADLINE_HEADER} must be a number of milliseconds, got {deadline_ms!r}") from None
+    except (TypeError, ValueError):
+        deadline_s = math.nan
+    if not math.isfinite(deadline_s):  # "nan" and "inf" parse as floats; neither is a deadline
+        raise InvalidArgument(f"{DEADLINE_HEADER} must be a number of milliseconds, got {deadline_ms!r}")
     labels = parse_labels(request.headers.get(LABELS_HEADER, ""))
     body_labels = body.pop("weftboard_labels", None)
     if body_labels is not None:
@@ -173,19 +175,33 @@ class Usage:
     completion_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     version_end: int | None = None  # the End reported to the client
+    unreadable: bool = False  # some answer's usage or logprobs could not be read
 
-    def absorb(self, payload: Mapping[str, Any]) -> None:
-        usage = payload.get("usage") or {}
-        self.prompt_tokens = int(usage.get("prompt_tokens", self.prompt_tokens) or self.prompt_tokens)
-        self.completion_tokens = int(usage.get("completion_tokens", self.completion_tokens) or self.completion_tokens)
-        for choice in payload.get("choices") or []:
-            lp = choice.get("logprobs") or {}
-            if isinstance(lp, Mapping):
-                if lp.get("token_logprobs"):
-                    self.logprobs.extend(float(x) for x in lp["token_logprobs"] if x is not None)
-                for item in lp.get("content") or []:
-                    if item.get("logprob") is not None:
-                        self.logprobs.append(float(item["logprob"]))
+    def absorb(self, payload: Any) -> None:
+        """Take token counts and logprobs from one engine answer (or stream chunk). Best
+        effort: fields this cannot read are left out of the trajectory (logged once per
+        request), never a failed answer to the client."""
+        try:
+            usage = payload.get("usage") or {}
+            prompt = int(usage.get("prompt_tokens", self.prompt_tokens) or self.prompt_tokens)
+            completion = int(usage.get("completion_tokens", self.completion_tokens) or self.completion_tokens)
+            logprobs: list[float] = []
+            for choice in payload.get("choices") or []:
+                lp = choice.get("logprobs") or {}
+                if isinstance(lp, Mapping):
+                    if lp.get("token_logprobs"):
+                        logprobs.extend(float(x) for x in lp["token_logprobs"] if x is not None)
+                    for item in lp.get("content") or []:
+                        if item.get("logprob") is not None:
+                            logprobs.append(float(item["logprob"]))
+        except (AttributeError, TypeError, ValueError) as exc:
+            if not self.unreadable:
+                log.warning("the engine's usage or logprobs could not be read; left out of the trajectory",
+                            error=f"{type(exc).__name__}: {exc}")
+            self.unreadable = True
+            return
+        self.prompt_tokens, self.completion_tokens = prompt, completion
+        self.logprobs.extend(logprobs)
 
 
 # ---------------------------------------------------------------------------
@@ -419,7 +435,7 @@ class Sidecar:
                     continue  # sent after our final event
                 try:
                     usage.absorb(json.loads(data))
-                except (json.JSONDecodeError, AttributeError):
+                except json.JSONDecodeError:
                     pass
             await out.write(raw)
         end = usage.version_end = self.state.held

@@ -325,3 +325,70 @@ async def test_a_version_beyond_the_known_head_asks_the_board_once(island):
                                                          "X-Weftboard-Deadline-Ms": "5000"})
     await task
     assert status == 200 and headers["X-Weftboard-Version-Start"] == "2" and board_head["calls"] == 2
+
+
+async def test_deadlines_that_are_not_finite_are_refused(island):
+    await island.activate(1)
+    for value in ("nan", "inf", "-inf", "soon"):
+        status, _, body = await call(island.url, PROMPT, {"X-Weftboard-Deadline-Ms": value})
+        assert status == 400 and "X-Weftboard-Deadline-Ms" in body["message"], (value, body)
+    status, _, body = await call(island.url, {**PROMPT, "weftboard_deadline_ms": [1]})
+    assert status == 400, body
+
+
+async def test_an_engine_answer_with_unreadable_usage_still_reaches_the_client():
+    """Token counts and logprobs feed the trajectory record only: an engine that sends them
+    in a shape the sidecar cannot read gets its answer through (with the version headers),
+    and the record goes without them; before, the client got a 500."""
+    from aiohttp import web
+
+    answers = iter([
+        {"id": "a", "choices": [{"text": "x", "logprobs": {"content": [7]}}], "usage": {"prompt_tokens": "many"}},
+        {"id": "b", "choices": [{"text": "y", "logprobs": {"token_logprobs": [-0.5, None]}}],
+         "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
+    ])
+
+    async def completions(request: web.Request) -> web.Response:
+        return web.json_response(next(answers))
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    engine_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    class Records:
+        """Keeps what the sidecar submits, in place of a reporter sending it to a board."""
+
+        sent = dropped = failed = 0
+
+        def __init__(self) -> None:
+            self.got: list = []
+
+        def start(self) -> None:
+            pass
+
+        async def stop(self) -> None:
+            pass
+
+        def submit(self, record) -> bool:
+            self.got.append(record)
+            return True
+
+    state, reporter = VersionState(), Records()
+    await state.set_held(1)  # an engine serving version 1, caught up
+    gate = AdmissionGate(ActivationMode.DRAIN)
+    sidecar = Sidecar(SidecarConfig(engine_url, "run-a", "island-1", default_deadline_s=5), state, gate, reporter)
+    url = await sidecar.start()
+    try:
+        status, headers, body = await call(url, PROMPT)
+        assert status == 200 and body["id"] == "a" and headers["X-Weftboard-Version-Start"] == "1"
+        status, _, body = await call(url, PROMPT)
+        assert status == 200 and body["id"] == "b"
+        assert [(r.prompt_tokens, r.completion_tokens, r.logprob_sum) for r in reporter.got] == [(0, 0, 0.0),
+                                                                                                  (3, 1, -0.5)]
+    finally:
+        await sidecar.stop()
+        await runner.cleanup()
