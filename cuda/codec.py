@@ -640,8 +640,10 @@ def _parse_container_header(header_bytes: bytes | memoryview, total: int) -> tup
         header = json.loads(meta)
     except CorruptData:
         raise
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise CorruptData(f"patch header is not a weftboard-patch safetensors header: {exc}") from None
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as exc:
+        # (RecursionError: JSON nested deeper than the parser's stack, e.g. "[" * 100000)
+        raise CorruptData(f"patch header is not a weftboard-patch safetensors header: {type(exc).__name__}: "
+                          f"{str(exc)[:200]}") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CorruptData(f"patch header has format {header.get('format') if isinstance(header, dict) else None!r}, expected {FORMAT!r}")
     version = _field(header, "format_version", int, "patch")
@@ -1066,7 +1068,13 @@ def _checked_target(tensors: Mapping[str, torch.Tensor], entry: Mapping[str, Any
 
 def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any],
                  stream: memoryview) -> SparseStream | context_codec.ContextStream | DecodedTensor:
-    """A checked stream, parsed (huffman or sparse into a CPU tensor: decoded while applied) or decoded."""
+    """A checked stream, parsed (huffman or sparse into a CPU tensor: decoded while applied) or decoded.
+
+    A stream in a buffer that can change (a part still arriving, whose range a retried
+    download writes again; a caller's bytearray) is copied first: the bytes hashed are then
+    the bytes decoded, and the bytes a later ``revert`` decodes again."""
+    if not isinstance(memoryview(stream).obj, bytes):
+        stream = memoryview(bytes(stream))
     if xxhash.xxh3_64_hexdigest(stream) != entry["xxh3_64"]:
         raise CorruptData(f"patch stream for tensor {entry['name']!r} fails its xxh3-64 check: corrupted in storage or transit")
     if entry["mode"] in ("huffman", "sparse") and target.device.type == "cpu":

@@ -473,10 +473,14 @@ def parse_directory(buf, p, nclasses, numel, tile, width, changed, nsyms):
                 r, p = _varint(buf, p + 1, end)
                 if r < 0:
                     return 3, ns, ks, rice, rans, esc, offs
+                if r > end:  # a length past the stream (summed unchecked, it could wrap int64)
+                    return 5, ns, ks, rice, rans, esc, offs
                 rice[t, c] = r
         a, p = _varint(buf, p, end)
         if a < 0:
             return 3, ns, ks, rice, rans, esc, offs
+        if a > end:
+            return 5, ns, ks, rice, rans, esc, offs
         e, p = _varint(buf, p, end)
         if e < 0 or e > n:
             return 3, ns, ks, rice, rans, esc, offs
@@ -487,6 +491,9 @@ def parse_directory(buf, p, nclasses, numel, tile, width, changed, nsyms):
     for c in range(nclasses):
         if per_class[c] > 0 and nsyms[c] == 0:
             return 2, ns, ks, rice, rans, esc, offs
+    # Every length is at most ``end`` (checked as read) and each partial sum is checked
+    # against it in turn, so no sum here can wrap: a wrapped offset would pass the checks
+    # negative and send a decoder's reads far outside the stream.
     offs[0] = p
     for t in range(ntiles):
         offs[t + 1] = offs[t] + rice[t].sum() + rans[t] + esc[t] * width
