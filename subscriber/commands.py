@@ -35,6 +35,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         import asyncio
 
         from weftboard.board.logs import configure
+        from weftboard.proto.errors import WeftboardError
         from weftboard.subscriber.daemon import DaemonConfig, run_daemon
 
         configure(json=log_json)
@@ -44,4 +45,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             s3_secure=s3_secure, s3_prefix=s3_prefix, destination=destination, heartbeat_s=heartbeat_s,
             lease_s=lease_s, events=events, exit_at_version=exit_at_version, progress=progress,
         )
-        raise typer.Exit(asyncio.run(run_daemon(cfg)))
+        try:
+            code = asyncio.run(run_daemon(cfg))
+        except WeftboardError as exc:  # what retrying cannot cure (a refused token): the reason, no traceback
+            typer.echo(f"subscribe stopped: {type(exc).__name__}: {exc}", err=True)
+            raise typer.Exit(1) from None
+        raise typer.Exit(code)

@@ -363,3 +363,20 @@ async def test_progress_reporter_reports_download_bytes(tmp_path: Path) -> None:
     fancy.begin(1, "anchor", 10, [target])
     fancy.end(1)
     fancy.close()
+
+
+async def test_subscribe_with_a_token_the_board_refuses_exits_1_with_the_reason(board, tmp_path: Path) -> None:
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "weftboard.board.cli", "subscribe", "--board", board.address, "--run", "r",
+        "--dir", str(tmp_path / "island"), "--token", "not-a-token", "--no-progress",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), 90)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    text = err.decode()
+    assert proc.returncode == 1 and "subscribe stopped: Unauthenticated" in text and "Traceback" not in text, text[-2000:]
