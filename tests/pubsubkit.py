@@ -7,6 +7,8 @@ bitwise against an independent record of the truth.
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +124,16 @@ async def follow_each(client: Any, run: str, store: Any, tmp: Path, views: dict[
     for v in range(1, head + 1):
         assert await sub.sync_to(v) == v
         assert bits_equal(dest.tensors, views[v]), f"version {v}: {first_difference(dest.tensors, views[v])}"
+
+
+async def run_cli(*args: str, timeout_s: float = 90) -> tuple[int, str]:
+    """``weftboard ARGS`` in a process of its own: its exit status and what it wrote to stderr."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "weftboard.board.cli", *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return proc.returncode, err.decode()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pubsubkit import WARM_KERNELS, Trainer, bits_equal, zeros_like_layout
+from pubsubkit import WARM_KERNELS, Trainer, bits_equal, run_cli, zeros_like_layout
 from weftboard.board.client import BoardClient
 from weftboard.proto.errors import ApplyError, DigestMismatch
 from weftboard.proto.v1 import board_pb2 as pb
@@ -366,17 +366,6 @@ async def test_progress_reporter_reports_download_bytes(tmp_path: Path) -> None:
 
 
 async def test_subscribe_with_a_token_the_board_refuses_exits_1_with_the_reason(board, tmp_path: Path) -> None:
-    import sys
-
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "weftboard.board.cli", "subscribe", "--board", board.address, "--run", "r",
-        "--dir", str(tmp_path / "island"), "--token", "not-a-token", "--no-progress",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        _, err = await asyncio.wait_for(proc.communicate(), 90)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    text = err.decode()
-    assert proc.returncode == 1 and "subscribe stopped: Unauthenticated" in text and "Traceback" not in text, text[-2000:]
+    code, err = await run_cli("subscribe", "--board", board.address, "--run", "r", "--dir", str(tmp_path / "island"),
+                              "--token", "not-a-token", "--no-progress")
+    assert code == 1 and "subscribe stopped: Unauthenticated" in err and "Traceback" not in err, err[-2000:]

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import torch
 
-from pubsubkit import WARM_KERNELS
+from pubsubkit import WARM_KERNELS, run_cli
 from weftboard.board.client import BoardClient
 from weftboard.cuda.digest import root_digest, tensor_digest
 from weftboard.proto.errors import ApplyError
@@ -302,18 +302,9 @@ async def test_an_island_whose_token_cannot_plan_ends_and_its_sidecar_process_ex
     finally:
         await island.stop()
 
-    async def sidecar(token: str) -> tuple[int, str]:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "weftboard.board.cli", "sidecar", "--board", board.address, "--token", token,
-            "--run", RUN, "--listen", "127.0.0.1:0", "--dir", str(tmp_path / "cli-ro"), "--blob-dir",
-            str(local_store.root), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), 90)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-        return proc.returncode, err.decode()
+    def sidecar(token: str):
+        return run_cli("sidecar", "--board", board.address, "--token", token, "--run", RUN, "--listen", "127.0.0.1:0",
+                       "--dir", str(tmp_path / "cli-ro"), "--blob-dir", str(local_store.root))
 
     code, err = await sidecar(reader)
     assert code == 1 and f"the island no longer follows run {RUN}: PermissionDenied" in err, err[-2000:]
