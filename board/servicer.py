@@ -19,11 +19,14 @@ Invariants:
   a staged part. The note itself stays until a commit of its version or a later one settles
   it (named, or an orphan for GC), however long the publisher takes to get there.
 - Nothing here blocks the event loop: Redis and the blob store are awaited.
+- The blob store refusing the board's own credentials is UNAVAILABLE to the caller, naming
+  the operator's fix (``BoardsOwnBlobs``): PERMISSION_DENIED would read as the caller's token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from typing import Any
 
@@ -43,6 +46,7 @@ from weftboard.proto.errors import (
     InvalidArgument,
     NotFound,
     OutOfRange,
+    PermissionDenied,
     Unavailable,
 )
 from weftboard.proto.v1 import board_pb2 as pb
@@ -70,6 +74,28 @@ def _page_size(value: int) -> int:
     return value or 100
 
 
+class BoardsOwnBlobs:
+    """The board's blob store, as the servicer calls it with the board's credentials."""
+
+    def __init__(self, blobs: Any) -> None:
+        self._blobs = blobs
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._blobs, name)
+        if not asyncio.iscoroutinefunction(attr):
+            return attr
+
+        @functools.wraps(attr)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await attr(*args, **kwargs)
+            except PermissionDenied as exc:
+                raise Unavailable(f"the board's blob store refused the board's own credentials ({exc}); the "
+                                  "board's operator must fix its blob store settings; retry later") from None
+
+        return call
+
+
 class BoardServicer(pb_grpc.BoardServicer):
     def __init__(
         self,
@@ -83,7 +109,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         default_progress_ms: int = 5000,
     ) -> None:
         self.store = store
-        self.blobs = blobs
+        self.blobs = BoardsOwnBlobs(blobs)
         self.auth = auth
         self.metrics = metrics
         self.fanout = fanout

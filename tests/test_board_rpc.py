@@ -195,6 +195,24 @@ async def test_commit_against_s3(board_factory, s3_store):
         assert all(b.url.startswith("http") for s in plan.steps for b in s.blobs)
 
 
+async def test_a_blob_store_refusing_the_boards_own_credentials_is_unavailable(board_factory, s3_server, s3_store):
+    """Whose credentials were refused decides the code: the board's own (its operator's to fix)
+    are UNAVAILABLE to a publisher committing, not PERMISSION_DENIED, which names the caller's token."""
+    from weftboard.board.blobs import S3BlobStore
+
+    wrong = S3BlobStore(s3_server.endpoint, "nobody", "not-the-secret", s3_server.bucket, region="us-east-1",
+                        prefix=s3_store.prefix)
+    try:
+        running = await board_factory(blobs=wrong)
+        async with BoardClient(running.address, running.admin_token) as client:
+            await client.create_run(make_run("creds"))
+            record = await make_record(s3_store, "creds", 1, anchor=True)  # the blobs are there
+            with pytest.raises(errors.Unavailable, match="refused the board's own credentials"):
+                await client.commit_version(record)
+    finally:
+        await wrong.close()
+
+
 def _mutations():
     def bad_root(r):
         r.root_digest = "sha256:abc"
