@@ -68,6 +68,7 @@ def _is_stream_id(value: str) -> bool:
     parts = _STREAM_ID.fullmatch(value)
     return parts is not None and all(int(p) < 1 << 64 for p in parts.groups())
 
+
 def _page_size(value: int) -> int:
     if value > MAX_PAGE:
         raise InvalidArgument(f"page_size {value} is too large; at most {MAX_PAGE} (0 means 100)")

@@ -257,7 +257,7 @@ class CheckpointDirDestination:
         _fsync(tmp)
         final = self.root / "versions" / f"v{target.version}"
         held = self.current.resolve() if self.current.exists() else None
-        if held is not None and held.name.partition("-")[0] == final.name:
+        if held is not None and _dir_version(held.name) == target.version:
             # The held version itself again (an anchor reloaded over a damaged copy): built
             # beside it under a name of its own, swapped in, and the old copy pruned after.
             final = final.with_name(f"{final.name}-{time.monotonic_ns()}")

@@ -88,8 +88,8 @@ async def reference_config_of_run(client: Any, run: str, timeout_s: float = 60.0
 
 def _log_end(task: asyncio.Task) -> None:
     """An island's task ending on an error is logged where it happens, not first at ``stop``."""
-    if not task.cancelled() and task.exception() is not None:
-        exc = task.exception()
+    exc = None if task.cancelled() else task.exception()
+    if exc is not None:
         log.error("island task ended; the island no longer follows its run", task=task.get_name(),
                   error=f"{type(exc).__name__}: {exc}")
 

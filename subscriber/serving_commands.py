@@ -41,8 +41,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         import signal
 
         from weftboard.board.logs import configure
-        from weftboard.subscriber.engines.base import require_mode
         from weftboard.proto.errors import WeftboardError
+        from weftboard.subscriber.engines.base import require_mode
         from weftboard.subscriber.island import start_island
 
         configure(json=log_json)

@@ -68,6 +68,8 @@ _RECOVERABLE = (CorruptData, ApplyError, NotFound, UrlExpired, OSError)
 # invalid; retrying them would only hide a misconfiguration (UrlExpired is retried before these).
 FATAL_ERRORS = (Unauthenticated, PermissionDenied, InvalidArgument, AlreadyExists)
 RETRY_MAX_S = 30.0
+MAX_PREFETCHED = 64  # staged parts downloading or waiting for their commit; later hints are ignored
+MAX_PREFETCH_BYTES = 64 << 20  # a staged part is held in memory as it lands: a larger one waits for the commit
 
 
 def retry_delay_s(failures: int) -> float:
@@ -75,8 +77,6 @@ def retry_delay_s(failures: int) -> float:
     so islands do not meet an outage of the board with a retry every second (``run`` draws
     each wait between 3/4 of this and all of it, so that they do not retry in step either)."""
     return min(RETRY_MAX_S, 2.0 ** (max(failures, 1) - 1))
-MAX_PREFETCHED = 64  # staged parts downloading or waiting for their commit; later hints are ignored
-MAX_PREFETCH_BYTES = 64 << 20  # a staged part is held in memory as it lands: a larger one waits for the commit
 
 
 @dataclass
