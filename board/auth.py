@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from weftboard.board.store import RedisStore, TokenInfo, token_hash
 from weftboard.proto.errors import InvalidArgument, PermissionDenied, Unauthenticated

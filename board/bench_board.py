@@ -34,9 +34,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 TARGET_FANOUT_P99_MS = 250.0
 TARGET_TRAJ_PER_S = 20_000.0

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Iterable, Sequence
 
 import grpc
 import structlog
@@ -52,7 +52,7 @@ class TlsConfig:
         client_cert: str | Path | None = None,
         client_key: str | Path | None = None,
         server_name: str | None = None,
-    ) -> "TlsConfig":
+    ) -> TlsConfig:
         read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
         return cls(read(root_cert), read(client_cert), read(client_key), server_name)
 
@@ -100,7 +100,7 @@ class BoardClient:
             self._channel = grpc.aio.secure_channel(address, creds, options=opts)
         self._stub = pb_grpc.BoardStub(self._channel)
 
-    async def __aenter__(self) -> "BoardClient":
+    async def __aenter__(self) -> BoardClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -19,14 +19,15 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any
 
 import typer
-from rich.console import Console
 from rich import box
+from rich.console import Console
 from rich.table import Table
 
 from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_data_dir
@@ -226,28 +227,28 @@ def run_client(
 
 
 def serve(
-    listen: Optional[str] = typer.Option(None, help=f"host:port to bind (env WEFTBOARD_LISTEN; default {DEFAULT_LISTEN})"),
-    redis_url: Optional[str] = typer.Option(None, help="Redis URL (env WEFTBOARD_REDIS_URL); unset starts an embedded redis-server"),
-    s3_endpoint: Optional[str] = typer.Option(None, help="S3 endpoint host:port or URL (env WEFTBOARD_S3_ENDPOINT)"),
-    s3_access_key: Optional[str] = typer.Option(None, help="(env WEFTBOARD_S3_ACCESS_KEY)"),
-    s3_secret_key: Optional[str] = typer.Option(None, help="(env WEFTBOARD_S3_SECRET_KEY)"),
-    s3_bucket: Optional[str] = typer.Option(None, help="(env WEFTBOARD_S3_BUCKET; default weftboard)"),
-    s3_secure: Optional[bool] = typer.Option(None, "--s3-secure/--s3-insecure", help="HTTPS to S3 (env WEFTBOARD_S3_SECURE)"),
-    s3_region: Optional[str] = typer.Option(None, help="(env WEFTBOARD_S3_REGION)"),
-    s3_prefix: Optional[str] = typer.Option(None, help="key prefix inside the bucket (env WEFTBOARD_S3_PREFIX)"),
-    embedded_s3: Optional[bool] = typer.Option(None, "--embedded-s3/--no-embedded-s3",
+    listen: str | None = typer.Option(None, help=f"host:port to bind (env WEFTBOARD_LISTEN; default {DEFAULT_LISTEN})"),
+    redis_url: str | None = typer.Option(None, help="Redis URL (env WEFTBOARD_REDIS_URL); unset starts an embedded redis-server"),
+    s3_endpoint: str | None = typer.Option(None, help="S3 endpoint host:port or URL (env WEFTBOARD_S3_ENDPOINT)"),
+    s3_access_key: str | None = typer.Option(None, help="(env WEFTBOARD_S3_ACCESS_KEY)"),
+    s3_secret_key: str | None = typer.Option(None, help="(env WEFTBOARD_S3_SECRET_KEY)"),
+    s3_bucket: str | None = typer.Option(None, help="(env WEFTBOARD_S3_BUCKET; default weftboard)"),
+    s3_secure: bool | None = typer.Option(None, "--s3-secure/--s3-insecure", help="HTTPS to S3 (env WEFTBOARD_S3_SECURE)"),
+    s3_region: str | None = typer.Option(None, help="(env WEFTBOARD_S3_REGION)"),
+    s3_prefix: str | None = typer.Option(None, help="key prefix inside the bucket (env WEFTBOARD_S3_PREFIX)"),
+    embedded_s3: bool | None = typer.Option(None, "--embedded-s3/--no-embedded-s3",
                                                help="start a local SeaweedFS S3 server (env WEFTBOARD_EMBEDDED_S3)"),
-    blob_dir: Optional[Path] = typer.Option(None, help="local blob store root (env WEFTBOARD_BLOB_DIR)"),
-    data_dir: Optional[Path] = typer.Option(None, help="embedded Redis/S3 data and admin token (env WEFTBOARD_DATA_DIR)"),
-    admin_token: Optional[str] = typer.Option(None, help="admin token (env WEFTBOARD_ADMIN_TOKEN); unset: generated and stored in the data dir"),
-    auth: Optional[bool] = typer.Option(None, "--auth/--no-auth", help="bearer-token auth (env WEFTBOARD_AUTH; default on)"),
-    metrics_port: Optional[int] = typer.Option(None, help="Prometheus port, 0 picks one (env WEFTBOARD_METRICS_PORT)"),
-    metrics_host: Optional[str] = typer.Option(None, help="(env WEFTBOARD_METRICS_HOST; default 127.0.0.1)"),
-    tls_cert: Optional[Path] = typer.Option(None, help="server certificate (env WEFTBOARD_TLS_CERT)"),
-    tls_key: Optional[Path] = typer.Option(None, help="server key (env WEFTBOARD_TLS_KEY)"),
-    tls_client_ca: Optional[Path] = typer.Option(None, help="CA for client certs: mutual TLS (env WEFTBOARD_TLS_CLIENT_CA)"),
-    log_json: Optional[bool] = typer.Option(None, "--log-json/--log-console", help="(env WEFTBOARD_LOG_JSON)"),
-    log_level: Optional[str] = typer.Option(None, help="(env WEFTBOARD_LOG_LEVEL; default INFO)"),
+    blob_dir: Path | None = typer.Option(None, help="local blob store root (env WEFTBOARD_BLOB_DIR)"),
+    data_dir: Path | None = typer.Option(None, help="embedded Redis/S3 data and admin token (env WEFTBOARD_DATA_DIR)"),
+    admin_token: str | None = typer.Option(None, help="admin token (env WEFTBOARD_ADMIN_TOKEN); unset: generated and stored in the data dir"),
+    auth: bool | None = typer.Option(None, "--auth/--no-auth", help="bearer-token auth (env WEFTBOARD_AUTH; default on)"),
+    metrics_port: int | None = typer.Option(None, help="Prometheus port, 0 picks one (env WEFTBOARD_METRICS_PORT)"),
+    metrics_host: str | None = typer.Option(None, help="(env WEFTBOARD_METRICS_HOST; default 127.0.0.1)"),
+    tls_cert: Path | None = typer.Option(None, help="server certificate (env WEFTBOARD_TLS_CERT)"),
+    tls_key: Path | None = typer.Option(None, help="server key (env WEFTBOARD_TLS_KEY)"),
+    tls_client_ca: Path | None = typer.Option(None, help="CA for client certs: mutual TLS (env WEFTBOARD_TLS_CLIENT_CA)"),
+    log_json: bool | None = typer.Option(None, "--log-json/--log-console", help="(env WEFTBOARD_LOG_JSON)"),
+    log_level: str | None = typer.Option(None, help="(env WEFTBOARD_LOG_LEVEL; default INFO)"),
 ) -> None:
     """Run a board. With no Redis or S3 given it starts the embedded default and says so."""
     flags = {k: v for k, v in locals().items() if v is not None}  # flags win over WEFTBOARD_* env
@@ -287,10 +288,10 @@ def history(
     last: int = typer.Option(0, help="Only the newest N versions."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per version instead of a table."),
     board: str = BOARD_OPTION,
-    token: Optional[str] = TOKEN_OPTION,
-    tls_ca: Optional[Path] = TLS_CA_OPTION,
-    tls_cert: Optional[Path] = TLS_CERT_OPTION,
-    tls_key: Optional[Path] = TLS_KEY_OPTION,
+    token: str | None = TOKEN_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_cert: Path | None = TLS_CERT_OPTION,
+    tls_key: Path | None = TLS_KEY_OPTION,
 ) -> None:
     """The versions of a run: step, parent, artifacts, patch/anchor bytes, density."""
 
@@ -314,12 +315,12 @@ def history(
 
 
 def status(
-    run: Optional[str] = typer.Argument(None, help="Run name; without it, every run's head."),
+    run: str | None = typer.Argument(None, help="Run name; without it, every run's head."),
     board: str = BOARD_OPTION,
-    token: Optional[str] = TOKEN_OPTION,
-    tls_ca: Optional[Path] = TLS_CA_OPTION,
-    tls_cert: Optional[Path] = TLS_CERT_OPTION,
-    tls_key: Optional[Path] = TLS_KEY_OPTION,
+    token: str | None = TOKEN_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_cert: Path | None = TLS_CERT_OPTION,
+    tls_key: Path | None = TLS_KEY_OPTION,
 ) -> None:
     """Head and fleet: each island's version, lag behind the head, state and lease."""
 
@@ -342,10 +343,10 @@ def gc(
     dry_run: bool = typer.Option(False, "--dry-run", help="Only show what would be deleted."),
     keep_anchors: int = typer.Option(0, help="Newest anchors to keep (0: the run's retention policy)."),
     board: str = BOARD_OPTION,
-    token: Optional[str] = TOKEN_OPTION,
-    tls_ca: Optional[Path] = TLS_CA_OPTION,
-    tls_cert: Optional[Path] = TLS_CERT_OPTION,
-    tls_key: Optional[Path] = TLS_KEY_OPTION,
+    token: str | None = TOKEN_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_cert: Path | None = TLS_CERT_OPTION,
+    tls_key: Path | None = TLS_KEY_OPTION,
 ) -> None:
     """Delete blobs no live island and no kept anchor needs, and staged parts no commit named (admin)."""
 
@@ -367,10 +368,10 @@ def token_create(
     name: str = typer.Argument(..., help="A label for the token (who holds it)."),
     role: RoleName = typer.Option(..., help="publisher, island, reader or admin."),
     board: str = BOARD_OPTION,
-    token: Optional[str] = TOKEN_OPTION,
-    tls_ca: Optional[Path] = TLS_CA_OPTION,
-    tls_cert: Optional[Path] = TLS_CERT_OPTION,
-    tls_key: Optional[Path] = TLS_KEY_OPTION,
+    token: str | None = TOKEN_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_cert: Path | None = TLS_CERT_OPTION,
+    tls_key: Path | None = TLS_KEY_OPTION,
 ) -> None:
     """Create a token (admin). The token is printed once; the board keeps only its hash."""
     from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
@@ -387,10 +388,10 @@ def token_create(
 def token_revoke(
     token_id: str = typer.Argument(..., help="The token id printed by 'token create'."),
     board: str = BOARD_OPTION,
-    token: Optional[str] = TOKEN_OPTION,
-    tls_ca: Optional[Path] = TLS_CA_OPTION,
-    tls_cert: Optional[Path] = TLS_CERT_OPTION,
-    tls_key: Optional[Path] = TLS_KEY_OPTION,
+    token: str | None = TOKEN_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_cert: Path | None = TLS_CERT_OPTION,
+    tls_key: Path | None = TLS_KEY_OPTION,
 ) -> None:
     """Revoke a token (admin); it stops working at once on this board, within seconds on others."""
 

@@ -85,7 +85,7 @@ class BoardSettings(BaseSettings):
         return value.get_secret_value() if value is not None else None
 
 
-def external_blob_store(settings: BoardSettings) -> "BlobStore | None":
+def external_blob_store(settings: BoardSettings) -> BlobStore | None:
     """The blob store the settings name explicitly (S3 endpoint), or None for an embedded one."""
     from weftboard.board.blobs import S3BlobStore  # noqa: PLC0415  (minio is slow to import)
 
@@ -107,7 +107,7 @@ def external_blob_store(settings: BoardSettings) -> "BlobStore | None":
     )
 
 
-def local_blob_store(settings: BoardSettings) -> "LocalDirBlobStore":
+def local_blob_store(settings: BoardSettings) -> LocalDirBlobStore:
     from weftboard.board.blobs import LocalDirBlobStore  # noqa: PLC0415
 
     return LocalDirBlobStore(settings.blob_dir or settings.data_dir / "blobs")

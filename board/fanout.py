@@ -65,7 +65,7 @@ TICK = _Tick()
 
 @dataclass(eq=False)
 class Subscription:
-    feed: "RunFeed"
+    feed: RunFeed
     interval_s: float
     staged: bool = False  # also receives StagedEvent hints
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -22,8 +22,8 @@ racing with GC is told a version is gone before its bytes disappear, never after
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 from weftboard.proto.v1 import board_pb2 as pb
 

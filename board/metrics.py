@@ -12,7 +12,13 @@ from __future__ import annotations
 import threading
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 from weftboard.proto.v1 import board_pb2 as pb
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import structlog

@@ -37,8 +37,21 @@ from weftboard.board import validate
 from weftboard.board.auth import Authenticator
 from weftboard.board.fanout import TICK, FanOut, StagedEvent
 from weftboard.board.metrics import BoardMetrics
-from weftboard.board.store import RedisStore, already_exists_message, canonical_record, now_ms
-from weftboard.proto.domain import StepKind, VersionArtifacts, blob_key, check_digest, check_name, lag, plan_catch_up
+from weftboard.board.store import (
+    RedisStore,
+    already_exists_message,
+    canonical_record,
+    now_ms,
+)
+from weftboard.proto.domain import (
+    StepKind,
+    VersionArtifacts,
+    blob_key,
+    check_digest,
+    check_name,
+    lag,
+    plan_catch_up,
+)
 from weftboard.proto.errors import (
     Aborted,
     AlreadyExists,

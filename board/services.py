@@ -30,9 +30,9 @@ import sys
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from weftboard.proto.errors import FailedPrecondition, Unavailable
 
@@ -123,7 +123,7 @@ def weed_binary() -> Path:
 # Managed processes
 # ---------------------------------------------------------------------------
 
-_LIVE: set["ManagedProcess"] = set()
+_LIVE: set[ManagedProcess] = set()
 _LIVE_LOCK = threading.Lock()
 
 
@@ -201,7 +201,7 @@ class ManagedProcess:
         if log is not None and not log.closed:
             log.close()
 
-    def __enter__(self) -> "ManagedProcess":
+    def __enter__(self) -> ManagedProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

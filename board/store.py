@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -430,7 +430,7 @@ class RedisStore:
         reply = await self.redis.pubsub_numsub(k_staged(run))
         return int(reply[0][1]) if reply else 0
 
-    def staged_listener(self) -> "aioredis.client.PubSub":
+    def staged_listener(self) -> aioredis.client.PubSub:
         """A Pub/Sub connection for ``k_staged`` channels (the caller subscribes and closes it)."""
         return self.redis.pubsub(ignore_subscribe_messages=True)
 

@@ -34,14 +34,14 @@ serially (it warns "no transformation for parallel execution was possible").
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import llvmlite.binding as llvm_binding
 import numba
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
-from numba.core import errors
+from numba.core import cgutils, errors
 from numba.extending import intrinsic, overload
 
 # Imported before ``copy_bytes`` is defined: it registers the cache locator that stamps a kernel

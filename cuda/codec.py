@@ -63,8 +63,9 @@ import json
 import struct
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numba as nb
 import numpy as np

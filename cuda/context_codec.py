@@ -566,7 +566,7 @@ class ContextStream:
         tile_starts = np.repeat(np.arange(self.ns.shape[0], dtype=np.int64) * self.tile, self.ns.sum(axis=1))
         return tile_starts + off, diff
 
-    def apply_(self, target: np.ndarray) -> "ContextUndo":
+    def apply_(self, target: np.ndarray) -> ContextUndo:
         """Patch the uint16 bits ``target`` in place; what it takes to undo it (4 bytes per
         change). On a bad tile every write is undone before ValueError is raised."""
         return ContextUndo(target, *self._run(target, True), self.ns, self.tile)

@@ -20,7 +20,7 @@ of it; there is no Python loop over elements anywhere.
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import xxhash

@@ -58,8 +58,9 @@ from __future__ import annotations
 
 import fnmatch
 import threading
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator, Mapping, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -140,7 +141,7 @@ class ServedFormatSpec:
         object.__setattr__(self, "keep_bf16_patterns", patterns)
 
     @classmethod
-    def from_proto(cls, msg) -> "ServedFormatSpec":
+    def from_proto(cls, msg) -> ServedFormatSpec:
         """From a board_pb2.ServedFormat; unspecified granularity/policy take the defaults."""
         kinds, granularities, policies = _proto_maps()
         by_kind = {v: k for k, v in kinds.items()}

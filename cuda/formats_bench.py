@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch loads inside the command, so `weftboard --help` stays fast
     import torch
@@ -30,7 +31,7 @@ VARIANTS = (
 POLICIES = ("recompute", "fixed", "pow2")
 
 
-def _quantized_part(view: Mapping[str, "torch.Tensor"]) -> dict[str, "torch.Tensor"]:
+def _quantized_part(view: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     import torch
 
     return {n: t for n, t in view.items() if t.dtype != torch.bfloat16}

@@ -54,7 +54,7 @@ class _Timer:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
 
-    def __enter__(self) -> "_Timer":
+    def __enter__(self) -> _Timer:
         if self.cuda:
             torch.cuda.synchronize()
             self._start = torch.cuda.Event(enable_timing=True)

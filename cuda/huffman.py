@@ -29,7 +29,13 @@ import numba as nb
 import numpy as np
 
 from weftboard.cuda.bitops import load_u64le
-from weftboard.cuda.entropy import NSYM, _varint, _write_varint, bytes_put, parse_directory
+from weftboard.cuda.entropy import (
+    NSYM,
+    _varint,
+    _write_varint,
+    bytes_put,
+    parse_directory,
+)
 from weftboard.cuda.jit import parallel_kernel
 
 MAX_BITS = 12  # 4096-entry decoder table (8 KiB, in L1); 11 bits cost 0.05 bits a change more on the bench

@@ -38,12 +38,12 @@ import os
 import stat
 import tempfile
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numba as nb
 from numba.core import caching
 from numba.core.cpu_options import ParallelOptions
-
 
 # An options object, not the dict it is made of: numba pops the keys out of a dict when it
 # compiles, so a kernel's second signature would be compiled with every transformation on.

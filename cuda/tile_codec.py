@@ -59,8 +59,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numba as nb
 import numpy as np
@@ -69,10 +69,27 @@ from numba import types
 from numba.extending import overload
 
 from weftboard.cuda import entropy, huffman
-from weftboard.cuda.bitops import (HAS_VECTOR_COMPRESS, array_at, block_fold64, block_ne_mask64, block_special64,
-                                   block_sym_compress64, block_sym_lanes64, cast_ne_mask64, cast_special64,
-                                   ctlz64, ctpop64, cttz64, cttz64z, load_u64le, move_bytes, ne_mask64, prefetch64,
-                                   range_fits, store_u16be)
+from weftboard.cuda.bitops import (
+    HAS_VECTOR_COMPRESS,
+    array_at,
+    block_fold64,
+    block_ne_mask64,
+    block_special64,
+    block_sym_compress64,
+    block_sym_lanes64,
+    cast_ne_mask64,
+    cast_special64,
+    ctlz64,
+    ctpop64,
+    cttz64,
+    cttz64z,
+    load_u64le,
+    move_bytes,
+    ne_mask64,
+    prefetch64,
+    range_fits,
+    store_u16be,
+)
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, RANS_L, SCALE_BITS
 from weftboard.cuda.jit import parallel_kernel
 

@@ -36,8 +36,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator
+from typing import Any
 
 ELEMENTS = ("u8", "i16", "i32", "i64")  # the integer views of 1-, 2-, 4- and 8-byte elements
 

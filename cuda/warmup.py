@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -189,7 +189,12 @@ def _streams_applied(gen: torch.Generator, dtype: torch.dtype, encodings: Sequen
     """Patches of every mode, encoded from deltas as the publisher finishes them, applied in
     place as an island does (from bytes and from writable buffers), undone, and decoded into
     arrays as for a GPU destination."""
-    from weftboard.cuda.codec import _read_container, apply_patch_, decode_stream, encode_deltas
+    from weftboard.cuda.codec import (
+        _read_container,
+        apply_patch_,
+        decode_stream,
+        encode_deltas,
+    )
     from weftboard.cuda.diff import bits_view, diff_tensor
 
     old = _random(gen, dtype)

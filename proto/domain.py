@@ -15,9 +15,9 @@ Invariants stated here and relied on elsewhere:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable, Mapping
 
 from weftboard.proto.errors import FailedPrecondition, InvalidArgument, OutOfRange
 
@@ -212,7 +212,7 @@ class VersionConstraint:
         return 1 <= target <= head and self.accepts(target if self.exact is not None else head, head)
 
     @classmethod
-    def parse(cls, text: str) -> "VersionConstraint":
+    def parse(cls, text: str) -> VersionConstraint:
         """Parse the header form: ``exact=7``, ``min=5``, ``max_staleness=2``, comma separated."""
         values: dict[str, int] = {}
         aliases = {"exact": "exact", "min": "minimum", "minimum": "minimum", "max_staleness": "max_staleness"}

@@ -19,9 +19,9 @@ import json
 import mmap
 import os
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 import xxhash
@@ -69,7 +69,7 @@ def _raw_bytes_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _write_tensor(f, h: "xxhash.xxh3_128", t: torch.Tensor) -> None:
+def _write_tensor(f, h: xxhash.xxh3_128, t: torch.Tensor) -> None:
     raw = _raw_bytes_view(t)
     n = raw.numel()
     for start in range(0, n, _CHUNK):

@@ -37,9 +37,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -236,7 +237,7 @@ class RssSampler:
                 self.peak = max(self.peak, _rss_bytes())
             self._stop.wait(self.interval_s)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self.peak = _rss_bytes()
         self._thread.start()
         return self

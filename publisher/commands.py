@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -18,7 +17,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         versions: int = typer.Option(5, help="Measured patch versions (after the initial anchor)."),
         destination: str = typer.Option("memory", help="Island destination: memory (live tensors) or dir (checkpoint)."),
         json_out: bool = typer.Option(False, "--json", help="Only the JSON line on stdout."),
-        work_dir: Optional[Path] = typer.Option(None, help="Where servers and islands keep their files."),
+        work_dir: Path | None = typer.Option(None, help="Where servers and islands keep their files."),
         warm_steps: int = typer.Option(30, help="AdamW steps before the first publish (Adam past its first steps)."),
         wan: bool = typer.Option(False, "--wan", help="Islands in network namespaces behind simulated WAN links (root + iproute2; skipped otherwise)."),
         wan_rate_mbit: float = typer.Option(100.0, help="--wan: link rate per island, each direction (tbf)."),
@@ -28,7 +27,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         trainer_gc: str = typer.Option("manual", help="The trainer's garbage collection: manual (off, gc.collect(1) every 10 "
                                                       "steps, as large trainers run) or auto (Python's default)."),
         encoding: str = typer.Option("default", help="The publisher's patch encoding: default, context or baseline."),
-        part_bytes: Optional[int] = typer.Option(None, help="Streams per staged patch part (0: one patch blob, "
+        part_bytes: int | None = typer.Option(None, help="Streams per staged patch part (0: one patch blob, "
                                                             "nothing staged before the commit; default: "
                                                             f"{SUGGESTED_PART_BYTES} while an island asks for parts "
                                                             "(its blob store is far), else one blob)."),

@@ -21,7 +21,8 @@ Invariants:
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from weftboard.proto.errors import InvalidArgument
 

@@ -54,9 +54,10 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import structlog
@@ -64,9 +65,18 @@ import torch
 import xxhash
 
 from weftboard.proto.domain import check_name, format_digest
-from weftboard.proto.errors import FailedPrecondition, InvalidArgument, NotFound, WeftboardError
+from weftboard.proto.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    WeftboardError,
+)
 from weftboard.proto.v1 import board_pb2 as pb
-from weftboard.publisher.anchors import DEFAULT_SHARD_BYTES, WrittenFile, write_checkpoint
+from weftboard.publisher.anchors import (
+    DEFAULT_SHARD_BYTES,
+    WrittenFile,
+    write_checkpoint,
+)
 from weftboard.publisher.parts import SUGGESTED_PART_BYTES, PartCutter, staged_names
 from weftboard.publisher.policy import AnchorPolicy, AnchorReason, decide_anchor
 from weftboard.publisher.uploader import FAST_RECONNECT, Uploader, with_retries
@@ -240,7 +250,7 @@ class Publisher:
 
     # -- public API --------------------------------------------------------------------
 
-    def __enter__(self) -> "Publisher":
+    def __enter__(self) -> Publisher:
         return self
 
     def __exit__(self, exc_type, *exc: object) -> None:
@@ -333,7 +343,7 @@ class Publisher:
             event.wait()
 
     def _read_and_snapshot(self, master: dict[str, torch.Tensor], version: int, step: int, labels: dict[str, str],
-                           target: "_Job | None", fut: concurrent.futures.Future, handle: PublishHandle, t0: float,
+                           target: _Job | None, fut: concurrent.futures.Future, handle: PublishHandle, t0: float,
                            read_done: threading.Event) -> None:
         """Background, in publish order: read the weights into the view, then snapshot the job."""
         t_read = time.perf_counter()
@@ -680,7 +690,7 @@ class Publisher:
             raise FailedPrecondition(f"the model no longer produces served tensors {missing} of run {self.run}")
         return deltas
 
-    def _tensor_scan(self, prev: torch.Tensor | None, scan: bool) -> "_TensorScan | None":
+    def _tensor_scan(self, prev: torch.Tensor | None, scan: bool) -> _TensorScan | None:
         return _TensorScan.for_tensor(self.encoding, prev) if scan and prev is not None else None
 
     def _finish_read(self, folded: dict[str, Any], cutter: PartCutter | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -690,7 +700,11 @@ class Publisher:
         ``cutter`` as soon as it is finished, the tensors with the most changes first: the bulk
         of the bytes ships (and starts down the islands' links) early, and what is left for the
         last part, cut after the last stream and so just before the commit, is small."""
-        from weftboard.cuda.codec import delta_from_scans, encoded_from_scans, scans_changed
+        from weftboard.cuda.codec import (
+            delta_from_scans,
+            encoded_from_scans,
+            scans_changed,
+        )
         from weftboard.cuda.diff import TensorDelta
         from weftboard.cuda.jit import serial_kernels
 
@@ -1044,7 +1058,7 @@ class _TensorScan:
     thresholds: np.ndarray | None = None
 
     @staticmethod
-    def for_tensor(encoding: str, prev: torch.Tensor) -> "_TensorScan":
+    def for_tensor(encoding: str, prev: torch.Tensor) -> _TensorScan:
         from weftboard.cuda import context_codec
         from weftboard.cuda.diff import bits_view, unsigned_np
 
@@ -1118,7 +1132,12 @@ def _fold_pieces_(prev: torch.Tensor, new: torch.Tensor | None, scratch: dict, s
     import dataclasses
 
     from weftboard.cuda.codec import CODEC_TILE, delta_from_scans
-    from weftboard.cuda.diff import TensorDelta, bits_view, diff_and_update_, unsigned_np
+    from weftboard.cuda.diff import (
+        TensorDelta,
+        bits_view,
+        diff_and_update_,
+        unsigned_np,
+    )
 
     assert _CAST_CHUNK % CODEC_TILE == 0  # pieces start on tile boundaries
     flat_p = prev.reshape(-1)

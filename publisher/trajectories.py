@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable, Iterator, Mapping
+from typing import Any
 
 from weftboard.proto.v1 import board_pb2 as pb
 
@@ -152,7 +153,7 @@ class SyncTrajectoryConsumer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
 
-    def __enter__(self) -> "SyncTrajectoryConsumer":
+    def __enter__(self) -> SyncTrajectoryConsumer:
         return self
 
     def __exit__(self, *exc: object) -> None:

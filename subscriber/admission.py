@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 from weftboard.proto.errors import DeadlineExceeded
 from weftboard.subscriber.engines.base import ActivationMode, require_mode
@@ -85,7 +85,7 @@ class VersionState:
 class Ticket:
     """One admitted request; ``release`` exactly once when its response is complete."""
 
-    gate: "AdmissionGate"
+    gate: AdmissionGate
     exact: bool
     released: bool = False
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import bisect
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from weftboard.proto.errors import ApplyError, InvalidArgument, Unavailable
 

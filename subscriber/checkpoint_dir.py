@@ -31,8 +31,9 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import structlog
 import torch
@@ -46,7 +47,12 @@ from weftboard.publisher.anchors import (
     write_index,
 )
 from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
-from weftboard.subscriber.destination import TensorEntry, VersionTarget, require_parent, require_transition
+from weftboard.subscriber.destination import (
+    TensorEntry,
+    VersionTarget,
+    require_parent,
+    require_transition,
+)
 from weftboard.subscriber.verify import verify_tensors
 
 log = structlog.get_logger("weftboard.subscriber")
@@ -98,7 +104,7 @@ class _Mapped:
             except BufferError:
                 pass
 
-    def __enter__(self) -> "_Mapped":
+    def __enter__(self) -> _Mapped:
         return self
 
     def __exit__(self, *exc: object) -> None:

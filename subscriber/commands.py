@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -14,13 +13,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         board: str = typer.Option(..., envvar="WEFTBOARD_BOARD", help="Board address host:port."),
         run: str = typer.Option(..., envvar="WEFTBOARD_RUN", help="Run to follow."),
         dir: Path = typer.Option(..., envvar="WEFTBOARD_DIR", help="Island directory: checkpoint/ (current -> versions/vN) and cache/."),
-        token: Optional[str] = typer.Option(None, envvar="WEFTBOARD_TOKEN", help="Bearer token (ISLAND role)."),
+        token: str | None = typer.Option(None, envvar="WEFTBOARD_TOKEN", help="Bearer token (ISLAND role)."),
         island_id: str = typer.Option("island", envvar="WEFTBOARD_ISLAND_ID"),
         region: str = typer.Option("local", envvar="WEFTBOARD_REGION"),
-        s3_endpoint: Optional[str] = typer.Option(None, envvar="WEFTBOARD_S3_ENDPOINT", help="Read blobs from S3 directly; without it, presigned URLs from the board."),
-        s3_access_key: Optional[str] = typer.Option(None, envvar="WEFTBOARD_S3_ACCESS_KEY"),
-        s3_secret_key: Optional[str] = typer.Option(None, envvar="WEFTBOARD_S3_SECRET_KEY"),
-        s3_bucket: Optional[str] = typer.Option(None, envvar="WEFTBOARD_S3_BUCKET"),
+        s3_endpoint: str | None = typer.Option(None, envvar="WEFTBOARD_S3_ENDPOINT", help="Read blobs from S3 directly; without it, presigned URLs from the board."),
+        s3_access_key: str | None = typer.Option(None, envvar="WEFTBOARD_S3_ACCESS_KEY"),
+        s3_secret_key: str | None = typer.Option(None, envvar="WEFTBOARD_S3_SECRET_KEY"),
+        s3_bucket: str | None = typer.Option(None, envvar="WEFTBOARD_S3_BUCKET"),
         s3_secure: bool = typer.Option(False, envvar="WEFTBOARD_S3_SECURE"),
         s3_prefix: str = typer.Option("", envvar="WEFTBOARD_S3_PREFIX"),
         destination: str = typer.Option("dir", help="dir: HF checkpoint directory; memory: live tensors in this process."),
@@ -28,8 +27,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         lease_s: int = typer.Option(15),
         events: bool = typer.Option(False, help="Print a JSON line to stdout for every verified version."),
         exit_at_version: int = typer.Option(0, help="Exit once this version is held (0: follow forever)."),
-        progress: Optional[bool] = typer.Option(None, "--progress/--no-progress", help="Progress display (default: on a terminal)."),
-        log_json: Optional[bool] = typer.Option(None, envvar="WEFTBOARD_LOG_JSON"),
+        progress: bool | None = typer.Option(None, "--progress/--no-progress", help="Progress display (default: on a terminal)."),
+        log_json: bool | None = typer.Option(None, envvar="WEFTBOARD_LOG_JSON"),
     ) -> None:
         """Follow RUN into a local checkpoint directory, verified, atomically replaced."""
         import asyncio

@@ -38,7 +38,14 @@ import torch
 from rich.console import Console
 
 from weftboard.cuda.warmup import warm_up_kernels
-from weftboard.subscriber.demo_view import DemoStep, DemoView, IslandRow, VersionRow, plot, summary_table
+from weftboard.subscriber.demo_view import (
+    DemoStep,
+    DemoView,
+    IslandRow,
+    VersionRow,
+    plot,
+    summary_table,
+)
 
 RUN = "demo"
 PROMPT = "say ab:"
@@ -87,7 +94,11 @@ class Trainer:
     """fp32 master weights of the reference model and an AdamW optimizer over them."""
 
     def __init__(self, config: dict[str, Any], lr: float) -> None:
-        from weftboard.subscriber.reference_model import CharTokenizer, init_parameters, model_config
+        from weftboard.subscriber.reference_model import (
+            CharTokenizer,
+            init_parameters,
+            model_config,
+        )
 
         self.config = model_config(config)
         self.tokenizer = CharTokenizer()

@@ -6,9 +6,10 @@ writing the PNG, so the demo loop stays readable and this stays testable.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -109,7 +110,7 @@ class DemoView:
         self.total_steps = total_steps
         self._live: Live | None = None
 
-    def __enter__(self) -> "DemoView":
+    def __enter__(self) -> DemoView:
         if self.enabled:
             self._live = Live(console=self.console, refresh_per_second=4, transient=False)
             self._live.__enter__()

@@ -14,9 +14,10 @@ Invariants every implementation keeps:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Protocol, Sequence
+from typing import Protocol
 
 
 @dataclass(frozen=True)

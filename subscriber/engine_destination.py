@@ -22,8 +22,8 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import structlog
 

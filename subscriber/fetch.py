@@ -24,13 +24,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import structlog
 
 from weftboard.board.blobs.base import ChunkCallback
-from weftboard.proto.errors import DigestMismatch, PermissionDenied, Unavailable, WeftboardError
+from weftboard.proto.errors import (
+    DigestMismatch,
+    PermissionDenied,
+    Unavailable,
+    WeftboardError,
+)
 from weftboard.publisher.anchors import file_digest
 from weftboard.publisher.uploader import with_retries
 

@@ -132,7 +132,10 @@ async def start_island(
         in_process = None
         if engine == "reference" and not engine_url:
             from weftboard.subscriber.live_tensors import LiveTensorsDestination
-            from weftboard.subscriber.reference_model import ReferenceEngine, serve_engine
+            from weftboard.subscriber.reference_model import (
+                ReferenceEngine,
+                serve_engine,
+            )
 
             config = reference_config if reference_config is not None else await reference_config_of_run(client, run)
             in_process = ReferenceEngine(config, token_delay_s=token_delay_s)

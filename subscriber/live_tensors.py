@@ -21,9 +21,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Mapping, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import structlog
 import torch
@@ -31,7 +32,11 @@ import torch
 from weftboard.proto.errors import ApplyError, CorruptData
 from weftboard.publisher.anchors import map_safetensors
 from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
-from weftboard.subscriber.destination import VersionTarget, require_parent, require_transition
+from weftboard.subscriber.destination import (
+    VersionTarget,
+    require_parent,
+    require_transition,
+)
 from weftboard.subscriber.verify import check_layout, verify_tensors
 
 log = structlog.get_logger("weftboard.subscriber")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import structlog
 
@@ -41,7 +41,14 @@ class ProgressReporter:
         self._progress = None
         if self.use_rich:
             from rich.console import Console
-            from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
 
             self._progress = Progress(
                 TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),

@@ -24,9 +24,10 @@ import json
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -6,7 +6,6 @@ Heavy imports (torch, grpc, aiohttp) happen inside the command bodies so ``--hel
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -16,9 +15,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     def sidecar(
         board: str = typer.Option(..., envvar="WEFTBOARD_BOARD", help="Board address host:port."),
         run: str = typer.Option(..., envvar="WEFTBOARD_RUN", help="Run whose versions this island serves."),
-        token: Optional[str] = typer.Option(None, envvar="WEFTBOARD_TOKEN", help="Bearer token (ISLAND role)."),
+        token: str | None = typer.Option(None, envvar="WEFTBOARD_TOKEN", help="Bearer token (ISLAND role)."),
         engine: str = typer.Option("reference", help="reference | vllm | sglang."),
-        engine_url: Optional[str] = typer.Option(
+        engine_url: str | None = typer.Option(
             None, help="Where the engine serves HTTP. Omit with --engine reference to run it in this process."),
         listen: str = typer.Option("127.0.0.1:8100", help="host:port the sidecar serves the OpenAI API on."),
         dir: Path = typer.Option(Path("./island"), "--dir", envvar="WEFTBOARD_DIR",
@@ -26,15 +25,15 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         activation: str = typer.Option("drain", help="drain | in_place: how a new version is activated."),
         island_id: str = typer.Option("island", envvar="WEFTBOARD_ISLAND_ID"),
         deadline_ms: int = typer.Option(30_000, help="Default request deadline when a request names none."),
-        s3_endpoint: Optional[str] = typer.Option(None, envvar="WEFTBOARD_S3_ENDPOINT",
+        s3_endpoint: str | None = typer.Option(None, envvar="WEFTBOARD_S3_ENDPOINT",
                                                   help="Read blobs from S3 directly; without it, presigned URLs."),
-        s3_access_key: Optional[str] = typer.Option(None, envvar="WEFTBOARD_S3_ACCESS_KEY"),
-        s3_secret_key: Optional[str] = typer.Option(None, envvar="WEFTBOARD_S3_SECRET_KEY"),
-        s3_bucket: Optional[str] = typer.Option(None, envvar="WEFTBOARD_S3_BUCKET"),
+        s3_access_key: str | None = typer.Option(None, envvar="WEFTBOARD_S3_ACCESS_KEY"),
+        s3_secret_key: str | None = typer.Option(None, envvar="WEFTBOARD_S3_SECRET_KEY"),
+        s3_bucket: str | None = typer.Option(None, envvar="WEFTBOARD_S3_BUCKET"),
         s3_secure: bool = typer.Option(False, envvar="WEFTBOARD_S3_SECURE"),
         s3_prefix: str = typer.Option("", envvar="WEFTBOARD_S3_PREFIX"),
-        blob_dir: Optional[Path] = typer.Option(None, help="Read blobs from a local blob directory (same machine)."),
-        log_json: Optional[bool] = typer.Option(None, envvar="WEFTBOARD_LOG_JSON"),
+        blob_dir: Path | None = typer.Option(None, help="Read blobs from a local blob directory (same machine)."),
+        log_json: bool | None = typer.Option(None, envvar="WEFTBOARD_LOG_JSON"),
     ) -> None:
         """Serve RUN through ENGINE with version-aware requests, following the board."""
         import asyncio
@@ -97,7 +96,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         seed: int = typer.Option(0, help="Seed of the model and the rollouts."),
         s3: bool = typer.Option(False, "--s3", help="Use a bundled SeaweedFS S3 server instead of a local blob dir."),
         rollouts: int = typer.Option(16, help="Rollouts per step."),
-        live: Optional[bool] = typer.Option(None, "--live/--no-live", help="Live terminal view (default: on a terminal)."),
+        live: bool | None = typer.Option(None, "--live/--no-live", help="Live terminal view (default: on a terminal)."),
     ) -> None:
         """A complete small RL loop: trainer, board, two islands (one joins late), trajectories back."""
         import asyncio

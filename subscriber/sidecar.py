@@ -32,8 +32,9 @@ import json
 import math
 import time
 import uuid
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any
 
 import aiohttp
 import structlog

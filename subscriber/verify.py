@@ -13,8 +13,8 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Mapping
 
 import torch
 

@@ -30,9 +30,10 @@ import inspect
 import itertools
 import secrets
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -40,7 +41,12 @@ import redis
 import structlog
 
 from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
-from weftboard.board.services import ManagedProcess, free_port, start_redis, start_seaweedfs
+from weftboard.board.services import (
+    ManagedProcess,
+    free_port,
+    start_redis,
+    start_seaweedfs,
+)
 
 
 @pytest.fixture(scope="session")
@@ -172,7 +178,7 @@ class RunningBoard:
 
 
 async def _stop_handle(handle: Any) -> None:
-    stop = getattr(handle, "stop", None) or getattr(handle, "close")
+    stop = getattr(handle, "stop", None) or handle.close
     result = stop()
     if inspect.isawaitable(result):
         await result

@@ -11,13 +11,24 @@ from typing import Any
 
 import pytest
 import torch
+from test_destinations import _anchor, _equal, _loaded, _step, _target, _view
 
-from weftboard.cuda.codec import apply_patch_, apply_patch_arriving_, encode_patch, read_patch_info
-from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch, InvalidArgument, Unavailable
+from weftboard.cuda.codec import (
+    apply_patch_,
+    apply_patch_arriving_,
+    encode_patch,
+    read_patch_info,
+)
+from weftboard.proto.errors import (
+    ApplyError,
+    CorruptData,
+    DigestMismatch,
+    InvalidArgument,
+    Unavailable,
+)
 from weftboard.subscriber.arriving import ArrivingBytes
 from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
-from test_destinations import _anchor, _equal, _loaded, _step, _target, _view
 
 
 def test_spans_arrive_in_any_order_and_merge() -> None:

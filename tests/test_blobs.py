@@ -6,8 +6,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-
 from conftest import make_s3_store
+
 from weftboard.board.blobs import (
     BlobStore,
     LocalDirBlobStore,
@@ -18,7 +18,14 @@ from weftboard.board.blobs import (
     upload_url,
 )
 from weftboard.board.services import free_port
-from weftboard.proto.errors import DigestMismatch, InvalidArgument, NotFound, PermissionDenied, Unavailable, UrlExpired
+from weftboard.proto.errors import (
+    DigestMismatch,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+    UrlExpired,
+)
 
 
 @pytest.fixture(params=["s3", "local"])

@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from boardkit import make_run, publish
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -18,7 +19,6 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from boardkit import make_run, publish
 from weftboard.board.auth import METHOD_ROLES, allowed, bearer
 from weftboard.board.client import BoardClient, TlsConfig
 from weftboard.proto import errors

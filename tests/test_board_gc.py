@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from boardkit import make_record, make_run, publish, upload
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from boardkit import make_record, make_run, publish, upload
 from weftboard.board.client import BoardClient
 from weftboard.board.gc import VersionBlobs, plan_gc
 from weftboard.proto import errors

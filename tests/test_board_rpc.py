@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 import pytest_asyncio
+from boardkit import make_record, make_run, publish, upload
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from boardkit import make_record, make_run, publish, upload
 from weftboard.board.client import BoardClient
 from weftboard.proto import errors
 from weftboard.proto.v1 import board_pb2 as pb

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from boardkit import make_record, make_run, publish, upload
+
 from weftboard.board.client import BoardClient
 from weftboard.proto import errors
 from weftboard.proto.v1 import board_pb2 as pb

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from boardkit import make_run, publish
 from typer.testing import CliRunner
 
-from boardkit import make_run, publish
 from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
 from weftboard.board.cli import build_app
 from weftboard.board.client import BoardClient

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import load as st_load
 
-from weftboard.cuda import formats
+from weftboard.cuda import codec, formats
 from weftboard.cuda.bench_codec import entropy_bound_bits
 from weftboard.cuda.codec import (
     CODEC_TILE,
@@ -21,7 +21,6 @@ from weftboard.cuda.codec import (
     encode_patch,
     read_patch_info,
 )
-from weftboard.cuda import codec
 from weftboard.cuda.diff import bits_view, diff_tensor, unsigned_np
 from weftboard.proto.errors import CorruptData, InvalidArgument
 

@@ -26,7 +26,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weftboard.cuda import codec
-from weftboard.cuda.codec import apply_patch_, apply_patch_arriving_, decode_stream, encode_patch
+from weftboard.cuda.codec import (
+    apply_patch_,
+    apply_patch_arriving_,
+    decode_stream,
+    encode_patch,
+)
 from weftboard.cuda.diff import bits_view, unsigned_np
 from weftboard.proto.errors import CorruptData
 

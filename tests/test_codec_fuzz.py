@@ -25,7 +25,12 @@ from hypothesis import strategies as st
 from patchkit import with_header
 
 from weftboard.cuda import codec
-from weftboard.cuda.codec import apply_patch_, decode_stream, encode_patch, read_patch_info
+from weftboard.cuda.codec import (
+    apply_patch_,
+    decode_stream,
+    encode_patch,
+    read_patch_info,
+)
 from weftboard.cuda.diff import bits_view, diff_tensor, unsigned_np
 from weftboard.proto.errors import CorruptData
 

@@ -12,12 +12,18 @@ import numba
 import numpy as np
 import pytest
 import torch
-
 from patchkit import with_header
 
-from weftboard.cuda import codec, context_codec as cc, tile_codec
+from weftboard.cuda import codec, tile_codec
+from weftboard.cuda import context_codec as cc
 from weftboard.cuda.bitops import mag_ge_mask64
-from weftboard.cuda.codec import CODEC_TILE, apply_patch_, decode_stream, encode_patch, read_patch_info
+from weftboard.cuda.codec import (
+    CODEC_TILE,
+    apply_patch_,
+    decode_stream,
+    encode_patch,
+    read_patch_info,
+)
 from weftboard.cuda.diff import bits_view
 from weftboard.proto.errors import CorruptData, InvalidArgument
 

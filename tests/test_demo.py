@@ -44,7 +44,14 @@ async def test_demo_runs_a_real_loop(tmp_path):
 
 
 def test_live_view_and_summary_render():
-    from weftboard.subscriber.demo_view import DemoStep, DemoView, IslandRow, VersionRow, render, summary_table
+    from weftboard.subscriber.demo_view import (
+        DemoStep,
+        DemoView,
+        IslandRow,
+        VersionRow,
+        render,
+        summary_table,
+    )
 
     steps = [DemoStep(1, 1, 0.1, 8, 8, 0, 0.5, "abab"), DemoStep(2, 2, 0.6, 8, 7, 1, 0.4, "abab")]
     islands = [IslandRow("island-a", 3, 0, "ready", 10, 0), IslandRow("island-b", 1, 2, "catching up", 0, 1)]

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import typer
 import yaml
-
 from boardkit import make_run, publish
+
 from weftboard.board.cli import build_app
 from weftboard.board.client import BoardClient
 from weftboard.board.config import BoardSettings

@@ -14,6 +14,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: ker
 
 import pytest
 import torch
+from diffcases import (
+    adversarial_pairs,
+    check_triton_apply,
+    check_triton_diff,
+    mutate,
+    random_bits,
+    triton_cases,
+)
 
 from weftboard.cuda.diff import (
     DIFF_TILE,
@@ -26,8 +34,6 @@ from weftboard.cuda.diff import (
     unsigned_np,
 )
 from weftboard.proto.errors import InvalidArgument
-
-from diffcases import adversarial_pairs, check_triton_apply, check_triton_diff, mutate, random_bits, triton_cases
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.float64]
 

@@ -14,9 +14,15 @@ import signal
 from pathlib import Path
 
 import pytest
+from pubsubkit import (
+    WARM_KERNELS,
+    Trainer,
+    bits_equal,
+    first_difference,
+    zeros_like_layout,
+)
 from safetensors.torch import load_file
 
-from pubsubkit import WARM_KERNELS, Trainer, bits_equal, first_difference, zeros_like_layout
 from weftboard.board.client import BoardClient
 from weftboard.cuda.digest import root_digest, tensor_digest
 from weftboard.proto.v1 import board_pb2 as pb

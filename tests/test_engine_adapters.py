@@ -37,7 +37,7 @@ class RecordingEngine:
             return web.json_response(body, status=status)
         return web.json_response({"success": True})
 
-    async def start(self) -> "RecordingEngine":
+    async def start(self) -> RecordingEngine:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from patchkit import with_header
 
 from weftboard.cuda import codec, huffman, tile_codec

@@ -15,9 +15,9 @@ import numba
 import numpy as np
 import pytest
 import torch
+from pubsubkit import WARM_KERNELS, Trainer, bits_equal, follow_each
 from safetensors.torch import load_file
 
-from pubsubkit import WARM_KERNELS, Trainer, bits_equal, follow_each
 from weftboard.board.blobs import LocalDirBlobStore
 from weftboard.board.client import BoardClient
 from weftboard.cuda.codec import read_patch_info

@@ -24,7 +24,12 @@ from weftboard.subscriber.destination import TensorEntry, VersionTarget
 from weftboard.subscriber.engine_destination import EngineDestination
 from weftboard.subscriber.engines import ActivationMode
 from weftboard.subscriber.engines.reference import ReferenceAdapter
-from weftboard.subscriber.reference_model import ReferenceEngine, init_parameters, model_config, serve_engine
+from weftboard.subscriber.reference_model import (
+    ReferenceEngine,
+    init_parameters,
+    model_config,
+    serve_engine,
+)
 from weftboard.subscriber.sidecar import Sidecar, SidecarConfig
 
 SMALL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq": 96}
@@ -74,7 +79,7 @@ class Island:
         self.inner = CopyInto(self.engine.tensors, self.versions)
         self.dest = EngineDestination(self.adapter, self.gate, self.state, self.inner)
 
-    async def start(self) -> "Island":
+    async def start(self) -> Island:
         self.engine_server = await serve_engine(self.engine)
         self.sidecar = Sidecar(SidecarConfig(self.engine_server.url, "run-a", "island-1", default_deadline_s=5),
                                self.state, self.gate)
@@ -291,10 +296,9 @@ def test_trajectory_queue_full_drops_and_counts():
 
 async def test_models_proxied_and_engine_down_is_502(island):
     await island.activate(1)
-    async with aiohttp.ClientSession() as s:
-        async with s.get(island.url + "/v1/models") as r:
-            assert r.status == 200 and r.headers["X-Weftboard-Version-Start"] == "1"
-            assert (await r.json())["data"][0]["id"] == "weftboard-reference"
+    async with aiohttp.ClientSession() as s, s.get(island.url + "/v1/models") as r:
+        assert r.status == 200 and r.headers["X-Weftboard-Version-Start"] == "1"
+        assert (await r.json())["data"][0]["id"] == "weftboard-reference"
     await island.engine_server.stop()
     status, headers, body = await call(island.url, PROMPT)
     assert status == 502 and body["error"] == "engine_unavailable"

@@ -13,9 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from boardkit import upload
-from pubsubkit import WARM_KERNELS, Trainer, bits_equal, first_difference, zeros_like_layout
+from pubsubkit import (
+    WARM_KERNELS,
+    Trainer,
+    bits_equal,
+    first_difference,
+    zeros_like_layout,
+)
+
 from weftboard.board.client import BoardClient
 from weftboard.cuda.codec import join_patches, read_patch_info
 from weftboard.proto.v1 import board_pb2 as pb
@@ -193,8 +199,8 @@ def test_the_cutter_ships_disjoint_parts_of_about_part_bytes_and_the_rest_on_flu
 
     from weftboard.cuda.codec import encode_streams
     from weftboard.cuda.diff import diff_tensor
-    from weftboard.publisher.parts import PartCutter, staged_names
     from weftboard.proto.errors import InvalidArgument
+    from weftboard.publisher.parts import PartCutter, staged_names
 
     g = torch.Generator().manual_seed(0)
     old = {f"t{i}": torch.randn(2000, generator=g).to(torch.bfloat16) for i in range(9)}

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 import pytest_asyncio
-
 from boardkit import make_record, make_run
+
 from weftboard.board.store import RedisStore, canonical_record, k_events
 from weftboard.proto import errors
 from weftboard.proto.v1 import board_pb2 as pb

@@ -7,8 +7,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
-
 from pubsubkit import WARM_KERNELS, Trainer, bits_equal, run_cli, zeros_like_layout
+
 from weftboard.board.client import BoardClient
 from weftboard.proto.errors import ApplyError, DigestMismatch
 from weftboard.proto.v1 import board_pb2 as pb

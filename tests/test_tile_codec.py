@@ -24,7 +24,13 @@ from test_jit import _parallel_regions
 
 from weftboard.cuda import codec, tile_codec
 from weftboard.cuda.bitops import sym_compress64, sym_lanes64
-from weftboard.cuda.codec import CODEC_TILE, apply_patch_, decode_stream, encode_deltas, encode_patch
+from weftboard.cuda.codec import (
+    CODEC_TILE,
+    apply_patch_,
+    decode_stream,
+    encode_deltas,
+    encode_patch,
+)
 from weftboard.cuda.diff import bits_view, diff_tensor
 from weftboard.proto.errors import CorruptData, InvalidArgument
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 import pytest_asyncio
-
 from boardkit import make_run, publish
+
 from weftboard.board.client import BoardClient
 from weftboard.proto import errors
 from weftboard.proto.v1 import board_pb2 as pb

@@ -16,8 +16,8 @@ import time
 import aiohttp
 import pytest
 import torch
-
 from pubsubkit import WARM_KERNELS, run_cli
+
 from weftboard.board.client import BoardClient
 from weftboard.cuda.digest import root_digest, tensor_digest
 from weftboard.proto.errors import ApplyError

@@ -15,10 +15,15 @@ import os
 
 import pytest
 import torch
+from diffcases import (
+    check_triton_apply,
+    check_triton_diff,
+    mutate,
+    random_bits,
+    triton_cases,
+)
 
 from weftboard.cuda.diff import bits_view, diff_tensor
-
-from diffcases import check_triton_apply, check_triton_diff, mutate, random_bits, triton_cases
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

@@ -16,8 +16,13 @@ import time
 
 import pytest
 
-from weftboard.publisher.wan import DelayRelay, WanTopology, WanUnavailable, check_capability
-from weftboard.publisher.wan import netns
+from weftboard.publisher.wan import (
+    DelayRelay,
+    WanTopology,
+    WanUnavailable,
+    check_capability,
+    netns,
+)
 
 
 def _wan_skip_reason() -> str | None:
@@ -338,11 +343,10 @@ async def test_islands_are_rate_limited_and_delayed_both_ways() -> None:
 @needs_netns
 def test_cleanup_after_an_error_and_keyboard_interrupt() -> None:
     for exc_type in (RuntimeError, KeyboardInterrupt):
-        with pytest.raises(exc_type):
-            with WanTopology(2, [1], rtt_ms=0) as wan:
-                assert len(_our_objects(os.getpid())) == 4  # 2 namespaces + 2 host veths
-                assert wan.namespace(0) in netns.list_namespaces()
-                raise exc_type("boom")
+        with pytest.raises(exc_type), WanTopology(2, [1], rtt_ms=0) as wan:
+            assert len(_our_objects(os.getpid())) == 4  # 2 namespaces + 2 host veths
+            assert wan.namespace(0) in netns.list_namespaces()
+            raise exc_type("boom")
         assert _our_objects(os.getpid()) == []
 
 

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from pubsubkit import Trainer, follow_each
 
 # (served format, its options, patch encoding, publisher options): the fp32-master bf16 read in

@@ -20,8 +20,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from weftboard.proto.errors import InvalidArgument, NotFound
 

@@ -16,8 +16,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterable
+from typing import BinaryIO
 
 from weftboard.board.blobs.base import (
     FIRST_BYTE_SAMPLES,

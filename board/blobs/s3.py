@@ -20,11 +20,11 @@ import io
 import os
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterable, Iterator
 from urllib.parse import urlsplit
 
 import urllib3
@@ -41,7 +41,13 @@ from weftboard.board.blobs.base import (
     check_prefix,
     upload_source_size,
 )
-from weftboard.proto.errors import DigestMismatch, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from weftboard.proto.errors import (
+    DigestMismatch,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 
 _MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
 _DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}

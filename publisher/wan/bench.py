@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from weftboard.publisher.wan.netns import WanUnavailable, check_capability
 from weftboard.publisher.wan.topology import WanTopology

@@ -19,12 +19,12 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import ipaddress
+import itertools
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-import itertools
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor

@@ -20,9 +20,10 @@ Invariants:
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from weftboard.proto.errors import InvalidArgument
 
@@ -81,7 +82,10 @@ class EngineAdapter(abc.ABC):
 def make_adapter(kind: str, engine_url: str | None = None, *, engine: Any = None, **options: Any) -> EngineAdapter:
     """The adapter for ``--engine kind`` (reference|vllm|sglang)."""
     if kind == "reference":
-        from weftboard.subscriber.engines.reference import ReferenceAdapter, ReferenceHttpAdapter
+        from weftboard.subscriber.engines.reference import (
+            ReferenceAdapter,
+            ReferenceHttpAdapter,
+        )
 
         if engine is not None:
             return ReferenceAdapter(engine)

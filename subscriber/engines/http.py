@@ -6,7 +6,8 @@ Invariant: every call has a timeout; a non-2xx answer or an unreachable engine b
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 

@@ -13,11 +13,16 @@ overwritten) and ``served_version()`` unchanged.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from weftboard.proto.errors import ApplyError
-from weftboard.subscriber.engines.base import ActivationMode, EngineAdapter, require_mode
+from weftboard.subscriber.engines.base import (
+    ActivationMode,
+    EngineAdapter,
+    require_mode,
+)
 from weftboard.subscriber.engines.http import HttpEngineAdapter
 from weftboard.subscriber.reference_model import ReferenceEngine
 
