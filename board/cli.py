@@ -17,7 +17,7 @@ COMMAND_MODULES = (
     "weftboard.cuda.commands",        # warmup, bench codec, bench formats
     "weftboard.publisher.commands",   # bench sync
     "weftboard.subscriber.commands",  # subscribe
-    "weftboard.subscriber.serving_commands",  # sidecar, demo
+    "weftboard.subscriber.demo.commands",  # demo
 )
 
 

@@ -80,6 +80,7 @@ class BoardClient:
         options: Sequence[tuple[str, object]] = (),
     ) -> None:
         self.address = address
+        self.token = token
         self.timeout_s = timeout_s
         self.wait_for_ready = wait_for_ready
         self._metadata: tuple[tuple[str, str], ...] = (

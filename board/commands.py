@@ -1,6 +1,6 @@
 """Board commands of the ``weftboard`` CLI: serve, history, status, token, gc, bench board.
 
-``serve`` runs one board process (see board/serving.py). With no Redis URL it starts the
+``serve`` runs one board process (board/process.py). With no Redis URL it starts the
 embedded default (a bundled ``redis-server`` with an append-only file under the data dir)
 and with no S3 endpoint a local-directory blob store (or SeaweedFS with ``--embedded-s3``);
 it prints everything it started and stops it all on SIGINT/SIGTERM, board first.
@@ -10,31 +10,61 @@ The other commands are clients: ``--board`` and ``--token`` (``WEFTBOARD_BOARD``
 stored in the data dir, so the quick start needs no copy-and-paste.
 
 Errors from the board print as one line naming the gRPC status and exit with code 1.
-Heavy imports (grpc, the server) happen inside command bodies so ``--help`` stays fast.
+
+``serve`` invariants:
+- Embedded servers (redis-server, SeaweedFS) are started from the main thread *before* the
+  event loop exists, so they are tied to this process (they die with it even on SIGKILL)
+  and their start-up never blocks a running loop.
+- The banner names everything that was started: addresses, data paths, log files, and the
+  admin token with the file it is kept in.
+- Shutdown order on SIGINT/SIGTERM: the board (health NOT_SERVING, streams ended), then the
+  blob store's connections, then the embedded servers in reverse start order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import typer
+from google.protobuf.json_format import MessageToDict
+from pydantic import ValidationError
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from weftboard.board.bench.bench_board import BenchParams, run_bench
+from weftboard.board.blobs import S3BlobStore
+from weftboard.board.client import BoardClient, TlsConfig
+from weftboard.board.config import (
+    BoardSettings,
+    external_blob_store,
+    load_or_create_admin_token,
+    load_or_create_s3_credentials,
+    local_blob_store,
+)
 from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_data_dir
+from weftboard.board.embedded import start_redis, start_seaweedfs
+from weftboard.board.logs import configure
+from weftboard.board.process import BoardConfig, start_board
+from weftboard.proto.errors import WeftboardError
+from weftboard.proto.v1 import board_pb2 as pb
 
 # Piped output (grep, CI logs) gets full-width lines instead of an 80-column squeeze.
 out = Console(width=None if sys.stdout.isatty() else 240)
 err = Console(stderr=True, soft_wrap=True)
+banner_out = Console(soft_wrap=True)  # the serve banner: long lines kept whole
 
 BOARD_OPTION = typer.Option(DEFAULT_LISTEN, "--board", envvar="WEFTBOARD_BOARD", help="Board address host:port.")
 TOKEN_OPTION = typer.Option(
@@ -99,8 +129,6 @@ def ago(ms: int, now_ms: int | None = None) -> str:
 
 def version_row(record: Any) -> list[str]:
     """One history table row: version, step, parent, artifacts, bytes, density, committed."""
-    from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
-
     kinds = []
     patch_bytes = record.stats.patch_bytes
     anchor_bytes = record.stats.anchor_bytes
@@ -139,8 +167,6 @@ def history_table(run: str, records: list[Any]) -> Table:
 
 
 def islands_table(run: str, response: Any, now_ms: int | None = None) -> Table:
-    from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
-
     table = _table(f"fleet of {run} (head {response.head})", (
         ("island", "left"), ("region", "left"), ("version", "right"), ("lag", "right"), ("state", "left"),
         ("capacity", "right"), ("last seen", "right"), ("lease", "right"), ("message", "left"),
@@ -158,8 +184,6 @@ def islands_table(run: str, response: Any, now_ms: int | None = None) -> Table:
 
 
 def runs_table(runs: list[Any]) -> Table:
-    from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
-
     table = _table("runs", (
         ("run", "left"), ("kind", "left"), ("format", "left"), ("tensors", "right"), ("head", "right"),
         ("oldest", "right"), ("created UTC", "left"),
@@ -204,9 +228,6 @@ def run_client(
     tls_key: Path | None = None,
 ) -> None:
     """Open a BoardClient, run ``body(client)``, map weftboard errors to exit code 1."""
-    from weftboard.board.client import BoardClient, TlsConfig  # noqa: PLC0415
-    from weftboard.proto.errors import WeftboardError  # noqa: PLC0415
-
     tls = TlsConfig.from_files(tls_ca, tls_cert, tls_key) if (tls_ca or tls_cert) else None
 
     async def main() -> int | None:
@@ -224,6 +245,119 @@ def run_client(
 # ---------------------------------------------------------------------------
 # serve
 # ---------------------------------------------------------------------------
+
+
+@dataclass
+class Embedded:
+    """What ``start_embedded`` started (or was told to use), and banner lines about it."""
+
+    redis_url: str
+    blobs: Any
+    lines: list[tuple[str, str]] = field(default_factory=list)
+
+
+def start_embedded(settings: BoardSettings, data_dir: Path, stack: ExitStack) -> Embedded:
+    """Start the embedded Redis / SeaweedFS the settings call for; ``stack`` stops them."""
+    lines: list[tuple[str, str]] = []
+    redis_url = settings.redis_url
+    if redis_url is None:
+        redis = stack.enter_context(start_redis(data_dir / "redis", persistent=True))
+        redis_url = redis.url
+        lines.append(("redis", f"embedded redis-server at {redis.url} (append-only file in {redis.dir}, log {redis.log_path})"))
+    else:
+        lines.append(("redis", redis_url.split("@")[-1]))  # never print a password
+
+    blobs = external_blob_store(settings)
+    if blobs is not None:
+        lines.append(("blobs", blobs.describe()))
+    elif settings.embedded_s3:
+        weed_dir = data_dir / "seaweedfs"
+        access, secret = load_or_create_s3_credentials(weed_dir)
+        weed = stack.enter_context(
+            start_seaweedfs(weed_dir, access_key=access, secret_key=secret, bucket=settings.s3_bucket)
+        )
+        blobs = S3BlobStore(weed.endpoint, access, secret, settings.s3_bucket, region="us-east-1")
+        lines.append(("blobs", f"embedded SeaweedFS S3 at {weed.url}, bucket {settings.s3_bucket!r} "
+                               f"(credentials in {weed_dir / 'credentials.json'}, log {weed.log_path})"))
+    else:
+        blobs = local_blob_store(settings)
+        lines.append(("blobs", f"local directory {blobs.describe()} (islands must share this filesystem; "
+                               "use --s3-endpoint or --embedded-s3 for remote islands)"))
+    return Embedded(redis_url=redis_url, blobs=blobs, lines=lines)
+
+
+async def serve_async(settings: BoardSettings, embedded: Embedded, data_dir: Path, *,
+                      ready: Callable[[dict[str, Any]], None] | None = None,
+                      stop_event: asyncio.Event | None = None) -> None:
+    """Run the board on ``embedded``'s Redis and blobs until a signal (or ``stop_event``)."""
+    lines = list(embedded.lines)
+    board = None
+    try:
+        admin_token = settings.secret("admin_token")
+        token_note = "given by --admin-token / WEFTBOARD_ADMIN_TOKEN"
+        if settings.auth and not admin_token:
+            admin_token, token_path, created = load_or_create_admin_token(data_dir)
+            token_note = f"{'generated and stored in' if created else 'read from'} {token_path}"
+        config = BoardConfig(
+            listen=settings.listen,
+            redis_url=embedded.redis_url,
+            admin_token=admin_token if settings.auth else None,
+            auth=settings.auth,
+            metrics_port=settings.metrics_port,
+            metrics_host=settings.metrics_host,
+            tls_cert=settings.tls_cert,
+            tls_key=settings.tls_key,
+            tls_client_ca=settings.tls_client_ca,
+            watch_progress_s=settings.watch_progress_s,
+        )
+        board = await start_board(config, blobs=embedded.blobs)
+        lines.insert(0, ("board", f"listening on {board.address}" + (" (TLS)" if settings.tls_cert else "")))
+        if board.metrics_port is not None:
+            lines.append(("metrics", f"http://{settings.metrics_host}:{board.metrics_port}/metrics"))
+        if settings.auth:
+            lines.append(("admin token", f"{admin_token}  ({token_note})"))
+        else:
+            lines.append(("auth", "OFF: every caller is admin (--no-auth)"))
+        lines.append(("data dir", str(data_dir)))
+        print_banner(lines)
+        if ready is not None:
+            ready({"address": board.address, "metrics_port": board.metrics_port, "admin_token": admin_token,
+                   "redis_url": embedded.redis_url, "blobs": embedded.blobs.describe()})
+
+        stop = stop_event or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        banner_out.print("stopping ...")
+    finally:
+        if board is not None:
+            await board.stop()
+        await embedded.blobs.close()
+
+
+def serve_until_signal(settings: BoardSettings) -> None:
+    """The body of ``weftboard serve``: embedded services, board, clean stop of all."""
+    data_dir = Path(settings.data_dir).expanduser().resolve()
+    with ExitStack() as stack:
+        embedded = start_embedded(settings, data_dir, stack)
+        with contextlib.suppress(KeyboardInterrupt):  # a signal before the handlers were installed
+            asyncio.run(serve_async(settings, embedded, data_dir))
+    banner_out.print("stopped")
+
+
+def print_banner(lines: list[tuple[str, str]]) -> None:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in lines:
+        table.add_row(key, value)
+    banner_out.print("[bold]weftboard board is serving[/bold] (Ctrl-C to stop)")
+    banner_out.print(table)
+    sys.stdout.flush()
+
+
 
 
 def serve(
@@ -252,12 +386,6 @@ def serve(
 ) -> None:
     """Run a board. With no Redis or S3 given it starts the embedded default and says so."""
     flags = {k: v for k, v in locals().items() if v is not None}  # flags win over WEFTBOARD_* env
-    from pydantic import ValidationError  # noqa: PLC0415
-
-    from weftboard.board.config import BoardSettings  # noqa: PLC0415
-    from weftboard.board.logs import configure  # noqa: PLC0415
-    from weftboard.proto.errors import WeftboardError  # noqa: PLC0415
-
     try:
         settings = BoardSettings(**flags)
     except ValidationError as exc:
@@ -265,8 +393,6 @@ def serve(
             err.print(f"[red]invalid setting[/red] {'.'.join(map(str, e['loc']))}: {e['msg']}")
         raise typer.Exit(2) from None
     configure(json=settings.log_json, level=settings.log_level)
-    from weftboard.board.serving import serve_until_signal  # noqa: PLC0415
-
     try:
         serve_until_signal(settings)
     except WeftboardError as exc:
@@ -302,8 +428,6 @@ def history(
             start = max(1, head.version - last + 1, head.oldest_available)
         records = [r async for r in client.iter_versions(run, start, to_version)]
         if as_json:
-            from google.protobuf.json_format import MessageToDict  # noqa: PLC0415
-
             for record in records:
                 print(json.dumps(MessageToDict(record, preserving_proto_field_name=True)))
             return
@@ -374,8 +498,6 @@ def token_create(
     tls_key: Path | None = TLS_KEY_OPTION,
 ) -> None:
     """Create a token (admin). The token is printed once; the board keeps only its hash."""
-    from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
-
     async def body(client: Any) -> None:
         response = await client.create_token(name, pb.Role.Value(f"ROLE_{role.value.upper()}"))
         out.print(f"token id: {response.token_id}", highlight=False)
@@ -412,8 +534,6 @@ def bench_board(
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line (always printed last)."),
 ) -> None:
     """Board fan-out and ingest: 1,000 watchers, commit-to-delivery p50/p99, trajectories/s."""
-    from weftboard.board.bench_board import BenchParams, run_bench  # noqa: PLC0415
-
     params = BenchParams(watchers=watchers, commits=commits, channels=channels, reporters=reporters,
                          traj_seconds=traj_seconds, batch=batch)
     result = run_bench(params, log=lambda line: print(line, flush=True))

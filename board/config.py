@@ -18,16 +18,13 @@ import json
 import os
 import secrets
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
 from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_data_dir
 from weftboard.proto.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    from weftboard.board.blobs import BlobStore, LocalDirBlobStore
 
 __all__ = ["ADMIN_TOKEN_FILE", "DEFAULT_LISTEN", "BoardSettings", "default_data_dir"]
 
@@ -87,8 +84,6 @@ class BoardSettings(BaseSettings):
 
 def external_blob_store(settings: BoardSettings) -> BlobStore | None:
     """The blob store the settings name explicitly (S3 endpoint), or None for an embedded one."""
-    from weftboard.board.blobs import S3BlobStore  # noqa: PLC0415  (minio is slow to import)
-
     if not settings.s3_endpoint:
         return None
     if not settings.s3_access_key or settings.s3_secret_key is None:
@@ -108,8 +103,6 @@ def external_blob_store(settings: BoardSettings) -> BlobStore | None:
 
 
 def local_blob_store(settings: BoardSettings) -> LocalDirBlobStore:
-    from weftboard.board.blobs import LocalDirBlobStore  # noqa: PLC0415
-
     return LocalDirBlobStore(settings.blob_dir or settings.data_dir / "blobs")
 
 

@@ -29,6 +29,7 @@ Invariants (what makes Watch gap-free and duplicate-free):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -185,10 +186,8 @@ class RunFeed:
         except BaseException as exc:  # noqa: BLE001 - hints are best effort; versions still flow
             log.warning("staged-part feed failed; hints stop until the next watcher", run=self.run, error=str(exc))
         finally:
-            try:
+            with contextlib.suppress(Exception):  # closing a broken connection may fail too
                 await pubsub.aclose()
-            except Exception:  # noqa: BLE001
-                pass
 
 
 class FanOut:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.proto.records import ArtifactKind, VersionRecord
 
 
 @dataclass(frozen=True)
@@ -102,11 +102,11 @@ def plan_gc(
     return GcPlan(new_oldest, delete, tuple(sorted(orphans)))
 
 
-def version_blobs(record: pb.VersionRecord) -> VersionBlobs:
+def version_blobs(record: VersionRecord) -> VersionBlobs:
     patch: list[tuple[str, int]] = []
     anchor: list[tuple[str, int]] = []
     for artifact in record.artifacts:
-        target = patch if artifact.kind == pb.ARTIFACT_KIND_PATCH else anchor
+        target = patch if artifact.kind is ArtifactKind.PATCH else anchor
         target.extend((b.key, b.size) for b in artifact.blobs)
     return VersionBlobs(record.version, tuple(patch), tuple(anchor))
 

@@ -49,7 +49,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from weftboard.proto.errors import AlreadyExists, NotFound, Unavailable
+from weftboard.proto.commit import CommitReport, StoreResult
+from weftboard.proto.errors import NotFound, Unavailable
 from weftboard.proto.v1 import board_pb2 as pb
 
 REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -92,11 +93,9 @@ def k_staged(run: str) -> str:
 def k_checked(run: str) -> str:
     """Hash: blob key -> "<size>:<version>:<checked_ms>", for parts StagePart found in the blob store.
 
-    No TTL on the hash: it is the ledger of staged parts as well as a cache of their checks. A
-    TTL on the whole hash (as before) lost the parts of a version that never committed when
-    no part was staged for ``CHECKED_TTL_S`` (a publisher that died mid-version and came back
-    later): nothing named them any more, so GC never deleted them. The check alone goes stale,
-    by its own time (``checked_sizes``)."""
+    No TTL on the hash: it is the ledger of staged parts as well as a cache of their checks,
+    and a part of a version that never committed must stay known until GC can delete it.
+    The check alone goes stale, by its own time (``checked_sizes``)."""
     return f"wb:{{{run}}}:checked"
 
 
@@ -146,8 +145,9 @@ def compact_record(record: pb.VersionRecord) -> bytes:
     ).SerializeToString(deterministic=True)
 
 
-# Returns {status, head, committed_at_ms}: 0 committed, 1 identical record already
-# committed, 2 different record exists, 3 head is not n-1, 4 unknown run.
+# Returns {code, head, committed_at_ms}: 0 committed, 1 identical record already
+# committed, 2 different record exists, 3 head is not n-1, 4 unknown run. What a code
+# means for the caller is decided in proto/commit.py (``outcome_of_store``).
 COMMIT_LUA = """
 local n = tonumber(ARGV[1])
 if redis.call('EXISTS', KEYS[5]) == 0 then return {4, 0, 0} end
@@ -225,13 +225,6 @@ return #ARGV - 1
 
 
 @dataclass(frozen=True)
-class CommitOutcome:
-    status: str  # "committed" | "already_committed" | "exists_different" | "head_mismatch"
-    head: int
-    committed_at_ms: int
-
-
-@dataclass(frozen=True)
 class RunState:
     head: int
     committed_at_ms: int
@@ -252,7 +245,13 @@ class IslandRow:
     lease_expires_at_ms: int
 
 
-_COMMIT_STATUS = {0: "committed", 1: "already_committed", 2: "exists_different", 3: "head_mismatch"}
+# The commit script's result codes 0-3; 4 (unknown run) is NOT_FOUND.
+_COMMIT_RESULT = {
+    0: StoreResult.COMMITTED,
+    1: StoreResult.ALREADY_COMMITTED,
+    2: StoreResult.EXISTS_DIFFERENT,
+    3: StoreResult.HEAD_MISMATCH,
+}
 
 
 class RedisStore:
@@ -343,7 +342,8 @@ class RedisStore:
 
     # -- versions ---------------------------------------------------------
 
-    async def commit(self, record: pb.VersionRecord) -> CommitOutcome:
+    async def commit(self, record: pb.VersionRecord) -> CommitReport:
+        """Run the compare-and-set; what its result means is ``proto.commit.outcome_of_store``."""
         run = record.run
         result = await self._commit(
             keys=[k_state(run), k_versions(run), k_events(run), k_committed(run), k_run(run), k_index(run)],
@@ -352,7 +352,7 @@ class RedisStore:
         code, head, at = (int(x) for x in result)
         if code == 4:
             raise NotFound(f"run {run!r} does not exist; create it with CreateRun")
-        return CommitOutcome(_COMMIT_STATUS[code], head, at)
+        return CommitReport(_COMMIT_RESULT[code], head, at)
 
     async def existing_record(self, run: str, version: int) -> bytes | None:
         return await self.redis.hget(k_versions(run), str(version))
@@ -366,7 +366,7 @@ class RedisStore:
             lambda p: (p.hmget(k_versions(run), fields), p.hmget(k_committed(run), fields))
         )
         out: dict[int, pb.VersionRecord] = {}
-        for v, data, at in zip(versions, records, times):
+        for v, data, at in zip(versions, records, times, strict=True):
             if data is not None:
                 rec = pb.VersionRecord.FromString(data)
                 rec.committed_at_ms = int(at or 0)
@@ -379,7 +379,7 @@ class RedisStore:
             return {}
         versions = range(first, last + 1)
         rows = await self.redis.hmget(k_index(run), [str(v) for v in versions])
-        return {v: pb.VersionRecord.FromString(data) for v, data in zip(versions, rows) if data is not None}
+        return {v: pb.VersionRecord.FromString(data) for v, data in zip(versions, rows, strict=True) if data is not None}
 
     async def events_after(self, run: str, after: int, count: int | None = None) -> list[pb.VersionRecord]:
         """Commit events of versions > ``after`` in order (XRANGE of the events stream)."""
@@ -404,7 +404,7 @@ class RedisStore:
         values = await self.redis.hmget(k_checked(run), list(keys))
         fresh_after = now_ms() - CHECKED_TTL_S * 1000
         sizes: dict[str, int] = {}
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             fields = value.split(b":") if value is not None else []
             if len(fields) == 3 and int(fields[2]) >= fresh_after:
                 sizes[key] = int(fields[0])
@@ -521,13 +521,6 @@ class RedisStore:
             return 0
         return int(await self.redis.xack(k_traj(run), group, *ids))
 
-    async def group_exists(self, run: str, group: str) -> bool:
-        try:
-            groups = await self.redis.xinfo_groups(k_traj(run))
-        except ResponseError:
-            return False
-        return any((g.get("name") or g.get(b"name")) in (group, group.encode()) for g in groups)
-
     # -- tokens -----------------------------------------------------------
 
     async def put_token(self, token_id: str, name: str, role: int, token: str) -> None:
@@ -558,9 +551,6 @@ class RedisStore:
             transaction=True,
         )
 
-    async def token_exists(self, token_id: str) -> bool:
-        return bool(await self.redis.exists(f"wb:{{tokens}}:id:{token_id}"))
-
     # -- helpers ----------------------------------------------------------
 
     async def _pipeline(self, build, transaction: bool = False) -> list:
@@ -581,10 +571,3 @@ def event_record(fields: dict) -> pb.VersionRecord:
     record = pb.VersionRecord.FromString(fields[b"r"])
     record.committed_at_ms = int(fields.get(b"t", 0))
     return record
-
-
-def already_exists_message(run: str, version: int) -> AlreadyExists:
-    return AlreadyExists(
-        f"version {version} of run {run!r} is already committed with a different record; "
-        "versions are immutable: commit the next version instead"
-    )

@@ -15,7 +15,7 @@ Fixtures
   unique to the test (cheaper than a bucket per test; keys never collide).
 - ``local_store`` (function): a ``LocalDirBlobStore`` in the test's ``tmp_path``.
 - ``board_factory`` (function, async): ``await board_factory(blobs=..., **config)`` starts
-  a board (``weftboard.board.server.start_board``) on ``redis_url`` with an admin token
+  a board (``weftboard.board.process.start_board``) on ``redis_url`` with an admin token
   and returns a ``RunningBoard`` (``.address``, ``.admin_token``, ``.handle``,
   ``.stop()``, ``.restart()``); every board started is stopped after the test.
 - ``board`` (function, async): one such board on ``local_store``.
@@ -41,7 +41,7 @@ import redis
 import structlog
 
 from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
-from weftboard.board.services import (
+from weftboard.board.embedded import (
     ManagedProcess,
     free_port,
     start_redis,
@@ -192,7 +192,7 @@ async def board_factory(redis_url: str, tmp_path: Path) -> AsyncIterator[Callabl
     (e.g. ``auth=False``, ``watch_progress_s=0.2``). Without ``blobs`` the board uses a
     local directory store under ``tmp_path``.
     """
-    from weftboard.board.server import BoardConfig, start_board  # noqa: PLC0415  (board-core's module)
+    from weftboard.board.process import BoardConfig, start_board  # noqa: PLC0415  (board-core's module)
 
     started: list[RunningBoard] = []
 

@@ -17,7 +17,7 @@ from weftboard.board.blobs import (
     upload_bytes_url,
     upload_url,
 )
-from weftboard.board.services import free_port
+from weftboard.board.embedded import free_port
 from weftboard.proto.errors import (
     DigestMismatch,
     InvalidArgument,

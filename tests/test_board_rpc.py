@@ -443,8 +443,8 @@ async def test_tokens_create_and_revoke(board, admin):
 
 async def test_redis_outage_is_unavailable(tmp_path, local_store):
     """A board whose Redis goes away answers UNAVAILABLE (safe to retry), not INTERNAL."""
-    from weftboard.board.server import BoardConfig, start_board
-    from weftboard.board.services import start_redis
+    from weftboard.board.embedded import start_redis
+    from weftboard.board.process import BoardConfig, start_board
 
     proc = start_redis(tmp_path / "own-redis")
     running = None
@@ -474,8 +474,8 @@ async def test_a_redis_that_became_a_replica_is_unavailable(tmp_path, local_stor
     (READONLY), which a caller should retry (UNAVAILABLE), not take for a bug (INTERNAL)."""
     import redis.asyncio as aioredis
 
-    from weftboard.board.server import BoardConfig, start_board
-    from weftboard.board.services import start_redis
+    from weftboard.board.embedded import start_redis
+    from weftboard.board.process import BoardConfig, start_board
 
     proc = start_redis(tmp_path / "own-redis")
     running = None

@@ -1,4 +1,4 @@
-"""The RPC guard's server streams when the client leaves mid-stream (``weftboard.board.rpc``).
+"""The RPC guard's server streams when the client leaves mid-stream (``weftboard.board.rpc_guard``).
 
 A real gRPC server and client on loopback, no board behind them: what is under test is how the
 guard ends a stream whose write gRPC refuses because the call is over. gRPC raises its
@@ -16,7 +16,7 @@ import structlog
 
 from weftboard.board.auth import Authenticator
 from weftboard.board.metrics import BoardMetrics
-from weftboard.board.rpc import _Guard
+from weftboard.board.rpc_guard import RpcGuard as _Guard
 
 
 def _count(metrics: BoardMetrics, method: str, code: str) -> float:

@@ -21,7 +21,7 @@ from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
 from weftboard.board.cli import build_app
 from weftboard.board.client import BoardClient
 from weftboard.board.config import BoardSettings, load_or_create_admin_token
-from weftboard.board.services import free_port
+from weftboard.board.embedded import free_port
 from weftboard.proto.v1 import board_pb2 as pb
 
 WEFTBOARD = [sys.executable, "-m", "weftboard.board.cli"]

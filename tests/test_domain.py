@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -157,15 +155,6 @@ def test_constraints(text: str, version: int, head: int, ok: bool) -> None:
 def test_bad_constraints_are_rejected_with_a_reason(text: str) -> None:
     with pytest.raises(errors.InvalidArgument):
         VersionConstraint.parse(text)
-
-
-def test_constraint_targets() -> None:
-    assert VersionConstraint(max_staleness=2).lowest_acceptable(10) == 8
-    assert VersionConstraint(exact=4).lowest_acceptable(10) == 4
-    assert VersionConstraint(exact=12).satisfiable(10) is False
-    assert VersionConstraint(minimum=3).satisfiable(10) is True
-    for exact, head in itertools.product(range(1, 4), range(0, 4)):
-        assert VersionConstraint(exact=exact).satisfiable(head) == (exact <= head)
 
 
 def test_error_codes_round_trip() -> None:

@@ -16,7 +16,7 @@ import pytest
 import redis
 from minio import Minio
 
-from weftboard.board.services import (
+from weftboard.board.embedded import (
     free_port,
     free_port_pair,
     redis_server_binary,
@@ -109,7 +109,7 @@ def test_servers_die_with_their_parent(tmp_path: Path) -> None:
         f"""
         import sys, time
         from pathlib import Path
-        from weftboard.board.services import start_redis
+        from weftboard.board.embedded import start_redis
         proc = start_redis(Path({str(tmp_path)!r}))
         print(proc.pid, flush=True)
         time.sleep(60)
@@ -160,7 +160,7 @@ def test_servers_stop_at_interpreter_exit(tmp_path: Path) -> None:
         f"""
         import threading
         from pathlib import Path
-        from weftboard.board.services import start_redis
+        from weftboard.board.embedded import start_redis
         holder = {{}}
         # started from a worker thread: no parent-death signal, only atexit cleans up
         t = threading.Thread(target=lambda: holder.update(p=start_redis(Path({str(tmp_path)!r}))))
@@ -174,7 +174,7 @@ def test_servers_stop_at_interpreter_exit(tmp_path: Path) -> None:
 
 
 def test_missing_binary_is_a_clear_error() -> None:
-    from weftboard.board import services
+    from weftboard.board import embedded as services
     from weftboard.proto.errors import FailedPrecondition
 
     with pytest.raises(FailedPrecondition, match="cannot find the 'no-such-server-binary' executable"):

@@ -114,6 +114,7 @@ class BlobStore(abc.ABC):
         for a reader that must judge the path before its downloads have (a large object's
         first GET may wait on the server rather than the path). Nothing for a store that cannot
         tell; ``NotFound`` when the key does not exist."""
+        return None
 
     @abc.abstractmethod
     async def stat(self, key: str) -> int | None:
@@ -141,3 +142,4 @@ class BlobStore(abc.ABC):
 
     async def close(self) -> None:
         """Release connections; the default has nothing to release."""
+        return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 import shutil
 import tempfile
@@ -69,10 +70,8 @@ class LocalDirBlobStore(BlobStore):
                 size = out.tell()
             os.replace(tmp_name, path)
         except BaseException:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp_name)
-            except FileNotFoundError:
-                pass
             raise
         _fsync_dir(path.parent)
         return size
@@ -131,10 +130,8 @@ class LocalDirBlobStore(BlobStore):
 
         def unlink_all() -> None:
             for p in paths:
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     p.unlink()
-                except FileNotFoundError:
-                    pass
 
         await asyncio.to_thread(unlink_all)
         return len(paths)

@@ -282,7 +282,7 @@ class S3BlobStore(BlobStore):
 
         try:
             with ThreadPoolExecutor(parts, thread_name_prefix="weftboard-range") as pool:
-                for f in [pool.submit(fetch, lo, hi) for lo, hi in zip(bounds, bounds[1:])]:
+                for f in [pool.submit(fetch, lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)]:
                     f.result()
         except BaseException:
             os.ftruncate(fd, 0)  # holes are not a resumable prefix: a retry starts over

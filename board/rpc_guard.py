@@ -32,6 +32,7 @@ from weftboard.proto.v1 import board_pb2 as pb
 
 log = structlog.get_logger(__name__)
 
+
 def request_run(request: Any) -> str | None:
     """The run a request is about, for the log context."""
     for path in (("run",), ("run", "run"), ("record", "run"), ("status", "run")):
@@ -65,7 +66,9 @@ class _PeerGone(Exception):
     connection closed between two writes."""
 
 
-class _Guard:
+class RpcGuard:
+    """Wraps one servicer method: auth, log context, error-to-status mapping and metrics."""
+
     def __init__(self, auth: Authenticator, metrics: BoardMetrics, redis_url: str) -> None:
         self.auth = auth
         self.metrics = metrics
@@ -137,7 +140,7 @@ def add_board_to_server(
     Built from the service descriptor rather than the generated ``add_BoardServicer_to_server``
     so that server-streaming methods get the pass-through serializer.
     """
-    guard = _Guard(auth, metrics, redis_url)
+    guard = RpcGuard(auth, metrics, redis_url)
     service = pb.DESCRIPTOR.services_by_name["Board"]
     handlers = {}
     for method in service.methods:

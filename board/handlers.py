@@ -1,14 +1,14 @@
 """The ``weftboard.v1.Board`` gRPC servicer (grpc.aio): what each RPC does.
 
-Auth, error-to-status mapping, metrics and log context are not here: ``rpc.guarded``
+Auth, error-to-status mapping, metrics and log context are not here: ``rpc_guard``
 wraps every method (the one place for them). Methods raise ``weftboard.proto.errors``.
+Wire messages become domain types (``proto.convert``) where a domain rule is applied.
 
 Invariants:
 - CommitVersion checks the record (``validate``) and every blob it names *before* the
   Lua compare-and-set; the blob store is not in Redis, and the CAS is the only writer.
-  A different record for version n is ABORTED while n is the head (the caller lost a
-  race and must re-read the head) and ALREADY_EXISTS once n is older (history is
-  immutable); an identical record always succeeds with already_committed.
+  The precheck and the CAS's result are both decided by ``proto.commit.decide_commit``
+  (the commit rule, and the status of each refusal, are stated there).
 - Watch sends history from XRANGE, then live events from the run's shared feed, never
   a version twice and never with a gap (see fanout.py). Staged-part hints go only to
   watchers that asked, and only for versions after the last one sent.
@@ -37,23 +37,18 @@ from weftboard.board import validate
 from weftboard.board.auth import Authenticator
 from weftboard.board.fanout import TICK, FanOut, StagedEvent
 from weftboard.board.metrics import BoardMetrics
-from weftboard.board.store import (
-    RedisStore,
-    already_exists_message,
-    canonical_record,
-    now_ms,
+from weftboard.board.store import RedisStore, canonical_record, now_ms
+from weftboard.proto import convert
+from weftboard.proto.commit import (
+    COMMIT_ERRORS,
+    CommitOutcome,
+    Found,
+    commit_error,
+    decide_commit,
+    outcome_of_store,
 )
-from weftboard.proto.domain import (
-    StepKind,
-    VersionArtifacts,
-    blob_key,
-    check_digest,
-    check_name,
-    lag,
-    plan_catch_up,
-)
+from weftboard.proto.constraints import lag
 from weftboard.proto.errors import (
-    Aborted,
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
@@ -62,6 +57,9 @@ from weftboard.proto.errors import (
     PermissionDenied,
     Unavailable,
 )
+from weftboard.proto.names import blob_key, check_digest, check_name
+from weftboard.proto.plans import StepKind, plan_catch_up
+from weftboard.proto.records import ArtifactKind, VersionRecord
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
 
@@ -185,7 +183,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         checked = await self.store.checked_sizes(record.run, [b.key for b in refs])
         refs = [b for b in refs if checked.get(b.key) != b.size]  # staged parts were found moments ago
         sizes = await asyncio.gather(*(self.blobs.stat(b.key) for b in refs))
-        for ref, size in zip(refs, sizes):
+        for ref, size in zip(refs, sizes, strict=True):
             if size is None:
                 raise FailedPrecondition(
                     f"blob {ref.key!r} does not exist in {self.blobs.describe()}; upload it before committing"
@@ -203,13 +201,6 @@ class BoardServicer(pb_grpc.BoardServicer):
         if orphaned:
             log.info("staged parts no record names; garbage collection deletes them", orphaned=orphaned)
 
-    @staticmethod
-    def _lost_race(record: pb.VersionRecord, head: int) -> Aborted:
-        return Aborted(
-            f"version {record.version} of run {record.run!r} lost a race: another publisher committed a "
-            f"different record first and the head is now {head}; re-read the head and publish {head + 1}"
-        )
-
     async def CommitVersion(self, request: pb.CommitVersionRequest, context) -> pb.CommitVersionResponse:
         record = request.record
         check_name("record.run", record.run)
@@ -218,31 +209,28 @@ class BoardServicer(pb_grpc.BoardServicer):
         validate.check_record(record, run)
         # Cheap checks first: a retry or a lost race needs no blob-store round trips.
         existing = await self.store.existing_record(record.run, record.version)
-        if existing is not None:
-            if existing != canonical_record(record):
-                if record.version >= run.head:  # n is the head, or was committed during this call
-                    raise self._lost_race(record, max(run.head, record.version))
-                raise already_exists_message(record.run, record.version)
+        found = (Found.NOTHING if existing is None
+                 else Found.SAME if existing == canonical_record(record) else Found.DIFFERENT)
+        outcome = decide_commit(record.version, run.head, run.head, found)
+        if outcome is CommitOutcome.ALREADY_COMMITTED:
             stored = (await self.store.get_versions(record.run, [record.version]))[record.version]
             await self._settle_staged(stored)  # a retry: the first attempt's answer may have been lost
             return pb.CommitVersionResponse(record=stored, already_committed=True)
-        if run.head != record.version - 1:
-            raise Aborted(
-                f"version {record.version} of run {record.run!r} cannot commit: the head is {run.head}; "
-                f"the next version to commit is {run.head + 1}"
-            )
+        if outcome in COMMIT_ERRORS:
+            raise commit_error(outcome, record.run, record.version, run.head)
         await self._check_blobs(record)
-        outcome, hint_feeds = await asyncio.gather(self.store.commit(record), self.store.staged_feeds(record.run))
-        if outcome.status in ("exists_different", "head_mismatch"):
-            raise self._lost_race(record, outcome.head)
+        report, hint_feeds = await asyncio.gather(self.store.commit(record), self.store.staged_feeds(record.run))
+        outcome = outcome_of_store(record.version, run.head, report)
+        if outcome in COMMIT_ERRORS:
+            raise commit_error(outcome, record.run, record.version, report.head)
         stored = pb.VersionRecord()
         stored.CopyFrom(record)
-        stored.committed_at_ms = outcome.committed_at_ms
+        stored.committed_at_ms = report.committed_at_ms
         await self._settle_staged(stored)  # committed now, or by a retry's first attempt
-        if outcome.status == "committed":
+        if outcome is CommitOutcome.COMMITTED:
             self.metrics.record_commit(stored)
             log.info("version committed", artifacts=len(record.artifacts))
-        return pb.CommitVersionResponse(record=stored, already_committed=outcome.status == "already_committed",
+        return pb.CommitVersionResponse(record=stored, already_committed=outcome is CommitOutcome.ALREADY_COMMITTED,
                                         staged_parts_wanted=hint_feeds > 0)
 
     async def StagePart(self, request: pb.StagePartRequest, context) -> pb.StagePartResponse:
@@ -330,7 +318,7 @@ class BoardServicer(pb_grpc.BoardServicer):
 
     async def Watch(self, request: pb.WatchRequest, context) -> None:
         """Writes WatchEvent messages, or the feed's pre-serialized WatchEvent bytes
-        (rpc.add_board_to_server registers a serializer that passes bytes through).
+        (rpc_guard.add_board_to_server registers a serializer that passes bytes through).
 
         A coroutine that calls ``context.write`` rather than an async generator: with a
         thousand streams, every layer of generator resumption per event shows up."""
@@ -403,32 +391,24 @@ class BoardServicer(pb_grpc.BoardServicer):
             raise InvalidArgument(f"presign_expires_s {expires} is too long; at most {MAX_PRESIGN_S}")
         oldest = max(run.oldest_available, 1)
         target = request.want_version or run.head
-        records = {}
+        records: dict[int, VersionRecord] = {}
         if run.head and oldest <= target <= run.head:
-            records = await self.store.get_index(request.run, oldest, target)
-        artifacts: dict[int, VersionArtifacts] = {}
-        for v, rec in records.items():
-            patch = anchor = None
-            for a in rec.artifacts:
-                size = sum(b.size for b in a.blobs)
-                if a.kind == pb.ARTIFACT_KIND_PATCH:
-                    patch = size
-                else:
-                    anchor = size
-            artifacts[v] = VersionArtifacts(v, patch, anchor)
+            index = await self.store.get_index(request.run, oldest, target)
+            records = {v: convert.record_from_pb(rec) for v, rec in index.items()}
+        artifacts = {v: rec.sizes() for v, rec in records.items()}
         plan = plan_catch_up(request.have_version, request.want_version, run.head, oldest, artifacts)
         steps = []
         for step in plan.steps:
             rec = records[step.to_version]
-            kind = pb.ARTIFACT_KIND_ANCHOR if step.kind == StepKind.ANCHOR else pb.ARTIFACT_KIND_PATCH
+            kind = ArtifactKind.ANCHOR if step.kind is StepKind.ANCHOR else ArtifactKind.PATCH
             blobs = [pb.BlobRef(key=b.key, digest=b.digest, size=b.size, name=b.name)
-                     for a in rec.artifacts if a.kind == kind for b in a.blobs]
-            steps.append(pb.PlanStep(kind=kind, from_version=step.from_version, to_version=step.to_version,
-                                     blobs=blobs, root_digest=rec.root_digest))
+                     for a in rec.artifacts if a.kind is kind for b in a.blobs]
+            steps.append(pb.PlanStep(kind=convert.step_artifact_kind(step.kind), from_version=step.from_version,
+                                     to_version=step.to_version, blobs=blobs, root_digest=rec.root_digest))
         if request.presign:
             refs = [b for s in steps for b in s.blobs]
             urls = await asyncio.gather(*(self.blobs.presign_get(b.key, expires) for b in refs))
-            for ref, url in zip(refs, urls):
+            for ref, url in zip(refs, urls, strict=True):
                 ref.url = url or ""
         return pb.CatchUpPlan(run=request.run, from_version=plan.from_version, to_version=plan.to_version,
                               steps=steps, total_bytes=plan.total_bytes)
@@ -551,7 +531,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         rows = await self.store.islands(request.run)
         live = [r.status.version for r in rows if r.lease_expires_at_ms >= now]
         plan = gcmod.plan_gc(
-            {v: gcmod.version_blobs(r) for v, r in records.items()},
+            {v: gcmod.version_blobs(convert.record_from_pb(r)) for v, r in records.items()},
             run.head,
             run.oldest_available,
             live,

@@ -25,10 +25,10 @@ from grpc_reflection.v1alpha import reflection
 
 from weftboard.board.auth import Authenticator
 from weftboard.board.fanout import FanOut
+from weftboard.board.handlers import BoardServicer
 from weftboard.board.logs import quiet_undelivered_responses
 from weftboard.board.metrics import BoardMetrics
-from weftboard.board.rpc import add_board_to_server
-from weftboard.board.servicer import BoardServicer
+from weftboard.board.rpc_guard import add_board_to_server
 from weftboard.board.store import RedisStore
 from weftboard.proto.errors import InvalidArgument, Unavailable
 from weftboard.proto.v1 import board_pb2 as pb

@@ -25,6 +25,7 @@ on what the board itself adds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shutil
@@ -37,6 +38,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import xxhash
+
+from weftboard.board.blobs import LocalDirBlobStore
+from weftboard.board.client import BoardClient
+from weftboard.board.embedded import free_port, start_redis
+from weftboard.proto.domain import blob_key, format_digest
+from weftboard.proto.v1 import board_pb2 as pb
 
 TARGET_FANOUT_P99_MS = 250.0
 TARGET_TRAJ_PER_S = 20_000.0
@@ -82,17 +91,10 @@ class Publisher:
     """Writes a version's blobs to the board's blob dir and builds its record."""
 
     def __init__(self, blob_dir: Path, run: str):
-        from weftboard.board.blobs import LocalDirBlobStore  # noqa: PLC0415
-
         self.blobs = LocalDirBlobStore(blob_dir)
         self.run = run
 
     async def record(self, version: int):
-        import xxhash  # noqa: PLC0415
-
-        from weftboard.proto.domain import blob_key, format_digest  # noqa: PLC0415
-        from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
-
         def digest(data: bytes) -> str:
             return format_digest(xxhash.xxh3_128_digest(data))
 
@@ -119,8 +121,6 @@ class Publisher:
         )
 
     def run_message(self):
-        from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
-
         return pb.Run(
             run=self.run,
             kind=pb.RUN_KIND_WEIGHTS,
@@ -139,8 +139,6 @@ class BoardProcess:
     ``--blob-dir DIR``, or the ``--s3-*`` flags)."""
 
     def __init__(self, workdir: Path, redis_url: str, blob_args: list[str], admin_token: str):
-        from weftboard.board.services import free_port  # noqa: PLC0415
-
         self.address = f"127.0.0.1:{free_port()}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("WEFTBOARD_")}
         workdir.mkdir(parents=True, exist_ok=True)
@@ -253,10 +251,8 @@ async def _fanout(control, publisher: Publisher, watchers: Watchers, version: in
         await asyncio.sleep(0.05)  # let the previous fan-out settle completely
         start = time.perf_counter()
         await control.commit_version(record)
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(done.wait(), params.delivery_timeout_s)
-        except asyncio.TimeoutError:
-            pass
         arrivals = watchers.arrivals[version]
         misses += watchers.count - len(arrivals)
         samples = [(t - start) * 1000 for t in arrivals]
@@ -286,9 +282,6 @@ def _cpu_line(phase: str, board_pid: int, before: tuple[float, float, float]) ->
 
 
 async def _bench(params: BenchParams, log: Callable[[str], None], workdir: Path) -> dict:
-    from weftboard.board.client import BoardClient  # noqa: PLC0415
-    from weftboard.board.services import start_redis  # noqa: PLC0415
-    from weftboard.proto.v1 import board_pb2 as pb  # noqa: PLC0415
 
     redis = await asyncio.to_thread(start_redis, workdir / "redis")
     admin = "bench-admin-" + secrets.token_hex(16)

