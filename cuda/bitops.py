@@ -1,34 +1,12 @@
-"""Bit intrinsics for the numba kernels: count trailing/leading zeros, population count, the
-change mask of 64 elements (``ne_mask64``; ``cast_ne_mask64`` compares a bf16 view with the
-bf16 cast of fp32 bits; ``mag_ge_mask64`` compares 16-bit float magnitudes with a bound),
-unaligned little-endian word loads and stores, a prefetch hint (``prefetch64``) and a byte copy
-(``copy_bytes``).
+"""Bit intrinsics for the numba kernels, emitted as LLVM IR: count trailing/leading zeros,
+population count, 64-element change masks (``ne_mask64``, ``cast_ne_mask64``, ``mag_ge_mask64``),
+symbol compress/lane stores, unaligned little-endian loads and stores, a prefetch hint and byte
+copies. Results are the same on every CPU; only the instruction count differs.
 
-numba exposes none of them, and the portable fallbacks (de Bruijn tables, byte loops, word
-tricks) cost several instructions where the CPU has one (``tzcnt``, ``popcnt``, a vector
-compare into a mask register, one 8-byte load). These emit LLVM IR directly (intrinsics, or
-generic vector operations that LLVM lowers to whatever the build machine has: one
-``vpcmpneqw`` per 32 bf16 elements with AVX-512, a compare and ``pmovmskb`` with AVX2), so the
-bits are the same everywhere and only the instruction count differs.
-
-``sym_compress64`` and ``cast_sym_compress64`` turn a block's changes into the packed symbols
-and positions the ``sparse`` stream codes, each output packed in a register (``vpcompressb``/
-``vpcompressw`` where the CPU has AVX-512 VBMI2: ``HAS_VECTOR_COMPRESS``) and written with one
-plain vector store of all 64 lanes, so each output needs room for 64 lanes past its start. LLVM
-lowers the compress on any CPU, but without those instructions lane by lane through the stack;
-there ``sym_lanes64`` stores all 64 symbols with one vector store and the caller packs the
-changed lanes (the bytes are the same). The ``block_*`` functions pick the plain or the cast
-form of each operation by the types of a kernel's arguments (see the note above them).
-
-Invariants: ``cttz64(0)`` and ``ctlz64(0)`` are undefined (callers only ask about the lowest or
-highest set bit of a non-zero mask). ``prefetch64`` is only a hint: it changes no result and
-may point past an array's end. The mask, load and store intrinsics do no bounds check:
-the caller proves ``start + 64`` elements (or the 4 or 8 bytes) lie inside each array, which
-must be 1-d and C-contiguous (the typers refuse any other layout). ``copy_bytes`` alone checks
-its ranges: it copies whole pieces, so the check costs nothing that counts. ``move_bytes`` is
-the same copy unchecked, for the body of a ``prange`` loop, whose caller checks every range
-with ``range_fits`` before the loop: a ``raise`` in the body makes numba compile the loop
-serially (it warns "no transformation for parallel execution was possible").
+Invariants: ``cttz64(0)`` and ``ctlz64(0)`` are undefined (callers pass non-zero masks);
+``prefetch64`` changes no result. Mask, load, store and ``move_bytes`` do no bounds check: the
+caller proves the range lies inside each 1-d C-contiguous array (``range_fits`` before a
+``prange`` loop, whose body must not raise); ``copy_bytes`` checks its ranges.
 """
 
 from __future__ import annotations
@@ -42,7 +20,7 @@ import numba
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils, errors
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic
 
 # Imported before ``copy_bytes`` is defined: it registers the cache locator that stamps a kernel
 # with every numba source of the package (``jit``'s docstring).
@@ -52,7 +30,7 @@ import weftboard.cuda.jit  # noqa: F401, E402
 def _uint64_intrinsic(emit: Callable[[Any, Any], Any], doc: str) -> Any:
     """A numba intrinsic ``uint64 -> uint64`` whose body is ``emit(builder, value)``."""
 
-    def typer(typingctx, x):  # type: ignore[no-untyped-def]
+    def typer(_typingctx, x):  # type: ignore[no-untyped-def]
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             return emit(builder, args[0])
 
@@ -72,7 +50,7 @@ cttz64z = _uint64_intrinsic(lambda b, v: b.cttz(v, ir.Constant(ir.IntType(1), 0)
 
 
 @intrinsic
-def ne_mask64(typingctx, a, a_start, b, b_start):  # type: ignore[no-untyped-def]
+def ne_mask64(_typingctx, a, a_start, b, _b_start):  # type: ignore[no-untyped-def]
     """Bit j set iff ``a[a_start + j] != b[b_start + j]`` (j < 64), compared as integers."""
     for ary in (a, b):
         if not isinstance(ary, types.Array) or ary.ndim != 1 or ary.layout != "C" or not isinstance(ary.dtype, types.Integer):
@@ -108,7 +86,7 @@ def _splat(bits: int, value: int) -> Any:
 
 
 @intrinsic
-def cast_ne_mask64(typingctx, a, a_start, src, src_start):  # type: ignore[no-untyped-def]
+def cast_ne_mask64(_typingctx, a, a_start, src, _src_start):  # type: ignore[no-untyped-def]
     """Bit j set iff the bf16 bits ``a[a_start + j]`` differ from the round-to-nearest-even
     bf16 of the fp32 bits ``src[src_start + j]`` (j < 64); NaN and subnormal inputs are
     ``cast_special64``'s business (torch's own casts disagree on them)."""
@@ -134,7 +112,7 @@ def cast_ne_mask64(typingctx, a, a_start, src, src_start):  # type: ignore[no-un
 
 
 @intrinsic
-def cast_special64(typingctx, src, src_start):  # type: ignore[no-untyped-def]
+def cast_special64(_typingctx, src, _src_start):  # type: ignore[no-untyped-def]
     """Non-zero iff one of the 64 fp32 bits from ``src[src_start]`` is a NaN or a non-zero
     subnormal."""
     _check_flat(src, types.uint32, "cast_special64")
@@ -150,7 +128,7 @@ def cast_special64(typingctx, src, src_start):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def mag_ge_mask64(typingctx, a, a_start, threshold):  # type: ignore[no-untyped-def]
+def mag_ge_mask64(_typingctx, a, a_start, threshold):  # type: ignore[no-untyped-def]
     """Bit j set iff the magnitude bits of the 16-bit float ``a[a_start + j]`` (sign cleared)
     are >= ``threshold``: for bf16 and fp16 that is ``|value| >=`` the value with those bits
     (NaNs count as the largest), the class boundary of the context-coded patch streams."""
@@ -173,7 +151,7 @@ if sys.byteorder != "little":  # the streams are little-endian; these move nativ
 
 
 @intrinsic
-def load_u64le(typingctx, buf, pos):  # type: ignore[no-untyped-def]
+def load_u64le(_typingctx, buf, pos):  # type: ignore[no-untyped-def]
     """The 8 bytes ``buf[pos : pos + 8]`` as a little-endian uint64, in one unaligned load
     (byte loads that numba wraps in negative-index checks do not merge). No bounds check."""
     _check_flat(buf, types.uint8, "load_u64le")
@@ -187,7 +165,7 @@ def load_u64le(typingctx, buf, pos):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def _pointer_like(typingctx, address, like):  # type: ignore[no-untyped-def]
+def _pointer_like(_typingctx, address, like):  # type: ignore[no-untyped-def]
     """``address`` as a pointer to elements of ``like``'s dtype (``array_at``)."""
     if not isinstance(address, types.Integer) or not isinstance(like, types.Array):
         raise errors.TypingError(f"_pointer_like needs an integer address and an array, got {address}, {like}")
@@ -202,21 +180,21 @@ def _pointer_like(typingctx, address, like):  # type: ignore[no-untyped-def]
 def array_at(address, n, like):  # type: ignore[no-untyped-def]
     """The ``n`` elements of ``like``'s dtype at ``address`` as a 1-d C-contiguous array, the
     same numba type as ``like`` when ``like`` is one (so kernels typed for it compile nothing
-    new). For one kernel call over many arrays (``tile_codec.encode_huffman_batch``): a list of
+    new). For one kernel call over many arrays (``tile_encode.encode_huffman_batch``): a list of
     arrays would be boxed element by element. No reference is held and nothing is checked:
     the caller passes addresses and sizes of arrays it keeps alive for the call."""
     return numba.carray(_pointer_like(address, like), n)
 
 
 @intrinsic
-def prefetch64(typingctx, ary, start):  # type: ignore[no-untyped-def]
+def prefetch64(_typingctx, ary, start):  # type: ignore[no-untyped-def]
     """Ask the CPU to start loading the cache lines of the 64 elements ``ary[start:]`` (1, 2,
     4 or 8 lines of 64 bytes, by the element width) into every cache level: ``prefetcht0``
     on x86-64. A hint, never a fault, so ``start`` may run past the end of the array.
 
     Why: the scans read two arrays once, front to back, and between two blocks' loads do
     enough work (packing, counting) that the hardware prefetcher alone leaves them waiting
-    on memory, most of all on a busy shared host (see ``tile_codec.PREFETCH_AHEAD``)."""
+    on memory, most of all on a busy shared host (see ``tile_blocks.PREFETCH_AHEAD``)."""
     if not isinstance(ary, types.Array) or ary.ndim != 1 or ary.layout != "C" or not isinstance(ary.dtype, types.Integer):
         raise errors.TypingError(f"prefetch64 needs a 1-d C-contiguous integer array, got {ary}")
     lines = ary.dtype.bitwidth // 8  # 64 elements of w bytes fill w lines of 64 bytes
@@ -243,7 +221,7 @@ def _store_intrinsic(bits: int, big_endian: bool = False) -> Any:
     ``movbe`` where the CPU has it), in one unaligned store. No bounds check."""
     name = f"store_u{bits}{'be' if big_endian else 'le'}"
 
-    def typer(typingctx, buf, pos, value):  # type: ignore[no-untyped-def]
+    def typer(_typingctx, buf, pos, value):  # type: ignore[no-untyped-def]
         _check_flat(buf, types.uint8, name)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
@@ -267,7 +245,7 @@ store_u16be = _store_intrinsic(16, big_endian=True)
 
 
 @intrinsic
-def _move_bytes(typingctx, dst, d0, src, s0, n):  # type: ignore[no-untyped-def]
+def _move_bytes(_typingctx, dst, d0, src, s0, n):  # type: ignore[no-untyped-def]
     """``dst[d0:d0 + n] = src[s0:s0 + n]`` as one ``llvm.memmove``; no bounds check."""
     _check_flat(dst, types.uint8, "copy_bytes")
     _check_flat(src, types.uint8, "copy_bytes")
@@ -413,7 +391,7 @@ def _fold_codegen(new_vector: Callable[[Any, Any, Any, Any, int], Any]) -> Calla
 
 
 @intrinsic
-def fold64(typingctx, a, a_start, b, b_start, m):  # type: ignore[no-untyped-def]
+def fold64(_typingctx, a, a_start, b, _b_start, m):  # type: ignore[no-untyped-def]
     """``a[a_start + j] = b[b_start + j]`` for the lanes j set in ``m``, in one masked store."""
     _check_elements(a, "fold64")
     _check_flat(b, a.dtype, "fold64")
@@ -421,7 +399,7 @@ def fold64(typingctx, a, a_start, b, b_start, m):  # type: ignore[no-untyped-def
 
 
 @intrinsic
-def cast_fold64(typingctx, a, a_start, src, src_start, m):  # type: ignore[no-untyped-def]
+def cast_fold64(_typingctx, a, a_start, src, _src_start, m):  # type: ignore[no-untyped-def]
     """``fold64`` of the bf16 cast of the fp32 bits ``src[src_start:]``."""
     _check_elements(a, "cast_fold64")
     _check_flat(src, types.uint32, "cast_fold64")
@@ -513,7 +491,7 @@ _SYM_COMPRESS_RESULT = types.UniTuple(types.uint64, 3)
 
 
 @intrinsic
-def sym_compress64(typingctx, a, a_start, b, b_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at):  # type: ignore[no-untyped-def]
+def sym_compress64(_typingctx, a, a_start, b, _b_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at):  # type: ignore[no-untyped-def]
     """For the changed lanes ``m`` of the 64 elements at ``a[a_start]``/``b[b_start]``: the
     symbol of each difference ``b - a`` packed at ``sym[sym_at:]``, its position ``base +
     lane`` (uint16) at ``pos[pos_at:]``, the symbols >= 2 again at ``rare[rare_at:]``;
@@ -527,7 +505,7 @@ def sym_compress64(typingctx, a, a_start, b, b_start, m, sym, sym_at, pos, pos_a
 
 
 @intrinsic
-def cast_sym_compress64(typingctx, a, a_start, src, src_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at):  # type: ignore[no-untyped-def]
+def cast_sym_compress64(_typingctx, a, a_start, src, _src_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at):  # type: ignore[no-untyped-def]
     """``sym_compress64`` with the new bits the round-to-nearest-even bf16 of the fp32 bits
     ``src[src_start:]`` (as ``cast_ne_mask64``; ``a`` holds bf16 bits)."""
     _check_sym_compress(a, sym, pos, rare)
@@ -539,7 +517,7 @@ def cast_sym_compress64(typingctx, a, a_start, src, src_start, m, sym, sym_at, p
 
 
 @intrinsic
-def sym_lanes64(typingctx, a, a_start, b, b_start, m, lanes):  # type: ignore[no-untyped-def]
+def sym_lanes64(_typingctx, a, a_start, b, _b_start, m, lanes):  # type: ignore[no-untyped-def]
     """``sym_compress64`` without the packing, for CPUs without compress-stores: the symbol
     of every one of the 64 lanes (changed or not) at ``lanes[0:64]`` in one vector store;
     returns the same masks. The caller packs the changed lanes (``cttz64z`` walks)."""
@@ -551,7 +529,7 @@ def sym_lanes64(typingctx, a, a_start, b, b_start, m, lanes):  # type: ignore[no
 
 
 @intrinsic
-def cast_sym_lanes64(typingctx, a, a_start, src, src_start, m, lanes):  # type: ignore[no-untyped-def]
+def cast_sym_lanes64(_typingctx, a, a_start, src, _src_start, m, lanes):  # type: ignore[no-untyped-def]
     """``sym_lanes64`` with the new bits the round-to-nearest-even bf16 of the fp32 bits
     ``src[src_start:]``."""
     _check_elements(a, "cast_sym_lanes64")
@@ -559,77 +537,3 @@ def cast_sym_lanes64(typingctx, a, a_start, src, src_start, m, lanes):  # type: 
     _check_flat(lanes, types.uint8, "cast_sym_lanes64 (lanes)")
     sig = _SYM_COMPRESS_RESULT(a, types.int64, src, types.int64, types.uint64, lanes)
     return sig, _sym_lanes_codegen(_cast_new_bits)
-
-
-# Block operations generic over the new version's form: ``new`` is either the new bits (the
-# old bits' dtype) or fp32 bits whose bf16 cast is the new version (a cast scan: the dtypes
-# differ). The choice is made when a kernel is typed, so a kernel body written once compiles
-# to one loop per form: no branch on the form in the hot loop, and none of the other form's
-# vector code competing for its registers.
-
-
-def _is_cast(a: Any, new: Any) -> bool:
-    return bool(a.dtype != new.dtype)
-
-
-def block_ne_mask64(a: Any, a_start: int, new: Any, new_start: int) -> int:
-    """``ne_mask64`` or ``cast_ne_mask64``, by the form of ``new``."""
-    raise NotImplementedError("only callable from numba kernels")
-
-
-@overload(block_ne_mask64, inline="always", jit_options={"cache": True})
-def _block_ne_mask64(a, a_start, new, new_start):  # type: ignore[no-untyped-def]
-    if _is_cast(a, new):
-        return lambda a, a_start, new, new_start: cast_ne_mask64(a, a_start, new, new_start)
-    return lambda a, a_start, new, new_start: ne_mask64(a, a_start, new, new_start)
-
-
-def block_special64(a: Any, new: Any, new_start: int) -> int:
-    """``cast_special64`` of a cast block; 0 (nothing special) for plain new bits."""
-    raise NotImplementedError("only callable from numba kernels")
-
-
-@overload(block_special64, inline="always", jit_options={"cache": True})
-def _block_special64(a, new, new_start):  # type: ignore[no-untyped-def]
-    if _is_cast(a, new):
-        return lambda a, new, new_start: cast_special64(new, new_start)
-    return lambda a, new, new_start: numba.uint64(0)
-
-
-def block_sym_compress64(a: Any, a_start: int, new: Any, new_start: int, m: int, sym: Any, sym_at: int, pos: Any,
-                         pos_at: int, base: int, rare: Any, rare_at: int) -> tuple[int, int, int]:
-    """``sym_compress64`` or ``cast_sym_compress64``, by the form of ``new``."""
-    raise NotImplementedError("only callable from numba kernels")
-
-
-@overload(block_sym_compress64, inline="always", jit_options={"cache": True})
-def _block_sym_compress64(a, a_start, new, new_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at):  # type: ignore[no-untyped-def]
-    if _is_cast(a, new):
-        return (lambda a, a_start, new, new_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at:
-                cast_sym_compress64(a, a_start, new, new_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at))
-    return (lambda a, a_start, new, new_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at:
-            sym_compress64(a, a_start, new, new_start, m, sym, sym_at, pos, pos_at, base, rare, rare_at))
-
-
-def block_sym_lanes64(a: Any, a_start: int, new: Any, new_start: int, m: int, lanes: Any) -> tuple[int, int, int]:
-    """``sym_lanes64`` or ``cast_sym_lanes64``, by the form of ``new``."""
-    raise NotImplementedError("only callable from numba kernels")
-
-
-@overload(block_sym_lanes64, inline="always", jit_options={"cache": True})
-def _block_sym_lanes64(a, a_start, new, new_start, m, lanes):  # type: ignore[no-untyped-def]
-    if _is_cast(a, new):
-        return lambda a, a_start, new, new_start, m, lanes: cast_sym_lanes64(a, a_start, new, new_start, m, lanes)
-    return lambda a, a_start, new, new_start, m, lanes: sym_lanes64(a, a_start, new, new_start, m, lanes)
-
-
-def block_fold64(a: Any, a_start: int, new: Any, new_start: int, m: int) -> None:
-    """``fold64`` or ``cast_fold64``, by the form of ``new``."""
-    raise NotImplementedError("only callable from numba kernels")
-
-
-@overload(block_fold64, inline="always", jit_options={"cache": True})
-def _block_fold64(a, a_start, new, new_start, m):  # type: ignore[no-untyped-def]
-    if _is_cast(a, new):
-        return lambda a, a_start, new, new_start, m: cast_fold64(a, a_start, new, new_start, m)
-    return lambda a, a_start, new, new_start, m: fold64(a, a_start, new, new_start, m)

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import typer
 
+from weftboard.cuda import warmup as wu
+from weftboard.cuda.bench import bench_codec as bc
+from weftboard.cuda.bench.formats_bench import register as register_formats_bench
+from weftboard.cuda.jit import kernel_cache_dir
+
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
     @app.command("warmup")
@@ -16,9 +21,6 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     ) -> None:
         """Compile the CPU codec's kernels now (once per machine, image or cache directory) instead of
         in a trainer's first publish or an island's first apply; with a warm cache it only loads them."""
-        from weftboard.cuda import warmup as wu
-        from weftboard.cuda.jit import kernel_cache_dir
-
         bad = sorted(set(formats or ()) - set(wu.ALL_FORMATS))
         if bad:
             raise typer.BadParameter(f"{', '.join(bad)}: choose from {', '.join(wu.ALL_FORMATS)}", param_hint="--format")
@@ -44,15 +46,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object on the last line"),
     ) -> None:
         """Patch size against the entropy bound and the int32+raw baseline, and CPU speed against a copy."""
-        from weftboard.cuda import bench_codec as bc
-
         if format not in bc.FORMAT_KINDS:
             raise typer.BadParameter(f"choose one of {', '.join(bc.FORMAT_KINDS)}", param_hint="--format")
         if encoding not in ("default", "context"):
             raise typer.BadParameter("choose default or context", param_hint="--encoding")
         bc.main(format, params, repeat, as_json, adam_steps, encoding)
-
-    # `bench formats` lives with the projections it measures (weftboard.cuda.formats_bench).
-    from weftboard.cuda.formats_bench import register as register_formats_bench
 
     register_formats_bench(bench)

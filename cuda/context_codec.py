@@ -1,44 +1,12 @@
-"""Context-coded patch streams (mode ``context``) for 16-bit floats (bf16, fp16).
-
-Why: an optimizer step moves every weight by about the same absolute amount, while the
-served format's rounding step grows with the weight's magnitude, so small weights change far
-more often than large ones (on the sync bench's model, about twice as often per halving of
-magnitude). The decoder holds the old bits anyway, so it can group elements by their old
-magnitude at no cost in bytes; coding change positions within each group, with the group's own
-Rice parameter and value table, spends about 4.3 bits per change on positions instead of 6.0
-at the bench's 4% density (i.i.d. positions cannot do better than 6.0: the "entropy bound" of
-``bench codec`` assumes no context).
-
-Layout, after the ``sparse`` stream's conventions (``weftboard.cuda.entropy``: varints, tables,
-Rice and rANS coders, escapes)::
-
-    classes    varint nthr (1 .. MAX_THRESHOLDS), nthr strictly ascending varint thresholds, each
-               a multiple of 0x80 below 0x8000 (a bf16 binade; fp16 binades are multiples too,
-               so a class depends on the exponent bits alone); element x is in class
-               c = #{j : (old_x & 0x7FFF) >= t_j}
-    tables     one frequency table per class (nthr + 1 of them), class 0 first; a class
-               without changes may have an empty table (nsym 0)
-    directory  per tile: one varint n_c per class; if any is > 0: for each class with n_c > 0
-               u8 k_c and varint rice_len_c, then varint rans_len, varint n_esc
-    payloads   per tile with changes: the classes' Rice pieces in class order | rans_len bytes |
-               n_esc * 2 bytes of escapes
-
-Within a tile, the changes of class c are numbered among the tile's class-c elements in
-position order; the gaps between successive numbers (the first from -1) are Rice(k_c) coded
-in class c's own piece (LSB first, zero-padded to a byte). The symbols of all classes share
-one rANS stream, class after class (class 0 first), each coded with its class's table; the
-escapes follow the same order. (Separate Rice pieces let the encoder walk a tile's changes
-once, in position order, writing each where its class goes.)
+"""Context-coded streams (mode ``context``, ``cuda/FORMAT.md`` 2.6) for 16-bit floats: change
+positions and value symbols coded per class of the old value's magnitude.
 
 Invariants:
-- A class is a function of the old bits alone, and the decoder computes a whole tile's classes
-  before it decodes any change of the tile, so it can write in place even when a change moves
-  an element to another class. Taking a patch out again needs the (position, difference)
-  pairs, because the new bits alone do not give the old classes back: an apply keeps them
-  (``ContextUndo``, 4 bytes per change), and a publisher that folded a version in keeps the
-  few changes whose class moved (``decode_folded``).
+- A class is a function of the old bits alone, and a tile's classes are computed before any
+  change of the tile is written, so decoding writes in place even when a change moves an element
+  to another class. Taking a patch out needs the (position, difference) pairs (``ContextUndo``).
 - Decoded positions are unique and grouped by class inside a tile, not ascending.
-- Every read is bounds-checked; errors are ``entropy.ERRORS`` codes per tile, as in ``sparse``.
+- Every read is bounds-checked; errors are ``entropy.ERRORS`` codes per tile.
 """
 
 from __future__ import annotations
@@ -49,10 +17,18 @@ import numba as nb
 import numpy as np
 import torch
 
-from weftboard.cuda import entropy, tile_codec
+from weftboard.cuda import (
+    entropy,
+    tile_assembly,
+    tile_blocks,
+    tile_decode,
+    tile_encode,
+    tile_scan,
+)
 from weftboard.cuda.bitops import ctpop64, cttz64, mag_ge_mask64
 from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM, RANS_L
 from weftboard.cuda.jit import parallel_kernel
+from weftboard.cuda.scratch import fresh_scratch
 
 MAX_THRESHOLDS = 7
 CLASSES = 5  # the encoder's choice: 4.31 position bits per change on the bench model (4.42 with 4, 4.27 with 6)
@@ -142,7 +118,7 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
     """Per tile: change and class masks, then one walk over the changes in position order,
     each coded into its class's Rice piece, symbol run and escape run (per tile: Rice pieces at
     ``rice_off``, then ``_SYM_STRIDE * tile`` bytes of symbols and escapes; ``update`` and
-    ``cast`` as in ``tile_codec.scan_encode_tiles``).
+    ``cast`` as in ``tile_scan.scan_encode_tiles``).
 
     Every piece's size is bounded before the walk (Rice bits at most ``sum(gap >> k) + n *
     (k + 1)`` per class, and the gaps of a class add up to at most its members), so a tile
@@ -176,7 +152,7 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
         special = np.uint64(0)
         for bi in range(nblocks):
             bs = s + 64 * bi
-            m, sp = tile_codec.scan_block(a, b, src, bs, e, cast)
+            m, sp = tile_blocks.scan_block(a, b, src, bs, e, cast)
             special |= sp
             masks[bi] = m
             _class_masks(a, bs, e, thr, cls, bi)
@@ -202,7 +178,7 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
             ns[t, c] = n
             members[c] = mc
             if n:
-                k = tile_codec.rice_k(members[c] - n, n)
+                k = tile_blocks.rice_k(members[c] - n, n)
                 ks[t, c] = k
                 rice_off[t, c] = p0 + need
                 need += ((((members[c] - n) >> k) + n * (k + 1)) >> 3) + 16  # + slack for rice_put's stores
@@ -235,7 +211,7 @@ def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, update, src, cast,
                 idx = count[c] + np.int64(ctpop64(cls[c, bi] & ((np.uint64(1) << bit) - np.uint64(1))))
                 gaps[sp[c] - sb] = idx - last[c] - 1
                 last[c] = idx
-                nv = tile_codec._new_bits(b, src, i, cast)
+                nv = tile_blocks.new_element_bits(b, src, i, cast)
                 d = (nv - ov) & mask
                 if update:
                     # Classes change only with the exponent bits (thresholds are binade bounds).
@@ -279,7 +255,7 @@ def _check_thresholds(thr: np.ndarray) -> None:
 
 
 def _check_pair(old: np.ndarray, new: np.ndarray, cast: bool, tile: int) -> None:
-    tile_codec.check_scan_pair(old, new, tile, cast)
+    tile_scan.check_scan_pair(old, new, tile, cast)
     if old.dtype != np.uint16:
         raise ValueError(f"context coding needs 16-bit float bits (uint16), got {old.dtype}")
     if tile > 1 << 16:
@@ -299,11 +275,11 @@ def _run_scan(old: np.ndarray, new: np.ndarray, thr: np.ndarray, tile: int, upda
     _check_thresholds(thr)
     _check_pair(old, new, cast, tile)
     ntiles = (old.size + tile - 1) // tile
-    rstride, fstride = tile + tile_codec._RICE_SLACK, tile
+    rstride, fstride = tile + tile_blocks.RICE_SLACK, tile
     need = (ntiles * rstride, ntiles * _SYM_STRIDE * tile, ntiles * 2 * fstride)
     bufs = None if scratch is None else scratch.get("context_scan")
-    if bufs is None or any(buf.size < n for buf, n in zip(bufs, need)):
-        bufs = (tile_codec._scratch(need[0]), tile_codec._scratch(need[1]),
+    if bufs is None or any(buf.size < n for buf, n in zip(bufs, need, strict=True)):
+        bufs = (fresh_scratch(need[0]), fresh_scratch(need[1]),
                 torch.empty(max(need[2], 1), dtype=torch.int16).numpy().view(np.uint16))
         if scratch is not None:
             scratch["context_scan"] = bufs
@@ -331,7 +307,7 @@ def encode_context(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, til
         return int((old != new).sum()), None
     if total == 0:
         return 0, None
-    return total, tile_codec._rans_and_assemble(ns, ks, rice_len, n_esc, counts, 2, rice_buf, rice_off, sym_buf,
+    return total, tile_encode.finish_scanned_tiles(ns, ks, rice_len, n_esc, counts, 2, rice_buf, rice_off, sym_buf,
                                                 _SYM_STRIDE * tile * np.arange(ns.shape[0], dtype=np.int64), sym_buf,
                                                 _escape_offsets(ns, tile), _prefix(thr))
 
@@ -339,7 +315,7 @@ def encode_context(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, til
 @dataclass(frozen=True)
 class ContextScan:
     """Pass 1 of a ``context`` stream over a piece of a tensor (whole tiles), compacted: the
-    context counterpart of ``tile_codec.TileScan``, for a caller that reads a tensor piece by
+    context counterpart of ``tile_encode.TileScan``, for a caller that reads a tensor piece by
     piece and folds it as it goes (the publisher). ``fix_pos``/``fix_old``: the folded
     changes whose class the fold changed (positions in the piece, old bits); ``overflowed``:
     tiles left alone (too dense, or a NaN or subnormal master value under ``cast``)."""
@@ -378,11 +354,11 @@ def scan_tiles(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, tile: i
                update: bool = False, cast: bool = False) -> ContextScan:
     """Pass 1 of the ``context`` stream of ``old``/``new`` with the tensor's ``thresholds``
     (every piece of a tensor must use the same); ``update`` folds ``new`` into ``old``; ``cast``:
-    ``new`` holds fp32 bits whose bf16 cast is the new version (as ``tile_codec.scan_tiles``)."""
+    ``new`` holds fp32 bits whose bf16 cast is the new version (as ``tile_encode.scan_tiles``)."""
     thr = np.ascontiguousarray(thresholds, dtype=np.int64)
     (ns, ks, rice_off, rice_len, n_esc, nfix, counts, over), rice_buf, sym_buf, fix_buf, fstride = _run_scan(
         old, new, thr, tile, update, cast, scratch)
-    rice, syms, escs = tile_codec._compact_tiles(ns.sum(axis=1), rice_len, n_esc, 2, rice_buf, rice_off, sym_buf,
+    rice, syms, escs = tile_assembly.compact_tiles(ns.sum(axis=1), rice_len, n_esc, 2, rice_buf, rice_off, sym_buf,
                                                  _SYM_STRIDE * tile * np.arange(ns.shape[0], dtype=np.int64),
                                                  _escape_offsets(ns, tile))
     fixes = [fix_buf[2 * t * fstride: 2 * (t * fstride + n)].reshape(-1, 2) for t, n in enumerate(nfix.tolist()) if n]
@@ -396,9 +372,9 @@ def finish_context(tensor: ContextScans) -> tuple[np.ndarray, np.ndarray, np.nda
     """(the ``context`` stream, fixup positions, fixup old bits) of a tensor from the scans of
     its pieces (at least one change in all)."""
     scans = tensor.pieces
-    stream = tile_codec.finish_pieces(scans, 2, _prefix(np.ascontiguousarray(tensor.thresholds, dtype=np.int64)))
+    stream = tile_encode.finish_pieces(scans, 2, _prefix(np.ascontiguousarray(tensor.thresholds, dtype=np.int64)))
     offsets = np.cumsum([0] + [s.numel for s in scans[:-1]])
-    fix_pos = np.concatenate([s.fix_pos + off for s, off in zip(scans, offsets)])
+    fix_pos = np.concatenate([s.fix_pos + off for s, off in zip(scans, offsets, strict=True)])
     return stream, fix_pos, np.concatenate([s.fix_old for s in scans])
 
 
@@ -446,7 +422,7 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
             _class_masks(old, tile_start + 64 * bi, tile_end, thr, cls, bi)
         pa = offs[t] + rice[t].sum()
         aend = pa + rans[t]
-        x, pa, err = tile_codec.rans_start(buf, pa, aend)
+        x, pa, err = tile_decode.rans_start(buf, pa, aend)
         if err:
             errs[t] = err
             continue
@@ -466,7 +442,7 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
             cm = cls[c, 0]
             fc, cu, s2s = freq[c], cum[c], slot2sym[c]
             for _ in range(ns[t, c]):
-                s, x, pa, err = tile_codec.rans_symbol(buf, x, pa, aend, fc, cu, s2s)
+                s, x, pa, err = tile_decode.rans_symbol(buf, x, pa, aend, fc, cu, s2s)
                 if err:
                     break
                 if s == ESC:
@@ -478,7 +454,7 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
                     e += 2
                 else:
                     d = sym2diff[s]
-                g, p, acc, nbits, err = tile_codec.rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile)
+                g, p, acc, nbits, err = tile_decode.rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile)
                 if err:
                     break
                 while True:  # skip g class members, then take the next one

@@ -67,7 +67,7 @@ machine() {
   echo "cpus: $(nproc)"
   "$PY" - <<'PYEOF'
 import platform, numba, numpy, torch, triton, xxhash
-import weftboard.cuda.gpu_bench, weftboard.cuda.triton_kernels, weftboard.cuda
+import weftboard.cuda.bench.gpu_bench, weftboard.cuda.triton_kernels, weftboard.cuda
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "available", torch.cuda.is_available())
 print("triton", triton.__version__, "numba", numba.__version__, "numpy", numpy.__version__, "xxhash", xxhash.VERSION)
@@ -78,8 +78,8 @@ export PY
 export -f machine
 step "machine" 20 bash -c machine
 
-if step "gpu_bench --tiny" 180 "$PY" -m weftboard.cuda.gpu_bench "${TINY[@]}"; then
-  step "gpu_bench, the full set (7B-size bf16 on a GPU)" 300 "$PY" -m weftboard.cuda.gpu_bench ${FULL[@]+"${FULL[@]}"}
+if step "gpu_bench --tiny" 180 "$PY" -m weftboard.cuda.bench.gpu_bench "${TINY[@]}"; then
+  step "gpu_bench, the full set (7B-size bf16 on a GPU)" 300 "$PY" -m weftboard.cuda.bench.gpu_bench ${FULL[@]+"${FULL[@]}"}
 else
   echo "skipping the full gpu_bench: the tiny run failed" | tee -a "$LOG"
 fi

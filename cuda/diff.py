@@ -8,7 +8,7 @@ Invariants:
 - A ``TensorDelta`` lists every changed element exactly once, ``positions`` strictly
   ascending (int64 flat indices), with the old and new bits at those positions.
 - The CPU path works in fixed tiles of ``DIFF_TILE`` elements in parallel (numba prange),
-  64 elements at a time as change masks (one vector compare, ``tile_codec.block_mask``) walked
+  64 elements at a time as change masks (one vector compare, ``tile_blocks.block_mask``) walked
   with count-trailing-zeros. One read of both arrays puts each tile's changes in its own
   region of a per-thread staging buffer (batches of ``_STAGE_TILES`` tiles); a prefix sum of
   the counts then gives each tile its place in the compact output. No Python loop over elements, and the result does not
@@ -22,7 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from types import ModuleType
 
 import numba as nb
 import numpy as np
@@ -30,90 +30,11 @@ import torch
 
 from weftboard.cuda.bitops import cttz64
 from weftboard.cuda.jit import parallel_kernel
-from weftboard.cuda.tile_codec import block_mask
+from weftboard.cuda.tensor_bits import NP_UNSIGNED, TensorDelta, bits_view, unsigned_np
+from weftboard.cuda.tile_blocks import block_mask
 from weftboard.proto.errors import InvalidArgument
 
 DIFF_TILE = 1 << 16  # at most 2**16: staged tile-local indices are uint16
-
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NP_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def int_view_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The integer dtype with the element width of ``dtype`` (uint8 for 1-byte types)."""
-    width = dtype.itemsize
-    try:
-        return _INT_VIEW[width]
-    except KeyError:
-        raise InvalidArgument(f"dtype {dtype} has element width {width}; supported widths are 1, 2, 4, 8") from None
-
-
-def bits_view(t: torch.Tensor) -> torch.Tensor:
-    """Flat integer view of the stored elements of ``t`` (no copy; ``t`` must be contiguous)."""
-    if not t.is_contiguous():
-        raise InvalidArgument("diff/apply need contiguous tensors (served views are stored contiguously)")
-    flat = t.reshape(-1)
-    want = int_view_dtype(t.dtype)
-    return flat if flat.dtype == want else flat.view(want)
-
-
-class _TensorMemory:
-    """A CPU tensor's memory as numpy's array interface describes it: address, element count
-    and the unsigned type of the element width. ``np.asarray`` of one is an array whose
-    ``base`` is this object, which holds the tensor, so the memory outlives the caller's
-    reference to the tensor as it does for ``Tensor.numpy()``."""
-
-    __slots__ = ("__array_interface__", "tensor")
-
-    def __init__(self, t: torch.Tensor, typestr: str) -> None:
-        self.tensor = t
-        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.numel(),), "typestr": typestr,
-                                    "version": 3}
-
-
-_TYPESTR = {width: np.dtype(kind).str for width, kind in _NP_UNSIGNED.items()}
-
-
-def cpu_bits(t: torch.Tensor) -> np.ndarray:
-    """The stored elements of a CPU tensor as a flat numpy array of the unsigned type of their
-    width: ``unsigned_np(bits_view(t.detach().contiguous()))`` without a torch operation (the
-    address goes to numpy through the array interface). The encoder takes this path for both
-    tensors of every pair of a patch, right after a kernel has streamed a large tensor through
-    the caches, where torch's dispatch of a dtype view and ``numpy()`` cost about 12 us a call
-    (3.6-7 us warm, against 2-4 us this way). No copy unless ``t`` is not contiguous. A
-    tensor whose memory does not hold its values as plain elements (not on the CPU,
-    quantized, a negative or conjugate view) or an empty one takes the torch path, which
-    refuses the first kinds with torch's own error."""
-    if t.requires_grad:
-        t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    typestr = _TYPESTR.get(t.element_size())
-    if typestr is None or not t.is_cpu or t.is_quantized or t.is_neg() or t.is_conj() or t.numel() == 0:
-        return t.view(int_view_dtype(t.dtype)).numpy().view(_NP_UNSIGNED[t.element_size()]).reshape(-1)
-    return np.asarray(_TensorMemory(t, typestr))
-
-
-def unsigned_np(bits: torch.Tensor) -> np.ndarray:
-    """A CPU integer tensor as a numpy array of the unsigned type of the same width (no copy)."""
-    arr = bits.numpy()
-    return arr.view(_NP_UNSIGNED[arr.itemsize])
-
-
-@dataclass
-class TensorDelta:
-    """The changed elements of one tensor between two versions of its stored bytes."""
-
-    positions: torch.Tensor  # int64, strictly ascending flat element indices
-    old_bits: torch.Tensor  # integer view of the element width, same length as positions
-    new_bits: torch.Tensor
-    numel: int
-    dtype: torch.dtype
-
-    @property
-    def changed(self) -> int:
-        return int(self.positions.numel())
-
 
 # ---------------------------------------------------------------------------
 # numba kernels (unsigned views; compiled once per width and cached on disk)
@@ -204,6 +125,13 @@ def _scatter(target, pos, bits, chunk):
             target[pos[i]] = bits[i]
 
 
+def gpu_kernels() -> ModuleType:
+    """The Triton kernels of the GPU path (``triton_kernels``), imported on first use."""
+    from weftboard.cuda import triton_kernels  # optional dependency (triton)
+
+    return triton_kernels
+
+
 def check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
     if old.dtype != new.dtype:
         raise InvalidArgument(f"diff needs equal dtypes, got {old.dtype} and {new.dtype}")
@@ -223,7 +151,7 @@ def _staging_buffers(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     bufs = getattr(_staging, key, None)
     if bufs is None:
         n = _STAGE_TILES * DIFF_TILE
-        bufs = (np.empty(n, np.uint16), np.empty(n, _NP_UNSIGNED[width]), np.empty(n, _NP_UNSIGNED[width]))
+        bufs = (np.empty(n, np.uint16), np.empty(n, NP_UNSIGNED[width]), np.empty(n, NP_UNSIGNED[width]))
         setattr(_staging, key, bufs)
     return bufs
 
@@ -255,9 +183,7 @@ def diff_tensor(old: torch.Tensor, new: torch.Tensor) -> TensorDelta:
     """Changed positions and bits between two stored versions of one tensor."""
     check_pair(old, new)
     if old.device.type == "cuda":
-        from weftboard.cuda import triton_kernels
-
-        return triton_kernels.diff_cuda(old, new, update=False)
+        return gpu_kernels().diff_cuda(old, new, update=False)
     return _diff_cpu(old.detach().contiguous(), new.detach().contiguous(), update=False)
 
 
@@ -265,9 +191,7 @@ def diff_and_update_(prev: torch.Tensor, new: torch.Tensor) -> TensorDelta:
     """Diff ``prev`` against ``new`` and make ``prev`` equal ``new`` in the same pass."""
     check_pair(prev, new)
     if prev.device.type == "cuda":
-        from weftboard.cuda import triton_kernels
-
-        return triton_kernels.diff_cuda(prev, new, update=True)
+        return gpu_kernels().diff_cuda(prev, new, update=True)
     return _diff_cpu(prev.detach(), new.detach().contiguous(), update=True)
 
 
@@ -286,9 +210,7 @@ def scatter_bits_(target: torch.Tensor, positions: torch.Tensor, bits: torch.Ten
     if positions.numel() == 0:
         return
     if target.device.type == "cuda":
-        from weftboard.cuda import triton_kernels
-
-        triton_kernels.scatter_cuda_(tb, positions.to(target.device), bits.to(target.device).view(tb.dtype))
+        gpu_kernels().scatter_cuda_(tb, positions.to(target.device), bits.to(target.device).view(tb.dtype))
         return
     _scatter(unsigned_np(tb), positions.numpy(), unsigned_np(bits.view(tb.dtype)), 1 << 16)
 

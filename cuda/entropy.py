@@ -1,35 +1,9 @@
-"""The ``sparse`` stream's entropy coder (format 1's default; the ``huffman`` stream, the
-default since, shares its symbols, Rice gaps, directory and escapes and replaces only the rANS
-part, ``weftboard.cuda.huffman``): Rice-coded position gaps, rANS-coded value differences,
-raw escapes; one independent stream per tile (numba, parallel over tiles).
+"""The two-step coder of the tiled streams (stream layout: ``cuda/FORMAT.md`` 2.2-2.5): value
+symbols, Rice-coded position gaps, rANS-coded symbols, tables and tile directories, and the
+parsers the fused kernels share (``parse_table_and_directory``).
 
-Per tensor (all integers little-endian; "varint" = LEB128, 7 bits per byte, at most 9 bytes):
-
-    table      varint nsym, then nsym x (varint symbol, varint freq); freqs sum to 2**SCALE_BITS,
-               symbols strictly ascending and < NSYM
-    directory  per tile t = 0 .. ceil(numel / tile) - 1:
-               varint n (changes in the tile); if n > 0: u8 k, varint rice_len, varint rans_len,
-               varint n_esc
-    payloads   per tile with n > 0, in tile order: rice_len bytes | rans_len bytes | n_esc * width bytes
-
-A tile's positions are gaps ``g_0 = p_0 - tile_start``, ``g_i = p_i - p_{i-1} - 1`` written as
-Rice(k): ``g >> k`` one-bits, a zero-bit, then the ``k`` low bits of ``g``; bits are packed
-LSB-first, the last byte padded with zero bits. Rice is the optimal prefix code for geometric
-gaps, i.e. for i.i.d. change positions. Any k <= MAX_K decodes; the two-step encoder here picks
-it per tile by exact cost, the fused one (``weftboard.cuda.tile_codec``) by the closed-form
-optimum for geometric gaps, and on realistic updates both pick the same k.
-
-Each value is the difference ``d = new_bits - old_bits`` modulo 2**(8*width) (an integer
-difference, not XOR: one ulp up is always +1 even when it carries through many bits). With
-``m = |d|`` as a signed number, symbol ``2*(m-1) + (d < 0)`` codes 1 <= m <= MAX_DELTA; any other
-difference (sign flips, far jumps, NaN payloads, the zero difference) is symbol ESC followed by
-``d`` raw in the tile's escape bytes. Symbols are coded by a byte-wise rANS (32-bit state,
-L = 2**23, SCALE_BITS = 14) with the tensor's frequency table; the encoder runs backwards, so the
-stream starts with the final state (4 bytes) and the decoder reads forward. A valid tile ends with
-the decoder back in state L having consumed exactly rans_len bytes, which doubles as a check.
-
-Decoders never trust a length: every read is bounds-checked and every violation returns an
-error code that the caller turns into ``CorruptData`` (see ``ERRORS``).
+Invariants: decoders never trust a length: every read is bounds-checked and every violation
+returns an error code (``ERRORS``, ``DIR_ERRORS``) that the caller turns into ``CorruptData``.
 """
 
 from __future__ import annotations

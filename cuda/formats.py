@@ -67,6 +67,7 @@ import torch
 from weftboard.cuda import formats_fp4 as fp4
 from weftboard.cuda import formats_fp8 as fp8
 from weftboard.proto.errors import FailedPrecondition, InvalidArgument
+from weftboard.proto.v1 import board_pb2 as pb
 
 KINDS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp4", "nvfp4", "raw")
 GRANULARITIES = ("tensor", "block128")
@@ -92,8 +93,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _proto_maps() -> tuple[dict, dict, dict]:
-    from weftboard.proto.v1 import board_pb2 as pb
-
     kinds = {
         "bf16": pb.FORMAT_KIND_BF16,
         "fp16": pb.FORMAT_KIND_FP16,
@@ -153,8 +152,6 @@ class ServedFormatSpec:
 
     def to_proto(self):
         """A board_pb2.ServedFormat with every field explicit."""
-        from weftboard.proto.v1 import board_pb2 as pb
-
         kinds, granularities, policies = _proto_maps()
         return pb.ServedFormat(
             kind=kinds[self.kind],
@@ -276,7 +273,7 @@ class Projector:
         kept_now = tuple(v.detach().clone() for v in values[1:])  # the caller may patch its view in place
         with self._lock:
             self._kept[name] = kept_now
-        return {stored_name: v for (stored_name, _, _), v in zip(plan.stored, values)}
+        return {stored_name: v for (stored_name, _, _), v in zip(plan.stored, values, strict=False)}
 
     def project(self, master: Mapping[str, torch.Tensor], *, anchor: bool) -> dict[str, torch.Tensor]:
         """The whole served view, in master order (each tensor's stored tensors in order)."""
@@ -335,7 +332,7 @@ class Projector:
             kept = self._kept.get(name)
         if kept is None:
             return None
-        for tensor, (stored_name, dtype, shape) in zip(kept, plan.stored[1:]):
+        for tensor, (stored_name, dtype, shape) in zip(kept, plan.stored[1:], strict=False):
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise FailedPrecondition(
                     f"kept scale {stored_name} is {dtype_name(tensor.dtype)}{list(tensor.shape)} but this "

@@ -248,10 +248,7 @@ def nvfp4_encode(
     """Packed e2m1 data of float32 x under the given scales."""
     blocks = _blocks(x, NV_BLOCK)
     block = block_scale.float()
-    if tensor_scale is None:
-        multiplier = 1.0 / block
-    else:
-        multiplier = (1.0 / tensor_scale) / block
+    multiplier = 1.0 / block if tensor_scale is None else (1.0 / tensor_scale) / block
     codes = e2m1_encode(blocks * multiplier.unsqueeze(-1)).reshape(x.shape)
     return pack_nibbles(codes)
 

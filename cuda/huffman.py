@@ -1,26 +1,10 @@
-"""Canonical Huffman codes for the value symbols of the ``huffman`` stream (the default).
+"""Canonical Huffman codes for the value symbols of the ``huffman`` stream (the default encoding;
+layout in ``cuda/FORMAT.md`` 2.4): code lengths limited to ``MAX_BITS``, encoder codes, decoder
+tables, the table's bytes, and the per-tile encoders.
 
-Why not rANS, which the ``sparse`` and ``context`` streams use: rANS codes within a few
-thousandths of a bit of the symbols' entropy, but decoding a symbol is a chain of two
-dependent table loads, a multiply and a renormalisation whose byte reads depend on the state,
-about 25 cycles that nothing can overlap; a Huffman symbol is one table load on a bit
-position (about 13 cycles), and encoding it is a table load and an append instead of a
-reciprocal multiply. On the codec bench's bf16 update (an optimizer step) the code costs about
-0.14 bits per change more than rANS (2.17 against 2.03; 2% of the patch), and the fused apply
-takes about a fifth less time (36.0 against 28.4 ms, alternating in one process).
-
-The symbols are those of ``weftboard.cuda.entropy`` (``2*(|d|-1) + sign``, ESC for the rest).
-Codes are canonical (DEFLATE's rule: shorter codes first, then by symbol) and at most
-``MAX_BITS`` long, so the stream carries only each symbol's code length, and the decoder
-finds a symbol with one lookup of the next ``MAX_BITS`` bits. Bits are packed LSB-first,
-each code with its first bit lowest (the canonical code bit-reversed). A tensor with one
-distinct symbol gives it a code of length 0: its tiles' value streams are empty.
-
-Table layout: ``varint nsym``, then ``nsym`` x (``varint symbol``, ``u8 length``), symbols
-strictly ascending and < NSYM, lengths 1..MAX_BITS whose Kraft sum is exactly 1 (a complete
-code, as Huffman's always is), or one symbol of length 0. Anything else is refused.
-
-No I/O; every function is compiled (numba) and bounds-checked where it reads a stream.
+Invariants: codes are canonical (shorter first, then by symbol), so the stream carries only the
+lengths; the encoder's table depends only on the symbol counts; a table that is not a complete
+code (or one symbol of length 0) is refused. No I/O; every reader is bounds-checked.
 """
 
 from __future__ import annotations
@@ -291,7 +275,7 @@ def encode_tiles(sym_buf, sym_off, ns, codes, out, out_off):
 @parallel_kernel
 def encode_tiles_by_row(sym_buf, sym_off, ns, codes, row, out, out_off):
     """``encode_tiles`` of several tensors' tiles in one parallel loop, tile ``t`` coded with
-    ``codes[row[t]]`` (``tile_codec.encode_huffman_batch``)."""
+    ``codes[row[t]]`` (``tile_encode.encode_huffman_batch``)."""
     ntiles = ns.size
     lens = np.zeros(ntiles, np.int64)
     for t in nb.prange(ntiles):

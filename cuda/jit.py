@@ -1,32 +1,12 @@
-"""How weftboard's CPU kernels are compiled: ``parallel_kernel`` for every kernel with a ``prange``.
+"""How the CPU kernels are compiled and cached: ``parallel_kernel`` for every kernel with a
+``prange`` (only the ``prange`` loops run parallel; array expressions stay serial), and a disk
+cache locator that stamps each kernel of this package with a digest of all its numba sources.
 
-Why not ``parallel=True``: besides ``prange`` loops it turns every array expression of the
-kernel (``np.zeros``, ``row.sum()``, a slice assignment) into a parallel region of its own,
-and each region wakes the OpenMP team and waits at its barrier. A ``sum`` inside a serial
-loop over tiles becomes one region per tile. From a thread other than the first one that
-called into numba (the publisher's read thread, an island's apply thread) the team's
-workers sleep between regions (libgomp stops them spinning once it manages more threads than
-there are cores), so every region pays for waking them: the tile compaction kernel took
-2.1 ms a call there instead of 0.57 ms, and a third of the publisher's read went to it.
-Only the ``prange`` loops are worth a region; everything else compiles serial.
-
-Reference counts: an ``inline="always"`` helper that takes an array and has loops of its own,
-called in one arm of a branch inside a hot loop, makes numba keep a reference count on that
-array around the call: an atomic increment and decrement in its runtime on every iteration
-(the encoder's Rice groups lost about a tenth of the scan that way). Keep such helpers out of the
-arms of hot loops (``tile_codec._rice_tile_grouped`` keeps the long-code path out of its
-common loop: only a tile that holds a long code runs the loop with it).
-``NUMBA_ENABLE_PROFILING=1`` under ``perf record -e cpu-clock`` shows them as calls to two
-tiny functions (``lock incq``/``lock decq``) next to the hot instructions.
-
-The disk cache: numba keys a function's cached machine code by its own source file only, but
-the kernels inline helpers from other files of this package (``bitops``, ``entropy``,
-``huffman``): an edit to a helper alone left kernels running their old machine code until
-the cache was cleared by hand. Importing this module registers a cache locator (before any
-kernel module defines a kernel: each imports this module first) that stamps every function
-of this package with a digest of all its numba sources as well, so any edit to one of them
-recompiles every kernel once. Installed wheels and fresh clones never had stale entries;
-editable checkouts that pull a change to one helper did.
+Invariants: importing this module registers the locator before any kernel is defined (every
+kernel module imports it first), so an edit to any numba source of the package recompiles every
+kernel once and a cached kernel never runs stale inlined helpers. Keep ``inline="always"``
+helpers that take arrays and loop out of the arms of hot loops (numba then refcounts the array
+on every iteration; ``PERFORMANCE.md`` has the measurements).
 """
 
 from __future__ import annotations
@@ -36,6 +16,7 @@ import functools
 import hashlib
 import os
 import stat
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -44,6 +25,7 @@ from typing import Any
 import numba as nb
 from numba.core import caching
 from numba.core.cpu_options import ParallelOptions
+from numba.core.dispatcher import Dispatcher
 
 # An options object, not the dict it is made of: numba pops the keys out of a dict when it
 # compiles, so a kernel's second signature would be compiled with every transformation on.
@@ -73,9 +55,6 @@ def kernel_signatures() -> frozenset[tuple[str, str]]:
     so far, over the numba functions of this package: what a warm-up (``weftboard.cuda.warmup``)
     is measured by. A kernel called with other argument types (a read-only buffer where it had
     a writable one, an int64 where it had a uint64) gets another entry, and another compile."""
-    import sys
-
-    from numba.core.dispatcher import Dispatcher
 
     found = set()
     prefix = __name__.rsplit(".", 1)[0] + "."
@@ -88,12 +67,15 @@ def kernel_signatures() -> frozenset[tuple[str, str]]:
     return frozenset(found)
 
 
+def _cache_probe() -> int:
+    """Never compiled or called: ``kernel_cache_dir`` reads where numba would cache it."""
+    return 0
+
+
 def kernel_cache_dir() -> str:
     """Where the kernels' machine code is cached on disk (numba's choice: ``NUMBA_CACHE_DIR``,
     else the ``__pycache__`` beside this package where it is writable, else the user's cache)."""
-    from weftboard.cuda import tile_codec
-
-    cache = getattr(tile_codec._decode_tiles, "_cache", None)  # numba's own attributes, not an API
+    cache = getattr(nb.njit(cache=True)(_cache_probe), "_cache", None)  # numba's own attributes, not an API
     return str(getattr(cache, "_cache_path", "") or "numba's default location")
 
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weftboard.cuda.diff import TensorDelta, bits_view
+from weftboard.cuda.tensor_bits import TensorDelta, bits_view
 
 BLOCK = 4096  # elements per program: one coalesced pass, the in-block scan stays in registers
 STAGE = 512  # staged changes per block (12.5%); denser blocks are compacted in the second pass
@@ -156,7 +156,7 @@ def diff_many_cuda(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, update: bo
     if not pending:
         return []
     totals = torch.cat([p.total for p in pending]).cpu().tolist()  # the one host sync
-    return [p.finish(int(t)) for p, t in zip(pending, totals)]
+    return [p.finish(int(t)) for p, t in zip(pending, totals, strict=True)]
 
 
 def diff_cuda(old: torch.Tensor, new: torch.Tensor, *, update: bool = False) -> TensorDelta:

@@ -1,22 +1,9 @@
-"""Compile the CPU codec's kernels before they are needed: ``weftboard warmup``.
+"""Compile the CPU codec's kernels before they are needed (``weftboard warmup``): every CPU path of
+the publisher's read, an island's apply and ``encode_patch``, on tensors of a few tiles, so the
+first-compile cost is paid when the caller chooses; with a warm cache it only loads the kernels.
 
-Why: the CPU kernels are compiled the first time a process calls one with new argument types,
-and the machine code is kept in a disk cache (``weftboard.cuda.jit``). Where that cache is empty
-(a fresh install, a new container, a CI clone) the first patch a publisher reads compiles for
-about a minute, inside the trainer's ``publish`` call, and an island compiles again before its
-first apply. ``warm_up_kernels`` takes every CPU path of the publisher's read (the fused cast
-scan of an fp32 master served as bf16, plain scans of each element width, the context scans,
-the tiles a scan leaves to ``diff_and_update_``, the finish of each stream), of an island's apply
-(every stream mode, in place and undone, and decoded into arrays for GPU destinations) and of
-``encode_patch``, on tensors of a few tiles, so that cost is paid when the caller chooses; with
-a warm cache it only loads the kernels.
-
-The kernels are typed by element width (1, 2 or 4 bytes), not by dtype: a served format's
-stored dtypes (``formats.Projector`` on a small master) say which widths to warm.
-
-Invariant: the paths here are those the publisher and the subscriber take, with the same
-argument types (each type is compiled apart: a read-only buffer is another type than a
-writable one). ``tests/test_warmup.py`` holds it: after this warm-up, a real publisher and
+Invariant: the paths and argument types here are those the publisher and the subscriber take
+(each type compiles apart); ``tests/test_warmup.py`` checks that afterwards a real publisher and
 island compile nothing more.
 """
 
@@ -30,9 +17,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from weftboard.cuda import context_codec, tile_encode
+from weftboard.cuda.codec import (
+    CODEC_TILE,
+    apply_patch_,
+    decode_stream,
+    delta_from_scans,
+    encode_deltas,
+    encode_patch,
+    encoded_from_scans,
+)
 from weftboard.cuda.codec import ENCODINGS as ALL_ENCODINGS
+from weftboard.cuda.container import read_container
+from weftboard.cuda.diff import diff_and_update_, diff_tensor
+from weftboard.cuda.digest import tensor_digest
 from weftboard.cuda.formats import KINDS as ALL_FORMATS
+from weftboard.cuda.formats import Projector, ServedFormatSpec, make_test_master
 from weftboard.cuda.jit import kernel_signatures
+from weftboard.cuda.tensor_bits import bits_view, unsigned_np
+from weftboard.proto.errors import InvalidArgument
 
 # Spread over a few tiles, the last one partial, so every per-tile branch runs.
 _ELEMENTS = 2 * (1 << 16) + 777
@@ -54,8 +57,6 @@ class WarmUp:
 
 def served_widths(formats: Iterable[str]) -> tuple[int, ...]:
     """The element widths the served formats ``formats`` store (scales included)."""
-    from weftboard.cuda.formats import Projector, ServedFormatSpec, make_test_master
-
     master = make_test_master(layers=1, hidden=256, intermediate=512, vocab=512)
     widths: set[int] = set()
     for kind in formats:
@@ -69,8 +70,6 @@ def warm_up_kernels(formats: Sequence[str] = ALL_FORMATS, encodings: Sequence[st
     """Run every CPU codec path of the served ``formats`` and patch ``encodings`` once on small
     tensors, checking each result bitwise; see the module docstring. ``say`` gets a line per
     stage."""
-    from weftboard.proto.errors import InvalidArgument
-
     unknown = sorted(set(encodings) - set(ALL_ENCODINGS))
     if unknown or not encodings:
         raise InvalidArgument(f"encodings must be some of {', '.join(ALL_ENCODINGS)}, got {list(encodings)}")
@@ -86,9 +85,9 @@ def warm_up_kernels(formats: Sequence[str] = ALL_FORMATS, encodings: Sequence[st
             stages.append(("the read of an fp32 master served as bf16 (cast inside the scan)",
                            lambda: _publisher_cast_scans(gen, encodings)))
         stages += [
-            ("the read of a projected view (plain scans)", lambda: _publisher_plain_scans(gen, dtype, encodings)),
-            ("patches of every mode, applied, undone and decoded", lambda: _streams_applied(gen, dtype, encodings)),
-            ("the one-pass encoder and digests", lambda: _fused_encoder(gen, dtype, encodings)),
+            ("the read of a projected view (plain scans)", lambda dtype=dtype: _publisher_plain_scans(gen, dtype, encodings)),
+            ("patches of every mode, applied, undone and decoded", lambda dtype=dtype: _streams_applied(gen, dtype, encodings)),
+            ("the one-pass encoder and digests", lambda dtype=dtype: _fused_encoder(gen, dtype, encodings)),
         ]
         for what, stage in stages:
             if say is not None:
@@ -110,9 +109,6 @@ def _stepped(old: torch.Tensor, gen: torch.Generator, density: float = 0.02) -> 
     """``old`` with a fraction of its elements one unit in the last place up or down, a few far
     off (escaped differences), and every element of the first tile far off: with elements of
     two bytes or more, more escapes than a scan has room for, so that tile is diffed instead."""
-    from weftboard.cuda.codec import CODEC_TILE
-    from weftboard.cuda.diff import bits_view
-
     bits = bits_view(old.clone())
     n = bits.numel()
     moved = torch.rand(n, generator=gen) < density
@@ -126,8 +122,6 @@ def _stepped(old: torch.Tensor, gen: torch.Generator, density: float = 0.02) -> 
 def _scan_encodings(encodings: Sequence[str], dtype: torch.dtype) -> list[str]:
     """The scans a read takes for these encodings: the context scan for 16-bit floats in the
     context encoding, the tile scan otherwise (``baseline`` reads scan too, then re-encode)."""
-    from weftboard.cuda import context_codec
-
     scans = ["context"] if "context" in encodings and context_codec.supports(dtype) else []
     if set(encodings) - {"context"} or not context_codec.supports(dtype):
         scans.insert(0, "default")
@@ -139,14 +133,10 @@ def _scan_fold_finish(view: torch.Tensor, src: np.ndarray, new: torch.Tensor, en
     ``cast`` the fp32 master's) into ``view`` (the tile scan, or the context scan), diff the tiles
     the scan left, check the view now holds ``new`` bitwise, then finish: the stream, or (tiles
     the scan left, a mode it does not fit) the delta recovered from the folded view."""
-    from weftboard.cuda import context_codec, tile_codec
-    from weftboard.cuda.codec import CODEC_TILE, delta_from_scans, encoded_from_scans
-    from weftboard.cuda.diff import bits_view, diff_and_update_, unsigned_np
-
     old_bits = unsigned_np(bits_view(view))
     if encoding == "default":
         thresholds = np.empty(0, np.int64)
-        scan = tile_codec.scan_tiles(old_bits, src, CODEC_TILE, {}, update=True, cast=cast)
+        scan = tile_encode.scan_tiles(old_bits, src, CODEC_TILE, {}, update=True, cast=cast)
     else:
         thresholds = context_codec.choose_thresholds(old_bits, view.dtype)
         scan = context_codec.scan_tiles(old_bits, src, thresholds, CODEC_TILE, {}, update=True, cast=cast)
@@ -177,8 +167,6 @@ def _publisher_cast_scans(gen: torch.Generator, encodings: Sequence[str]) -> Non
 def _publisher_plain_scans(gen: torch.Generator, dtype: torch.dtype, encodings: Sequence[str]) -> None:
     """A served view the publisher projects whole and then folds in: a plain scan, once with a
     tile too dense for it (diffed, then the delta recovered) and once with every element changed."""
-    from weftboard.cuda.diff import bits_view, unsigned_np
-
     old = _random(gen, dtype)
     for new in (_stepped(old, gen), (bits_view(old.clone()) + 1).view(dtype)):
         for encoding in _scan_encodings(encodings, dtype):
@@ -189,14 +177,6 @@ def _streams_applied(gen: torch.Generator, dtype: torch.dtype, encodings: Sequen
     """Patches of every mode, encoded from deltas as the publisher finishes them, applied in
     place as an island does (from bytes and from writable buffers), undone, and decoded into
     arrays as for a GPU destination."""
-    from weftboard.cuda.codec import (
-        _read_container,
-        apply_patch_,
-        decode_stream,
-        encode_deltas,
-    )
-    from weftboard.cuda.diff import bits_view, diff_tensor
-
     old = _random(gen, dtype)
     pairs = {"sparse": _stepped(old, gen), "dense": _stepped(old, gen, density=0.6),  # a bitmap stream
              "every": (bits_view(old.clone()) + 1).view(dtype)}  # an ``all`` stream
@@ -209,7 +189,7 @@ def _streams_applied(gen: torch.Generator, dtype: torch.dtype, encodings: Sequen
             if not all(torch.equal(bits_view(live[n]), bits_view(new)) for n, new in pairs.items()):
                 raise RuntimeError(f"kernel warm-up: a {encoding} patch of {dtype} did not apply bitwise")
             applied.revert()
-        read = _read_container(data)
+        read = read_container(data)
         for entry in read.entries:
             if entry["mode"] not in ("empty", "context"):  # a context stream decodes against its target
                 decode_stream(entry, read.streams[entry["name"]])
@@ -218,10 +198,6 @@ def _streams_applied(gen: torch.Generator, dtype: torch.dtype, encodings: Sequen
 def _fused_encoder(gen: torch.Generator, dtype: torch.dtype, encodings: Sequence[str]) -> None:
     """``encode_patch``, the one-pass encoder of a caller that holds both versions (benchmarks,
     tools), and the digest an island verifies with."""
-    from weftboard.cuda.codec import apply_patch_, encode_patch
-    from weftboard.cuda.diff import bits_view
-    from weftboard.cuda.digest import tensor_digest
-
     old = _random(gen, dtype)
     new = _stepped(old, gen)
     tensor_digest(new)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from weftboard.cuda import bench_codec
+from weftboard.cuda.bench import bench_codec
 
 KEYS = {
     "format", "params", "density", "bytes_per_change", "entropy_bound_bytes_per_change",

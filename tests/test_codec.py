@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.numpy import load as st_load
 
-from weftboard.cuda import codec, formats
-from weftboard.cuda.bench_codec import entropy_bound_bits
+from weftboard.cuda import encode, formats
+from weftboard.cuda.bench.bench_codec import entropy_bound_bits
 from weftboard.cuda.codec import (
     CODEC_TILE,
     apply_patch_,
@@ -133,7 +133,7 @@ def test_modes_fall_back_to_the_smallest_stream() -> None:
             assert t.stream_bytes <= bitmap_bytes
         if t.mode == "bitmap":
             d = diff_tensor(*pairs[name])
-            huffman_bytes = codec._encode_huffman(
+            huffman_bytes = encode._encode_huffman(
                 d.positions.numpy(), unsigned_np(d.old_bits), unsigned_np(d.new_bits), n, CODEC_TILE
             ).size
             assert t.stream_bytes < huffman_bytes

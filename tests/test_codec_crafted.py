@@ -25,7 +25,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weftboard.cuda import codec
+from weftboard.cuda import container as patch_container
 from weftboard.cuda.codec import (
     apply_patch_,
     apply_patch_arriving_,
@@ -55,7 +55,7 @@ def container(stream: bytes, *, numel: int, changed: int, mode: str, dtype: str 
              "index_bytes": 4}
     header = {"format": "weftboard-patch", "format_version": 2, "encoding": encoding, "base_version": 1,
               "target_version": 2, "target_root": "", "tensors": [entry]}
-    return codec._write_container(header, [("t", stream)])
+    return patch_container.write_container(header, [("t", stream)])
 
 
 def huffman_table(lengths: list[tuple[int, int]]) -> bytes:
@@ -106,7 +106,7 @@ def run_case(name: str, reader: str) -> str:
             blob.put(0, data)
             apply_patch_arriving_(tensors, [blob], timeout_s=5)
         else:
-            c = codec._read_container(data)
+            c = patch_container.read_container(data)
             base = unsigned_np(bits_view(tensors["t"])) if name == "context" else None
             decode_stream(c.entries[0], c.streams["t"], base)
     except Exception as exc:  # noqa: BLE001 - the class is the verdict
@@ -177,7 +177,7 @@ def _a_patch() -> tuple[torch.Tensor, torch.Tensor, bytes]:
     bits[mask] += 1
     bits[:40] ^= 0x4000  # escapes: values far from the old ones
     data = encode_patch([("t", old, new)], base_version=1, target_version=2, target_root="").data
-    assert codec._read_container(data).entries[0]["mode"] == "huffman"
+    assert patch_container.read_container(data).entries[0]["mode"] == "huffman"
     return old, new, data
 
 

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from patchkit import with_header
 
-from weftboard.cuda import codec
+from weftboard.cuda import codec, container, decode, encode
 from weftboard.cuda.codec import (
     apply_patch_,
     decode_stream,
@@ -176,7 +176,7 @@ def test_a_mutated_part_is_rejected_or_harmless_joined_or_arriving(encoding, whi
 
 
 def _entries_and_streams(patch_data: bytes):
-    c = codec._read_container(patch_data)
+    c = container.read_container(patch_data)
     return [(e, bytes(c.streams[e["name"]])) for e in c.entries if e["mode"] != "empty"]
 
 
@@ -200,7 +200,7 @@ def _stream_cases():
             cases.append((entry, stream))
             if entry["mode"] == "huffman":  # the same changes as a rANS ``sparse`` stream (format 1's default)
                 d = diff_tensor(old, new)
-                sparse = codec._encode_sparse(d.positions.numpy(), unsigned_np(d.old_bits), unsigned_np(d.new_bits),
+                sparse = encode._encode_rans(d.positions.numpy(), unsigned_np(d.old_bits), unsigned_np(d.new_bits),
                                               n, codec.CODEC_TILE).tobytes()
                 cases.append((dict(entry, mode="sparse", stream_bytes=len(sparse)), sparse))
     return cases
@@ -308,8 +308,8 @@ def test_fused_apply_agrees_with_the_two_step_decoder_or_undoes_itself(i, m, see
     before = torch.from_numpy(rng.integers(0, 256, entry["numel"] * width, dtype=np.uint8)).view(dtype)
     target = before.clone()
     try:
-        sp = codec._parse_sparse(entry, np.frombuffer(stream, dtype=np.uint8), width)
-        codec._apply_sparse_(target, entry, sp, 1)
+        sp = decode.parse_tile_stream(entry, np.frombuffer(stream, dtype=np.uint8), width)
+        decode.apply_tile_stream_(target, entry, sp, 1)
     except CorruptData:
         assert torch.equal(bits_view(target), bits_view(before)), "a refused stream left writes behind"
         with pytest.raises(CorruptData):
@@ -359,7 +359,7 @@ def test_context_decoder_rejects_or_stays_well_formed(m) -> None:
         assert np.unique(pos).size == pos.size and (pos.size == 0 or (pos.min() >= 0 and pos.max() < entry["numel"]))
     target = old.clone()
     try:
-        step = codec._parse_context(entry, np.frombuffer(stream, np.uint8))
+        step = decode.parse_context_stream(entry, np.frombuffer(stream, np.uint8))
         undo = step.apply_(bits_view(target).numpy().view(np.uint16))
     except (CorruptData, ValueError):
         assert dec is None, "the in-place apply refused what the decoder accepted"

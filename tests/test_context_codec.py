@@ -14,7 +14,7 @@ import pytest
 import torch
 from patchkit import with_header
 
-from weftboard.cuda import codec, tile_codec
+from weftboard.cuda import apply, codec, container, tile_encode
 from weftboard.cuda import context_codec as cc
 from weftboard.cuda.bitops import mag_ge_mask64
 from weftboard.cuda.codec import (
@@ -84,7 +84,7 @@ def test_streams_round_trip_in_place_and_through_arrays(dtype: torch.dtype, n: i
 def test_a_realistic_step_is_smaller_than_the_sparse_stream() -> None:
     old, new = _step(400_000, torch.bfloat16, seed=1, steps=1)
     a, b = _u16(old), _u16(new)
-    changed, sparse = tile_codec.encode_sparse(a, b, CODEC_TILE)
+    changed, sparse = tile_encode.encode_rans(a, b, CODEC_TILE)
     _, context = cc.encode_context(a, b, cc.choose_thresholds(a, torch.bfloat16), CODEC_TILE)
     assert 0.005 < changed / a.size < 0.2
     assert context.size < 0.9 * sparse.size, (context.size, sparse.size)
@@ -126,14 +126,14 @@ def test_context_patches_mix_modes_apply_and_revert() -> None:
 def test_decoding_needs_the_old_bits_and_gives_differences() -> None:
     old, new = _step(90_000, torch.bfloat16, seed=4)
     patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding="context")
-    c = codec._read_container(patch.data)
+    c = container.read_container(patch.data)
     entry = c.entries[0]
     with pytest.raises(InvalidArgument, match="bits it applies to"):
         decode_stream(entry, c.streams["w"])
     dec = decode_stream(entry, c.streams["w"], _u16(old))
     assert dec.is_difference
     target = old.clone()
-    codec._apply_decoded(target, dec)  # the path CUDA destinations take, here on the CPU
+    apply._apply_decoded(target, dec)  # the path CUDA destinations take, here on the CPU
     assert torch.equal(bits_view(target), bits_view(new))
 
 

@@ -23,16 +23,8 @@ from diffcases import (
     triton_cases,
 )
 
-from weftboard.cuda.diff import (
-    DIFF_TILE,
-    TensorDelta,
-    apply_delta_,
-    bits_view,
-    cpu_bits,
-    diff_and_update_,
-    diff_tensor,
-    unsigned_np,
-)
+from weftboard.cuda.diff import DIFF_TILE, apply_delta_, diff_and_update_, diff_tensor
+from weftboard.cuda.tensor_bits import TensorDelta, bits_view, cpu_bits, unsigned_np
 from weftboard.proto.errors import InvalidArgument
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.float64]
@@ -190,7 +182,7 @@ def test_triton_batch_diff_one_sync(tk) -> None:
 
 def test_gpu_bench_dry_run_on_cpu(tk, capsys) -> None:
     """The GPU benchmark's whole code path (Triton kernels in the interpreter, codec round trip)."""
-    from weftboard.cuda import gpu_bench
+    from weftboard.cuda.bench import gpu_bench
 
     rc = gpu_bench.main(["--device", "cpu", "--layers", "1", "--hidden", "64", "--intermediate", "128", "--vocab", "100"])
     out = capsys.readouterr().out
@@ -203,7 +195,7 @@ def test_gpu_bench_dry_run_on_cpu(tk, capsys) -> None:
 
 @pytest.mark.parametrize("warps", ["3", "64", "4,x", "0"])
 def test_gpu_bench_refuses_a_bad_warps_sweep(warps, capsys) -> None:
-    from weftboard.cuda import gpu_bench
+    from weftboard.cuda.bench import gpu_bench
 
     with pytest.raises(SystemExit) as exc:
         gpu_bench.main(["--device", "cpu", "--tiny", "--diff-warps", warps])
@@ -250,7 +242,7 @@ def test_the_device_check_script_fails_when_a_step_fails(tmp_path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="only meaningful without a GPU")
 def test_gpu_bench_says_clearly_when_there_is_no_gpu(capsys) -> None:
-    from weftboard.cuda import gpu_bench
+    from weftboard.cuda.bench import gpu_bench
 
     assert gpu_bench.main([]) == 2
     assert "no CUDA device" in capsys.readouterr().err
@@ -262,7 +254,7 @@ def test_gpu_bench_reports_each_loaded_kernel_form_and_survives_triton_internals
     are not there."""
     from types import SimpleNamespace
 
-    from weftboard.cuda import gpu_bench
+    from weftboard.cuda.bench import gpu_bench
 
     loaded = []
 

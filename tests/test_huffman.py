@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from patchkit import with_header
 
-from weftboard.cuda import codec, huffman, tile_codec
+from weftboard.cuda import codec, container, decode, huffman, tile_encode
 from weftboard.cuda.codec import CODEC_TILE, apply_patch_, decode_stream, encode_patch
 from weftboard.cuda.diff import bits_view
 from weftboard.cuda.entropy import ESC, NSYM
@@ -194,8 +194,8 @@ def test_a_tensor_of_one_difference_has_empty_value_streams() -> None:
     a = rng.integers(0, 2**15, 3 * CODEC_TILE + 11, dtype=np.uint16)
     b = a.copy()
     b[::13] += 1
-    changed, stream = tile_codec.encode_huffman(a, b, CODEC_TILE)
-    sp = codec._parse_sparse({"name": "w", "numel": a.size, "changed": changed, "tile": CODEC_TILE, "mode": "huffman"},
+    changed, stream = tile_encode.encode_huffman(a, b, CODEC_TILE)
+    sp = decode.parse_tile_stream({"name": "w", "numel": a.size, "changed": changed, "tile": CODEC_TILE, "mode": "huffman"},
                              stream, 2)
     assert changed == a.size // 13 + 1 and not sp.rans.any()
     assert np.all(sp.slot2sym == 0)  # symbol 0, no bits
@@ -213,7 +213,7 @@ def _huffman_entry_and_stream(seed: int = 3) -> tuple[dict, bytes]:
     pick = rng.random(a.size) < 0.05
     b[pick] += rng.choice(np.array([1, 65535, 2, 65534, 7, 300], np.uint16), int(pick.sum()))
     patch = encode_patch([("w", _bf16(a), _bf16(b))], base_version=1, target_version=2, target_root=ROOT)
-    c = codec._read_container(patch.data)
+    c = container.read_container(patch.data)
     (entry,) = c.entries
     assert entry["mode"] == "huffman"
     return entry, bytes(c.streams["w"])
@@ -222,7 +222,7 @@ def _huffman_entry_and_stream(seed: int = 3) -> tuple[dict, bytes]:
 def test_a_set_padding_bit_after_the_values_is_refused() -> None:
     entry, stream = _huffman_entry_and_stream()
     buf = np.frombuffer(stream, np.uint8)
-    sp = codec._parse_sparse(entry, buf, 2)
+    sp = decode.parse_tile_stream(entry, buf, 2)
     assert decode_stream(entry, stream).positions.size == entry["changed"]
     padded = 0
     for t in range(sp.ns.size):
@@ -243,7 +243,7 @@ def test_a_value_stream_one_byte_longer_than_its_bits_is_refused() -> None:
     the tile does not end where recorded."""
     entry, stream = _huffman_entry_and_stream(seed=4)
     buf = np.frombuffer(stream, np.uint8)
-    sp = codec._parse_sparse(entry, buf, 2)
+    sp = decode.parse_tile_stream(entry, buf, 2)
     assert sp.rans[0] > 0
     # rebuild: table | directory with tile 0's value length + 1 | payloads with a zero byte inserted
     from weftboard.cuda.entropy import _write_varint
@@ -295,11 +295,11 @@ def test_a_version_1_header_cannot_name_the_huffman_mode() -> None:
     with pytest.raises(CorruptData, match="not valid"):
         codec.read_patch_info(rewrite(huff, format_version=1))
     # the same changes as a format 1 patch: a rANS ``sparse`` stream
-    changed, sparse = tile_codec.encode_sparse(a, b, CODEC_TILE)
-    c = codec._read_container(huff)
+    changed, sparse = tile_encode.encode_rans(a, b, CODEC_TILE)
+    c = container.read_container(huff)
     (e,) = c.entries
     e1 = dict(e, mode="sparse", stream_bytes=int(sparse.size), xxh3_64=xxhash.xxh3_64_hexdigest(sparse.tobytes()))
-    v1 = codec._write_container(dict(c.header, format_version=1, tensors=[e1]), [("w", sparse.tobytes())])
+    v1 = container.write_container(dict(c.header, format_version=1, tensors=[e1]), [("w", sparse.tobytes())])
     assert codec.read_patch_info(v1).format_version == 1
     target = {"w": _bf16(a.copy())}
     apply_patch_(target, v1)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numba as nb
 import numpy as np
 
-from weftboard.cuda import huffman, jit, tile_codec
+from weftboard.cuda import huffman, jit, tile_assembly, tile_decode, tile_scan
 from weftboard.cuda.jit import PRANGE_ONLY, parallel_kernel
 
 
@@ -45,8 +45,8 @@ def test_the_same_function_with_parallel_true_has_more_regions() -> None:
 
 
 def test_the_codec_kernels_use_those_options() -> None:
-    for k in (tile_codec.scan_encode_tiles, tile_codec.scan_encode_tiles_packed, tile_codec.scan_encode_batch_packed,
-              tile_codec.rans_encode_tiles, tile_codec.move_pieces, tile_codec._compact_tiles, tile_codec._decode_tiles,
+    for k in (tile_scan.scan_encode_tiles, tile_scan.scan_encode_tiles_packed, tile_scan.scan_encode_batch_packed,
+              tile_assembly.rans_encode_tiles, tile_assembly.move_pieces, tile_assembly.compact_tiles, tile_decode._decode_tiles,
               huffman.encode_tiles, huffman.encode_tiles_by_row):
         assert k.targetoptions["parallel"] is PRANGE_ONLY
     assert not PRANGE_ONLY.numpy and not PRANGE_ONLY.setitem and PRANGE_ONLY.prange
@@ -115,7 +115,8 @@ def test_every_cached_kernel_of_the_package_gets_the_package_locator() -> None:
               "       and type(f._cache._impl.locator).__name__ != 'PackageStampedLocator']\n"
               "print(len([f for f in vars(m).values() if isinstance(f, numba.core.registry.CPUDispatcher)]), bad)\n")
     checked = 0
-    for name in ("bitops", "entropy", "huffman", "tile_codec", "context_codec", "diff", "codec"):
+    for name in ("bitops", "entropy", "huffman", "tile_blocks", "tile_scan", "tile_assembly", "tile_encode", "tile_decode",
+                 "context_codec", "diff", "encode"):
         out = subprocess.run([sys.executable, "-c", script, f"weftboard.cuda.{name}"], capture_output=True, text=True,
                              timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (``weftboard.cuda.tile_codec``) against the two-step codec.
+"""The fused CPU kernels (``weftboard.cuda.tile_*``) against the two-step codec.
 
 Both directions are cross-checked: a fused stream decodes with the two-step decoder to exactly
 the diff of the pair, and a two-step stream applies with the fused kernel to exactly the new
@@ -22,7 +22,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_jit import _parallel_regions
 
-from weftboard.cuda import codec, tile_codec
+from weftboard.cuda import (
+    codec,
+    container,
+    decode,
+    encode,
+    scratch,
+    tensor_bits,
+    tile_assembly,
+    tile_blocks,
+    tile_decode,
+    tile_encode,
+    tile_scan,
+)
 from weftboard.cuda.bitops import sym_compress64, sym_lanes64
 from weftboard.cuda.codec import (
     CODEC_TILE,
@@ -53,9 +65,9 @@ def _pair(width: int, n: int, density: float, seed: int, far: float = 0.01) -> t
 
 
 # The two streams of the fused encoder: rANS values (format 1's default) and Huffman values.
-ENCODERS = {"sparse": tile_codec.encode_sparse, "huffman": tile_codec.encode_huffman}
-TWO_STEP = {"sparse": codec._encode_sparse, "huffman": codec._encode_huffman}
-FINISH = {"sparse": tile_codec.finish_sparse, "huffman": tile_codec.finish_huffman}
+ENCODERS = {"sparse": tile_encode.encode_rans, "huffman": tile_encode.encode_huffman}
+TWO_STEP = {"sparse": encode._encode_rans, "huffman": encode._encode_huffman}
+FINISH = {"sparse": tile_encode.finish_rans, "huffman": tile_encode.finish_huffman}
 
 
 def _entry(width: int, numel: int, changed: int, mode: str = "sparse") -> dict:
@@ -65,9 +77,9 @@ def _entry(width: int, numel: int, changed: int, mode: str = "sparse") -> dict:
 
 def _fused_apply(stream: np.ndarray, target: np.ndarray, changed: int, sign: int = 1, mode: str = "sparse") -> None:
     entry = _entry(target.itemsize, target.size, changed, mode)
-    sp = codec._parse_sparse(entry, stream, target.itemsize)
+    sp = decode.parse_tile_stream(entry, stream, target.itemsize)
     t = torch.from_numpy(target.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[target.itemsize]))
-    codec._apply_sparse_(t, entry, sp, sign)
+    decode.apply_tile_stream_(t, entry, sp, sign)
 
 
 @pytest.mark.parametrize("mode", ["sparse", "huffman"])
@@ -112,8 +124,8 @@ def test_misaligned_views_give_the_same_stream() -> None:
     a, b = _pair(2, 10_001, 0.2, seed=9)
     a1, b1 = a[1:], b[1:]  # 2-byte offset: the block compares load unaligned
     assert a1.ctypes.data % 8
-    changed, stream = tile_codec.encode_sparse(a1, b1, CODEC_TILE)
-    aligned_changed, aligned_stream = tile_codec.encode_sparse(a1.copy(), b1.copy(), CODEC_TILE)
+    changed, stream = tile_encode.encode_rans(a1, b1, CODEC_TILE)
+    aligned_changed, aligned_stream = tile_encode.encode_rans(a1.copy(), b1.copy(), CODEC_TILE)
     assert changed == aligned_changed and np.array_equal(stream, aligned_stream)
 
 
@@ -132,14 +144,14 @@ def test_block_masks_match_an_element_by_element_compare(width: int) -> None:
 def _block_masks(a, b):
     out = np.empty((a.size + 63) // 64, np.uint64)
     for i in range(out.size):
-        out[i] = tile_codec.block_mask(a, b, 64 * i, a.size)
+        out[i] = tile_blocks.block_mask(a, b, 64 * i, a.size)
     return out
 
 
 def test_strided_views_are_refused() -> None:
     a, b = _pair(2, 1000, 0.1, seed=4)
     with pytest.raises(ValueError, match="C-contiguous"):
-        tile_codec.encode_sparse(a[::2], b[::2], CODEC_TILE)
+        tile_encode.encode_rans(a[::2], b[::2], CODEC_TILE)
 
 
 @pytest.mark.parametrize("mode", ["sparse", "huffman"])
@@ -165,7 +177,7 @@ def test_a_tile_that_overflows_its_scratch_falls_back_to_the_two_step_encoder() 
     a = rng.integers(0, 2**16, n, dtype=np.uint16)
     b = a ^ np.uint16(0x4000)
     b[::1000] = a[::1000]  # not every element changed: the "all" mode does not apply
-    changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE)
+    changed, stream = tile_encode.encode_rans(a, b, CODEC_TILE)
     assert changed == int((a != b).sum()) and stream is None
     old = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     new = torch.from_numpy(b.view(np.int16)).view(torch.bfloat16)
@@ -187,7 +199,7 @@ def test_scanning_piece_by_piece_gives_the_whole_tensor_stream(mode: str, width:
     scratch: dict = {}
     scans, start = [], 0
     for size in pieces:
-        scan = tile_codec.scan_tiles(a[start : start + size], b[start : start + size], CODEC_TILE, scratch)
+        scan = tile_encode.scan_tiles(a[start : start + size], b[start : start + size], CODEC_TILE, scratch)
         assert scan is not None
         scans.append(scan)
         start += size
@@ -199,26 +211,26 @@ def test_an_overflowing_tile_is_neither_scanned_nor_folded() -> None:
     a, b = _pair(2, 3 * CODEC_TILE, 0.05, seed=6)
     b[CODEC_TILE : 2 * CODEC_TILE] = a[CODEC_TILE : 2 * CODEC_TILE] ^ np.uint16(0x4000)  # tile 1: all escapes
     before = a.copy()
-    scan = tile_codec.scan_tiles(a, b, CODEC_TILE, update=True)
+    scan = tile_encode.scan_tiles(a, b, CODEC_TILE, update=True)
     assert scan.overflowed.tolist() == [1] and scan.ns[1] == 0
     assert np.array_equal(a[CODEC_TILE : 2 * CODEC_TILE], before[CODEC_TILE : 2 * CODEC_TILE])  # left alone
     assert np.array_equal(a[:CODEC_TILE], b[:CODEC_TILE]) and np.array_equal(a[2 * CODEC_TILE :], b[2 * CODEC_TILE :])
     assert scan.changed == int((before != b).sum()) - CODEC_TILE and scan.counts.sum() == scan.changed
     with pytest.raises(ValueError, match="overflowed"):
-        tile_codec.finish_sparse([scan], 2)
+        tile_encode.finish_rans([scan], 2)
     with pytest.raises(ValueError, match="at least one change"):
-        tile_codec.finish_sparse([tile_codec.scan_tiles(a, a, CODEC_TILE)], 2)
+        tile_encode.finish_rans([tile_encode.scan_tiles(a, a, CODEC_TILE)], 2)
 
 
 @pytest.mark.parametrize("width, density", [(2, 0.02), (2, 0.6), (1, 0.3), (4, 0.05)])
 def test_scanning_with_update_folds_new_into_old_and_keeps_the_stream(width: int, density: float) -> None:
     """Dense tiles take the fold-after-walk path, sparse ones fold while walking: same result."""
     a, b = _pair(width, 2 * CODEC_TILE + 17, density, seed=int(density * 100) + width)
-    plain = tile_codec.scan_tiles(a, b, CODEC_TILE)
+    plain = tile_encode.scan_tiles(a, b, CODEC_TILE)
     folded = a.copy()
-    scan = tile_codec.scan_tiles(folded, b, CODEC_TILE, update=True)
+    scan = tile_encode.scan_tiles(folded, b, CODEC_TILE, update=True)
     assert not scan.overflowed.size and np.array_equal(folded, b)
-    assert np.array_equal(tile_codec.finish_sparse([scan], width), tile_codec.finish_sparse([plain], width))
+    assert np.array_equal(tile_encode.finish_rans([scan], width), tile_encode.finish_rans([plain], width))
 
 
 def test_scanned_tensor_encodes_and_recovers_its_delta() -> None:
@@ -227,22 +239,22 @@ def test_scanned_tensor_encodes_and_recovers_its_delta() -> None:
     old = (torch.randn(2 * CODEC_TILE + 77, generator=g) * 0.02).bfloat16()
     new = (old.float() + torch.randn(old.shape, generator=g) * 2e-5).bfloat16()
     a, b = (bits_view(t).numpy().view(np.uint16) for t in (old, new))
-    scans = [tile_codec.scan_tiles(a[:CODEC_TILE], b[:CODEC_TILE], CODEC_TILE),
-             tile_codec.scan_tiles(a[CODEC_TILE:], b[CODEC_TILE:], CODEC_TILE)]
+    scans = [tile_encode.scan_tiles(a[:CODEC_TILE], b[:CODEC_TILE], CODEC_TILE),
+             tile_encode.scan_tiles(a[CODEC_TILE:], b[CODEC_TILE:], CODEC_TILE)]
     enc = codec.encoded_from_scans("w", torch.bfloat16, old.numel(), scans)
     ref = diff_tensor(old, new)
     assert enc is not None and enc.mode == "huffman" and enc.changed == ref.changed
-    assert np.array_equal(enc.stream, tile_codec.encode_huffman(a, b, CODEC_TILE)[1])
+    assert np.array_equal(enc.stream, tile_encode.encode_huffman(a, b, CODEC_TILE)[1])
     for delta in (codec.delta_from_encoded(enc, new), codec.delta_from_scans(scans, new)):
         assert torch.equal(delta.positions, ref.positions)
         assert torch.equal(delta.old_bits, ref.old_bits) and torch.equal(delta.new_bits, ref.new_bits)
     # Every element changed: no stream from scans, but the delta is still exact.
     e = a ^ np.uint16(1)  # the last bit of every element flips
     everything = torch.from_numpy(e.view(np.int16)).view(torch.bfloat16)
-    all_scans = [tile_codec.scan_tiles(a, e, CODEC_TILE)]
+    all_scans = [tile_encode.scan_tiles(a, e, CODEC_TILE)]
     assert codec.encoded_from_scans("w", torch.bfloat16, old.numel(), all_scans) is None
     assert torch.equal(codec.delta_from_scans(all_scans, everything).old_bits, bits_view(old))
-    unchanged = codec.encoded_from_scans("w", torch.bfloat16, old.numel(), [tile_codec.scan_tiles(a, a, CODEC_TILE)])
+    unchanged = codec.encoded_from_scans("w", torch.bfloat16, old.numel(), [tile_encode.scan_tiles(a, a, CODEC_TILE)])
     assert unchanged is not None and unchanged.mode == "empty"
     assert codec.delta_from_encoded(unchanged, old).changed == 0
     with pytest.raises(InvalidArgument, match="does not fit"):
@@ -258,7 +270,7 @@ def _rice_bits(k: int, mean: float, terms: int = 4000) -> float:
 @pytest.mark.parametrize("mean", [0.0, 0.3, 1.0, 2.5, 9.0, 30.0, 99.0, 700.0, 5000.0])
 def test_rice_parameter_is_the_optimum_for_geometric_gaps(mean: float) -> None:
     n = 1000
-    k = tile_codec.rice_k(int(mean * n), n)
+    k = tile_blocks.rice_k(int(mean * n), n)
     costs = {j: _rice_bits(j, mean) for j in range(0, 16)}
     assert costs[k] <= min(costs.values()) + 1e-9
 
@@ -278,7 +290,7 @@ def test_realistic_bf16_update_matches_the_two_step_encoder_in_size() -> None:
 
 def _written_wrong_but_hashing_right(patch_data: bytes, name: str, flip_at: float) -> bytes:
     """The container rebuilt with one stream damaged and its checksum recomputed."""
-    c = codec._read_container(patch_data)
+    c = container.read_container(patch_data)
     entries = [dict(e) for e in c.entries]
     streams = []
     for e in entries:
@@ -291,7 +303,7 @@ def _written_wrong_but_hashing_right(patch_data: bytes, name: str, flip_at: floa
             e["xxh3_64"] = xxhash.xxh3_64_hexdigest(bytes(raw))
         streams.append((e["name"], bytes(raw)))
     header = dict(c.header, tensors=entries)
-    return codec._write_container(header, streams)
+    return container.write_container(header, streams)
 
 
 def test_a_stream_written_wrong_is_undone_during_the_fused_apply() -> None:
@@ -354,8 +366,8 @@ def test_a_cast_scan_equals_torch_cast_then_scan(n: int) -> None:
     old, src = _fp32_pair(n, 0.05, seed=n)
     want_old = old.copy()
     torch_new = unsigned_np_of(torch.from_numpy(src.view(np.float32)).to(torch.bfloat16))
-    want = tile_codec.scan_tiles(want_old, torch_new, CODEC_TILE, update=True)
-    got = tile_codec.scan_tiles(old, src, CODEC_TILE, update=True, cast=True)
+    want = tile_encode.scan_tiles(want_old, torch_new, CODEC_TILE, update=True)
+    got = tile_encode.scan_tiles(old, src, CODEC_TILE, update=True, cast=True)
     assert got.overflowed.size == 0 and got.changed == want.changed > 0
     assert np.array_equal(old, torch_new)  # folded: the view now holds torch's cast
     for field_name in ("ns", "ks", "rice_len", "n_esc", "rice", "syms", "escs", "counts"):
@@ -367,7 +379,7 @@ def test_a_cast_scan_leaves_tiles_with_nan_or_subnormals_to_the_caller() -> None
     specials = (5, CODEC_TILE * 2 + 7, CODEC_TILE * 2 + 9, CODEC_TILE * 3 + 100, CODEC_TILE * 3 + 101)
     old, src = _fp32_pair(n, 0.05, seed=3, special_at=specials)
     before = old.copy()
-    got = tile_codec.scan_tiles(old, src, CODEC_TILE, update=True, cast=True)
+    got = tile_encode.scan_tiles(old, src, CODEC_TILE, update=True, cast=True)
     assert got.overflowed.tolist() == [0, 2, 3]  # tile 3 holds +inf too, which alone is fine
     torch_new = unsigned_np_of(torch.from_numpy(src.view(np.float32)).to(torch.bfloat16))
     assert np.array_equal(old[CODEC_TILE:2 * CODEC_TILE], torch_new[CODEC_TILE:2 * CODEC_TILE])
@@ -394,7 +406,7 @@ def test_the_cast_matches_torch_on_every_finite_and_infinite_input() -> None:
 def _cast_all(src):
     out = np.empty(src.size, np.uint16)
     for i in range(src.size):
-        out[i] = tile_codec.bf16_rne(src[i])
+        out[i] = tile_blocks.bf16_rne(src[i])
     return out
 
 
@@ -410,7 +422,7 @@ def test_the_vector_cast_in_a_scan_matches_torch_on_all_exponents_and_ties() -> 
     view = want.copy()
     moved = gen.random(src.size) < 0.05
     view[moved] += np.uint16(1)
-    got = tile_codec.scan_tiles(view, src, CODEC_TILE, update=True, cast=True)
+    got = tile_encode.scan_tiles(view, src, CODEC_TILE, update=True, cast=True)
     assert got.overflowed.size == 0
     assert np.array_equal(view, want)  # every element the vector compare called unchanged was
     assert got.changed == int(moved.sum())  # and no element the cast left alone was called changed
@@ -421,21 +433,21 @@ def _scan_with(kernel: str, a: np.ndarray, b: np.ndarray, tile: int, update: boo
     escapes, the folded ``a``), on copies of the inputs."""
     a = a.copy()
     ntiles = (a.size + tile - 1) // tile
-    rice = np.zeros(ntiles * (tile + tile_codec._RICE_SLACK), np.uint8)
+    rice = np.zeros(ntiles * (tile + tile_blocks.RICE_SLACK), np.uint8)
     syms = np.zeros(ntiles * 2 * tile, np.uint8)
-    args = ((a, a[:0], 2, tile, rice, tile + tile_codec._RICE_SLACK, syms, update, b, True) if cast else
-            (a, b, a.itemsize, tile, rice, tile + tile_codec._RICE_SLACK, syms, update, np.empty(0, np.uint32), False))
+    args = ((a, a[:0], 2, tile, rice, tile + tile_blocks.RICE_SLACK, syms, update, b, True) if cast else
+            (a, b, a.itemsize, tile, rice, tile + tile_blocks.RICE_SLACK, syms, update, np.empty(0, np.uint32), False))
     if kernel in ("compress", "lanes"):
-        out = tile_codec.scan_encode_tiles_packed(*args[:8], *tile_codec.packed_scan_args(b if cast else None,
+        out = tile_scan.scan_encode_tiles_packed(*args[:8], *tile_scan.packed_scan_args(b if cast else None,
                                                                                            kernel == "compress"))
     else:
-        out = tile_codec.scan_encode_tiles(*args)
+        out = tile_scan.scan_encode_tiles(*args)
     ns, ks, rice_len, n_esc, counts, over = out
     pieces = []
     for t in range(ntiles):
         if over[t]:
             continue
-        r0, s0 = t * (tile + tile_codec._RICE_SLACK), 2 * t * tile
+        r0, s0 = t * (tile + tile_blocks.RICE_SLACK), 2 * t * tile
         pieces.append((rice[r0 : r0 + rice_len[t]].tobytes(), syms[s0 : s0 + ns[t]].tobytes(),
                        syms[s0 + tile : s0 + tile + n_esc[t] * a.itemsize].tobytes()))
     return [x.tolist() for x in out], pieces, a.tobytes()
@@ -517,10 +529,10 @@ def test_the_packed_scan_uses_compress_stores_where_the_cpu_has_them(monkeypatch
 
     assert (bitops._MAX_DELTA, bitops._ESC) == (entropy.MAX_DELTA, entropy.ESC)
     seen = []
-    real = tile_codec._encode_sparse_packed
-    monkeypatch.setattr(tile_codec, "_encode_sparse_packed", lambda *args: seen.append(args) or real(*args))
+    real = tile_encode._encode_tiles_packed
+    monkeypatch.setattr(tile_encode, "_encode_tiles_packed", lambda *args: seen.append(args) or real(*args))
     a, b = _pair(2, 5000, 0.1, seed=3)
-    changed, stream = tile_codec.encode_sparse(a, b, 1024)
+    changed, stream = tile_encode.encode_rans(a, b, 1024)
     (args,) = seen
     assert args[8] is False  # no fold: the encoder leaves ``old`` as it is
     assert args[9] is None  # plain new bits, not a cast
@@ -628,7 +640,7 @@ def _scattered_pieces(nclasses: int) -> dict:
 
 
 def _assemble_args(p: dict) -> tuple:
-    return (np.arange(4, dtype=np.uint8), np.zeros((0, tile_codec.NSYM), np.int64), p["ns"], np.ones_like(p["ns"]),
+    return (np.arange(4, dtype=np.uint8), np.zeros((0, tile_encode.NSYM), np.int64), p["ns"], np.ones_like(p["ns"]),
             p["rice_len"], p["rans_start"], p["rans_off"], p["n_esc"], p["width"], p["rice_buf"], p["rice_off"],
             p["esc_buf"], p["esc_off"], p["rans_buf"])
 
@@ -652,20 +664,20 @@ def test_the_assembly_and_the_compaction_copy_their_tiles_in_a_parallel_loop(ncl
     p = _scattered_pieces(nclasses)
     ns, rice_len, n_esc, w = p["ns"], p["rice_len"], p["n_esc"], p["width"]
     args = _assemble_args(p)
-    stream = tile_codec.assemble_tiles(*args)
+    stream = tile_assembly.assemble_tiles(*args)
     prefix, _, _, _, _, rans_start, rans_off, _, _, rice_buf, rice_off, esc_buf, esc_off, rans_buf = args
-    out = np.zeros(tile_codec.assembly_bound(prefix, *args[2:3], *args[4:]), np.uint8)
-    dest, tot, end = tile_codec.assembly_head(out, 0, *args)  # the serial part: tables and directory
+    out = np.zeros(tile_assembly.assembly_bound(prefix, *args[2:3], *args[4:]), np.uint8)
+    dest, tot, end = tile_assembly.assembly_head(out, 0, *args)  # the serial part: tables and directory
     with warnings.catch_warnings():
         warnings.simplefilter("error", numba.core.errors.NumbaPerformanceWarning)
-        moves = parallel_kernel(tile_codec.move_pieces.py_func, cache=False)
+        moves = parallel_kernel(tile_assembly.move_pieces.py_func, cache=False)
         moves(out, dest, tot, rice_buf, rice_off, rice_len, rans_buf, rans_start, rans_off[1:] - rans_start, esc_buf,
               esc_off, n_esc * w)
-        compact = parallel_kernel(tile_codec._compact_tiles.py_func, cache=False)
+        compact = parallel_kernel(tile_assembly.compact_tiles.py_func, cache=False)
         compacted = compact(*_compact_args(p))
     assert _parallel_regions(moves, moves.signatures[0]) == 1 and _parallel_regions(compact, compact.signatures[0]) == 1
     assert out[:end].tobytes() == stream.tobytes()
-    assert [x.tobytes() for x in compacted] == [x.tobytes() for x in tile_codec._compact_tiles(*_compact_args(p))]
+    assert [x.tobytes() for x in compacted] == [x.tobytes() for x in tile_assembly.compact_tiles(*_compact_args(p))]
 
     changed = [t for t in range(5) if ns[t].any()]
     rice = [b"".join(_piece(p["rice_buf"], p["rice_off"][t, c], rice_len[t, c]) for c in range(nclasses)) for t in changed]
@@ -683,10 +695,10 @@ def test_the_assembly_and_the_compaction_refuse_a_piece_outside_its_buffer(field
     p[field] = p[field].copy()
     p[field][-1] += shift  # the last tile has changes: its pieces are copied
     with pytest.raises(IndexError, match="assemble_tiles: a tile's piece lies outside its buffer"):
-        tile_codec.assemble_tiles(*_assemble_args(p))
+        tile_assembly.assemble_tiles(*_assemble_args(p))
     if field != "rans_start":  # the compaction has no rANS stream
-        with pytest.raises(IndexError, match="_compact_tiles: a tile's piece lies outside the scratch"):
-            tile_codec._compact_tiles(*_compact_args(p))
+        with pytest.raises(IndexError, match="compact_tiles: a tile's piece lies outside the scratch"):
+            tile_assembly.compact_tiles(*_compact_args(p))
 
 
 @pytest.mark.parametrize("counts", [[0], [5], [7, 0], [3, 9, 0, 1], [0, 0, 4], [4096, 17, 2500, 2500, 1]])
@@ -708,8 +720,8 @@ def test_tiles_coded_in_pairs_give_the_same_rans_bytes(counts: list[int]) -> Non
     rans_off = np.zeros(len(counts) + 1, np.int64)
     np.cumsum(np.where(ns > 0, 2 * ns + 4, 0), out=rans_off[1:])
     one, paired = np.zeros(rans_off[-1], np.uint8), np.zeros(rans_off[-1], np.uint8)
-    s_one = tile_codec.rans_encode_tiles(syms, sym_off, ns[:, None], rtab[None], rans_off, one)
-    s_paired = tile_codec.rans_encode_tile_pairs(syms, sym_off, ns, rtab, rans_off, paired)
+    s_one = tile_assembly.rans_encode_tiles(syms, sym_off, ns[:, None], rtab[None], rans_off, one)
+    s_paired = tile_assembly.rans_encode_tile_pairs(syms, sym_off, ns, rtab, rans_off, paired)
     assert s_one.tolist() == s_paired.tolist()
     for t in range(len(counts)):
         assert one[s_one[t] : rans_off[t + 1]].tobytes() == paired[s_paired[t] : rans_off[t + 1]].tobytes()
@@ -734,7 +746,7 @@ def test_packed_scan_codes_long_gaps_like_the_walk(tile: int) -> None:
         walked = _scan_with("walk", a, b, tile, update, cast=False)
         assert _scan_with("compress", a, b, tile, update, cast=False) == walked
         assert _scan_with("lanes", a, b, tile, update, cast=False) == walked
-    changed, stream = tile_codec.encode_sparse(a, b, tile)
+    changed, stream = tile_encode.encode_rans(a, b, tile)
     assert stream is not None and changed == int((a != b).sum())
 
 
@@ -761,11 +773,11 @@ def test_the_grouped_rice_pass_writes_the_walks_bits(lead_gaps: list[int], last_
     pos = _tile_with_gaps(lead_gaps, last_gap)[:count]
     cnt = pos.size
     assert (count is None and last_gap is None) or cnt % 4 != 0
-    k = tile_codec.rice_k(int(pos[-1]) + 1 - cnt, cnt)
+    k = tile_blocks.rice_k(int(pos[-1]) + 1 - cnt, cnt)
     assert k == 3  # the premise of the code lengths above
     buf = np.full(4096 + 64, 0xEE, np.uint8)
     codes, lens = np.empty(cnt, np.uint32), np.empty(cnt, np.uint32)
-    end = tile_codec._rice_tile_grouped(pos, cnt, k, buf, 0, codes, lens)
+    end = tile_blocks.rice_tile_grouped(pos, cnt, k, buf, 0, codes, lens)
     a = np.zeros(4096, np.uint16)
     b = a.copy()
     b[pos.astype(np.int64)] = 1
@@ -789,8 +801,8 @@ def test_a_tile_whose_rice_bound_exceeds_its_scratch_is_refused_untouched(kernel
     b[tile::3] = 1  # tile 1: hundreds of bytes of Rice bits
     rice = np.full(2 * rstride + 64, 0xEE, np.uint8)
     syms = np.zeros(2 * 2 * tile, np.uint8)
-    ns, ks, rice_len, n_esc, counts, over = tile_codec.scan_encode_tiles_packed(
-        a, b, 2, tile, rice, rstride, syms, False, *tile_codec.packed_scan_args(None, kernel == "compress"))
+    ns, ks, rice_len, n_esc, counts, over = tile_scan.scan_encode_tiles_packed(
+        a, b, 2, tile, rice, rstride, syms, False, *tile_scan.packed_scan_args(None, kernel == "compress"))
     assert over.tolist() == [0, 1] and ns[1] == (tile + 2) // 3 and 0 < rice_len[0] < rstride - 16
     assert (rice[rstride:] == 0xEE).all()
 
@@ -822,14 +834,14 @@ def test_a_scratch_pool_shared_across_tensors_gives_each_its_own_bytes() -> None
              [(300_000, 0.3, 0.2), (5_000, 0.01, 0.0), (150_001, 0.05, 0.01), (64, 1.0, 1.0), (90_000, 0.02, 0.0)]]
     scratch: dict = {}
     for a, b in pairs:
-        alone = tile_codec.encode_sparse(a, b, CODEC_TILE)
-        pooled = tile_codec.encode_sparse(a, b, CODEC_TILE, scratch)
+        alone = tile_encode.encode_rans(a, b, CODEC_TILE)
+        pooled = tile_encode.encode_rans(a, b, CODEC_TILE, scratch)
         assert pooled[0] == alone[0]
         assert (pooled[1] is None) == (alone[1] is None)
         if alone[1] is not None:
             assert pooled[1].tobytes() == alone[1].tobytes()
     first = {key: buf for key, buf in scratch.items()}
-    tile_codec.encode_sparse(*pairs[1], CODEC_TILE, scratch)  # smaller: the pool's buffers are reused
+    tile_encode.encode_rans(*pairs[1], CODEC_TILE, scratch)  # smaller: the pool's buffers are reused
     assert all(scratch[key] is buf for key, buf in first.items())
 
 
@@ -843,10 +855,10 @@ def test_a_batch_gives_each_pair_the_changes_and_stream_it_gets_alone(specs: lis
     what ``encode_huffman`` gives it alone (its stream, or None where a tile overflowed)."""
     tile = 256  # many tiles from small pairs; far jumps overflow some tiles' escape room
     pairs = [_pair(width, n, density, seed + i, far) for i, (n, density, far) in enumerate(specs)]
-    got = tile_codec.encode_huffman_batch(pairs, tile, {})
+    got = tile_encode.encode_huffman_batch(pairs, tile, {})
     assert len(got) == len(pairs)
     for (a, b), (changed, stream) in zip(pairs, got):
-        want_changed, want = tile_codec.encode_huffman(a, b, tile)
+        want_changed, want = tile_encode.encode_huffman(a, b, tile)
         assert changed == want_changed
         assert (stream is None) == (want is None)
         if want is not None:
@@ -854,14 +866,14 @@ def test_a_batch_gives_each_pair_the_changes_and_stream_it_gets_alone(specs: lis
 
 
 def test_a_batch_refuses_mixed_widths_and_wide_elements() -> None:
-    assert tile_codec.encode_huffman_batch([], CODEC_TILE) == []
+    assert tile_encode.encode_huffman_batch([], CODEC_TILE) == []
     with pytest.raises(ValueError, match="one element width"):
-        tile_codec.encode_huffman_batch([_pair(2, 100, 0.1, 1), _pair(4, 100, 0.1, 2)], CODEC_TILE)
+        tile_encode.encode_huffman_batch([_pair(2, 100, 0.1, 1), _pair(4, 100, 0.1, 2)], CODEC_TILE)
     with pytest.raises(ValueError, match="1-, 2- or 4-byte elements"):
-        tile_codec.encode_huffman_batch([_pair(8, 100, 0.1, 1)], CODEC_TILE)
+        tile_encode.encode_huffman_batch([_pair(8, 100, 0.1, 1)], CODEC_TILE)
     a, b = _pair(2, 100, 0.1, 1)
     with pytest.raises(ValueError, match="one dtype and size"):
-        tile_codec.encode_huffman_batch([(a, b[:50])], CODEC_TILE)
+        tile_encode.encode_huffman_batch([(a, b[:50])], CODEC_TILE)
 
 
 def _tensor(bits: np.ndarray) -> torch.Tensor:
@@ -874,13 +886,13 @@ def _patch_one_pair_at_a_time(pairs: list[tuple[str, torch.Tensor, torch.Tensor]
     entries = []
     for name, old, new in pairs:
         if encoding == "context":
-            entry = codec._encode_pair_context(name, old, new)
+            entry = encode._encode_pair_context(name, old, new)
             if entry is not None:
                 entries.append(entry)
                 continue
-        a, b = codec.cpu_bits(old), codec.cpu_bits(new)
-        entry = codec._fused_result(name, old.dtype, b, *tile_codec.encode_huffman(a, b, CODEC_TILE))
-        entries.append(entry if entry is not None else codec._encode_delta(name, diff_tensor(old, new), encoding))
+        a, b = tensor_bits.cpu_bits(old), tensor_bits.cpu_bits(new)
+        entry = encode._fused_result(name, old.dtype, b, *tile_encode.encode_huffman(a, b, CODEC_TILE))
+        entries.append(entry if entry is not None else encode._encode_delta(name, diff_tensor(old, new), encoding))
     return codec.assemble_patch(entries, base_version=1, target_version=2, target_root=ROOT, encoding=encoding).data
 
 
@@ -892,7 +904,7 @@ def test_encode_patch_in_batches_writes_the_patch_of_one_pair_at_a_time(monkeypa
     encoder leaves (wide elements, a bitmap-sized change, all changed) or the context encoding
     takes flushes the batch first: the container is byte for byte the one-pair-at-a-time one,
     and applies bitwise."""
-    monkeypatch.setattr(codec, "BATCH_TILES", batch_tiles)
+    monkeypatch.setattr(encode, "BATCH_TILES", batch_tiles)
     specs = [(2, 2 * CODEC_TILE + 5, 0.02, 0.0), (2, 1000, 0.1, 0.01), (2, 0, 0.0, 0.0), (4, 700, 0.05, 0.0),
              (2, 64, 1.0, 0.0), (1, 5000, 0.2, 0.3), (8, 300, 0.1, 0.0), (2, CODEC_TILE, 0.0, 0.0),
              (2, 90_000, 0.4, 0.0), (1, 3 * CODEC_TILE, 0.01, 0.0), (2, 513, 0.03, 0.0)]
@@ -919,30 +931,30 @@ def test_encode_patch_keeps_its_scratch_for_the_next_patch_and_its_bytes_do_not_
     encoded after a larger, denser one is byte for byte what it is on its own."""
     dense = [_pair(2, 400_000, 0.3, seed=1, far=0.2), _pair(2, 70_000, 0.5, seed=2, far=0.5)]
     light = [_pair(2, 200_000, 0.01, seed=3), _pair(2, 5_000, 0.02, seed=4)]
-    tile_codec.kept_scratch().clear()
+    scratch.kept_scratch().clear()
     alone = _patch_of(light)
-    assert tile_codec.kept_scratch(), "encode_patch should leave its scratch in the thread's pool"
+    assert scratch.kept_scratch(), "encode_patch should leave its scratch in the thread's pool"
     _patch_of(dense)  # grows the pool's buffers and leaves them dirty
-    grown = dict(tile_codec.kept_scratch())
+    grown = dict(scratch.kept_scratch())
     assert _patch_of(light) == alone
-    pool = tile_codec.kept_scratch()
+    pool = scratch.kept_scratch()
     assert pool.keys() == grown.keys() and all(pool[key] is buf for key, buf in grown.items())
 
     seen: list[dict] = []
-    worker = threading.Thread(target=lambda: seen.append(tile_codec.kept_scratch()))
+    worker = threading.Thread(target=lambda: seen.append(scratch.kept_scratch()))
     worker.start()
     worker.join()
     assert seen[0] is not pool, "each thread needs its own pool: a pooled buffer is valid until its next use"
 
 
 def test_a_pool_above_the_kept_size_is_released_after_the_patch(monkeypatch: pytest.MonkeyPatch) -> None:
-    tile_codec.kept_scratch().clear()
-    monkeypatch.setattr(tile_codec, "KEPT_SCRATCH_BYTES", 1 << 20)  # the 400k-element pair's scratch is larger
+    scratch.kept_scratch().clear()
+    monkeypatch.setattr(scratch, "KEPT_SCRATCH_BYTES", 1 << 20)  # the 400k-element pair's scratch is larger
     patch = _patch_of([_pair(2, 400_000, 0.05, seed=5)])
-    assert tile_codec.kept_scratch() == {}
-    monkeypatch.setattr(tile_codec, "KEPT_SCRATCH_BYTES", 1 << 40)
+    assert scratch.kept_scratch() == {}
+    monkeypatch.setattr(scratch, "KEPT_SCRATCH_BYTES", 1 << 40)
     assert _patch_of([_pair(2, 400_000, 0.05, seed=5)]) == patch
-    assert tile_codec.kept_scratch()
+    assert scratch.kept_scratch()
 
 
 @pytest.mark.parametrize("cut", [1, 2])
@@ -959,20 +971,20 @@ def test_a_tile_whose_rans_bytes_end_early_is_refused_and_undone(cut: int) -> No
     b = a.copy()
     at = rng.random(a.size) < 0.05
     b[at] += rng.choice(np.array([1, 0xFFFF], np.uint16), int(at.sum()))  # +-1: no escapes
-    changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE)
+    changed, stream = tile_encode.encode_rans(a, b, CODEC_TILE)
     assert stream is not None
     entry = _entry(2, a.size, changed)
-    sp = codec._parse_sparse(entry, stream, 2)
+    sp = decode.parse_tile_stream(entry, stream, 2)
     last = sp.ns.size - 1
     assert sp.esc[last] == 0  # its rANS bytes end the stream: the reads near the end take the guarded path
     rans = sp.rans.copy()
     rans[last] -= cut
     target = a.copy()
-    errs, done = tile_codec.apply_tiles(sp.buf, target, sp.numel, sp.tile, sp.width, sp.ns, sp.ks, sp.rice, rans,
+    errs, done = tile_decode.apply_tiles(sp.buf, target, sp.numel, sp.tile, sp.width, sp.ns, sp.ks, sp.rice, rans,
                                         sp.esc, sp.offs, sp.freq, sp.cum, sp.slot2sym, 1, sp.ns)
     assert errs[:last].tolist() == [0] * last
     assert errs[last] in (6, 7), entropy.ERRORS.get(int(errs[last]))
-    tile_codec.apply_tiles(sp.buf, target, sp.numel, sp.tile, sp.width, sp.ns, sp.ks, sp.rice, rans, sp.esc, sp.offs,
+    tile_decode.apply_tiles(sp.buf, target, sp.numel, sp.tile, sp.width, sp.ns, sp.ks, sp.rice, rans, sp.esc, sp.offs,
                            sp.freq, sp.cum, sp.slot2sym, -1, done)
     assert np.array_equal(target, a)  # every write the refused apply made, undone
 
@@ -999,7 +1011,7 @@ def _read_gaps(buf: np.ndarray, start: int, end: int, n: int, k: int, tile: int)
     ended exactly at the writer's padding, the error code of the read that failed or 0)."""
     gaps, p, acc, nbits = [], start, 0, 0
     for _ in range(n):
-        g, p, acc, nbits, err = tile_codec.rice_gap(buf, p, end, acc, nbits, k, (1 << k) - 1, tile)
+        g, p, acc, nbits, err = tile_decode.rice_gap(buf, p, end, acc, nbits, k, (1 << k) - 1, tile)
         if err:
             return gaps, False, err
         assert 8 * p - nbits <= 8 * end, "a code was read from bits past the end"
@@ -1050,7 +1062,7 @@ def test_long_unary_codes_decode_and_apply_bitwise() -> None:
         b[s + CODEC_TILE // 2] -= np.uint16(1)
         b[s + CODEC_TILE - 2] += np.uint16(3)
     b[-1] += np.uint16(5)
-    changed, stream = tile_codec.encode_sparse(a, b, CODEC_TILE)
+    changed, stream = tile_encode.encode_rans(a, b, CODEC_TILE)
     assert stream is not None
     dec = decode_stream(_entry(2, n, changed), memoryview(stream.tobytes()))
     assert np.array_equal(dec.positions, np.flatnonzero(a != b))
@@ -1059,7 +1071,7 @@ def test_long_unary_codes_decode_and_apply_bitwise() -> None:
     assert np.array_equal(target, b)
 
 
-def _damaged_streams(sp: codec.SparseStream, rng: np.random.Generator) -> list[tuple[str, codec.SparseStream]]:
+def _damaged_streams(sp: decode.TileStream, rng: np.random.Generator) -> list[tuple[str, decode.TileStream]]:
     """``sp`` with one thing wrong each: a byte flipped in a tile's Rice bits, its value bits
     or its escapes, a section's recorded length one byte short or long, a Rice parameter one
     off, or the buffer cut right after the last tile's bytes (the readers' end-of-buffer
@@ -1096,9 +1108,9 @@ def test_the_register_apply_gives_the_bit_position_loops_verdicts_on_damaged_str
     those writes restores the target."""
     rng = np.random.default_rng(50 + width)
     a, b = _pair(width, 3 * CODEC_TILE + 777, 0.04, seed=60 + width, far=0.02)  # escapes in every tile
-    changed, stream = tile_codec.encode_huffman(a, b, CODEC_TILE)
+    changed, stream = tile_encode.encode_huffman(a, b, CODEC_TILE)
     assert stream is not None
-    sp = codec._parse_sparse(_entry(width, a.size, changed, "huffman"), stream, width)
+    sp = decode.parse_tile_stream(_entry(width, a.size, changed, "huffman"), stream, width)
     assert (sp.esc > 0).all() and sp.freq is None
     mask = (1 << (8 * width)) - 1
     cases = [("undamaged", sp)] + _damaged_streams(sp, rng)
@@ -1106,10 +1118,10 @@ def test_the_register_apply_gives_the_bit_position_loops_verdicts_on_damaged_str
     for label, d in cases:
         pos = np.full(changed, -1, np.int64)
         diff = np.zeros(changed, UNSIGNED[width])
-        errs_dec = tile_codec.decode_tiles(d.buf, d.numel, d.tile, width, d.ns, d.ks, d.rice, d.rans, d.esc, d.offs,
+        errs_dec = tile_decode.decode_tiles(d.buf, d.numel, d.tile, width, d.ns, d.ks, d.rice, d.rans, d.esc, d.offs,
                                            None, None, d.slot2sym, pos, diff)
         target = a.copy()
-        errs, done = tile_codec.apply_tiles(d.buf, target, d.numel, d.tile, width, d.ns, d.ks, d.rice, d.rans, d.esc,
+        errs, done = tile_decode.apply_tiles(d.buf, target, d.numel, d.tile, width, d.ns, d.ks, d.rice, d.rans, d.esc,
                                             d.offs, None, None, d.slot2sym, sign, d.ns)
         assert errs.tolist() == errs_dec.tolist(), label
         want = a.astype(np.int64)
@@ -1121,7 +1133,7 @@ def test_the_register_apply_gives_the_bit_position_loops_verdicts_on_damaged_str
             at = written[:stop]
             want[at] = (want[at] + sign * diff[starts[t]:starts[t] + stop].astype(np.int64)) & mask
         assert np.array_equal(target.astype(np.int64), want), label
-        tile_codec.apply_tiles(d.buf, target, d.numel, d.tile, width, d.ns, d.ks, d.rice, d.rans, d.esc, d.offs, None,
+        tile_decode.apply_tiles(d.buf, target, d.numel, d.tile, width, d.ns, d.ks, d.rice, d.rans, d.esc, d.offs, None,
                                None, d.slot2sym, -sign, done)
         assert np.array_equal(target, a), label
         verdicts.update(int(e) for e in errs)

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from weftboard.cuda import triton_compile as tc
+from weftboard.cuda.bench import triton_compile as tc
 
 # Not importorskip: importing triton here, at collection, would fix its interpreter setting
 # before test_diff_apply.py sets TRITON_INTERPRET=1 when this module is collected first.
@@ -76,7 +76,7 @@ def test_every_kernel_compiles_for_a100_and_h100_without_spills() -> None:
     """A fresh process: test_diff_apply.py sets TRITON_INTERPRET=1 in this one before importing
     triton_kernels, and interpreter functions do not lower."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "weftboard.cuda.triton_compile", "--arch", "80,90", "--json"],
+    proc = subprocess.run([sys.executable, "-m", "weftboard.cuda.bench.triton_compile", "--arch", "80,90", "--json"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
@@ -98,7 +98,7 @@ def test_every_kernel_compiles_for_a100_and_h100_without_spills() -> None:
 
 def test_the_table_reports_each_compiled_kernel_and_a_summary() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "weftboard.cuda.triton_compile", "--arch", "90", "--warps", "8",
+    proc = subprocess.run([sys.executable, "-m", "weftboard.cuda.bench.triton_compile", "--arch", "90", "--warps", "8",
                            "--element", "i16"], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()

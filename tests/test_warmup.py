@@ -130,7 +130,7 @@ def test_the_warmup_command_reports_what_it_warmed(warm_kernels) -> None:
 
 _SHARED_VARIANTS = r"""
 import json, torch, numpy as np
-from weftboard.cuda import tile_codec
+from weftboard.cuda import tile_encode
 from weftboard.cuda.codec import CODEC_TILE, apply_patch_, encode_patch
 from weftboard.cuda.jit import kernel_signatures
 
@@ -141,7 +141,7 @@ bits[::37] += 1
 new = bits.view(torch.bfloat16)
 data = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root="").data
 a = old.clone().view(torch.int16).numpy().view(np.uint16)
-tile_codec.scan_tiles(a, new.view(torch.int16).numpy().view(np.uint16), CODEC_TILE, {}, update=True)
+tile_encode.scan_tiles(a, new.view(torch.int16).numpy().view(np.uint16), CODEC_TILE, {}, update=True)
 for container in (data, bytearray(data), memoryview(bytearray(data))):
     live = {"w": old.clone()}
     apply_patch_(live, container).revert()

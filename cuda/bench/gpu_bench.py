@@ -1,4 +1,4 @@
-"""GPU benchmark of the patch engine: ``python -m weftboard.cuda.gpu_bench``.
+"""GPU benchmark of the patch engine: ``python -m weftboard.cuda.bench.gpu_bench``.
 
 One command that builds, checks and times everything on an NVIDIA GPU in a few minutes:
 
@@ -22,7 +22,7 @@ One command that builds, checks and times everything on an NVIDIA GPU in a few m
 full, then the CUDA-only tests, from the checkout with nothing installed.
 
 Without a CUDA device it exits with status 2 and says so. For a dry run of the same code path
-on a CPU, ``TRITON_INTERPRET=1 python -m weftboard.cuda.gpu_bench --device cpu --tiny`` runs the
+on a CPU, ``TRITON_INTERPRET=1 python -m weftboard.cuda.bench.gpu_bench --device cpu --tiny`` runs the
 Triton kernels in the interpreter on a tiny set (timings there mean nothing).
 """
 
@@ -37,7 +37,9 @@ from typing import Any
 
 import torch
 
-from weftboard.cuda.triton_compile import warps_list
+from weftboard.cuda.bench.triton_compile import warps_list
+from weftboard.cuda.codec import apply_patch_, encode_deltas
+from weftboard.cuda.tensor_bits import bits_view
 
 
 @dataclass
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("gpu_bench: no CUDA device is visible (torch.cuda.is_available() is False); "
                   "run it on a machine with an NVIDIA GPU, or dry-run it with "
-                  "TRITON_INTERPRET=1 python -m weftboard.cuda.gpu_bench --device cpu --tiny", file=sys.stderr)
+                  "TRITON_INTERPRET=1 python -m weftboard.cuda.bench.gpu_bench --device cpu --tiny", file=sys.stderr)
             return 2
         device = torch.device("cuda")
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}")
@@ -167,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_bench: unknown --device {args.device!r}", file=sys.stderr)
         return 2
 
-    from weftboard.cuda import triton_kernels as tk
-    from weftboard.cuda.codec import apply_patch_, encode_deltas
-    from weftboard.cuda.diff import bits_view
-
+    from weftboard.cuda import triton_kernels as tk  # optional dependency: triton
     shapes = llama_shapes(args.layers, args.hidden, args.intermediate, args.vocab)
     gen = torch.Generator(device=device).manual_seed(0)
     t0 = time.perf_counter()
@@ -201,11 +200,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def triton_diff(warps: int) -> tuple[float, dict]:
         """The seconds of the second of two rounds (the first warms up), and its deltas."""
-        for rnd in range(2):
+        for _rnd in range(2):
             out = {}
             with _Timer(device) as t:
                 for batch in batches:
-                    for n, d in zip(batch, tk.diff_many_cuda([(old[n], new[n]) for n in batch], warps=warps)):
+                    for n, d in zip(batch, tk.diff_many_cuda([(old[n], new[n]) for n in batch], warps=warps), strict=True):
                         out[n] = d
         return t.seconds, out
 
@@ -215,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def torch_diff() -> tuple[float, dict]:
         """The baseline's seconds (second of two rounds) and its (positions, new bits) per tensor."""
-        for rnd in range(2):
+        for _rnd in range(2):
             out = {}
             with _Timer(device) as t:
                 for n in names:

@@ -34,6 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from weftboard.cuda import formats
+from weftboard.cuda.codec import apply_patch_, encode_patch, read_patch_info
+from weftboard.cuda.diff import diff_tensor
+from weftboard.cuda.digest import dtype_name, root_digest, tensor_digest
+from weftboard.cuda.tensor_bits import bits_view, unsigned_np
+
 FORMAT_KINDS = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}
 
 
@@ -50,8 +56,6 @@ def model_shape(params: int) -> dict[str, int]:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    from weftboard.cuda.diff import bits_view
-
     return bits_view(t)
 
 
@@ -63,8 +67,6 @@ def views_equal(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
 
 def entropy_bound_bits(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> tuple[float, int, int]:
     """(bound in bits, changes, elements): i.i.d. position bits + order-0 entropy of differences."""
-    from weftboard.cuda.diff import diff_tensor, unsigned_np
-
     counts: dict[tuple[int, int], int] = {}
     changes = elements = 0
     for name in new:
@@ -78,7 +80,7 @@ def entropy_bound_bits(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
         width = d.old_bits.element_size()
         mask = np.uint64((1 << (8 * width)) - 1)
         vals, cnt = np.unique((w - o) & mask, return_counts=True)
-        for v, c in zip(vals.tolist(), cnt.tolist()):
+        for v, c in zip(vals.tolist(), cnt.tolist(), strict=True):
             counts[(width, v)] = counts.get((width, v), 0) + c
     if changes == 0:
         return 0.0, 0, elements
@@ -92,8 +94,6 @@ def entropy_bound_bits(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
 
 def _root_of(tensors: Mapping[str, torch.Tensor]) -> str:
     """The root digest over ``tensors``: what a subscriber computes to verify a version."""
-    from weftboard.cuda.digest import dtype_name, root_digest, tensor_digest
-
     return root_digest([(n, dtype_name(t.dtype), tuple(t.shape), tensor_digest(t)) for n, t in tensors.items()])
 
 
@@ -117,10 +117,6 @@ def run(
     encoding: str = "default",
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    from weftboard.cuda import formats
-    from weftboard.cuda.codec import apply_patch_, encode_patch, read_patch_info
-    from weftboard.cuda.digest import dtype_name, root_digest, tensor_digest
-
     if fmt not in FORMAT_KINDS:
         raise ValueError(f"--format must be one of {', '.join(FORMAT_KINDS)}, got {fmt!r}")
     kind = FORMAT_KINDS[fmt]
@@ -184,7 +180,7 @@ def run(
         t_clone = time.perf_counter() - t1
         del clones
         t1 = time.perf_counter()
-        for d, t in zip(dsts, tensors):
+        for d, t in zip(dsts, tensors, strict=True):
             d.copy_(t)
         t_copy = time.perf_counter() - t1
         t1 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Compile the GPU path's Triton kernels for NVIDIA targets on a machine without a GPU.
 
-``python -m weftboard.cuda.triton_compile [--arch 80,90] [--warps 4,8,16] [--json]``
+``python -m weftboard.cuda.bench.triton_compile [--arch 80,90] [--warps 4,8,16] [--json]``
 
 Why: the tests run the Triton kernels in Triton's interpreter (``TRITON_INTERPRET=1``), which
 checks what they compute but not that they lower to a GPU: a type the PTX backend rejects, a
@@ -101,9 +101,9 @@ def _kernels() -> dict[str, tuple[Any, dict[str, Any], tuple[dict[str, Any], ...
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise CompileCheckError("TRITON_INTERPRET=1 is set: the kernels would be interpreter functions; "
                                 "run this in an environment without it")
-    from triton.runtime.jit import JITFunction
+    from triton.runtime.jit import JITFunction  # optional dependency: triton
 
-    from weftboard.cuda import triton_kernels as tk
+    from weftboard.cuda import triton_kernels as tk  # optional dependency: triton
 
     kernels = {
         "_diff_stage": (tk._diff_stage, {"BLOCK": tk.BLOCK, "STAGE": tk.STAGE},
@@ -143,7 +143,7 @@ def _signature(fn: Any, element: str, n_multiple_of_16: bool = True) -> tuple[di
 
 
 def _tool(name: str) -> str:
-    from triton import knobs
+    from triton import knobs  # optional dependency: triton
 
     path = getattr(knobs.nvidia, name).path
     if not path or not os.path.exists(path):
@@ -169,9 +169,9 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
 def compile_kernels(archs: tuple[int, ...] = (80, 90), warps: tuple[int, ...] | None = None,
                     elements: tuple[str, ...] = ELEMENTS) -> Iterator[CompiledKernel]:
     """Compile every kernel for each arch (and each of ``warps``; default: the launch's)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    import triton  # optional dependency: triton
+    from triton.backends.compiler import GPUTarget  # optional dependency: triton
+    from triton.compiler import ASTSource, make_backend  # optional dependency: triton
 
     for arch in archs:
         if arch not in ARCHS:

@@ -18,6 +18,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+import typer
+
+from weftboard.cuda import formats
+
 if TYPE_CHECKING:  # torch loads inside the command, so `weftboard --help` stays fast
     import torch
 
@@ -32,8 +37,6 @@ POLICIES = ("recompute", "fixed", "pow2")
 
 
 def _quantized_part(view: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    import torch
-
     return {n: t for n, t in view.items() if t.dtype != torch.bfloat16}
 
 
@@ -49,9 +52,6 @@ def run(
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """One row per (source, format, policy): mean per-step density and scale elements moved."""
-    import torch
-
-    from weftboard.cuda import formats
 
     t0 = time.perf_counter()
     master = formats.make_test_master(layers=layers, hidden=hidden, intermediate=intermediate, vocab=vocab, seed=seed)
@@ -75,7 +75,7 @@ def run(
                     current = projector.project(version, anchor=False)
                     part = formats.transition_density(_quantized_part(previous), _quantized_part(current))
                     full = formats.transition_density(previous, current)
-                    quantized = [a + b for a, b in zip(quantized, part)]
+                    quantized = [a + b for a, b in zip(quantized, part, strict=True)]
                     whole = [whole[0] + full.changed, whole[1] + full.total]
                     previous = current
                 density = quantized[0] / quantized[1]
@@ -103,8 +103,6 @@ def run(
 
 def register(bench) -> None:
     """Add ``bench formats`` to the CLI's bench group (called from weftboard.cuda.commands)."""
-    import typer
-
     @bench.command("formats")
     def bench_formats(
         layers: int = typer.Option(2, "--layers", min=1),

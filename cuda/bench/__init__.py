@@ -1,0 +1,1 @@
+"""Benchmarks and dev tools of the codec and kernels; imported only by the CLI and tests, never by product code."""
