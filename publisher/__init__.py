@@ -1,16 +1,5 @@
-"""weftboard.publisher: the trainer side (``Publisher``) and the sync benchmark.
+"""weftboard.publisher: the trainer side (``Publisher``); its benchmarks live in ``bench/``."""
 
-Names are resolved lazily so ``import weftboard.publisher`` stays cheap (no torch).
-"""
-
-from typing import Any
+from weftboard.publisher.publisher import Publisher, PublishHandle
 
 __all__ = ["Publisher", "PublishHandle"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from weftboard.publisher import publisher
-
-        return getattr(publisher, name)
-    raise AttributeError(f"module 'weftboard.publisher' has no attribute {name!r}")

@@ -6,10 +6,13 @@ from pathlib import Path
 
 import typer
 
+from weftboard.board.logs import configure
+from weftboard.cuda.codec import ENCODINGS
+from weftboard.publisher.bench.bench_sync import main_cli
 from weftboard.publisher.parts import SUGGESTED_PART_BYTES
 
 
-def register(app: typer.Typer, bench: typer.Typer) -> None:
+def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command only
     @bench.command("sync")
     def bench_sync(
         params: int = typer.Option(110_000_000, help="Model parameters (fp32 master, bf16 served)."),
@@ -36,10 +39,6 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                                 "event loop (sharing the trainer's and publisher's interpreter)."),
     ) -> None:
         """Publish-to-applied on every island for patches vs full checkpoints; last line JSON."""
-        from weftboard.board.logs import configure
-        from weftboard.cuda.codec import ENCODINGS
-        from weftboard.publisher.bench_sync import main_cli
-
         if encoding not in ENCODINGS:
             raise typer.BadParameter(f"choose one of {', '.join(ENCODINGS)}", param_hint="--encoding")
         if part_bytes is not None and part_bytes < 0:

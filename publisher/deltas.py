@@ -1,4 +1,4 @@
-"""Merging sparse deltas: the spanning patch when the publisher coalesces skipped versions.
+"""Merging deltas: the spanning patch when the publisher coalesces skipped versions.
 
 A delta from view A to view B lists, at ascending positions, the old bits (in A) and the
 new bits (in B). Given A->B and B->C of the same tensor, ``merge_deltas`` returns A->C:

@@ -24,20 +24,17 @@ import concurrent.futures
 from collections.abc import Callable
 from typing import Any
 
+from weftboard.cuda.codec import assemble_patch
 from weftboard.proto.errors import InvalidArgument
 
 Ship = Callable[[bytes], "concurrent.futures.Future[Any]"]
 
-# Parts only where they pay: on a host whose cores the trainer already keeps busy, shipping
-# parts during the finish slows it (0.15 s instead of 0.07 s), which near islands pay for (bench
-# sync on two cores, loopback: 5.2x instead of 5.65x) and far ones gain from (over a 100 Mbit/s,
-# 40 ms link: 0.68 s instead of 0.72 s publish-to-applied, medians of 15 and 6 runs). So a
-# publisher stages parts while an island asks for them (islands do when their blob store is far)
-# and ships one blob otherwise.
-#
-# A size that pays where it does: each part costs one upload, one StagePart and one download per
-# island; a few hundred kB is under a millisecond of link time at 100 Mbit/s while a 3 MB patch
-# starts downloading after its first eighth is finished.
+# Parts only where they pay: shipping parts during the finish slows the finish on a host whose
+# cores the trainer keeps busy, which near islands pay for and far ones gain from (figures in
+# cuda/PERFORMANCE.md and ``weftboard bench sync --wan``). So a publisher stages parts while an
+# island asks for them (islands do when their blob store is far) and ships one blob otherwise.
+# The size: each part costs one upload, one StagePart and one download per island, so a part
+# is a few hundred kB, small against a patch but long against a part's fixed costs.
 SUGGESTED_PART_BYTES = 384 << 10
 
 
@@ -71,8 +68,6 @@ class PartCutter:
             self._cut()
 
     def _cut(self) -> None:
-        from weftboard.cuda.codec import assemble_patch
-
         data = assemble_patch(self._pending, base_version=self.version - 1, target_version=self.version,
                               target_root="", encoding=self.encoding).data
         self.parts.append(([e.name for e in self._pending], self.ship(data)))

@@ -11,7 +11,8 @@ from; patches are what everyone else follows. The policy writes an anchor:
   decided, estimated if not yet encoded) exceed ``patch_fraction`` of one anchor's size,
   because past that point a joiner downloads less by taking a newer anchor.
 
-No I/O, no clock, no torch: the same inputs always give the same answer.
+``decide_anchor`` is pure (no I/O, no clock, no torch: the same inputs always give the same
+answer); ``AnchorLedger`` keeps its inputs for a publisher as versions are read and committed.
 """
 
 from __future__ import annotations
@@ -82,3 +83,52 @@ def decide_anchor(
     if anchor_bytes > 0 and patch_bytes_since_anchor > policy.patch_fraction * anchor_bytes:
         return AnchorDecision(True, AnchorReason.PATCH_BYTES)
     return AnchorDecision(False, AnchorReason.NONE)
+
+
+@dataclass
+class AnchorLedger:
+    """What ``decide_anchor`` needs to know about the run so far, kept by the publisher.
+
+    A version's patch size is estimated when it is read (``bytes_per_change`` times its
+    changed elements) and replaced by the real size when it commits, so decisions made while
+    earlier versions are still uploading count them too. The caller serialises access.
+    """
+
+    policy: AnchorPolicy
+    last_anchor: int = 0
+    patch_bytes_since_anchor: int = 0  # committed or estimated patch bytes after last_anchor
+    last_patch_bytes: int = 0
+    bytes_per_change: float = 1.5
+    anchor_bytes: int = 0  # one full anchor of the run's layout
+
+    def decide(self, version: int, *, has_base: bool) -> AnchorReason:
+        return decide_anchor(
+            self.policy,
+            version=version,
+            last_anchor_version=self.last_anchor,
+            patch_bytes_since_anchor=self.patch_bytes_since_anchor + self.last_patch_bytes,
+            anchor_bytes=self.anchor_bytes,
+            has_base=has_base,
+        ).reason
+
+    def estimate(self, changed: dict[str, int]) -> int:
+        """A patch's estimated size from its changed elements per tensor."""
+        return int(sum(changed.values()) * self.bytes_per_change) + 64 * len(changed)
+
+    def read(self, version: int, *, anchor: bool, estimate: int, replaced_estimate: int = 0) -> None:
+        """A version was read (merged into a queued patch whose estimate was ``replaced_estimate``)."""
+        self.patch_bytes_since_anchor -= replaced_estimate
+        if anchor:
+            self.last_anchor, self.patch_bytes_since_anchor = version, 0
+        else:
+            self.patch_bytes_since_anchor += estimate
+            self.last_patch_bytes = estimate
+
+    def committed(self, version: int, *, anchor: bool, estimate: int, patch_bytes: int, changed_elements: int) -> None:
+        """A version committed: its real patch size replaces the estimate made at the read."""
+        if not anchor and version > self.last_anchor:
+            self.patch_bytes_since_anchor += patch_bytes - estimate
+        if patch_bytes:
+            self.last_patch_bytes = patch_bytes
+            if changed_elements:
+                self.bytes_per_change = max(patch_bytes / changed_elements, 0.1)

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from weftboard.board.client import BoardClient
 from weftboard.proto.v1 import board_pb2 as pb
 
 
@@ -122,8 +123,6 @@ class SyncTrajectoryConsumer:
 
     def __init__(self, address: str, run: str, group: str, consumer: str, *, token: str | None = None,
                  timeout_s: float = 10.0, **options: Any) -> None:
-        from weftboard.board.client import BoardClient
-
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weftboard-trajectories", daemon=True)
         self._thread.start()

@@ -59,7 +59,7 @@ def test_trainer_collector_manual_collects_young_at_boundaries_and_restores() ->
     ``every`` steps (counted), and the collector's state given back as it was found."""
     import gc
 
-    from weftboard.publisher.bench_sync import TrainerCollector
+    from weftboard.publisher.bench.trainer import TrainerCollector
 
     assert gc.isenabled()
     collector = TrainerCollector("manual", every=3)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from weftboard.cuda.anchors import write_checkpoint
 from weftboard.cuda.digest import root_digest, tensor_digest
 from weftboard.proto.errors import ApplyError, CorruptData, DigestMismatch
-from weftboard.publisher.anchors import write_checkpoint
 from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
 from weftboard.subscriber.destination import TensorEntry, VersionTarget
 from weftboard.subscriber.live_tensors import LiveTensorsDestination

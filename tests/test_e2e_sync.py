@@ -13,6 +13,7 @@ import asyncio
 import signal
 from pathlib import Path
 
+import hang_in_apply
 import pytest
 from pubsubkit import (
     WARM_KERNELS,
@@ -26,9 +27,8 @@ from safetensors.torch import load_file
 from weftboard.board.client import BoardClient
 from weftboard.cuda.digest import root_digest, tensor_digest
 from weftboard.proto.v1 import board_pb2 as pb
-from weftboard.publisher.islands import IslandProcess, IslandSpec
+from weftboard.publisher.bench.island_processes import IslandProcess, IslandSpec
 from weftboard.publisher.publisher import Publisher
-from weftboard.subscriber.checkpoint_dir import HANG_ENV
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
 from weftboard.subscriber.subscriber import Subscriber
 
@@ -90,7 +90,7 @@ async def test_three_islands_follow_bitwise_with_crash_and_late_joiner(board_fac
         a = InProcessIsland(client, run, "island-a", views[1], tmp_path, s3_store)
         a.start()
         spec_b = IslandSpec("island-b", tmp_path / "island-b", board.address, run, token=island_token,
-                            env={HANG_ENV: "120"})  # presigned URLs: no S3 credentials
+                            prefix=hang_in_apply.prefix(2, 120))  # presigned URLs: no S3 credentials
         b = IslandProcess(spec_b)
         await b.start()
         await b.wait_version(1, 60)  # an anchor load: no hang there

@@ -24,6 +24,7 @@ from weftboard.cuda.codec import read_patch_info
 from weftboard.proto.errors import FailedPrecondition
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.publisher import Publisher
+from weftboard.publisher.served_view import ServedView
 
 pytestmark = WARM_KERNELS
 
@@ -119,8 +120,8 @@ async def test_backpressure(board_factory, tmp_path: Path, mode: str, encoding: 
     views: dict[int, dict] = {}
     handles = []
     recovered: list[int] = []  # streams turned back into deltas to merge a queued version
-    deltas_of = Publisher._deltas_of
-    monkeypatch.setattr(Publisher, "_deltas_of", lambda self, fused: recovered.append(len(fused)) or deltas_of(self, fused))
+    deltas_of = ServedView.deltas_of
+    monkeypatch.setattr(ServedView, "deltas_of", lambda self, fused: recovered.append(len(fused)) or deltas_of(self, fused))
 
     def train() -> None:
         with Publisher(board.address, f"bp-{mode}", token=board.admin_token, blob_store=store, encoding=encoding,
@@ -283,7 +284,7 @@ async def test_fp8_served_format_with_fixed_scales(board, local_store, tmp_path:
 
 
 def _scan_for(encoding: str | None, prev: torch.Tensor):
-    from weftboard.publisher.publisher import _TensorScan
+    from weftboard.publisher.fold import TensorScan as _TensorScan
 
     return None if encoding is None else _TensorScan.for_tensor(encoding, prev)
 
@@ -293,9 +294,11 @@ def test_chunked_cast_fold_equals_whole_tensor_path(encoding: str | None) -> Non
     """Large tensors are cast in chunks into a reused buffer: same view, same transition
     (deltas, or tile scans whose stream is the one-call encoder's; context scans also give
     their delta back from the folded view, through the classes the fold changed)."""
-    from weftboard.cuda import codec, context_codec, tile_codec
+    from weftboard.cuda import codec, context_codec
+    from weftboard.cuda import tile_encode as tile_codec
     from weftboard.cuda.diff import diff_and_update_
-    from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_fold_
+    from weftboard.publisher.fold import CAST_CHUNK as _CAST_CHUNK
+    from weftboard.publisher.fold import chunked_cast_fold_ as _chunked_cast_fold_
 
     g = torch.Generator().manual_seed(3)
     n = _CAST_CHUNK + 12_345  # two chunks, the second one ragged
@@ -334,7 +337,8 @@ def test_tiles_with_nan_or_subnormal_masters_are_cast_by_torch(encoding: str) ->
     NaN bits differ between its vector and scalar paths): the view is torch's cast exactly."""
     from weftboard.cuda.codec import CODEC_TILE
     from weftboard.cuda.diff import TensorDelta, diff_tensor
-    from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_fold_
+    from weftboard.publisher.fold import CAST_CHUNK as _CAST_CHUNK
+    from weftboard.publisher.fold import chunked_cast_fold_ as _chunked_cast_fold_
 
     g = torch.Generator().manual_seed(6)
     n = _CAST_CHUNK + 3 * CODEC_TILE + 17
@@ -359,7 +363,8 @@ def test_tiles_too_dense_to_scan_turn_the_tensor_into_one_delta(encoding: str) -
     them are recovered from the folded view, so the tensor still has one exact delta."""
     from weftboard.cuda.codec import CODEC_TILE
     from weftboard.cuda.diff import TensorDelta, diff_tensor
-    from weftboard.publisher.publisher import _CAST_CHUNK, _chunked_cast_fold_
+    from weftboard.publisher.fold import CAST_CHUNK as _CAST_CHUNK
+    from weftboard.publisher.fold import chunked_cast_fold_ as _chunked_cast_fold_
 
     g = torch.Generator().manual_seed(4)
     n = 2 * _CAST_CHUNK + 99
@@ -428,18 +433,18 @@ async def test_streams_are_finished_with_serial_kernels_and_reads_stay_parallel(
     from weftboard.cuda import codec
 
     seen: dict[str, set[int]] = {"read": set(), "finish": set()}
-    finish, project = codec.encoded_from_scans, Publisher._project_and_diff
+    finish, project = codec.encoded_from_scans, ServedView.fold
 
     def finishing(*args: Any, **kwargs: Any) -> Any:
         seen["finish"].add(numba.get_num_threads())
         return finish(*args, **kwargs)
 
-    def reading(self: Publisher, *args: Any, **kwargs: Any) -> Any:
+    def reading(self: ServedView, *args: Any, **kwargs: Any) -> Any:
         seen["read"].add(numba.get_num_threads())
         return project(self, *args, **kwargs)
 
     monkeypatch.setattr(codec, "encoded_from_scans", finishing)
-    monkeypatch.setattr(Publisher, "_project_and_diff", reading)
+    monkeypatch.setattr(ServedView, "fold", reading)
     trainer = Trainer(lr=1e-4)
 
     def train() -> None:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from weftboard.publisher.wan import (
+from weftboard.publisher.bench.wan import (
     DelayRelay,
     WanTopology,
     WanUnavailable,
@@ -120,7 +120,7 @@ async def test_relay_pipelines_chunks_instead_of_one_per_delay() -> None:
 
 
 def test_slow_start_window_doubles_per_round_trip_and_restarts_after_idle() -> None:
-    from weftboard.publisher.wan.window import SlowStartWindow
+    from weftboard.publisher.bench.wan.window import SlowStartWindow
 
     rtt, iw = 0.04, 14480
     w = SlowStartWindow(rtt, initial_bytes=iw)
@@ -137,7 +137,7 @@ def test_slow_start_window_doubles_per_round_trip_and_restarts_after_idle() -> N
 
 
 def test_slow_start_window_total_after_k_round_trips_is_geometric() -> None:
-    from weftboard.publisher.wan.window import SlowStartWindow
+    from weftboard.publisher.bench.wan.window import SlowStartWindow
 
     rtt, iw = 0.04, 14480
     w = SlowStartWindow(rtt, initial_bytes=iw)
@@ -231,7 +231,7 @@ def test_missing_iproute2_is_reported_clearly(monkeypatch: pytest.MonkeyPatch, t
 
 def test_non_root_is_reported_clearly() -> None:
     code = (
-        "from weftboard.publisher.wan import check_capability, WanUnavailable\n"
+        "from weftboard.publisher.bench.wan import check_capability, WanUnavailable\n"
         "try:\n    check_capability()\nexcept WanUnavailable as e:\n    print('UNAVAILABLE', e)\n"
     )
     kwargs = {"user": 65534} if os.geteuid() == 0 else {}
@@ -354,7 +354,7 @@ def test_cleanup_after_an_error_and_keyboard_interrupt() -> None:
 def test_sigterm_removes_the_namespaces_and_the_relay_process() -> None:
     code = (
         "import time\n"
-        "from weftboard.publisher.wan import WanTopology\n"
+        "from weftboard.publisher.bench.wan import WanTopology\n"
         "with WanTopology(2, [1]):\n"
         "    print('up', flush=True)\n"
         "    time.sleep(60)\n"
@@ -403,7 +403,7 @@ def _alive(pid: int) -> bool:
 def test_stale_objects_of_a_killed_run_are_removed_and_live_ones_kept() -> None:
     code = (
         "import sys, time\n"
-        "from weftboard.publisher.wan import WanTopology\n"
+        "from weftboard.publisher.bench.wan import WanTopology\n"
         "w = WanTopology(1, [1]).open()\n"
         "print('up', flush=True)\n"
         "time.sleep(60)\n"
@@ -482,7 +482,7 @@ async def test_island_reads_real_s3_through_the_link_signed_and_presigned(
 
 
 def test_wan_network_only_relays_loopback_endpoints() -> None:
-    from weftboard.publisher.wan.bench import _loopback_port
+    from weftboard.publisher.bench.wan.bench import _loopback_port
 
     assert _loopback_port("127.0.0.1:9000") == 9000
     assert _loopback_port("http://localhost:8333/") == 8333
@@ -492,7 +492,7 @@ def test_wan_network_only_relays_loopback_endpoints() -> None:
 
 
 def test_skipped_line_is_json_with_the_reason() -> None:
-    from weftboard.publisher.wan.bench import skipped_line
+    from weftboard.publisher.bench.wan.bench import skipped_line
 
     line = json.loads(skipped_line(WanUnavailable("needs root (running as uid 1000)")))
     assert line == {"skipped": "--wan unavailable: needs root (running as uid 1000)"}
@@ -500,7 +500,7 @@ def test_skipped_line_is_json_with_the_reason() -> None:
 
 @needs_netns
 async def test_wan_network_gives_islands_relay_endpoints_on_their_own_links() -> None:
-    from weftboard.publisher.wan.bench import WanNetwork
+    from weftboard.publisher.bench.wan.bench import WanNetwork
 
     server = await _echo_server()
     port = server.sockets[0].getsockname()[1]

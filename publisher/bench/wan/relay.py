@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from weftboard.publisher.wan.window import SlowStartWindow
+from weftboard.publisher.bench.wan.window import SlowStartWindow
 
 log = structlog.get_logger(__name__)
 

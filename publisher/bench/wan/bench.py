@@ -16,8 +16,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from weftboard.publisher.wan.netns import WanUnavailable, check_capability
-from weftboard.publisher.wan.topology import WanTopology
+from weftboard.publisher.bench.wan.netns import WanUnavailable, check_capability
+from weftboard.publisher.bench.wan.topology import WanTopology
 
 
 def _loopback_port(endpoint: str) -> int:

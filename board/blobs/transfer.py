@@ -1,9 +1,10 @@
-"""Moving a publisher's blobs into the blob store: directly, or through presigned URLs.
+"""Moving blobs into the blob store (``Uploader``) and retrying transient failures
+(``with_retries``, used by publishers and islands alike).
 
 Invariants:
 - Keys are content addressed (``blob_key(run, digest)``), so a retried upload rewrites the
   same bytes and an upload whose key already holds a blob of the right size is skipped.
-- Bytes never flow through the board: with credentials the publisher writes to the store;
+- Bytes never flow through the board: with credentials the uploader writes to the store;
   without, it asks the board for a short-lived presigned PUT URL and sends the bytes there.
 - Transient failures (``Unavailable``, deadlines, connection errors) are retried with
   exponential backoff and jitter up to a total deadline; anything else is raised at once.
@@ -19,10 +20,11 @@ from typing import TypeVar
 
 import structlog
 
+from weftboard.board.blobs.http import upload_bytes_url, upload_url
 from weftboard.proto.domain import blob_key
 from weftboard.proto.errors import DeadlineExceeded, Unavailable
 
-log = structlog.get_logger("weftboard.publisher")
+log = structlog.get_logger("weftboard.board.blobs.transfer")
 T = TypeVar("T")
 RETRYABLE = (Unavailable, DeadlineExceeded, ConnectionError, asyncio.TimeoutError)
 # gRPC channel options: a board that restarts is found again within seconds, not after
@@ -84,14 +86,12 @@ class Uploader:
             await with_retries(f"upload of {key}", direct)
             return key
 
-        from weftboard.board import blobs
-
         async def presigned() -> None:
             grant = await self.client.presign_upload(self.run, digest, size)
             if path is not None:
-                await blobs.upload_url(grant.url, path, timeout_s=self.timeout_s)
+                await upload_url(grant.url, path, timeout_s=self.timeout_s)
             else:
-                await blobs.upload_bytes_url(grant.url, data, timeout_s=self.timeout_s)
+                await upload_bytes_url(grant.url, data, timeout_s=self.timeout_s)
 
         await with_retries(f"presigned upload of {key}", presigned)
         return key

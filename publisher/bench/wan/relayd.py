@@ -1,4 +1,4 @@
-"""The relay process of a WAN topology: ``python -m weftboard.publisher.wan.relayd``.
+"""The relay process of a WAN topology: ``python -m weftboard.publisher.bench.wan.relayd``.
 
 Relays run in their own process so the caller's CPU work (a publisher diffing 100M parameters)
 cannot starve them of the GIL, which would add delay and cap throughput and so distort every
@@ -25,8 +25,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from weftboard.publisher.wan.netns import namespace_executor
-from weftboard.publisher.wan.relay import MARKER, DelayRelay
+from weftboard.publisher.bench.wan.netns import namespace_executor
+from weftboard.publisher.bench.wan.relay import MARKER, DelayRelay
 
 
 def _listening_socket(host: str, port: int) -> socket.socket:

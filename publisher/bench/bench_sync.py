@@ -29,9 +29,9 @@ loopback with no prefix (``LoopbackNetwork``). A WAN topology provides the same 
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -42,153 +42,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from safetensors.torch import load_file
 
+from weftboard.board.bench.bench_board import BoardProcess
+from weftboard.board.blobs import S3BlobStore
+from weftboard.board.client import BoardClient
+from weftboard.board.embedded import start_redis, start_seaweedfs
+from weftboard.board.process import BoardConfig, start_board
+from weftboard.cuda.anchors import file_digest, write_checkpoint
 from weftboard.cuda.warmup import warm_up_kernels
 from weftboard.proto.v1 import board_pb2 as pb
-from weftboard.publisher.islands import IslandProcess, IslandSpec
+from weftboard.publisher.bench.island_processes import IslandProcess, IslandSpec
+from weftboard.publisher.bench.trainer import BenchTrainer, TrainerCollector
+from weftboard.publisher.bench.wan import WanUnavailable
+from weftboard.publisher.bench.wan.bench import WanNetwork, skipped_line
+from weftboard.publisher.publisher import Publisher
 
 RUN = "bench-sync"
-
-
-# ---------------------------------------------------------------------------
-# The model and the update
-# ---------------------------------------------------------------------------
-
-
-def model_shapes(params: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Llama-shaped tensors whose total is about ``params`` (at least one layer)."""
-    d, vocab = 768, 32000
-    if params < 20_000_000:  # small smoke sizes
-        d, vocab = 128, 1024
-    hidden = 4 * d
-    per_layer = 4 * d * d + 3 * d * hidden + 2 * d
-    fixed = 2 * vocab * d + d
-    layers = max(1, round((params - fixed) / per_layer))
-    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, d))]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes += [
-            (p + "input_layernorm.weight", (d,)),
-            (p + "self_attn.q_proj.weight", (d, d)),
-            (p + "self_attn.k_proj.weight", (d, d)),
-            (p + "self_attn.v_proj.weight", (d, d)),
-            (p + "self_attn.o_proj.weight", (d, d)),
-            (p + "post_attention_layernorm.weight", (d,)),
-            (p + "mlp.gate_proj.weight", (hidden, d)),
-            (p + "mlp.up_proj.weight", (hidden, d)),
-            (p + "mlp.down_proj.weight", (d, hidden)),
-        ]
-    shapes += [("model.norm.weight", (d,)), ("lm_head.weight", (vocab, d))]
-    return shapes
-
-
-class TrainerCollector:
-    """How the bench's trainer runs Python's cyclic garbage collector.
-
-    ``"manual"`` (the default) is what large trainers do (Megatron-LM's manual GC, TorchTitan's
-    ``gc_freq``): automatic collection off after one full collection at start-up, and a young
-    collection (``gc.collect(1)``) every ``every`` steps at a step boundary. With ``"auto"``
-    Python collects whenever its allocation counters say so: a full collection of a trainer
-    process (torch, numba and the in-process board leave ~440k tracked objects) stops every
-    thread for 0.1-0.3 s, wherever it falls, also while the optimizer waits for the
-    publisher's read; the bench then measures the collector as much as the publisher.
-    The manual collections are timed (``seconds``) and reported.
-    """
-
-    MODES = ("manual", "auto")
-
-    def __init__(self, mode: str = "manual", every: int = 10) -> None:
-        if mode not in self.MODES:
-            raise ValueError(f"trainer GC mode must be one of {self.MODES}, got {mode!r}")
-        if every < 1:
-            raise ValueError(f"collect every N steps needs N >= 1, got {every}")
-        self.mode, self.every = mode, every
-        self.seconds = 0.0
-        self.collections = 0
-        self._was_enabled: bool | None = None
-
-    def describe(self) -> str:
-        if self.mode == "auto":
-            return "auto (Python's default thresholds)"
-        return f"manual (automatic collection off, gc.collect(1) every {self.every} steps at a step boundary)"
-
-    def start(self) -> None:
-        if self.mode == "manual" and self._was_enabled is None:
-            self._was_enabled = gc.isenabled()
-            gc.collect()
-            gc.disable()
-
-    def step_boundary(self, step: int) -> None:
-        if self.mode == "manual" and self._was_enabled is not None and step % self.every == 0:
-            t = time.perf_counter()
-            gc.collect(1)
-            self.seconds += time.perf_counter() - t
-            self.collections += 1
-
-    def stop(self) -> None:
-        if self._was_enabled:
-            gc.enable()
-        self._was_enabled = None
-
-
-class BenchTrainer:
-    """fp32 master weights, fused AdamW at lr 3e-6, dense random gradients each step.
-
-    The gradients stand in for a forward/backward pass, which a real trainer runs on its
-    accelerators. Drawing 100M fresh normals per step would make this 2-core host measure
-    its random number generator instead of the sync pipeline, so each step copies a window
-    of a bank of N(0, 1) samples drawn once, at a fresh random offset: dense, unit scale,
-    and unrelated from one step to the next, which is what Adam sees in an RL step.
-    """
-
-    def __init__(self, params: int, lr: float = 3e-6, seed: int = 0, collector: TrainerCollector | None = None) -> None:
-        self.collector = collector or TrainerCollector("auto")
-        g = torch.Generator().manual_seed(seed)
-        self.params: dict[str, torch.nn.Parameter] = {}
-        for name, shape in model_shapes(params):
-            if len(shape) == 1:
-                t = 1.0 + 0.05 * torch.randn(shape, generator=g)
-            else:
-                t = 0.02 * torch.randn(shape, generator=g)
-            self.params[name] = torch.nn.Parameter(t)
-        for p in self.params.values():
-            p.grad = torch.zeros_like(p)
-        self.opt = torch.optim.AdamW(self.params.values(), lr=lr, fused=True)
-        self.gen = torch.Generator().manual_seed(seed + 1)
-        self._slack = 1 << 20
-        self._bank = torch.randn(self.numel + self._slack, generator=self.gen)
-        self.steps = 0
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params.values())
-
-    def step(self) -> None:
-        self.collector.step_boundary(self.steps)
-        offset = int(torch.randint(0, self._slack, (1,), generator=self.gen))
-        with torch.no_grad():
-            for p in self.params.values():
-                n = p.numel()
-                p.grad.copy_(self._bank[offset : offset + n].view_as(p))
-                offset += n
-        self.opt.step()
-        self.steps += 1
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach() for k, v in self.params.items()}
-
-    def served_root(self) -> str:
-        """Root digest of the bf16 served view, computed independently of the publisher."""
-        from weftboard.cuda.digest import root_digest, tensor_digest
-
-        entries = []
-        for name, p in self.params.items():
-            entries.append((name, "bfloat16", list(p.shape), tensor_digest(p.detach().to(torch.bfloat16))))
-        return root_digest(entries)
-
-    def served(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to(torch.bfloat16) for k, v in self.params.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -254,17 +124,12 @@ class RssSampler:
 
 
 def full_island_main(argv: Sequence[str]) -> int:
-    """``python -m weftboard.publisher.bench_sync full-island ENDPOINT ACCESS SECRET BUCKET DIR``.
+    """``python -m weftboard.publisher.bench.bench_sync full-island ENDPOINT ACCESS SECRET BUCKET DIR``.
 
     Reads ``KEY DIGEST`` per stdin line; downloads the object, checks its xxh3-128 (the same
     guarantee the delta islands give: nothing unverified is served), loads it with
     safetensors and prints ``{"event": "loaded", "key": ..., "verified": ..., "t": ...}``.
     """
-    from safetensors.torch import load_file
-
-    from weftboard.board.blobs import S3BlobStore
-    from weftboard.publisher.anchors import file_digest
-
     endpoint, access, secret, bucket, directory = argv
     store = S3BlobStore(endpoint, access, secret, bucket, region="us-east-1")
     work = Path(directory)
@@ -293,7 +158,7 @@ def full_island_main(argv: Sequence[str]) -> int:
 
 class FullIsland:
     def __init__(self, index: int, prefix: Sequence[str], endpoint: str, server: Any, directory: Path) -> None:
-        self.cmd = [*prefix, sys.executable, "-m", "weftboard.publisher.bench_sync", "full-island",
+        self.cmd = [*prefix, sys.executable, "-m", "weftboard.publisher.bench.bench_sync", "full-island",
                     endpoint, server.access_key, server.secret_key, server.bucket, str(directory)]
         self.proc: asyncio.subprocess.Process | None = None
         self.events: asyncio.Queue = asyncio.Queue()
@@ -369,9 +234,6 @@ class _BoardChild:
 
 
 async def _board_process(workdir: Path, redis_url: str, s3: Any, token: str) -> _BoardChild:
-    from weftboard.board.bench_board import BoardProcess
-    from weftboard.board.client import BoardClient
-
     proc = BoardProcess(workdir, redis_url, ["--s3-endpoint", s3.endpoint, "--s3-access-key", s3.access_key,
                                              "--s3-secret-key", s3.secret_key, "--s3-bucket", s3.bucket,
                                              "--s3-insecure", "--s3-region", "us-east-1"], token)
@@ -394,12 +256,6 @@ def _pct(values: list[float], q: float) -> float:
 
 
 async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
-    from weftboard.board.blobs import S3BlobStore
-    from weftboard.board.server import BoardConfig, start_board
-    from weftboard.board.services import start_redis, start_seaweedfs
-    from weftboard.publisher.anchors import write_checkpoint
-    from weftboard.publisher.publisher import Publisher
-
     say = cfg.log or (lambda s: print(s, file=sys.stderr, flush=True))
     net = cfg.network or LoopbackNetwork()
     root = Path(cfg.work_dir or tempfile.mkdtemp(prefix="weftboard-bench-sync-"))
@@ -506,10 +362,10 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             # meanwhile), then upload and island loads overlap the next trainer step.
             t_pub = time.time()
             files = await asyncio.to_thread(
-                lambda: write_checkpoint(root / "full-ckpt" / f"v{v}", list(trainer.served().items()), shard_bytes=1 << 40))
+                write_checkpoint, root / "full-ckpt" / f"v{v}", list(trainer.served().items()), shard_bytes=1 << 40)
             key = f"{RUN}-full/v{v}.safetensors"
 
-            async def ship() -> float:
+            async def ship(key: str = key, files: list = files) -> float:
                 t_up = time.time()
                 await store.put_file(key, files[0].path)
                 full_upload.append(time.time() - t_up)
@@ -540,8 +396,6 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         s3.stop()
         redis.stop()
         if cfg.work_dir is None:  # our own temporary directory: servers' data, islands, checkpoints
-            import shutil
-
             shutil.rmtree(root, ignore_errors=True)
 
     delta_sync = [r["sync_s"] for r in results.values()]
@@ -595,10 +449,7 @@ def main_cli(params: int, islands: int, versions: int, destination: str, json_ou
     cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir,
                       warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes,
                       board_process=board_process)
-    if wan:  # islands in network namespaces behind simulated WAN links (publisher/wan)
-        from weftboard.publisher.wan import WanUnavailable
-        from weftboard.publisher.wan.bench import WanNetwork, skipped_line
-
+    if wan:  # islands in network namespaces behind simulated WAN links (publisher/bench/wan)
         try:
             WanNetwork.check()
         except WanUnavailable as exc:
@@ -617,4 +468,4 @@ def main_cli(params: int, islands: int, versions: int, destination: str, json_ou
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "full-island":
         raise SystemExit(full_island_main(sys.argv[2:]))
-    raise SystemExit("usage: python -m weftboard.publisher.bench_sync full-island ENDPOINT ACCESS SECRET BUCKET DIR")
+    raise SystemExit("usage: python -m weftboard.publisher.bench.bench_sync full-island ENDPOINT ACCESS SECRET BUCKET DIR")

@@ -41,9 +41,9 @@ from typing import IO, Any
 
 import structlog
 
-from weftboard.publisher.wan import netns
-from weftboard.publisher.wan.netns import IslandNet
-from weftboard.publisher.wan.relay import MARKER
+from weftboard.publisher.bench.wan import netns
+from weftboard.publisher.bench.wan.netns import IslandNet
+from weftboard.publisher.bench.wan.relay import MARKER
 
 log = structlog.get_logger(__name__)
 
@@ -169,7 +169,7 @@ class WanTopology:
             ],
         }
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "weftboard.publisher.wan.relayd"],
+            [sys.executable, "-m", "weftboard.publisher.bench.wan.relayd"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         self._lines = queue.Queue()
@@ -234,7 +234,7 @@ def _exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _raise_system_exit)
 
 
-def _raise_system_exit(signum: int, frame: object) -> None:
+def _raise_system_exit(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 

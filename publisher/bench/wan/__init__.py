@@ -5,8 +5,12 @@ delaying relay for the round-trip time (``netem`` is not available everywhere). 
 ``topology.WanTopology`` for the picture; ``netns.check_capability`` says why a machine cannot.
 """
 
-from weftboard.publisher.wan.netns import WanUnavailable, check_capability, remove_stale
-from weftboard.publisher.wan.relay import DelayRelay
-from weftboard.publisher.wan.topology import WanTopology
+from weftboard.publisher.bench.wan.netns import (
+    WanUnavailable,
+    check_capability,
+    remove_stale,
+)
+from weftboard.publisher.bench.wan.relay import DelayRelay
+from weftboard.publisher.bench.wan.topology import WanTopology
 
 __all__ = ["DelayRelay", "WanTopology", "WanUnavailable", "check_capability", "remove_stale"]

@@ -67,14 +67,11 @@ class IslandProcess:
             env["WEFTBOARD_TOKEN"] = self.spec.token
         env.setdefault("WEFTBOARD_LOG_JSON", "true")
         env.update(self.spec.env)
-        log = open(self.log_path, "ab")
-        try:
+        with open(self.log_path, "ab") as log:  # the child keeps its own descriptor
             self.proc = await asyncio.create_subprocess_exec(
                 *self.spec.command(), stdout=asyncio.subprocess.PIPE, stderr=log, env=env,
                 start_new_session=True,
             )
-        finally:
-            log.close()
         self._reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
