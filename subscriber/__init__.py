@@ -1,22 +1,8 @@
-"""weftboard.subscriber: the island side (``Subscriber``, destinations, the daemon).
+"""weftboard.subscriber: the island library.
 
-Names are resolved lazily so ``import weftboard.subscriber`` stays cheap (no torch).
+``subscriber.Subscriber`` follows a run into a ``destination.Destination``: a checkpoint
+directory (``checkpoint_dir``), live tensors (``live_tensors``) or an engine
+(``engine_destination``, through an adapter of ``engines``). ``local_follower`` runs one for
+``weftboard subscribe``; ``engine_island`` assembles an engine, its adapter, a subscriber, the
+admission gate and the version-aware ``sidecar`` for ``weftboard sidecar``.
 """
-
-from typing import Any
-
-_EXPORTS = {
-    "Subscriber": "weftboard.subscriber.subscriber",
-    "CheckpointDirDestination": "weftboard.subscriber.checkpoint_dir",
-    "LiveTensorsDestination": "weftboard.subscriber.live_tensors",
-}
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'weftboard.subscriber' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)

@@ -80,7 +80,7 @@ class ArrivingBytes:
 
     def arrived(self) -> int:
         """Bytes arrived so far."""
-        return sum(e - s for s, e in zip(self._starts, self._ends))
+        return sum(e - s for s, e in zip(self._starts, self._ends, strict=True))
 
     def wait(self, start: int, end: int, timeout_s: float | None = None) -> memoryview:
         """The bytes ``[start, end)``, once they have all arrived."""

@@ -22,11 +22,14 @@ Invariants:
   name of its own and swapped in like any other, and the old copy pruned.
 - ``apply_patch_arriving`` patches the in-memory copy while the patch downloads; nothing is
   written aside before the fetcher has verified the blob's digest.
+- ``before_swap(tmp)`` (tests) runs after the new version is written and verified aside,
+  before it is renamed and swapped in: where a crash must leave ``current`` untouched.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -38,16 +41,18 @@ from typing import Any
 import structlog
 import torch
 
-from weftboard.proto.errors import ApplyError, CorruptData, WeftboardError
-from weftboard.publisher.anchors import (
+from weftboard.cuda.anchors import (
     checkpoint_files,
     load_safetensors_buffer,
     map_safetensors,
     read_header,
     write_index,
 )
+from weftboard.cuda.codec import apply_patch_, apply_patch_arriving_
+from weftboard.proto.errors import ApplyError, CorruptData, WeftboardError
 from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
 from weftboard.subscriber.destination import (
+    Capabilities,
     TensorEntry,
     VersionTarget,
     require_parent,
@@ -58,7 +63,6 @@ from weftboard.subscriber.verify import verify_tensors
 log = structlog.get_logger("weftboard.subscriber")
 
 META_NAME = "weftboard.json"
-HANG_ENV = "WEFTBOARD_TEST_HANG_IN_APPLY_S"  # tests: sleep inside apply, before the swap
 
 
 def _dir_version(name: str) -> int | None:
@@ -99,10 +103,8 @@ class _Mapped:
     def close(self) -> None:
         self.tensors.clear()
         for mm in self._maps:
-            try:
+            with contextlib.suppress(BufferError):
                 mm.close()
-            except BufferError:
-                pass
 
     def __enter__(self) -> _Mapped:
         return self
@@ -112,11 +114,13 @@ class _Mapped:
 
 
 class CheckpointDirDestination:
+    capabilities = Capabilities(applies_while_arriving=True, weights_in_memory=False, activates_engine=False)
+
     def __init__(self, root: Path | str, *, keep: int = 2, verify: bool = True,
                  before_swap: Callable[[Path], None] | None = None) -> None:
         self.root = Path(root)
         self.keep = max(1, keep)
-        self.before_swap = before_swap  # tests: simulate a crash between write and swap
+        self.before_swap = before_swap  # tests: a crash or a hang between verify and swap
         (self.root / "versions").mkdir(parents=True, exist_ok=True)
         self._held = 0
         self._digests: dict[str, str] = {}
@@ -129,7 +133,7 @@ class CheckpointDirDestination:
         if verify:
             self._recover()
 
-    # -- the port -----------------------------------------------------------------------
+    # -- the Destination protocol ----------------------------------------------------------
 
     def held_version(self) -> int:
         return self._held
@@ -189,21 +193,17 @@ class CheckpointDirDestination:
                 write_index(tmp, files, total)
             with _Mapped(tmp, writable=False) as mapped:
                 digests = verify_tensors(mapped.tensors, target)
-            self._finish(tmp, target, digests)
+            self._activate(tmp, target, digests)
             return digests
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
     def _apply_patch(self, patch: Path, target: VersionTarget) -> dict[str, str]:
-        from weftboard.cuda.codec import apply_patch_
-
         data = patch.read_bytes()
         return self._patched_copy(target, lambda tensors: apply_patch_(tensors, data))
 
     def _apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> dict[str, str]:
-        from weftboard.cuda.codec import apply_patch_arriving_
-
         def apply(tensors: dict[str, torch.Tensor]) -> Any:
             applied = apply_patch_arriving_(tensors, parts)
             for blob in parts:
@@ -213,7 +213,8 @@ class CheckpointDirDestination:
         return self._patched_copy(target, apply)
 
     def _patched_copy(self, target: VersionTarget, apply: Callable[[dict[str, torch.Tensor]], Any]) -> dict[str, str]:
-        """The held version patched by ``apply`` in memory, verified, written aside, swapped in."""
+        """The held version patched by ``apply`` in memory (apply), verified (verify), written
+        aside and swapped in (activate)."""
         src = self.current.resolve()
         tmp = self._tmp_dir(target.version)
         try:
@@ -237,11 +238,7 @@ class CheckpointDirDestination:
                 with open(tmp / name, "wb") as out:
                     out.write(memoryview(buf.numpy()))
             buffers.clear()
-            hang = float(os.environ.get(HANG_ENV, "0") or 0)
-            if hang > 0:
-                log.warning("test hook: hanging inside apply before the swap", seconds=hang, version=target.version)
-                time.sleep(hang)
-            self._finish(tmp, target, digests)
+            self._activate(tmp, target, digests)
             return digests
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -249,7 +246,9 @@ class CheckpointDirDestination:
                 raise
             raise ApplyError(f"applying the patch to version {target.version} in {self.root} failed: {exc}") from exc
 
-    def _finish(self, tmp: Path, target: VersionTarget, digests: dict[str, str]) -> None:
+    def _activate(self, tmp: Path, target: VersionTarget, digests: dict[str, str]) -> None:
+        """Make the verified version built in ``tmp`` the held one: its record written, every
+        file fsynced, renamed to ``versions/vN``, ``current`` swapped to it atomically."""
         meta = {
             "version": target.version,
             "root_digest": target.root_digest,
@@ -314,8 +313,3 @@ class CheckpointDirDestination:
         except (OSError, ValueError, KeyError, WeftboardError) as exc:
             log.error("the checkpoint on disk does not verify; starting from nothing", root=str(self.root), error=str(exc))
             self._held, self._digests = 0, {}
-
-    def held_root_digest(self) -> str | None:
-        if not self._held:
-            return None
-        return json.loads((self.current.resolve() / META_NAME).read_text())["root_digest"]

@@ -1,13 +1,47 @@
-"""``weftboard subscribe``: the island daemon's command line (flags or WEFTBOARD_* env)."""
+"""CLI of the island: ``weftboard subscribe`` (a plain follower into a local destination) and
+``weftboard sidecar`` (an island serving an engine with version-aware requests).
+
+Flags may come from WEFTBOARD_* environment variables. A refused token or request (what
+retrying cannot cure) ends the command with exit code 1 and its reason, no traceback.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from pathlib import Path
 
 import typer
 
+from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
+from weftboard.board.logs import configure
+from weftboard.proto.errors import WeftboardError
+from weftboard.subscriber.engine_island import RunningIsland, start_island
+from weftboard.subscriber.engines.base import require_mode
+from weftboard.subscriber.local_follower import LocalFollowerConfig, run_local_follower
 
-def register(app: typer.Typer, bench: typer.Typer) -> None:
+
+async def serve_until_stopped(island: RunningIsland, run: str) -> None:
+    """Serve until SIGINT/SIGTERM, or exit 1 when the island stops following its run."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stopping = asyncio.ensure_future(stop.wait())
+    failing = asyncio.ensure_future(island.failed())
+    try:
+        await asyncio.wait({stopping, failing}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in (stopping, failing):
+            waiter.cancel()
+        await island.stop()
+    if failing.done() and not failing.cancelled():
+        exc = failing.result()
+        typer.echo(f"sidecar stopped: the island no longer follows run {run}: {type(exc).__name__}: {exc}", err=True)
+        raise typer.Exit(1)
+
+
+def register(app: typer.Typer, _bench: typer.Typer) -> None:  # no bench command here
     @app.command()
     def subscribe(
         board: str = typer.Option(..., envvar="WEFTBOARD_BOARD", help="Board address host:port."),
@@ -31,22 +65,66 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         log_json: bool | None = typer.Option(None, envvar="WEFTBOARD_LOG_JSON"),
     ) -> None:
         """Follow RUN into a local checkpoint directory, verified, atomically replaced."""
-        import asyncio
-
-        from weftboard.board.logs import configure
-        from weftboard.proto.errors import WeftboardError
-        from weftboard.subscriber.daemon import DaemonConfig, run_daemon
-
         configure(json=log_json)
-        cfg = DaemonConfig(
+        cfg = LocalFollowerConfig(
             board=board, run=run, dir=dir, token=token, island_id=island_id, region=region,
             s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
             s3_secure=s3_secure, s3_prefix=s3_prefix, destination=destination, heartbeat_s=heartbeat_s,
             lease_s=lease_s, events=events, exit_at_version=exit_at_version, progress=progress,
         )
         try:
-            code = asyncio.run(run_daemon(cfg))
+            code = asyncio.run(run_local_follower(cfg))
         except WeftboardError as exc:  # what retrying cannot cure (a refused token): the reason, no traceback
             typer.echo(f"subscribe stopped: {type(exc).__name__}: {exc}", err=True)
             raise typer.Exit(1) from None
         raise typer.Exit(code)
+
+    @app.command()
+    def sidecar(
+        board: str = typer.Option(..., envvar="WEFTBOARD_BOARD", help="Board address host:port."),
+        run: str = typer.Option(..., envvar="WEFTBOARD_RUN", help="Run whose versions this island serves."),
+        token: str | None = typer.Option(None, envvar="WEFTBOARD_TOKEN", help="Bearer token (ISLAND role)."),
+        engine: str = typer.Option("reference", help="reference | vllm | sglang."),
+        engine_url: str | None = typer.Option(
+            None, help="Where the engine serves HTTP. Omit with --engine reference to run it in this process."),
+        listen: str = typer.Option("127.0.0.1:8100", help="host:port the sidecar serves the OpenAI API on."),
+        dir: Path = typer.Option(Path("./island"), "--dir", envvar="WEFTBOARD_DIR",
+                                 help="Island directory: checkpoint/ (for engines in their own process) and cache/."),
+        activation: str = typer.Option("drain", help="drain | in_place: how a new version is activated."),
+        island_id: str = typer.Option("island", envvar="WEFTBOARD_ISLAND_ID"),
+        deadline_ms: int = typer.Option(30_000, help="Default request deadline when a request names none."),
+        s3_endpoint: str | None = typer.Option(None, envvar="WEFTBOARD_S3_ENDPOINT",
+                                                  help="Read blobs from S3 directly; without it, presigned URLs."),
+        s3_access_key: str | None = typer.Option(None, envvar="WEFTBOARD_S3_ACCESS_KEY"),
+        s3_secret_key: str | None = typer.Option(None, envvar="WEFTBOARD_S3_SECRET_KEY"),
+        s3_bucket: str | None = typer.Option(None, envvar="WEFTBOARD_S3_BUCKET"),
+        s3_secure: bool = typer.Option(False, envvar="WEFTBOARD_S3_SECURE"),
+        s3_prefix: str = typer.Option("", envvar="WEFTBOARD_S3_PREFIX"),
+        blob_dir: Path | None = typer.Option(None, help="Read blobs from a local blob directory (same machine)."),
+        log_json: bool | None = typer.Option(None, envvar="WEFTBOARD_LOG_JSON"),
+    ) -> None:
+        """Serve RUN through ENGINE with version-aware requests, following the board."""
+        configure(json=log_json)
+        host, _, port = listen.rpartition(":")
+        mode = require_mode(activation)
+        store = None
+        if s3_endpoint:
+            store = S3BlobStore(s3_endpoint, s3_access_key or "", s3_secret_key or "", s3_bucket or "",
+                                secure=s3_secure, prefix=s3_prefix)
+        elif blob_dir is not None:
+            store = LocalDirBlobStore(blob_dir)
+
+        async def main() -> None:
+            try:
+                island = await start_island(
+                    board=board, token=token, run=run, island_id=island_id, engine=engine, engine_url=engine_url,
+                    checkpoint_dir=dir / "checkpoint", cache_dir=dir / "cache", mode=mode, host=host or "127.0.0.1",
+                    port=int(port), blob_store=store, default_deadline_s=deadline_ms / 1000.0,
+                )
+            except WeftboardError as exc:
+                typer.echo(f"sidecar did not start: {type(exc).__name__}: {exc}", err=True)
+                raise typer.Exit(1) from None
+            typer.echo(f"sidecar for run {run} serving on {island.url} (engine {engine}, activation {mode.value})")
+            await serve_until_stopped(island, run)
+
+        asyncio.run(main())

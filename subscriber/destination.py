@@ -1,15 +1,22 @@
-"""The port every island destination implements: where verified served weights live.
+"""The one protocol every island destination implements: where verified served weights live.
 
-Implementations: a checkpoint directory in HF safetensors layout (replaced atomically),
-live torch tensors updated in place, and an engine (through its adapter). The subscriber
-drives them; the sidecar wraps them with its admission gate.
+Implementations: ``checkpoint_dir.CheckpointDirDestination`` (an HF safetensors directory,
+replaced atomically), ``live_tensors.LiveTensorsDestination`` (torch tensors updated in
+place) and ``engine_destination.EngineDestination`` (an engine, through its adapter). What
+each can do is declared in its ``capabilities``; the subscriber reads those, never probes.
+
+Every change (``load_anchor``, ``apply_patch``, ``apply_patch_arriving``) runs the same three
+phases, all or nothing: apply the change (aside, or in place), verify the result against the
+``VersionTarget`` (every tensor digest and the root), activate it (``held_version()`` moves).
 
 Invariants every implementation keeps:
 - ``held_version()`` only ever names a version whose root digest was verified.
-- A failed ``load_anchor``/``apply_patch`` (bad bytes, digest mismatch, crash in the
-  middle) leaves the destination on its previous version, never on mixed weights, and
-  raises (``DigestMismatch``, ``CorruptData`` or ``ApplyError``); nothing is swallowed.
-- ``apply_patch`` requires ``held_version() == target.version - 1``.
+- A failed change (bad bytes, digest mismatch, crash in the middle) leaves the destination
+  on its previous version, never on mixed weights, and raises (``DigestMismatch``,
+  ``CorruptData`` or ``ApplyError``); nothing is swallowed.
+- A patch requires ``held_version() == target.version - 1``.
+- ``apply_patch_arriving`` works only where ``capabilities.applies_while_arriving``; elsewhere
+  it raises ``ApplyError`` without touching anything.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+
+from weftboard.proto.errors import ApplyError, CorruptData
+from weftboard.subscriber.arriving import ArrivingBytes
 
 
 @dataclass(frozen=True)
@@ -40,25 +50,21 @@ class VersionTarget:
     labels: Mapping[str, str] = field(default_factory=dict)
 
 
-def require_parent(held: int, target: VersionTarget, where: str) -> None:
-    """A patch applies only to the version right before its target."""
-    if held != target.version - 1:
-        from weftboard.proto.errors import ApplyError
+@dataclass(frozen=True)
+class Capabilities:
+    """What a destination can do, declared once by the implementation."""
 
-        raise ApplyError(f"patch to version {target.version} needs version {target.version - 1}, {where} holds {held}")
-
-
-def require_transition(base_version: int, target_version: int, target: VersionTarget) -> None:
-    """A patch's own header must name the step the record asks for."""
-    if target_version != target.version or base_version != target.version - 1:
-        from weftboard.proto.errors import CorruptData
-
-        raise CorruptData(
-            f"patch goes from {base_version} to {target_version}, expected {target.version - 1} to {target.version}"
-        )
+    #: ``apply_patch_arriving`` works: tensors are patched while the patch's bytes download.
+    applies_while_arriving: bool
+    #: The held weights are tensors in this process's memory (else files on disk only).
+    weights_in_memory: bool
+    #: Activating a version changes what an engine serves (it pauses under the admission gate).
+    activates_engine: bool
 
 
 class Destination(Protocol):
+    capabilities: Capabilities
+
     def held_version(self) -> int:
         """The verified version held now; 0 when none."""
         ...
@@ -70,3 +76,22 @@ class Destination(Protocol):
     async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
         """Apply a patch container from ``target.version - 1`` to ``target.version``."""
         ...
+
+    async def apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> None:
+        """Apply a patch while its parts download; the version is held only once the fetcher
+        verified every part's digest and the result verified."""
+        ...
+
+
+def require_parent(held: int, target: VersionTarget, where: str) -> None:
+    """A patch applies only to the version right before its target."""
+    if held != target.version - 1:
+        raise ApplyError(f"patch to version {target.version} needs version {target.version - 1}, {where} holds {held}")
+
+
+def require_transition(base_version: int, target_version: int, target: VersionTarget) -> None:
+    """A patch's own header must name the step the record asks for."""
+    if target_version != target.version or base_version != target.version - 1:
+        raise CorruptData(
+            f"patch goes from {base_version} to {target_version}, expected {target.version - 1} to {target.version}"
+        )

@@ -18,28 +18,24 @@ Invariants:
   success clears the error.
 - For checkpoint engines a checkpoint already written by an earlier attempt is not
   rewritten: a retry only repeats the activation.
+- It does not apply while a patch arrives (``capabilities``): the engine would stay paused
+  for the whole download, or serve a checkpoint the fetcher has not verified yet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import structlog
 
-from weftboard.proto.errors import WeftboardError
+from weftboard.proto.errors import ApplyError, WeftboardError
 from weftboard.subscriber.admission import AdmissionGate, VersionState
-from weftboard.subscriber.destination import Destination, VersionTarget
+from weftboard.subscriber.arriving import ArrivingBytes
+from weftboard.subscriber.destination import Capabilities, Destination, VersionTarget
 from weftboard.subscriber.engines.base import EngineAdapter
 
 log = structlog.get_logger(__name__)
-
-
-class _Held:
-    """The one field of a VersionTarget an activation of an on-disk checkpoint needs."""
-
-    def __init__(self, version: int) -> None:
-        self.version = version
 
 
 class EngineDestination:
@@ -56,31 +52,35 @@ class EngineDestination:
         self.gate = gate
         self.state = state
         self.inner = inner
+        # in process: ``inner`` holds the engine's own tensors (``adapter.live_tensors()``)
         self.in_process = adapter.live_tensors() is not None
+        self.capabilities = Capabilities(applies_while_arriving=False, weights_in_memory=self.in_process,
+                                         activates_engine=True)
         if not self.in_process and checkpoint_dir is None:
             raise ValueError("an engine in its own process needs the checkpoint directory the inner destination writes")
         self.checkpoint_dir = checkpoint_dir
-        self.activations = 0
-        self.failures = 0
 
     def held_version(self) -> int:
         return self.adapter.served_version()
 
     async def load_anchor(self, shards: Sequence[Path], target: VersionTarget) -> None:
         if self.in_process:
-            await self._activate_in_process(target, lambda: self.inner.load_anchor(shards, target))
+            await self._activate_in_process(target.version, lambda: self.inner.load_anchor(shards, target))
         else:
             if self.inner.held_version() != target.version:
                 await self.inner.load_anchor(shards, target)
-            await self._activate_checkpoint(target)
+            await self._activate_checkpoint(target.version)
 
     async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
         if self.in_process:
-            await self._activate_in_process(target, lambda: self.inner.apply_patch(patch, target))
+            await self._activate_in_process(target.version, lambda: self.inner.apply_patch(patch, target))
         else:
             if self.inner.held_version() != target.version:
                 await self.inner.apply_patch(patch, target)
-            await self._activate_checkpoint(target)
+            await self._activate_checkpoint(target.version)
+
+    async def apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> None:
+        raise ApplyError(f"the {self.adapter.kind} engine destination does not apply a patch while it arrives")
 
     async def activate_held(self) -> int:
         """After a restart: make the engine serve the verified checkpoint already on disk
@@ -88,22 +88,24 @@ class EngineDestination:
         held = self.inner.held_version()
         if self.in_process or held == 0 or held == self.adapter.served_version():
             return self.held_version()
-        await self._activate_checkpoint(_Held(held))  # type: ignore[arg-type]
+        await self._activate_checkpoint(held)
         return self.held_version()
 
-    async def _activate_in_process(self, target: VersionTarget, change) -> None:
+    async def _activate_in_process(self, version: int, change: Callable[[], Awaitable[None]]) -> None:
+        """Apply and verify in place (the inner destination) while the engine is paused."""
         async def change_and_mark() -> None:
             await change()
-            self.adapter.mark_served(target.version)
+            self.adapter.mark_served(version)
 
-        await self._activate(target, change_and_mark)
+        await self._activate(version, change_and_mark)
 
-    async def _activate_checkpoint(self, target: VersionTarget) -> None:
+    async def _activate_checkpoint(self, version: int) -> None:
+        """Make the engine load the verified checkpoint the inner destination holds."""
         assert self.checkpoint_dir is not None
         checkpoint_dir = self.checkpoint_dir
-        await self._activate(target, lambda: self.adapter.load_checkpoint(checkpoint_dir, target.version))
+        await self._activate(version, lambda: self.adapter.load_checkpoint(checkpoint_dir, version))
 
-    async def _activate(self, target: VersionTarget, change) -> None:
+    async def _activate(self, version: int, change: Callable[[], Awaitable[None]]) -> None:
         """Pause the engine, make the change, record the held version, resume: the only
         window in which the engine does not serve. A failure is recorded and re-raised."""
         async with self.gate.activation():
@@ -111,23 +113,21 @@ class EngineDestination:
                 try:
                     await self.adapter.pause(self.gate.mode)
                     await change()
-                    await self.state.set_held(target.version)
+                    await self.state.set_held(version)
                 finally:
                     await self.adapter.resume()
             except (WeftboardError, OSError) as exc:
-                await self._failed(target, exc)
+                await self._failed(version, exc)
                 raise
-        await self._succeeded(target)
+        await self._succeeded(version)
 
-    async def _failed(self, target: VersionTarget, exc: BaseException) -> None:
-        self.failures += 1
-        message = f"activation of version {target.version} failed on the {self.adapter.kind} engine: {exc}"
-        log.error("activation failed; still serving the previous version", version=target.version,
+    async def _failed(self, version: int, exc: BaseException) -> None:
+        message = f"activation of version {version} failed on the {self.adapter.kind} engine: {exc}"
+        log.error("activation failed; still serving the previous version", version=version,
                   serving=self.held_version(), error=str(exc))
         await self.state.set_error(message)
 
-    async def _succeeded(self, target: VersionTarget) -> None:
-        self.activations += 1
+    async def _succeeded(self, version: int) -> None:
         if self.state.error is not None:
             await self.state.set_error(None)
-        log.info("activated", version=target.version, engine=self.adapter.kind, mode=self.gate.mode.value)
+        log.info("activated", version=version, engine=self.adapter.kind, mode=self.gate.mode.value)

@@ -30,15 +30,16 @@ from typing import Any
 
 import structlog
 
+from weftboard.board.blobs import fetch_url
 from weftboard.board.blobs.base import ChunkCallback
+from weftboard.board.blobs.transfer import with_retries
+from weftboard.cuda.anchors import file_digest
 from weftboard.proto.errors import (
     DigestMismatch,
     PermissionDenied,
     Unavailable,
     WeftboardError,
 )
-from weftboard.publisher.anchors import file_digest
-from weftboard.publisher.uploader import with_retries
 
 log = structlog.get_logger("weftboard.subscriber")
 
@@ -47,10 +48,7 @@ log = structlog.get_logger("weftboard.subscriber")
 # come over one connection, which resumes from its last byte after a drop.
 MAX_RANGED_BYTES = 64 << 20
 # ... and only when the store answers slower than this (measured, see BlobStore.first_byte_s):
-# on loopback three islands' 8 ranges each took 50 ms for a 3 MB patch, one stream 18 ms;
-# over a 40 ms round trip 8 ranges took 0.345 s, one stream 0.38 s. (With the patch applied
-# as it arrives, publish-to-applied over that link was 0.80 s with 4 ranges, 0.81 with 8 and
-# 0.85 with 16: more connections cost the island more than their faster ramp-up saves.)
+# on a short path each extra request costs more than the ramp-up it saves.
 RANGES_MIN_FIRST_BYTE_S = 0.01
 PROBES = 3  # small requests that sample the store's path before an island decides it is far
 
@@ -137,9 +135,9 @@ class Fetcher:
 
     async def measure(self, probes: int = PROBES) -> None:
         """Sample the store's time to first byte with ``probes`` small requests, so ``far()``
-        judges the path rather than one large download's wait (on loopback SeaweedFS, a
-        200 MB object's first byte took 6-13 ms, a metadata request 5 ms). Needs one blob
-        fetched before; a failed probe leaves the judgement as it was."""
+        judges the path rather than one large download's wait (a large object's first byte
+        also waits on the store's disk). Needs one blob fetched before; a failed probe leaves
+        the judgement as it was."""
         if self.store is None or self._last_key is None:
             return
         for _ in range(probes):
@@ -190,8 +188,6 @@ class Fetcher:
                         self.timeout_s,
                     )
                 elif ref.url:
-                    from weftboard.board.blobs import fetch_url
-
                     await fetch_url(ref.url, part, offset, timeout_s=self.timeout_s)
                 else:
                     raise PermissionDenied(
@@ -222,7 +218,5 @@ class Fetcher:
         for p in (final, final.with_name(final.name + ".part")):
             p.unlink(missing_ok=True)
         if ref.name:
-            try:
+            with contextlib.suppress(OSError):
                 final.parent.rmdir()
-            except OSError:
-                pass

@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -29,10 +30,13 @@ from typing import Any, NoReturn
 import structlog
 import torch
 
+from weftboard.cuda.anchors import map_safetensors
+from weftboard.cuda.codec import apply_patch_, apply_patch_arriving_
+from weftboard.cuda.digest import tensor_digest
 from weftboard.proto.errors import ApplyError, CorruptData
-from weftboard.publisher.anchors import map_safetensors
 from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
 from weftboard.subscriber.destination import (
+    Capabilities,
     VersionTarget,
     require_parent,
     require_transition,
@@ -43,6 +47,8 @@ log = structlog.get_logger("weftboard.subscriber")
 
 
 class LiveTensorsDestination:
+    capabilities = Capabilities(applies_while_arriving=True, weights_in_memory=True, activates_engine=False)
+
     def __init__(self, tensors: Mapping[str, torch.Tensor], *, held_version: int = 0, digests: Mapping[str, str] | None = None) -> None:
         """``tensors`` are updated in place. ``held_version``/``digests`` only for tensors the
         caller has already verified (e.g. the publisher's own view)."""
@@ -82,10 +88,8 @@ class LiveTensorsDestination:
             return digests
         finally:
             for mm in maps:
-                try:
+                with contextlib.suppress(BufferError):  # a view is still referenced; the GC closes it later
                     mm.close()
-                except BufferError:  # a view is still referenced; the GC closes it later
-                    pass
 
     async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
         async with self._lock:
@@ -105,9 +109,6 @@ class LiveTensorsDestination:
             self._digests, self._held = digests, target.version
 
     def _apply_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> dict[str, str]:
-        from weftboard.cuda.codec import apply_patch_arriving_
-        from weftboard.cuda.digest import tensor_digest
-
         check_layout(self.tensors, target)
         with ThreadPoolExecutor(1, thread_name_prefix="weftboard-verify") as hasher:
             hashing: dict[str, Future] = {}
@@ -129,8 +130,6 @@ class LiveTensorsDestination:
                 _reject(applied, target, exc)
 
     def _apply(self, patch: Path, target: VersionTarget) -> dict[str, str]:
-        from weftboard.cuda.codec import apply_patch_
-
         data = patch.read_bytes()
         check_layout(self.tensors, target)
         applied = apply_patch_(self.tensors, data)  # all or nothing: undoes itself on damage

@@ -14,6 +14,15 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 log = structlog.get_logger("weftboard.subscriber")
 
@@ -38,18 +47,8 @@ class ProgressReporter:
         self.interval_s = interval_s
         self.log_every_s = log_every_s
         self._tasks: dict[int, asyncio.Task] = {}
-        self._progress = None
+        self._progress: Progress | None = None
         if self.use_rich:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
             self._progress = Progress(
                 TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                 TimeRemainingColumn(), console=Console(stderr=True), transient=False,

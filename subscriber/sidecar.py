@@ -28,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -248,7 +249,7 @@ class Sidecar:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = self._runner.addresses[0][1]
         self.url = f"http://{self.config.host}:{port}"
         if self.reporter is not None:
             self.reporter.start()
@@ -353,7 +354,8 @@ class Sidecar:
                 return self._not_ready(plan, why)
             if remaining <= 0:
                 return self._not_ready(plan, f"catching up from {held} towards {head} did not finish within the deadline")
-            await self.state.wait_for(lambda: self.state.held != held or self.state.head != head, remaining)
+            await self.state.wait_for(lambda held=held, head=head: self.state.held != held or self.state.head != head,
+                                      remaining)
 
     # -- proxy -------------------------------------------------------------
 
@@ -434,10 +436,8 @@ class Sidecar:
                 if data == "[DONE]":
                     done_seen = True
                     continue  # sent after our final event
-                try:
+                with contextlib.suppress(json.JSONDecodeError):
                     usage.absorb(json.loads(data))
-                except json.JSONDecodeError:
-                    pass
             await out.write(raw)
         end = usage.version_end = self.state.held
         final = {"weftboard": {"version_start": start, "version_end": end, "request_id": plan.request_id}}

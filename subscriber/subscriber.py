@@ -1,31 +1,35 @@
-"""The island-side follower: watch the board, plan, fetch, verify, apply, report.
+"""The island-side follower (``Subscriber``): one forward path per version, in this order.
+
+1. watch: follow the run's events on the board (``run``, ``_follow``); staged-part hints
+   start downloads early.
+2. plan: the steps from the held version (``sync_to``: the watch event's own one-patch plan,
+   or the board's ``PlanCatchUp``).
+3. fetch: every blob of a step into the cache, size and digest verified (``_fetch_step``,
+   ``fetch.Fetcher``).
+4. verify: the step's target from its version record, which the plan must agree with
+   (``_step_target``).
+5. apply: the destination applies the step and verifies the result against the target
+   (``destination.Destination``).
+6. activate: the destination holds the version; the subscriber announces it (``_activated``).
+Where the destination's ``capabilities`` allow, 3 to 6 of a one-patch step overlap
+(``_execute_arriving``): tensors are applied as their bytes arrive.
 
 Invariants:
-- The destination only ever reports versions whose root digest it verified; the
-  subscriber's ``held_version`` is the destination's.
-- Steps of a plan are applied strictly in order; downloads of later steps run while
-  earlier steps apply (pipelined), bounded by ``parallel`` concurrent transfers. A plan of
-  one patch (a following island's every version) from a far store goes further where the
-  destination can (``apply_patch_arriving``): tensors are applied as their bytes arrive, and
-  the version is held only after every part's digest and the result's root are verified.
-- Staged parts (hints the publisher sends while it is still encoding a version) are asked
-  for only when the blob store is far (``Fetcher.far``, decided as the watch opens, after a
-  few small requests sampled the store's path), so a publisher stages parts only for islands
-  they help. They are downloaded at once, but nothing of them is written anywhere before the
-  version commits, and then only the parts its record names; once the island holds a
-  version, the parts downloaded for it and older ones are dropped (a version that committed
-  other parts than it staged leaves its staged ones unused). A download is never started
-  twice for one blob: the plan's step takes over a running one.
-- A bad blob or a failed apply is never served. Recovery is: refetch (the cached blobs of
-  the failed step are dropped) with a fresh plan, then a plan from nothing (an anchor);
-  each failure is logged at error level and heartbeated as ERROR with its message. Only
-  when all three fail does ``sync_to`` raise.
-- ``run()`` never misses a version: it watches from the held version (the board's watch
-  replays everything after it) and, when the held version falls out of retained history
-  (OUT_OF_RANGE), catches up from an anchor and watches again.
+- The subscriber's ``held_version`` is the destination's: a version whose root it verified.
+- Steps of a plan are applied strictly in order; later steps download while earlier ones
+  apply, bounded by ``parallel`` concurrent transfers.
+- Staged parts (hints sent while a version is still being encoded) are asked for only from a
+  far blob store (``Fetcher.far``). Nothing of them is used before the version commits, and
+  then only the parts its record names; older ones are dropped once a version is held. A
+  download is never started twice for one blob: the plan's step takes over a running one.
+- A bad blob or a failed apply is never served. Recovery is: refetch (the failed step's
+  cached blobs dropped) with a fresh plan, then a plan from nothing (an anchor); each
+  failure is logged and heartbeated as ERROR. Only when all three fail does ``sync_to`` raise.
+- ``run()`` never misses a version: it watches from the held version and, when that falls
+  out of retained history (OUT_OF_RANGE), catches up from an anchor and watches again.
 - ``run()`` ends only on an error that retrying cannot cure (``FATAL_ERRORS``) or a bug;
-  the board or the store away, slow or failing inside, and a full disk are retried with
-  a growing delay while the held version stays served.
+  the board or the store away, slow or failing, and a full disk are retried with a growing
+  delay while the held version stays served.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any
 
 import structlog
 
+from weftboard.cuda.codec import join_patches
 from weftboard.proto.errors import (
     AlreadyExists,
     ApplyError,
@@ -91,6 +96,8 @@ class _Download:
 
 
 class Subscriber:
+    """Follows one run into one destination (see the module docstring for the path)."""
+
     def __init__(
         self,
         client: Any,
@@ -113,9 +120,7 @@ class Subscriber:
         self.island_id = island_id
         self.region = region
         self.blob_store = blob_store
-        # ``parallel`` downloads at once: a version's staged parts (six or so for a 3 MB patch)
-        # all start as their hints come; with four, the fifth waited 0.15 s for a slot over a
-        # 40 ms link while the first ones were still ramping up.
+        # ``parallel`` downloads at once: a version's staged parts all start as their hints come.
         self.fetcher = Fetcher(Path(cache_dir), blob_store, parallel=parallel)
         self.heartbeat_s = heartbeat_s
         self.lease_s = lease_s
@@ -159,7 +164,7 @@ class Subscriber:
     async def _changed(self, version: int) -> None:
         self.applied_at[version] = time.time()
         self._drop_prefetched(upto=version)
-        for old in [v for v in self.timings if v <= version - 64]:  # a daemon runs for months
+        for old in [v for v in self.timings if v <= version - 64]:  # a follower runs for months
             del self.timings[old]
         self.version_changed.set()
         async with self._cond:
@@ -204,272 +209,7 @@ class Subscriber:
             await self.heartbeat()
             await asyncio.sleep(self.heartbeat_s)
 
-    # -- catch-up -----------------------------------------------------------------------
-
-    async def _get_layout(self) -> list[TensorEntry]:
-        if self._layout is None:
-            run = await self.client.get_run(self.run_name)
-            self._layout = [TensorEntry(t.name, t.dtype, tuple(t.shape)) for t in run.layout.tensors]
-        return self._layout
-
-    async def _target(self, version: int) -> VersionTarget:
-        record = self._records.pop(version, None) or await self.client.get_version(self.run_name, version)
-        return VersionTarget(
-            version=version,
-            root_digest=record.root_digest,
-            tensor_digests={d.name: d.digest for d in record.tensor_digests},
-            layout=await self._get_layout(),
-            labels=dict(record.labels),
-        )
-
-    def _direct_plan(self, record: pb.VersionRecord) -> pb.CatchUpPlan | None:
-        """The one-patch plan a watch event already describes (no PlanCatchUp round trip),
-        when the island holds the parent and reads blobs with its own credentials."""
-        held = self.held_version
-        if self.blob_store is None or held == 0 or record.version != held + 1:
-            return None
-        for a in record.artifacts:
-            if a.kind == pb.ARTIFACT_KIND_PATCH and a.base_version == held and a.blobs:
-                self._records[record.version] = record
-                return pb.CatchUpPlan(run=self.run_name, from_version=held, to_version=record.version, steps=[
-                    pb.PlanStep(kind=pb.ARTIFACT_KIND_PATCH, from_version=held, to_version=record.version,
-                                blobs=a.blobs, root_digest=record.root_digest)], total_bytes=sum(b.size for b in a.blobs))
-        return None
-
-    # -- downloads ------------------------------------------------------------------------
-
-    def _start_download(self, version: int, ref: pb.BlobRef) -> _Download:
-        blob = ArrivingBytes(ref.size)
-
-        async def download() -> tuple[Path, float]:
-            try:
-                path = await self.fetcher.fetch(ref, on_chunk=blob.put)
-            except BaseException as exc:
-                blob.fail(exc if isinstance(exc, Exception) else ApplyError("the download was cancelled"))
-                raise
-            blob.verified()
-            return path, time.perf_counter()
-
-        return _Download(version, ref, blob, asyncio.ensure_future(download()))
-
-    def _download_for(self, step: pb.PlanStep, ref: pb.BlobRef) -> _Download:
-        """The download of one of ``step``'s blobs: a staged part's (same digest, same bytes),
-        if one runs or ran well."""
-        pre = self._prefetched.pop(ref.digest, None)
-        if pre is not None:
-            if not (pre.task.done() and (pre.task.cancelled() or pre.task.exception() is not None)):
-                return pre
-        return self._start_download(step.to_version, ref)
-
-    async def _fetched(self, step: pb.PlanStep, ref: pb.BlobRef) -> Path:
-        """The verified file of one of ``step``'s blobs (a staged part's download, if any)."""
-        if ref.digest in self._prefetched:
-            return (await self._download_for(step, ref).task)[0]
-        return await self.fetcher.fetch(ref)
-
-    async def _one_container(self, step: pb.PlanStep, paths: list[Path]) -> Path:
-        """A patch step's parts as one container file, for ``Destination.apply_patch``."""
-        if len(paths) == 1:
-            return paths[0]
-        from weftboard.cuda.codec import join_patches
-
-        def join() -> Path:
-            out = self.fetcher.cache_dir / f"joined-v{step.to_version}.patch"
-            out.write_bytes(join_patches([p.read_bytes() for p in paths]))
-            return out
-
-        return await asyncio.to_thread(join)
-
-    def _prefetch(self, part: pb.StagedPart) -> None:
-        """Start downloading a staged part of a version after the held one (a hint)."""
-        if (self.blob_store is None or part.version <= self.held_version or part.blob.digest in self._prefetched
-                or len(self._prefetched) >= MAX_PREFETCHED or part.blob.size > MAX_PREFETCH_BYTES):
-            return
-        self._prefetched[part.blob.digest] = self._start_download(part.version, part.blob)
-
-    def _drop_prefetched(self, upto: int) -> None:
-        """Cancel and forget the staged parts' downloads of versions up to ``upto``."""
-        for digest, pre in list(self._prefetched.items()):
-            if pre.version <= upto:
-                del self._prefetched[digest]
-                pre.task.cancel()
-
-                def forget(task: asyncio.Future, ref: pb.BlobRef = pre.ref) -> None:
-                    if not task.cancelled():
-                        task.exception()  # retrieved, not logged: nobody waits for this part
-                    self.fetcher.forget(ref)
-
-                pre.task.add_done_callback(forget)
-
-    async def sync_to(self, want: int = 0, *, record: pb.VersionRecord | None = None) -> int:
-        """Catch up to ``want`` (0: the head); returns the verified version held after.
-
-        ``record``: the record of ``want`` when the caller has it (a watch event), so the
-        common one-patch step needs no planning round trip.
-        """
-        async with self._sync_lock:
-            errors: list[str] = []
-            for attempt, from_nothing in ((1, False), (2, False), (3, True)):
-                have = 0 if from_nothing else self.held_version
-                plan = self._direct_plan(record) if attempt == 1 and record is not None else None
-                if plan is None:
-                    plan = await self.client.plan_catch_up(
-                        self.run_name, have_version=have, want_version=want, presign=self.blob_store is None
-                    )
-                self.head = max(self.head, plan.to_version)
-                if not plan.steps or (plan.to_version <= self.held_version and not from_nothing):
-                    if self.state != pb.ISLAND_STATE_READY and self.held_version:
-                        await self._set_state(pb.ISLAND_STATE_READY)
-                    return self.held_version
-                # The CATCHING_UP report travels while the step downloads (one round trip
-                # less on the way to the new version); it is awaited before the next report.
-                report = self._set_state_soon(pb.ISLAND_STATE_CATCHING_UP, f"to version {plan.to_version}")
-                try:
-                    await self._execute(plan)
-                except _RECOVERABLE as exc:
-                    await report
-                    errors.append(f"attempt {attempt}: {type(exc).__name__}: {exc}")
-                    log.error(
-                        "catch-up step failed; nothing of it is served",
-                        island=self.island_id, run=self.run_name, attempt=attempt,
-                        next="refetch" if attempt == 1 else "anchor" if attempt == 2 else "give up",
-                        error=str(exc), held=self.held_version,
-                    )
-                    await self._set_state(pb.ISLAND_STATE_ERROR, f"{type(exc).__name__}: {exc}")
-                    continue
-                except BaseException:
-                    report.cancel()
-                    raise
-                await report
-                await self._set_state(pb.ISLAND_STATE_READY)
-                return self.held_version
-            message = "; ".join(errors)
-            await self._set_state(pb.ISLAND_STATE_ERROR, message)
-            raise ApplyError(f"island {self.island_id} could not reach version {want or 'head'}: {message}")
-
-    async def _execute(self, plan: pb.CatchUpPlan) -> None:
-        steps = list(plan.steps)
-        if self.progress is not None:
-            for s in steps:
-                self.progress.begin(s.to_version, "anchor" if s.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
-                                    sum(b.size for b in s.blobs), [cache_path(self.fetcher.cache_dir, b) for b in s.blobs])
-        t_plan = time.perf_counter()
-        if self._streams(steps):
-            await self._execute_streaming(steps[0], t_plan)
-            return
-        targets = [asyncio.ensure_future(self._step_target(s)) for s in steps]
-        downloads = [asyncio.ensure_future(asyncio.gather(*(self._fetched(s, b) for b in s.blobs))) for s in steps]
-        try:
-            for step, target_f, download in zip(steps, targets, downloads):
-                target = await target_f
-                joined: Path | None = None
-                try:
-                    paths = await download
-                    fetched_s = time.perf_counter() - t_plan
-                    if self.progress is not None:
-                        self.progress.applying(step.to_version)
-                    t0 = time.perf_counter()
-                    if step.kind == pb.ARTIFACT_KIND_ANCHOR:
-                        await self.destination.load_anchor(paths, target)
-                    else:
-                        joined = await self._one_container(step, paths)
-                        await self.destination.apply_patch(joined, target)
-                except _RECOVERABLE:
-                    for b in step.blobs:
-                        self.fetcher.forget(b)
-                    raise
-                finally:
-                    if joined is not None and joined not in paths:
-                        joined.unlink(missing_ok=True)
-                for b in step.blobs:
-                    self.fetcher.forget(b)
-                await self._step_applied(step, fetched_s, time.perf_counter() - t0)
-        finally:
-            if self.progress is not None:
-                for s in steps:
-                    self.progress.end(s.to_version)
-            for f in (*targets, *downloads):
-                if not f.done():
-                    f.cancel()
-            await asyncio.gather(*targets, *downloads, return_exceptions=True)
-
-    async def _step_target(self, step: pb.PlanStep) -> VersionTarget:
-        """What applying ``step`` must produce; the plan and the record must agree on it."""
-        target = await self._target(step.to_version)
-        if target.root_digest != step.root_digest:
-            raise CorruptData(
-                f"plan step to {step.to_version} names root {step.root_digest}, the record {target.root_digest}"
-            )
-        return target
-
-    async def _step_applied(self, step: pb.PlanStep, fetched_s: float, apply_s: float, *, streamed: bool = False) -> None:
-        """Record, log and announce a verified step (``apply_s``: see ``timings``)."""
-        timing = {"fetched_s": fetched_s, "apply_s": apply_s}
-        if streamed:
-            timing["streamed"] = 1.0
-        self.timings.setdefault(step.to_version, {}).update(timing)
-        log.info("version applied", island=self.island_id, run=self.run_name, version=step.to_version,
-                 kind="anchor" if step.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
-                 bytes=sum(b.size for b in step.blobs), fetched_s=round(fetched_s, 3), apply_s=round(apply_s, 3),
-                 **({"streamed": True} if streamed else {}))
-        if self.progress is not None:
-            self.progress.end(step.to_version)
-        await self._changed(step.to_version)
-
-    def _streams(self, steps: list[pb.PlanStep]) -> bool:
-        """Whether this plan is applied while it downloads: one patch (the step a following
-        island takes each version) from a far store into a destination that can. From a near
-        store the download is too short to hide anything behind, and applying alongside it
-        only makes the two contend (measured on loopback, three islands: checkpoint
-        directories took 2.0 s instead of 1.7 s from publish to applied; live tensors the same)."""
-        return (len(steps) == 1 and steps[0].kind == pb.ARTIFACT_KIND_PATCH
-                and hasattr(self.destination, "apply_patch_arriving") and self.fetcher.far())
-
-    async def _execute_streaming(self, step: pb.PlanStep, t_plan: float) -> None:
-        """One patch step, applied tensor by tensor as its parts' bytes arrive (staged parts
-        may have arrived already); the destination holds the version only after the fetcher
-        verified every part and it verified the result."""
-        downloads = [self._download_for(step, ref) for ref in step.blobs]
-        parts = [d.bytes for d in downloads]
-        fetching = asyncio.ensure_future(asyncio.gather(*(d.task for d in downloads)))
-        if self.progress is not None:
-            fetching.add_done_callback(lambda f: f.cancelled() or f.exception() or self.progress.applying(step.to_version))
-        try:
-            target = await self._step_target(step)
-            await self.destination.apply_patch_arriving(parts, target)
-            fetched_at = max(t for _, t in await fetching)
-        except CorruptData as exc:
-            # A stream failed its check: the parts' own digests tell whether one was damaged
-            # after it was published (DigestMismatch, the precise report) or published so.
-            await asyncio.wait([fetching])
-            causes = [d.task.exception() for d in downloads if d.task.done() and not d.task.cancelled()]
-            await self._drop_streamed(step, downloads, fetching)
-            cause = next((c for c in causes if isinstance(c, DigestMismatch)), None)
-            if cause is not None and cause is not exc:
-                raise cause from exc
-            raise
-        except BaseException as exc:
-            for blob in parts:
-                blob.fail(exc if isinstance(exc, Exception) else ApplyError("the step was cancelled"))
-            await self._drop_streamed(step, downloads, fetching)
-            raise
-        for ref in step.blobs:
-            self.fetcher.forget(ref)
-        # apply_s: what the apply added after the last byte arrived (the rest overlapped it);
-        # fetched_s is 0 when staged parts were all here before the version committed.
-        await self._step_applied(step, max(fetched_at - t_plan, 0.0), time.perf_counter() - fetched_at, streamed=True)
-
-    async def _drop_streamed(self, step: pb.PlanStep, downloads: list[_Download], fetching: asyncio.Future) -> None:
-        fetching.cancel()
-        for d in downloads:
-            d.task.cancel()
-        await asyncio.gather(fetching, *(d.task for d in downloads), return_exceptions=True)
-        for d in downloads:
-            self.fetcher.forget(d.ref)
-        if self.progress is not None:
-            self.progress.end(step.to_version)
-
-    # -- following ------------------------------------------------------------------------
+    # -- 1. watch: follow the run's version events -------------------------------------------
 
     async def run(self) -> None:
         """Follow the run forever: catch up, then apply every new version as it is committed.
@@ -536,3 +276,273 @@ class Subscriber:
                     log.info("blob store distance judged anew; watching again", island=self.island_id,
                              far=not hints, first_byte_s=self.fetcher.store.first_byte_s())
                     return
+
+    # -- 2. plan: the steps from the held version to the wanted one ---------------------------
+
+    async def sync_to(self, want: int = 0, *, record: pb.VersionRecord | None = None) -> int:
+        """Catch up to ``want`` (0: the head); returns the verified version held after.
+
+        ``record``: the record of ``want`` when the caller has it (a watch event), so the
+        common one-patch step needs no planning round trip.
+        """
+        async with self._sync_lock:
+            errors: list[str] = []
+            for attempt, from_nothing in ((1, False), (2, False), (3, True)):
+                have = 0 if from_nothing else self.held_version
+                plan = self._direct_plan(record) if attempt == 1 and record is not None else None
+                if plan is None:
+                    plan = await self.client.plan_catch_up(
+                        self.run_name, have_version=have, want_version=want, presign=self.blob_store is None
+                    )
+                self.head = max(self.head, plan.to_version)
+                if not plan.steps or (plan.to_version <= self.held_version and not from_nothing):
+                    if self.state != pb.ISLAND_STATE_READY and self.held_version:
+                        await self._set_state(pb.ISLAND_STATE_READY)
+                    return self.held_version
+                # The CATCHING_UP report travels while the step downloads (one round trip
+                # less on the way to the new version); it is awaited before the next report.
+                report = self._set_state_soon(pb.ISLAND_STATE_CATCHING_UP, f"to version {plan.to_version}")
+                try:
+                    await self._execute(plan)
+                except _RECOVERABLE as exc:
+                    await report
+                    errors.append(f"attempt {attempt}: {type(exc).__name__}: {exc}")
+                    log.error(
+                        "catch-up step failed; nothing of it is served",
+                        island=self.island_id, run=self.run_name, attempt=attempt,
+                        next="refetch" if attempt == 1 else "anchor" if attempt == 2 else "give up",
+                        error=str(exc), held=self.held_version,
+                    )
+                    await self._set_state(pb.ISLAND_STATE_ERROR, f"{type(exc).__name__}: {exc}")
+                    continue
+                except BaseException:
+                    report.cancel()
+                    raise
+                await report
+                await self._set_state(pb.ISLAND_STATE_READY)
+                return self.held_version
+            message = "; ".join(errors)
+            await self._set_state(pb.ISLAND_STATE_ERROR, message)
+            raise ApplyError(f"island {self.island_id} could not reach version {want or 'head'}: {message}")
+
+    def _direct_plan(self, record: pb.VersionRecord) -> pb.CatchUpPlan | None:
+        """The one-patch plan a watch event already describes (no PlanCatchUp round trip),
+        when the island holds the parent and reads blobs with its own credentials."""
+        held = self.held_version
+        if self.blob_store is None or held == 0 or record.version != held + 1:
+            return None
+        for a in record.artifacts:
+            if a.kind == pb.ARTIFACT_KIND_PATCH and a.base_version == held and a.blobs:
+                self._records[record.version] = record
+                return pb.CatchUpPlan(run=self.run_name, from_version=held, to_version=record.version, steps=[
+                    pb.PlanStep(kind=pb.ARTIFACT_KIND_PATCH, from_version=held, to_version=record.version,
+                                blobs=a.blobs, root_digest=record.root_digest)], total_bytes=sum(b.size for b in a.blobs))
+        return None
+
+    async def _execute(self, plan: pb.CatchUpPlan) -> None:
+        """Steps 3 to 6 for every step of ``plan``, in order; later steps download (3) while
+        earlier ones apply (5)."""
+        steps = list(plan.steps)
+        if self.progress is not None:
+            for s in steps:
+                self.progress.begin(s.to_version, "anchor" if s.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
+                                    sum(b.size for b in s.blobs), [cache_path(self.fetcher.cache_dir, b) for b in s.blobs])
+        t_plan = time.perf_counter()
+        if self._applies_while_arriving(steps):
+            await self._execute_arriving(steps[0], t_plan)
+            return
+        downloads = [asyncio.ensure_future(self._fetch_step(s)) for s in steps]
+        targets = [asyncio.ensure_future(self._step_target(s)) for s in steps]
+        try:
+            for step, download, target_f in zip(steps, downloads, targets, strict=True):
+                try:
+                    paths = await download  # 3. fetch
+                    fetched_s = time.perf_counter() - t_plan
+                    target = await target_f  # 4. verify
+                    t0 = time.perf_counter()
+                    await self._apply_step(step, paths, target)  # 5. apply, 6. activate
+                except _RECOVERABLE:
+                    self._forget_step(step)
+                    raise
+                self._forget_step(step)
+                await self._activated(step, fetched_s, time.perf_counter() - t0)
+        finally:
+            if self.progress is not None:
+                for s in steps:
+                    self.progress.end(s.to_version)
+            for f in (*targets, *downloads):
+                if not f.done():
+                    f.cancel()
+            await asyncio.gather(*targets, *downloads, return_exceptions=True)
+
+    def _applies_while_arriving(self, steps: list[pb.PlanStep]) -> bool:
+        """Whether this plan is applied while it downloads: one patch (the step a following
+        island takes each version) from a far store into a destination that can. From a near
+        store the download is too short to hide anything behind, and applying alongside it
+        only makes the two contend."""
+        return (len(steps) == 1 and steps[0].kind == pb.ARTIFACT_KIND_PATCH
+                and self.destination.capabilities.applies_while_arriving and self.fetcher.far())
+
+    # -- 3. fetch: every blob of a step into the cache, its digest verified -------------------
+
+    def _start_download(self, version: int, ref: pb.BlobRef) -> _Download:
+        blob = ArrivingBytes(ref.size)
+
+        async def download() -> tuple[Path, float]:
+            try:
+                path = await self.fetcher.fetch(ref, on_chunk=blob.put)
+            except BaseException as exc:
+                blob.fail(exc if isinstance(exc, Exception) else ApplyError("the download was cancelled"))
+                raise
+            blob.verified()
+            return path, time.perf_counter()
+
+        return _Download(version, ref, blob, asyncio.ensure_future(download()))
+
+    def _download_for(self, step: pb.PlanStep, ref: pb.BlobRef) -> _Download:
+        """The download of one of ``step``'s blobs: a staged part's (same digest, same bytes),
+        if one runs or ran well."""
+        pre = self._prefetched.pop(ref.digest, None)
+        if pre is not None and not (pre.task.done() and (pre.task.cancelled() or pre.task.exception() is not None)):
+            return pre
+        return self._start_download(step.to_version, ref)
+
+    async def _fetched(self, step: pb.PlanStep, ref: pb.BlobRef) -> Path:
+        """The verified file of one of ``step``'s blobs (a staged part's download, if any)."""
+        if ref.digest in self._prefetched:
+            return (await self._download_for(step, ref).task)[0]
+        return await self.fetcher.fetch(ref)
+
+    async def _fetch_step(self, step: pb.PlanStep) -> list[Path]:
+        """The verified files of every blob of ``step``, downloaded at once."""
+        return list(await asyncio.gather(*(self._fetched(step, b) for b in step.blobs)))
+
+    def _forget_step(self, step: pb.PlanStep) -> None:
+        """Drop a step's cached blobs: applied, or proved bad (a retry fetches them anew)."""
+        for b in step.blobs:
+            self.fetcher.forget(b)
+
+    def _prefetch(self, part: pb.StagedPart) -> None:
+        """Start downloading a staged part of a version after the held one (a hint)."""
+        if (self.blob_store is None or part.version <= self.held_version or part.blob.digest in self._prefetched
+                or len(self._prefetched) >= MAX_PREFETCHED or part.blob.size > MAX_PREFETCH_BYTES):
+            return
+        self._prefetched[part.blob.digest] = self._start_download(part.version, part.blob)
+
+    def _drop_prefetched(self, upto: int) -> None:
+        """Cancel and forget the staged parts' downloads of versions up to ``upto``."""
+        for digest, pre in list(self._prefetched.items()):
+            if pre.version <= upto:
+                del self._prefetched[digest]
+                pre.task.cancel()
+
+                def forget(task: asyncio.Future, ref: pb.BlobRef = pre.ref) -> None:
+                    if not task.cancelled():
+                        task.exception()  # retrieved, not logged: nobody waits for this part
+                    self.fetcher.forget(ref)
+
+                pre.task.add_done_callback(forget)
+
+    # -- 4. verify: what applying a step must produce -----------------------------------------
+
+    async def _get_layout(self) -> list[TensorEntry]:
+        if self._layout is None:
+            run = await self.client.get_run(self.run_name)
+            self._layout = [TensorEntry(t.name, t.dtype, tuple(t.shape)) for t in run.layout.tensors]
+        return self._layout
+
+    async def _step_target(self, step: pb.PlanStep) -> VersionTarget:
+        """The target of ``step`` from its version record (root, tensor digests, layout); the
+        plan and the record must agree on the root."""
+        version = step.to_version
+        record = self._records.pop(version, None) or await self.client.get_version(self.run_name, version)
+        if record.root_digest != step.root_digest:
+            raise CorruptData(f"plan step to {version} names root {step.root_digest}, the record {record.root_digest}")
+        return VersionTarget(
+            version=version,
+            root_digest=record.root_digest,
+            tensor_digests={d.name: d.digest for d in record.tensor_digests},
+            layout=await self._get_layout(),
+            labels=dict(record.labels),
+        )
+
+    # -- 5. apply and 6. activate: the destination changes, verifies the result, holds it -----
+
+    async def _apply_step(self, step: pb.PlanStep, paths: list[Path], target: VersionTarget) -> None:
+        if self.progress is not None:
+            self.progress.applying(step.to_version)
+        if step.kind == pb.ARTIFACT_KIND_ANCHOR:
+            await self.destination.load_anchor(paths, target)
+            return
+        if len(paths) == 1:
+            await self.destination.apply_patch(paths[0], target)
+            return
+        joined = await asyncio.to_thread(self._join_parts, step, paths)
+        try:
+            await self.destination.apply_patch(joined, target)
+        finally:
+            joined.unlink(missing_ok=True)
+
+    def _join_parts(self, step: pb.PlanStep, paths: list[Path]) -> Path:
+        """A patch step's parts as one container file, for ``Destination.apply_patch``."""
+        out = self.fetcher.cache_dir / f"joined-v{step.to_version}.patch"
+        out.write_bytes(join_patches([p.read_bytes() for p in paths]))
+        return out
+
+    async def _execute_arriving(self, step: pb.PlanStep, t_plan: float) -> None:
+        """Steps 3 to 6 of one patch step at once: tensors are applied as its parts' bytes
+        arrive (staged parts may have arrived already); the destination holds the version only
+        after the fetcher verified every part and it verified the result."""
+        downloads = [self._download_for(step, ref) for ref in step.blobs]
+        parts = [d.bytes for d in downloads]
+        fetching = asyncio.ensure_future(asyncio.gather(*(d.task for d in downloads)))
+        if self.progress is not None:
+            fetching.add_done_callback(lambda f: f.cancelled() or f.exception() or self.progress.applying(step.to_version))
+        try:
+            target = await self._step_target(step)
+            await self.destination.apply_patch_arriving(parts, target)
+            fetched_at = max(t for _, t in await fetching)
+        except CorruptData as exc:
+            # A stream failed its check: the parts' own digests tell whether one was damaged
+            # after it was published (DigestMismatch, the precise report) or published so.
+            await asyncio.wait([fetching])
+            causes = [d.task.exception() for d in downloads if d.task.done() and not d.task.cancelled()]
+            await self._drop_arriving(step, downloads, fetching)
+            cause = next((c for c in causes if isinstance(c, DigestMismatch)), None)
+            if cause is not None and cause is not exc:
+                raise cause from exc
+            raise
+        except BaseException as exc:
+            for blob in parts:
+                blob.fail(exc if isinstance(exc, Exception) else ApplyError("the step was cancelled"))
+            await self._drop_arriving(step, downloads, fetching)
+            raise
+        self._forget_step(step)
+        # apply_s: what the apply added after the last byte arrived (the rest overlapped it);
+        # fetched_s is 0 when staged parts were all here before the version committed.
+        await self._activated(step, max(fetched_at - t_plan, 0.0), time.perf_counter() - fetched_at, arriving=True)
+
+    async def _drop_arriving(self, step: pb.PlanStep, downloads: list[_Download], fetching: asyncio.Future) -> None:
+        fetching.cancel()
+        for d in downloads:
+            d.task.cancel()
+        await asyncio.gather(fetching, *(d.task for d in downloads), return_exceptions=True)
+        for d in downloads:
+            self.fetcher.forget(d.ref)
+        if self.progress is not None:
+            self.progress.end(step.to_version)
+
+    async def _activated(self, step: pb.PlanStep, fetched_s: float, apply_s: float, *, arriving: bool = False) -> None:
+        """Record, log and announce a step the destination verified and holds (``apply_s``:
+        see ``timings``)."""
+        timing = {"fetched_s": fetched_s, "apply_s": apply_s}
+        if arriving:
+            timing["streamed"] = 1.0
+        self.timings.setdefault(step.to_version, {}).update(timing)
+        log.info("version applied", island=self.island_id, run=self.run_name, version=step.to_version,
+                 kind="anchor" if step.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
+                 bytes=sum(b.size for b in step.blobs), fetched_s=round(fetched_s, 3), apply_s=round(apply_s, 3),
+                 **({"streamed": True} if arriving else {}))
+        if self.progress is not None:
+            self.progress.end(step.to_version)
+        await self._changed(step.to_version)

@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -141,10 +142,8 @@ class TrajectoryReporter:
     async def stop(self, timeout_s: float = 5.0) -> None:
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
         try:
             if self._pending:

@@ -7,7 +7,7 @@ Invariants:
   from the layout and those digests and compared to the record's root, so a record whose
   tensor digests were tampered with cannot pass either.
 - Only tensors named in ``rehash`` are hashed; the others come from ``cache`` (digests the
-  destination computed when it last verified them), which keeps a sparse patch's check
+  destination computed when it last verified them), which keeps the check of a patch that changed few tensors
   proportional to the tensors it touched.
 """
 
@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from weftboard.cuda.digest import root_digest, tensor_digest
 from weftboard.proto.errors import ApplyError, DigestMismatch
 from weftboard.subscriber.destination import VersionTarget
 
@@ -50,8 +51,6 @@ def verify_tensors(
     cache: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Digests of every layout tensor, verified against ``target``; DigestMismatch otherwise."""
-    from weftboard.cuda.digest import root_digest, tensor_digest
-
     check_layout(tensors, target)
     todo = set(rehash) if rehash is not None else None
     names = [e.name for e in target.layout
@@ -59,7 +58,7 @@ def verify_tensors(
     digests: dict[str, str] = {}
     if len(names) > 1:  # xxh3 releases the GIL: two threads
         with ThreadPoolExecutor(2, thread_name_prefix="weftboard-verify") as pool:
-            digests.update(zip(names, pool.map(lambda n: tensor_digest(tensors[n]), names)))
+            digests.update(zip(names, pool.map(lambda n: tensor_digest(tensors[n]), names), strict=True))
     else:
         digests.update((n, tensor_digest(tensors[n])) for n in names)
     for e in target.layout:

@@ -8,7 +8,7 @@ import math
 
 from rich.console import Console
 
-from weftboard.subscriber.demo import DemoConfig, reward_of, run_demo
+from weftboard.subscriber.demo.rl_loop import DemoConfig, reward_of, run_demo
 
 
 def test_reward_counts_the_pattern():
@@ -44,7 +44,7 @@ async def test_demo_runs_a_real_loop(tmp_path):
 
 
 def test_live_view_and_summary_render():
-    from weftboard.subscriber.demo_view import (
+    from weftboard.subscriber.demo.view import (
         DemoStep,
         DemoView,
         IslandRow,

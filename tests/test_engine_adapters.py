@@ -10,7 +10,8 @@ import pytest
 from aiohttp import web
 
 from weftboard.proto.errors import ApplyError
-from weftboard.subscriber.engines import ActivationMode, make_adapter
+from weftboard.subscriber.engines.base import ActivationMode
+from weftboard.subscriber.engines.factory import make_adapter
 
 CONTRACTS = Path(__file__).parent / "contracts"
 

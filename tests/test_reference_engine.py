@@ -12,14 +12,15 @@ import torch
 from safetensors.torch import save_file
 
 from weftboard.proto.errors import ApplyError
-from weftboard.subscriber.engines import ActivationMode, make_adapter
-from weftboard.subscriber.reference_model import (
-    ReferenceEngine,
+from weftboard.subscriber.engines.base import ActivationMode
+from weftboard.subscriber.engines.factory import make_adapter
+from weftboard.subscriber.reference_engine.engine import ReferenceEngine
+from weftboard.subscriber.reference_engine.model import (
     init_parameters,
     model_config,
     sequence_logprobs,
-    serve_engine,
 )
+from weftboard.subscriber.reference_engine.openai_api import serve_engine
 
 SMALL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq": 64}
 

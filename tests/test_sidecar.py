@@ -22,14 +22,11 @@ from weftboard.proto.errors import ApplyError
 from weftboard.subscriber.admission import AdmissionGate, VersionState
 from weftboard.subscriber.destination import TensorEntry, VersionTarget
 from weftboard.subscriber.engine_destination import EngineDestination
-from weftboard.subscriber.engines import ActivationMode
+from weftboard.subscriber.engines.base import ActivationMode
 from weftboard.subscriber.engines.reference import ReferenceAdapter
-from weftboard.subscriber.reference_model import (
-    ReferenceEngine,
-    init_parameters,
-    model_config,
-    serve_engine,
-)
+from weftboard.subscriber.reference_engine.engine import ReferenceEngine
+from weftboard.subscriber.reference_engine.model import init_parameters, model_config
+from weftboard.subscriber.reference_engine.openai_api import serve_engine
 from weftboard.subscriber.sidecar import Sidecar, SidecarConfig
 
 SMALL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq": 96}

@@ -24,8 +24,8 @@ from weftboard.proto.errors import ApplyError
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.publisher import Publisher
 from weftboard.publisher.trajectories import SyncTrajectoryConsumer, TrajectoryConsumer
-from weftboard.subscriber.demo import Trainer
-from weftboard.subscriber.island import REFERENCE_CONFIG_LABEL, start_island
+from weftboard.subscriber.demo.rl_loop import Trainer
+from weftboard.subscriber.engine_island import REFERENCE_CONFIG_LABEL, start_island
 
 pytestmark = WARM_KERNELS
 
@@ -315,7 +315,8 @@ async def test_an_island_whose_token_cannot_plan_ends_and_its_sidecar_process_ex
 async def test_engine_in_its_own_server_loads_verified_checkpoints(board, local_store, training, tmp_path):
     """The checkpoint path (as for vLLM/SGLang): subscriber writes a verified checkpoint
     directory while serving; activation makes the engine load it over its admin HTTP API."""
-    from weftboard.subscriber.reference_model import ReferenceEngine, serve_engine
+    from weftboard.subscriber.reference_engine.engine import ReferenceEngine
+    from weftboard.subscriber.reference_engine.openai_api import serve_engine
 
     engine = ReferenceEngine(MODEL)
     server = await serve_engine(engine)
@@ -339,7 +340,8 @@ async def test_engine_in_its_own_server_loads_verified_checkpoints(board, local_
 async def test_restarted_sidecar_serves_its_checkpoint_on_disk(board, local_store, training, tmp_path):
     """A checkpoint engine's island restarted: the verified checkpoint on disk is activated
     at once, before the subscriber even asks the board."""
-    from weftboard.subscriber.reference_model import ReferenceEngine, serve_engine
+    from weftboard.subscriber.reference_engine.engine import ReferenceEngine
+    from weftboard.subscriber.reference_engine.openai_api import serve_engine
 
     for _ in range(2):
         await training.publish()

@@ -1,9 +1,2 @@
-"""Engine adapters: one small port (``base.EngineAdapter``) and one adapter per engine."""
-
-from weftboard.subscriber.engines.base import (
-    ActivationMode,
-    EngineAdapter,
-    make_adapter,
-)
-
-__all__ = ["ActivationMode", "EngineAdapter", "make_adapter"]
+"""Engine adapters: the port (``base.EngineAdapter``), one module per engine, and the
+registry that picks one by name (``factory.make_adapter``)."""

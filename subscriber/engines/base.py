@@ -1,5 +1,8 @@
 """The EngineAdapter port: how the island drives an inference engine's weights.
 
+One adapter per engine, one module each (``reference``, ``vllm``, ``sglang``);
+``engines.factory.make_adapter`` picks one by name. This module imports none of them.
+
 The sidecar owns the engine's weight version; an adapter is the only thing that talks
 to the engine about weights. Two ways in: load a whole checkpoint directory (any engine)
 or apply a patch to the live tensors in place (engines whose tensors live in our
@@ -37,9 +40,6 @@ class EngineAdapter(abc.ABC):
     """One engine's weight-update surface."""
 
     kind: str = "abstract"
-    #: True when ``live_tensors()`` returns the engine's own weights, which the subscriber
-    #: then patches in place (between ``pause`` and ``resume``).
-    supports_patch: bool = False
 
     def __init__(self) -> None:
         self._version = 0
@@ -75,34 +75,8 @@ class EngineAdapter(abc.ABC):
     async def health(self) -> bool:
         """Whether the engine answers its health endpoint."""
 
-    async def close(self) -> None:
+    async def close(self) -> None:  # noqa: B027 - optional: an adapter without connections keeps this
         """Release connections."""
-
-
-def make_adapter(kind: str, engine_url: str | None = None, *, engine: Any = None, **options: Any) -> EngineAdapter:
-    """The adapter for ``--engine kind`` (reference|vllm|sglang)."""
-    if kind == "reference":
-        from weftboard.subscriber.engines.reference import (
-            ReferenceAdapter,
-            ReferenceHttpAdapter,
-        )
-
-        if engine is not None:
-            return ReferenceAdapter(engine)
-        if not engine_url:
-            raise InvalidArgument("--engine reference needs an in-process engine or --engine-url")
-        return ReferenceHttpAdapter(engine_url, **options)
-    if not engine_url:
-        raise InvalidArgument(f"--engine {kind} needs --engine-url (where the engine serves HTTP)")
-    if kind == "vllm":
-        from weftboard.subscriber.engines.vllm import VllmAdapter
-
-        return VllmAdapter(engine_url, **options)
-    if kind == "sglang":
-        from weftboard.subscriber.engines.sglang import SglangAdapter
-
-        return SglangAdapter(engine_url, **options)
-    raise InvalidArgument(f"unknown engine {kind!r}: use reference, vllm or sglang")
 
 
 def require_mode(mode: ActivationMode | str) -> ActivationMode:

@@ -24,14 +24,13 @@ from weftboard.subscriber.engines.base import (
     require_mode,
 )
 from weftboard.subscriber.engines.http import HttpEngineAdapter
-from weftboard.subscriber.reference_model import ReferenceEngine
+from weftboard.subscriber.reference_engine.engine import ReferenceEngine
 
 
 class ReferenceAdapter(EngineAdapter):
     """The reference engine living in this process."""
 
     kind = "reference"
-    supports_patch = True
 
     def __init__(self, engine: ReferenceEngine) -> None:
         super().__init__()
@@ -65,7 +64,7 @@ class ReferenceAdapter(EngineAdapter):
 
 
 class ReferenceHttpAdapter(HttpEngineAdapter):
-    """The reference engine in its own process (``python -m weftboard.subscriber.reference_model``)."""
+    """The reference engine in its own process (``python -m weftboard.subscriber.reference_engine.openai_api``)."""
 
     kind = "reference"
 

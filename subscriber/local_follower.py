@@ -1,8 +1,12 @@
-"""The island daemon behind ``weftboard subscribe``: follow a run into a local destination.
+"""``weftboard subscribe``'s process: a ``Subscriber`` following a run into a local destination.
+
+The destination is a checkpoint directory (``dir``: for an engine that loads it, or any
+reader of HF checkpoints) or live tensors in this process (``memory``). For an island that
+serves an engine behind the version-aware sidecar, see ``engine_island``.
 
 Invariants:
 - On start the destination re-verifies what it holds (the checkpoint directory re-hashes
-  ``current``), so a daemon restarted after a crash resumes only from verified bits.
+  ``current``), so a follower restarted after a crash resumes only from verified bits.
 - SIGTERM and SIGINT end the follow loop cleanly: the current step either completes (its
   swap is atomic) or leaves nothing behind, a last heartbeat says DRAINING, and the
   process exits 0.
@@ -21,14 +25,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+import torch
 
+from weftboard.board.blobs import S3BlobStore
+from weftboard.board.blobs.transfer import FAST_RECONNECT
+from weftboard.board.client import BoardClient
 from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
+from weftboard.subscriber.destination import Destination
+from weftboard.subscriber.live_tensors import LiveTensorsDestination
+from weftboard.subscriber.progress import ProgressReporter
+from weftboard.subscriber.subscriber import Subscriber
 
 log = structlog.get_logger("weftboard.subscriber")
 
 
 @dataclass
-class DaemonConfig:
+class LocalFollowerConfig:
     board: str
     run: str
     dir: Path
@@ -54,38 +67,29 @@ def _emit(event: dict) -> None:
     sys.stdout.flush()
 
 
-async def run_daemon(cfg: DaemonConfig) -> int:
-    from weftboard.board.client import BoardClient
-    from weftboard.subscriber.progress import ProgressReporter
-    from weftboard.subscriber.subscriber import Subscriber
+async def _destination(cfg: LocalFollowerConfig, client: BoardClient) -> Destination:
+    if cfg.destination == "dir":
+        # its start re-hashes the checkpoint on disk: not on the loop
+        return await asyncio.to_thread(CheckpointDirDestination, cfg.dir / "checkpoint")
+    if cfg.destination == "memory":
+        run = await client.get_run(cfg.run)
+        return LiveTensorsDestination(
+            {t.name: torch.zeros(tuple(t.shape), dtype=getattr(torch, t.dtype)) for t in run.layout.tensors}
+        )
+    raise ValueError(f"--destination must be 'dir' or 'memory', not {cfg.destination!r}")
 
+
+async def run_local_follower(cfg: LocalFollowerConfig) -> int:
+    """Follow until SIGTERM/SIGINT (or ``exit_at_version``); the exit code."""
     store = None
     if cfg.s3_endpoint:
-        from weftboard.board.blobs import S3BlobStore
-
         store = S3BlobStore(cfg.s3_endpoint, cfg.s3_access_key or "", cfg.s3_secret_key or "", cfg.s3_bucket or "",
                             secure=cfg.s3_secure, region="us-east-1", prefix=cfg.s3_prefix)
     cfg.dir.mkdir(parents=True, exist_ok=True)
-    from weftboard.publisher.uploader import FAST_RECONNECT
-
     client = BoardClient(cfg.board, cfg.token, options=FAST_RECONNECT)
     progress = ProgressReporter(rich=cfg.progress) if cfg.progress is not False else None
     try:
-        if cfg.destination == "dir":
-            from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
-
-            dest = await asyncio.to_thread(CheckpointDirDestination, cfg.dir / "checkpoint")
-        elif cfg.destination == "memory":
-            import torch
-
-            from weftboard.subscriber.live_tensors import LiveTensorsDestination
-
-            run = await client.get_run(cfg.run)
-            dest = LiveTensorsDestination(
-                {t.name: torch.zeros(tuple(t.shape), dtype=getattr(torch, t.dtype)) for t in run.layout.tensors}
-            )
-        else:
-            raise ValueError(f"--destination must be 'dir' or 'memory', not {cfg.destination!r}")
+        dest = await _destination(cfg, client)
         sub = Subscriber(client, cfg.run, dest, island_id=cfg.island_id, region=cfg.region, blob_store=store,
                          cache_dir=cfg.dir / "cache", heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s, progress=progress)
         log.info("island starting", island=cfg.island_id, run=cfg.run, board=cfg.board, held=sub.held_version,

@@ -28,7 +28,7 @@ import math
 import secrets
 import time
 import uuid
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,14 +37,28 @@ import aiohttp
 import torch
 from rich.console import Console
 
+from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
+from weftboard.board.client import BoardClient
+from weftboard.board.embedded import start_redis, start_seaweedfs
+from weftboard.board.logs import configure
+from weftboard.board.process import BoardConfig, start_board
 from weftboard.cuda.warmup import warm_up_kernels
-from weftboard.subscriber.demo_view import (
+from weftboard.publisher.publisher import Publisher
+from weftboard.publisher.trajectories import TrajectoryConsumer
+from weftboard.subscriber.demo.view import (
     DemoStep,
     DemoView,
     IslandRow,
     VersionRow,
     plot,
     summary_table,
+)
+from weftboard.subscriber.engine_island import REFERENCE_CONFIG_LABEL, start_island
+from weftboard.subscriber.reference_engine.model import (
+    CharTokenizer,
+    init_parameters,
+    model_config,
+    sequence_logprobs,
 )
 
 RUN = "demo"
@@ -94,12 +108,6 @@ class Trainer:
     """fp32 master weights of the reference model and an AdamW optimizer over them."""
 
     def __init__(self, config: dict[str, Any], lr: float) -> None:
-        from weftboard.subscriber.reference_model import (
-            CharTokenizer,
-            init_parameters,
-            model_config,
-        )
-
         self.config = model_config(config)
         self.tokenizer = CharTokenizer()
         self.params = {k: v.clone().requires_grad_() for k, v in init_parameters(self.config).items()}
@@ -113,13 +121,11 @@ class Trainer:
 
     def step(self, samples: list[tuple[str, bool, float, float]]) -> float:
         """One policy-gradient step on (completion, stopped, reward, behaviour log-prob sum)."""
-        from weftboard.subscriber.reference_model import sequence_logprobs
-
         prompt_ids = self.tokenizer.encode(PROMPT)
         rewards = torch.tensor([s[2] for s in samples])
         advantages = rewards - rewards.mean()
         loss = torch.zeros(())
-        for (text, stopped, _, behaviour_lp), adv in zip(samples, advantages):
+        for (text, stopped, _, behaviour_lp), adv in zip(samples, advantages, strict=True):
             ids = self.tokenizer.encode(text) + ([self.tokenizer.eos_id] if stopped else [])
             if not ids:
                 continue
@@ -163,15 +169,6 @@ async def _rollout(session: aiohttp.ClientSession, url: str, step: int, seed: in
 
 
 async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResult:
-    from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
-    from weftboard.board.client import BoardClient
-    from weftboard.board.logs import configure
-    from weftboard.board.server import BoardConfig, start_board
-    from weftboard.board.services import start_redis, start_seaweedfs
-    from weftboard.publisher.publisher import Publisher
-    from weftboard.publisher.trajectories import TrajectoryConsumer
-    from weftboard.subscriber.island import REFERENCE_CONFIG_LABEL, start_island
-
     console = console or Console()
     configure(json=False, level="WARNING")
     out = cfg.out.resolve()
@@ -294,10 +291,8 @@ async def run_demo(cfg: DemoConfig, console: Console | None = None) -> DemoResul
             await asyncio.to_thread(publisher.flush, 120)
             head = publisher.head
             for isl in islands.values():
-                try:
+                with suppress(TimeoutError):
                     await isl.subscriber.wait_for_version(head, timeout_s=60)
-                except TimeoutError:
-                    pass
             view.update(head, steps, island_rows(), _version_rows(publisher, islands, publish_at))
 
         served = trainer.served_view()

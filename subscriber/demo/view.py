@@ -147,17 +147,17 @@ def summary_table(steps: list[DemoStep], versions: list[VersionRow], islands: li
 
 def plot(steps: list[DemoStep], versions: list[VersionRow], islands: list[str], path: Path) -> Path:
     """Patch size, density and sync latency per version, and the reward per step, as one PNG."""
-    import matplotlib
+    import matplotlib  # optional dependency (the "plots" extra): only the demo's plot needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after choosing the Agg backend (no display)
 
     fig, axes = plt.subplots(4, 1, figsize=(9, 12), sharex=False)
     xs = [v.version for v in versions]
     patch_kib = [v.patch_bytes / 1024 for v in versions]
     anchor_kib = [v.anchor_bytes / 1024 for v in versions]
     axes[0].bar(xs, patch_kib, label="patch", color="tab:blue")
-    axes[0].bar(xs, [a if not p else 0 for a, p in zip(anchor_kib, patch_kib)], label="anchor only", color="tab:gray")
+    axes[0].bar(xs, [a if not p else 0 for a, p in zip(anchor_kib, patch_kib, strict=True)], label="anchor only", color="tab:gray")
     axes[0].set_ylabel("KiB")
     axes[0].set_title("patch size per version")
     axes[0].legend()

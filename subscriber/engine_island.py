@@ -1,6 +1,7 @@
-"""Assembling one island: engine + adapter + subscriber + admission gate + sidecar.
+"""Assembling an island that serves an engine: engine + adapter + subscriber + admission gate + sidecar.
 
-``start_island`` is what ``weftboard sidecar`` and ``weftboard demo`` run. With
+``start_island`` is what ``weftboard sidecar`` and ``weftboard demo`` run (``local_follower`` is
+``weftboard subscribe``'s plain follower into a local destination, without engine or sidecar). With
 ``engine="reference"`` and no ``engine_url`` the reference engine runs in this process
 and the subscriber patches its tensors in place; otherwise the engine runs elsewhere and
 the subscriber keeps a verified checkpoint directory that the adapter makes the engine
@@ -24,11 +25,19 @@ from typing import Any
 
 import structlog
 
+from weftboard.board.client import BoardClient
 from weftboard.proto.errors import InvalidArgument, NotFound
 from weftboard.subscriber.admission import AdmissionGate, VersionState
+from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
+from weftboard.subscriber.destination import Destination
 from weftboard.subscriber.engine_destination import EngineDestination
-from weftboard.subscriber.engines import ActivationMode, make_adapter
+from weftboard.subscriber.engines.base import ActivationMode, EngineAdapter
+from weftboard.subscriber.engines.factory import make_adapter
+from weftboard.subscriber.live_tensors import LiveTensorsDestination
+from weftboard.subscriber.reference_engine.engine import ReferenceEngine
+from weftboard.subscriber.reference_engine.openai_api import serve_engine
 from weftboard.subscriber.sidecar import Sidecar, SidecarConfig
+from weftboard.subscriber.subscriber import Subscriber
 from weftboard.subscriber.trajectory_reporter import TrajectoryReporter
 
 log = structlog.get_logger(__name__)
@@ -41,12 +50,12 @@ class RunningIsland:
     island_id: str
     url: str
     sidecar: Sidecar
-    subscriber: Any
+    subscriber: Subscriber
     state: VersionState
     gate: AdmissionGate
-    adapter: Any
+    adapter: EngineAdapter
     destination: EngineDestination
-    engine: Any = None  # the in-process ReferenceEngine, when there is one
+    engine: ReferenceEngine | None = None  # the in-process engine, when there is one
     _closers: list[Any] = field(default_factory=list)
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
@@ -94,7 +103,7 @@ def _log_end(task: asyncio.Task) -> None:
                   error=f"{type(exc).__name__}: {exc}")
 
 
-async def _follow_head(subscriber: Any, state: VersionState, every_s: float = 0.05) -> None:
+async def _follow_head(subscriber: Subscriber, state: VersionState, every_s: float = 0.05) -> None:
     while True:
         if subscriber.head > state.head:
             await state.set_head(subscriber.head)
@@ -121,9 +130,6 @@ async def start_island(
     default_deadline_s: float = 30.0,
     report_trajectories: bool = True,
 ) -> RunningIsland:
-    from weftboard.board.client import BoardClient
-    from weftboard.subscriber.subscriber import Subscriber
-
     client = BoardClient(board, token)
     closers: list[Any] = [client.close]
     try:
@@ -131,35 +137,28 @@ async def start_island(
         gate = AdmissionGate(mode)
         in_process = None
         if engine == "reference" and not engine_url:
-            from weftboard.subscriber.live_tensors import LiveTensorsDestination
-            from weftboard.subscriber.reference_model import (
-                ReferenceEngine,
-                serve_engine,
-            )
-
             config = reference_config if reference_config is not None else await reference_config_of_run(client, run)
             in_process = ReferenceEngine(config, token_delay_s=token_delay_s)
             server = await serve_engine(in_process, "127.0.0.1", 0)
             closers.append(server.stop)
             engine_url = server.url
             adapter = make_adapter("reference", engine=in_process)
-            inner: Any = LiveTensorsDestination(in_process.tensors)
+            inner: Destination = LiveTensorsDestination(in_process.tensors)
             destination = EngineDestination(adapter, gate, state, inner)
         else:
-            from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
-
             if checkpoint_dir is None:
                 raise InvalidArgument(f"--engine {engine} at {engine_url} needs --dir for the checkpoint it loads")
             adapter = make_adapter(engine, engine_url)
             closers.append(adapter.close)
             # its start re-hashes the checkpoint on disk (minutes for a large model): not on the loop
-            inner = await asyncio.to_thread(CheckpointDirDestination, checkpoint_dir)
-            destination = EngineDestination(adapter, gate, state, inner, checkpoint_dir=inner.current)
-            if inner.held_version():  # a restart: serve the verified checkpoint on disk first
+            on_disk = await asyncio.to_thread(CheckpointDirDestination, checkpoint_dir)
+            destination = EngineDestination(adapter, gate, state, on_disk, checkpoint_dir=on_disk.current)
+            if on_disk.held_version():  # a restart: serve the verified checkpoint on disk first
                 await destination.activate_held()
         subscriber = Subscriber(client, run, destination, island_id=island_id, blob_store=blob_store,
                                 cache_dir=cache_dir, heartbeat_s=heartbeat_s)
         reporter = TrajectoryReporter(client) if report_trajectories else None
+
         async def board_head() -> int:
             return int((await client.get_head(run)).version)
 
@@ -167,12 +166,12 @@ async def start_island(
                                         default_deadline_s=default_deadline_s), state, gate, reporter,
                           refresh_head=board_head)
         url = await sidecar.start()
-        island = RunningIsland(island_id, url, sidecar, subscriber, state, gate, adapter, destination, in_process,
-                               closers)
-        island._tasks.append(asyncio.create_task(subscriber.run(), name=f"subscriber-{island_id}"))
-        island._tasks.append(asyncio.create_task(_follow_head(subscriber, state), name=f"head-{island_id}"))
-        for task in island._tasks:
+        tasks = [asyncio.create_task(subscriber.run(), name=f"subscriber-{island_id}"),
+                 asyncio.create_task(_follow_head(subscriber, state), name=f"head-{island_id}")]
+        for task in tasks:
             task.add_done_callback(_log_end)
+        island = RunningIsland(island_id, url, sidecar, subscriber, state, gate, adapter, destination, in_process,
+                               closers, tasks)
         log.info("island started", island=island_id, url=url, engine=engine, engine_url=engine_url,
                  mode=gate.mode.value)
         return island
