@@ -19,8 +19,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SOURCE_ITEMS = ["pyproject.toml", "README.md", "LICENSE", "proto", "board", "publisher", "subscriber", "cuda"]
 FORBIDDEN_TOP_LEVEL = {"board", "publisher", "subscriber", "cuda", "proto"}
-SUBPACKAGES = ["weftboard.proto", "weftboard.proto.v1", "weftboard.board", "weftboard.board.blobs",
-               "weftboard.publisher", "weftboard.subscriber", "weftboard.cuda"]
+PACKAGE_DIRS = {"proto": "weftboard.proto", "board": "weftboard.board", "publisher": "weftboard.publisher",
+                "subscriber": "weftboard.subscriber", "cuda": "weftboard.cuda"}
+# Every folder with an __init__.py under the fixed top-level folders is a subpackage the wheel must carry.
+SUBPACKAGES = sorted(
+    ".".join([name, *init.parent.relative_to(REPO / folder).parts])
+    for folder, name in PACKAGE_DIRS.items()
+    for init in (REPO / folder).rglob("__init__.py")
+)
 
 
 def _run(argv: list[str], cwd: Path, timeout: float = 120, env: dict[str, str] | None = None) -> str:
@@ -61,14 +67,24 @@ def test_wheel_contents_live_under_the_namespace(wheel: Path) -> None:
     assert "weftboard/__init__.py" not in names
 
 
+def _site_packages(python: Path | str, cwd: Path) -> Path:
+    return Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=cwd).strip())
+
+
 def test_wheel_installs_into_a_fresh_venv(wheel: Path, tmp_path: Path) -> None:
     venv = tmp_path / "venv"
-    # --system-site-packages reuses torch & co. instead of downloading them again.
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], cwd=tmp_path)
+    _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
     python = venv / "bin" / "python"
+    # Reuse torch & co. from the environment running the tests instead of downloading them
+    # again: a .pth line puts its site-packages after the new venv's own. (--system-site-packages
+    # would show the base interpreter's packages, not those of a virtual environment the tests
+    # run in.) The editable install's finder of this checkout is left out, so `weftboard`
+    # can only come from the wheel.
+    outer = _site_packages(sys.executable, tmp_path)
+    site = _site_packages(python, tmp_path)
+    (site / "outer-environment.pth").write_text(f"{outer}\n")
     _run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)], cwd=tmp_path, timeout=180)
 
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=tmp_path).strip())
     installed = {p.name for p in site.iterdir()}
     assert "weftboard" in installed
     assert not (FORBIDDEN_TOP_LEVEL & installed), FORBIDDEN_TOP_LEVEL & installed
