@@ -16,6 +16,7 @@ import typer
 from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
 from weftboard.board.logs import configure
 from weftboard.proto.errors import WeftboardError
+from weftboard.subscriber.bench import engine as bench_engine
 from weftboard.subscriber.engine_island import RunningIsland, start_island
 from weftboard.subscriber.engines.base import require_mode
 from weftboard.subscriber.local_follower import LocalFollowerConfig, run_local_follower
@@ -41,7 +42,9 @@ async def serve_until_stopped(island: RunningIsland, run: str) -> None:
         raise typer.Exit(1)
 
 
-def register(app: typer.Typer, _bench: typer.Typer) -> None:  # no bench command here
+def register(app: typer.Typer, bench: typer.Typer) -> None:
+    bench_engine.register(bench)
+
     @app.command()
     def subscribe(
         board: str = typer.Option(..., envvar="WEFTBOARD_BOARD", help="Board address host:port."),

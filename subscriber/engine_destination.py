@@ -8,7 +8,8 @@ Two shapes, picked from the adapter:
   between ``adapter.pause`` and ``adapter.resume``;
 - engines in their own process (vLLM, SGLang, the reference engine over HTTP): ``inner``
   is a checkpoint-directory destination; the new checkpoint is written and verified
-  aside while serving, then the engine is paused and told to load it.
+  aside while serving, then the engine is paused and takes the version: a patch in place
+  where its adapter can (``activate_patch``; vLLM's worker extension), else the folder whole.
 
 Invariants:
 - ``held_version()`` is the version the engine serves (``adapter.served_version()``).
@@ -77,7 +78,10 @@ class EngineDestination:
         else:
             if self.inner.held_version() != target.version:
                 await self.inner.apply_patch(patch, target)
-            await self._activate_checkpoint(target.version)
+            assert self.checkpoint_dir is not None
+            checkpoint_dir = self.checkpoint_dir
+            await self._activate(target.version,
+                                 lambda: self._patch_engine(patch, target, checkpoint_dir))
 
     async def apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> None:
         raise ApplyError(f"the {self.adapter.kind} engine destination does not apply a patch while it arrives")
@@ -98,6 +102,11 @@ class EngineDestination:
             self.adapter.mark_served(version)
 
         await self._activate(version, change_and_mark)
+
+    async def _patch_engine(self, patch: Path, target: VersionTarget, checkpoint_dir: Path) -> None:
+        """The engine takes the verified patch in place where its adapter can, else the folder whole."""
+        how = await self.adapter.activate_patch(patch, target, checkpoint_dir)
+        log.debug("engine updated", version=target.version, engine=self.adapter.kind, how=how)
 
     async def _activate_checkpoint(self, version: int) -> None:
         """Make the engine load the verified checkpoint the inner destination holds."""

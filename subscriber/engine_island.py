@@ -150,6 +150,7 @@ async def start_island(
                 raise InvalidArgument(f"--engine {engine} at {engine_url} needs --dir for the checkpoint it loads")
             adapter = make_adapter(engine, engine_url)
             closers.append(adapter.close)
+            await adapter.warm_up()
             # its start re-hashes the checkpoint on disk (minutes for a large model): not on the loop
             on_disk = await asyncio.to_thread(CheckpointDirDestination, checkpoint_dir)
             destination = EngineDestination(adapter, gate, state, on_disk, checkpoint_dir=on_disk.current)

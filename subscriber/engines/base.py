@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from weftboard.proto.errors import InvalidArgument
+from weftboard.subscriber.destination import VersionTarget
 
 
 class ActivationMode(str, Enum):
@@ -70,6 +71,19 @@ class EngineAdapter(abc.ABC):
         This is the "apply a patch in place" path: the caller patches these tensors
         between ``pause`` and ``resume`` and then calls ``mark_served``."""
         return None
+
+    async def activate_patch(self, patch: Path, target: VersionTarget, checkpoint_dir: Path) -> str:
+        """Between ``pause`` and ``resume``: make the engine serve ``target``, given the verified
+        ``patch`` from the version it serves and the verified folder ``checkpoint_dir`` that
+        already holds ``target``. Engines that apply patches in place override this; the
+        default loads the folder whole. Answers ``"in_place"`` or ``"full_load"``."""
+        await self.load_checkpoint(checkpoint_dir, target.version)
+        return "full_load"
+
+    async def warm_up(self) -> float:
+        """Prepare in-place updates while the engine serves (compile kernels), before the first
+        one; the seconds it took (0 for engines with nothing to prepare)."""
+        return 0.0
 
     @abc.abstractmethod
     async def health(self) -> bool:

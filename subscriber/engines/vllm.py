@@ -1,33 +1,61 @@
-"""vLLM adapter, against the server's RL endpoints (``VLLM_SERVER_DEV_MODE=1``).
+"""vLLM adapter: patches applied in place inside the engine, a full reload as the fallback.
 
-The endpoints (vLLM docs "Async Reinforcement Learning" and
-``vllm/entrypoints/serve/rlhf/api_router.py``):
-- ``POST /pause?mode=wait|keep&clear_cache=true``: ``wait`` lets in-flight requests
-  finish first (our ``drain``); ``keep`` freezes them in the scheduler and they resume
-  on the new weights (our ``in_place``). ``clear_cache`` drops KV/prefix cache computed
-  with the old weights.
-- ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs": {"weights_path": dir}}``:
-  every worker reloads the checkpoint directory from disk (vLLM's weight-transfer
-  ``/update_weights`` path moves tensors over NCCL/IPC, which an island without the
-  trainer's fabric does not have; the subscriber has already written the verified
-  checkpoint to local disk).
-- ``POST /reset_prefix_cache`` after a reload; ``POST /resume``; ``GET /health``.
+The engine runs with the weftboard worker extension and vLLM's development endpoints::
 
-The exact requests are pinned by tests/contracts/vllm.json.
+    VLLM_SERVER_DEV_MODE=1 python -m vllm.entrypoints.openai.api_server --model DIR \\
+        --worker-extension-cls weftboard.subscriber.engines.vllm_worker.WeftboardWorkerExtension
+
+Endpoints used (``vllm/entrypoints/rl/online/api_router.py`` and ``serve/dev``):
+- ``POST /pause?mode=wait|keep&clear_cache=true``: ``wait`` lets in-flight requests finish
+  first (our ``drain``); ``keep`` freezes them between two steps (our ``in_place``); the KV and
+  prefix caches computed on the old weights are dropped (frozen requests recompute theirs).
+- ``POST /collective_rpc`` ``{"method": "weftboard_apply_patch", "kwargs": {"patch_path",
+  "target"}}``: every worker applies the verified patch file (on this host) to its weights and
+  answers its status and root digest (``vllm_worker``); ``weftboard_attach`` loads a verified
+  checkpoint folder whole; ``weftboard_digest`` reports what the workers hold;
+  ``reload_weights`` (the engine's own reload from disk) stays for ``load_checkpoint``.
+- ``POST /reset_prefix_cache`` after a change; ``POST /resume``; ``GET /health``.
+The requests of ``pause``, ``resume`` and ``load_checkpoint`` are pinned by tests/contracts/vllm.json.
+
+Security: ``VLLM_SERVER_DEV_MODE`` exposes unauthenticated endpoints that change weights and
+run worker methods (``/collective_rpc``, ``/pause``, ``/update_weights``...); vLLM's
+``--api-key`` guards only ``/v1``-style paths, not these. The engine's port must be reachable only by the island (bind it to 127.0.0.1 or a private network); clients
+reach the engine through the island's sidecar.
+
+Invariants: ``served_version()`` moves only after every worker answered ``ok`` with the
+record's root digest; any other answer raises ``ApplyError`` saying what the engine serves
+now. Patches in place need the island and the engine on one host (the worker reads the file).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import structlog
+
+from weftboard.proto.errors import ApplyError
+from weftboard.subscriber.destination import VersionTarget
 from weftboard.subscriber.engines.base import ActivationMode, require_mode
 from weftboard.subscriber.engines.http import HttpEngineAdapter
+from weftboard.subscriber.engines.vllm_worker import target_to_json
 
+log = structlog.get_logger(__name__)
+
+#: the flag value a user adds to vLLM's server command
+WORKER_EXTENSION = "weftboard.subscriber.engines.vllm_worker.WeftboardWorkerExtension"
 _PAUSE_MODE = {ActivationMode.DRAIN: "wait", ActivationMode.IN_PLACE: "keep"}
+#: worker answers after which the engine may take the version whole from a verified folder
+_NEEDS_FULL_LOAD = ("needs_attach", "install_failed")
 
 
 class VllmAdapter(HttpEngineAdapter):
     kind = "vllm"
+    #: False once ``warm_up`` found no worker extension in the engine
+    in_place = True
+    #: the slowest worker's seconds of the last patch in place: ``apply_s`` (patch and verify),
+    #: ``install_s`` (the model's loader); empty after anything else
+    last_timings: dict[str, float] = {}  # replaced, never mutated
 
     async def pause(self, mode: ActivationMode) -> None:
         await self.call("POST", "/pause", params={"mode": _PAUSE_MODE[require_mode(mode)], "clear_cache": "true"},
@@ -37,6 +65,7 @@ class VllmAdapter(HttpEngineAdapter):
         await self.call("POST", "/resume")
 
     async def load_checkpoint(self, directory: Path, version: int) -> None:
+        """The engine's own reload of a whole checkpoint folder from disk."""
         await self.call(
             "POST",
             "/collective_rpc",
@@ -45,3 +74,101 @@ class VllmAdapter(HttpEngineAdapter):
         )
         await self.call("POST", "/reset_prefix_cache")
         self.mark_served(version)
+
+    async def reload(self, directory: Path, version: int) -> None:
+        """``load_checkpoint`` and then the tied output head prepared again (``weftboard_retie``):
+        vLLM's reload leaves a tied head's packed CPU copy on the old version."""
+        await self.load_checkpoint(directory, version)
+        await self._rpc("weftboard_retie", {})
+
+    async def warm_up(self) -> float:
+        """Compile the codec's kernels in every worker while the engine serves; the seconds it took.
+
+        An engine started without the worker extension cannot take patches in place: every
+        version is then the engine's own reload, and the log says how to fix that."""
+        try:
+            answers = await self._rpc("weftboard_warm_up", {})
+        except ApplyError as exc:
+            self.in_place = False
+            log.warning("vllm engine without the weftboard worker extension: every version is a full reload; "
+                        "start it with --worker-extension-cls " + WORKER_EXTENSION, engine=self.engine_url,
+                        error=str(exc))
+            return 0.0
+        return max(float(a.get("seconds", 0.0)) for a in answers)
+
+    async def attach(self, directory: Path, target: VersionTarget) -> None:
+        """Between pause and resume: every worker loads the verified folder of ``target`` whole."""
+        answers = await self._rpc("weftboard_attach", {"checkpoint_dir": str(directory), "target": target_to_json(target)})
+        self._require_ok(answers, target, what=f"loading {directory}")
+        await self.call("POST", "/reset_prefix_cache")
+        self.mark_served(target.version)
+
+    async def activate_patch(self, patch: Path, target: VersionTarget, checkpoint_dir: Path | None = None) -> str:
+        """Between pause and resume: apply ``patch`` in place; answers ``"in_place"`` or ``"full_load"``.
+
+        A worker that does not hold the patch's base (the engine restarted, or reloaded an
+        anchor from disk) or whose hand-over failed takes the version whole from
+        ``checkpoint_dir`` (the island's verified folder, already at ``target.version``)."""
+        if not self.in_place:
+            if checkpoint_dir is None:
+                raise ApplyError(f"vllm engine at {self.engine_url} has no weftboard worker extension and no "
+                                 f"verified folder was given to load version {target.version} whole")
+            await self.load_checkpoint(checkpoint_dir, target.version)
+            return "full_load"
+        answers = await self._rpc("weftboard_apply_patch", {"patch_path": str(patch), "target": target_to_json(target)})
+        statuses = {a.get("status") for a in answers}
+        self.last_timings = {k: max(float(a.get(k, 0.0)) for a in answers) for k in ("apply_s", "install_s")}
+        if statuses == {"ok"}:
+            self._require_ok(answers, target, what=f"applying {patch.name}")
+            await self.call("POST", "/reset_prefix_cache")
+            self.mark_served(target.version)
+            return "in_place"
+        if "layout" in statuses:
+            raise ApplyError(f"vllm engine at {self.engine_url}: version {target.version} has a layout the engine "
+                             f"does not hold ({_errors(answers)}); restart the engine from that version's folder")
+        if "rejected" in statuses and not statuses & set(_NEEDS_FULL_LOAD) and "ok" not in statuses:
+            raise ApplyError(f"vllm engine at {self.engine_url} refused the patch to version {target.version} and "
+                             f"still serves version {self.served_version()}: {_errors(answers)}")
+        if checkpoint_dir is None:
+            raise ApplyError(f"vllm engine at {self.engine_url} cannot apply version {target.version} in place "
+                             f"({_errors(answers)}) and no verified folder was given to load it whole")
+        await self.attach(checkpoint_dir, target)  # some workers moved, others not, or none holds the base
+        return "full_load"
+
+    async def engine_digest(self) -> tuple[int, str | None]:
+        """The version and root digest every worker holds (they must agree)."""
+        answers = await self._rpc("weftboard_digest", {})
+        held = {(a.get("version"), a.get("root")) for a in answers}
+        if len(held) != 1:
+            raise ApplyError(f"vllm engine at {self.engine_url}: workers hold different versions {sorted(map(str, held))}")
+        version, root = held.pop()
+        return int(version or 0), root
+
+    async def _rpc(self, method: str, kwargs: dict[str, str]) -> list[dict[str, Any]]:
+        answer = await self.call("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs},
+                                 timeout_s=self.load_timeout_s)
+        results = answer.get("results") if isinstance(answer, dict) else None
+        if not results or not all(isinstance(r, dict) for r in results):
+            raise ApplyError(f"vllm engine at {self.engine_url} answered {method} with {str(answer)[:300]}: is it "
+                             f"started with --worker-extension-cls {_EXTENSION}?")
+        return results
+
+    def _require_ok(self, answers: list[dict[str, Any]], target: VersionTarget, *, what: str) -> None:
+        bad = [a for a in answers if a.get("status") != "ok" or a.get("root") != target.root_digest]
+        if not bad:
+            return
+        if all(a.get("restored", True) for a in bad) and len(bad) == len(answers):
+            now = f"it still serves version {self.served_version()}"
+        else:
+            now = ("its weights are no longer a verified version: load a verified folder (load_checkpoint) or "
+                   "restart the engine before it serves again")
+        raise ApplyError(f"vllm engine at {self.engine_url}: {what} for version {target.version} failed on "
+                         f"{len(bad)} of {len(answers)} workers ({_errors(bad)}); {now}")
+
+
+_EXTENSION = "weftboard.subscriber.engines.vllm_worker.WeftboardWorkerExtension"
+
+
+def _errors(answers: list[dict[str, Any]]) -> str:
+    return "; ".join(f"worker {a.get('rank')}: {a.get('status')}: {a.get('error')}" for a in answers
+                     if a.get("status") != "ok") or "no error"

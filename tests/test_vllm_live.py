@@ -1,0 +1,243 @@
+"""A real vLLM (CPU build, its own virtual environment and process) updated in place by patches.
+
+One engine serves the whole module (startup costs about a minute here). For every version the
+island's adapter pauses it, has its workers apply the verified patch to their weights, and
+resumes, while clients keep sending requests; then the engine's greedy tokens and per-token
+log-probs for fixed prompts must equal those it gives after its own full reload of that
+version's checkpoint from disk, and its weights digest the version's root digest. For the last
+version a freshly started engine on the full checkpoint folder must agree too. Versions are
+encoded with the codec's ``encode_patch`` (not through a board), bf16, AdamW-like steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from weftboard.proto.errors import ApplyError
+from weftboard.subscriber.bench import vllm_kit
+from weftboard.subscriber.engines.base import ActivationMode
+from weftboard.subscriber.engines.vllm import VllmAdapter
+from weftboard.subscriber.engines.vllm_worker import (
+    module_groups,
+    target_from_json,
+    target_to_json,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+PROMPTS = ["the quick brown fox", "weights move from", "every version is"]
+VERSIONS = 8
+
+
+@dataclass
+class Kit:
+    python: Path
+    root: Path
+    model: Path
+    versions: list[vllm_kit.Version]
+    src: Path
+    live: vllm_kit.VllmServer
+    outputs: dict[int, list] = field(default_factory=dict)  # version -> the live engine's answers
+
+
+def _start(kit_python: Path, model: Path, log: Path, src: Path) -> vllm_kit.VllmServer:
+    server = vllm_kit.VllmServer(kit_python, model, log, pythonpath=src)
+    try:
+        server.wait_ready()
+    except RuntimeError:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kit]:
+    python, why = vllm_kit.engine_python()
+    if python is None:
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("vllm")
+    model = vllm_kit.build_tiny_model(python, root / "model")
+    versions = vllm_kit.make_versions(model, root / "versions", VERSIONS + 1)  # the last for the failure tests
+    src = vllm_kit.weftboard_path()
+    live = _start(python, model, root / "live.log", src)
+    try:
+        yield Kit(python, root, model, versions, src, live)
+    finally:
+        live.stop()
+
+
+class Load:
+    """Clients sending completions without pause while swaps happen; counts what failed."""
+
+    def __init__(self, server: vllm_kit.VllmServer, clients: int = 3) -> None:
+        self.server = server
+        self.stop_event = threading.Event()
+        self.done = 0
+        self.failed: list[str] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(clients)]
+
+    def _run(self, i: int) -> None:
+        while not self.stop_event.is_set():
+            try:
+                self.server.complete(PROMPTS[i % len(PROMPTS)] + " and", max_tokens=8)
+                with self._lock:
+                    self.done += 1
+            except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
+                with self._lock:
+                    self.failed.append(repr(exc))
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        time.sleep(0.3)  # requests in flight before the swap starts
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_event.set()
+        for t in self._threads:
+            t.join(timeout=120)
+
+
+def answers(server: vllm_kit.VllmServer) -> list:
+    return [server.complete(p) for p in PROMPTS]
+
+
+async def _swap(adapter: VllmAdapter, version: vllm_kit.Version) -> str:
+    await adapter.pause(ActivationMode.IN_PLACE)
+    try:
+        assert version.patch is not None
+        return await adapter.activate_patch(version.patch, version.target, version.folder)
+    finally:
+        await adapter.resume()
+
+
+async def test_every_version_in_place_equals_a_full_load(kit: Kit) -> None:
+    adapter = VllmAdapter(kit.live.url, timeout_s=120)
+    try:
+        assert await adapter.warm_up() >= 0
+        v0 = kit.versions[0]
+        await adapter.pause(ActivationMode.IN_PLACE)
+        try:
+            await adapter.attach(v0.folder, v0.target)
+        finally:
+            await adapter.resume()
+        assert await adapter.engine_digest() == (0, v0.target.root_digest)
+        served = 0
+        for version in kit.versions[1:VERSIONS + 1]:
+            with Load(kit.live) as load:
+                how = await _swap(adapter, version)
+            assert how == "in_place"
+            assert not load.failed, load.failed[:3]
+            served += load.done
+            assert adapter.served_version() == version.target.version
+            assert await adapter.engine_digest() == (version.target.version, version.target.root_digest)
+            in_place = answers(kit.live)
+            kit.outputs[version.target.version] = in_place
+            # the reference: the engine's own full reload of this version's checkpoint from disk
+            with Load(kit.live) as load:
+                await adapter.pause(ActivationMode.IN_PLACE)
+                try:
+                    await adapter.reload(version.folder, version.target.version)
+                finally:
+                    await adapter.resume()
+            assert not load.failed, load.failed[:3]
+            assert answers(kit.live) == in_place, f"version {version.target.version}"
+        assert served > 0
+        # versions really differ: the answers move
+        assert kit.outputs[1] != kit.outputs[VERSIONS]
+    finally:
+        await adapter.close()
+
+
+async def test_fresh_engine_on_the_last_version_agrees(kit: Kit) -> None:
+    if VERSIONS not in kit.outputs:
+        pytest.skip("needs test_every_version_in_place_equals_a_full_load")
+    last = kit.versions[VERSIONS]
+    folder = vllm_kit.model_folder(kit.model, last.folder, kit.root / "fresh-model")
+    fresh = _start(kit.python, folder, kit.root / "fresh.log", kit.src)
+    try:
+        assert answers(fresh) == kit.outputs[VERSIONS]
+        # A restarted engine holds no version: the next patch takes the island's verified folder whole.
+        adapter = VllmAdapter(fresh.url, timeout_s=120)
+        adapter.mark_served(VERSIONS)
+        nxt = kit.versions[VERSIONS + 1]
+        await adapter.pause(ActivationMode.IN_PLACE)
+        try:
+            with pytest.raises(ApplyError, match="no verified folder"):
+                await adapter.activate_patch(nxt.patch, nxt.target, None)
+            assert adapter.served_version() == VERSIONS
+            assert await adapter.activate_patch(nxt.patch, nxt.target, nxt.folder) == "full_load"
+        finally:
+            await adapter.resume()
+        assert await adapter.engine_digest() == (nxt.target.version, nxt.target.root_digest)
+        await adapter.close()
+    finally:
+        fresh.stop()
+
+
+async def test_a_refused_patch_leaves_the_engine_on_its_version(kit: Kit) -> None:
+    adapter = VllmAdapter(kit.live.url, timeout_s=120)
+    version, root = await adapter.engine_digest()
+    if version != VERSIONS:
+        pytest.skip("needs test_every_version_in_place_equals_a_full_load")
+    adapter.mark_served(VERSIONS)
+    nxt = kit.versions[VERSIONS + 1]
+    before = answers(kit.live)
+    name = nxt.target.layout[0].name
+    tampered = replace(nxt.target, tensor_digests={**nxt.target.tensor_digests, name: "xxh3-128:" + "0" * 32})
+    missing = replace(nxt.target, layout=list(nxt.target.layout)[1:])
+    try:
+        await adapter.pause(ActivationMode.IN_PLACE)
+        try:
+            with pytest.raises(ApplyError, match=f"still serves version {VERSIONS}"):
+                await adapter.activate_patch(nxt.patch, tampered, nxt.folder)
+            with pytest.raises(ApplyError, match="layout"):
+                await adapter.activate_patch(nxt.patch, missing, nxt.folder)
+        finally:
+            await adapter.resume()
+        assert adapter.served_version() == VERSIONS
+        assert await adapter.engine_digest() == (VERSIONS, root)
+        assert answers(kit.live) == before
+        # the reverted bytes are exactly the old ones: the genuine patch still applies and verifies
+        assert await _swap(adapter, nxt) == "in_place"
+        assert await adapter.engine_digest() == (nxt.target.version, nxt.target.root_digest)
+    finally:
+        await adapter.close()
+
+
+async def test_an_unreachable_engine_is_an_apply_error() -> None:
+    adapter = VllmAdapter(f"http://127.0.0.1:{vllm_kit.free_port()}", timeout_s=5)
+    adapter.mark_served(3)
+    try:
+        with pytest.raises(ApplyError, match="unreachable"):
+            await adapter.activate_patch(Path("/nonexistent.patch"), vllm_kit.version_record(4, {}), None)
+        assert adapter.served_version() == 3
+    finally:
+        await adapter.close()
+
+
+def test_checkpoint_names_group_by_the_vllm_module_they_load_into() -> None:
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.v_proj.weight",
+             "model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.up_proj.weight",
+             "model.layers.1.mlp.gate_proj.weight", "model.embed_tokens.weight"]
+    assert module_groups(names, packed) == {
+        "model.layers.0.self_attn.qkv_proj": names[:2],
+        "model.layers.0.self_attn.o_proj": [names[2]],
+        "model.layers.1.mlp.gate_up_proj": names[3:5],
+        "model.embed_tokens": [names[5]],
+    }
+
+
+def test_the_version_record_crosses_collective_rpc_as_text() -> None:
+    record = vllm_kit.version_record(5, {"a.weight": torch.ones(3, 2, dtype=torch.bfloat16)})
+    assert target_from_json(target_to_json(record)) == replace(record, layout=list(record.layout))
