@@ -264,9 +264,9 @@ def _check_pair(old: np.ndarray, new: np.ndarray, cast: bool, tile: int) -> None
 
 def _prefix(thr: np.ndarray) -> np.ndarray:
     out = np.empty(10 * (thr.size + 1), np.uint8)
-    p = entropy._write_varint(out, 0, thr.size)
+    p = entropy.write_varint(out, 0, thr.size)
     for t in thr:
-        p = entropy._write_varint(out, p, int(t))
+        p = entropy.write_varint(out, p, int(t))
     return out[:p]
 
 
@@ -509,12 +509,12 @@ class ContextStream:
     """A ``context`` stream whose classes, tables and directory were parsed and checked."""
 
     def __init__(self, buf: np.ndarray, numel: int, tile: int, changed: int) -> None:
-        nthr, p = entropy._varint(buf, 0, buf.size)
+        nthr, p = entropy.read_varint(buf, 0, buf.size)
         if not 1 <= nthr <= MAX_THRESHOLDS:
             raise ValueError("the class thresholds are truncated or malformed")
         thr = np.zeros(nthr, np.int64)
         for j in range(nthr):
-            thr[j], p = entropy._varint(buf, p, buf.size)
+            thr[j], p = entropy.read_varint(buf, p, buf.size)
             if p < 0:
                 raise ValueError("the class thresholds are truncated or malformed")
         try:

@@ -79,43 +79,23 @@ def _ascending_below(pos: np.ndarray, numel: int) -> bool:
     return prev < numel
 
 
-def _code_tiles(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: int, tile: int, rans: bool) -> tuple:
-    """The two-step encoder's passes shared by both streams: the plan, then each tile's Rice
-    bits | rANS bytes (``rans``; none for ``huffman``) | escapes in its own scratch region.
-    Returns (tile_ptr, syms, counts, freq or None, ks, rice_bytes, n_esc, rans_len,
-    scratch_off, scratch)."""
+def _encode_huffman(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: int, tile: int) -> np.ndarray:
+    """The ``huffman`` stream of a delta, in two steps: the plan, then each tile's Rice bits |
+    escapes in its own scratch region, then the values Huffman-coded and the stream assembled
+    by the fused encoder's finish, so both encoders give the same bytes."""
     width = old.itemsize
     ntiles = (numel + tile - 1) // tile
     tile_ptr = np.searchsorted(pos, np.arange(ntiles + 1, dtype=np.int64) * tile).astype(np.int64)
     syms, counts, ks, rice_bytes, n_esc = entropy.plan_tiles(pos, old, new, width, tile_ptr, tile)
     ns = np.diff(tile_ptr)
-    freq = entropy.quantize_freqs(counts) if rans else None
-    value_room = 2 * ns + 4 if rans else 0  # rANS: at most 2 bytes a symbol, and the final state
-    bounds = np.where(ns > 0, rice_bytes + value_room + 4 + n_esc * width, 0)  # 4 of slack: rice_put's stores
+    bounds = np.where(ns > 0, rice_bytes + 4 + n_esc * width, 0)  # 4 of slack: rice_put's stores
     scratch_off = np.zeros(ntiles + 1, np.int64)
     np.cumsum(bounds, out=scratch_off[1:])
     scratch = np.empty(int(scratch_off[-1]), np.uint8)
-    rtab = entropy.rans_encoder_tables(freq) if rans else np.zeros((0, 5), np.int64)
-    rans_len = entropy.encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, rtab, scratch)
-    return tile_ptr, syms, counts, freq, ks, rice_bytes, n_esc, rans_len, scratch_off, scratch
-
-
-def _encode_rans(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: int, tile: int) -> np.ndarray:
-    tile_ptr, _, _, freq, ks, rice_bytes, n_esc, rans_len, scratch_off, scratch = _code_tiles(pos, old, new, numel,
-                                                                                            tile, True)
-    return entropy.assemble(freq, np.diff(tile_ptr), ks, rice_bytes, rans_len, n_esc, old.itemsize, scratch,
-                            scratch_off)
-
-
-def _encode_huffman(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: int, tile: int) -> np.ndarray:
-    """The ``huffman`` stream of a delta: the same plan and Rice bits as ``_encode_rans``,
-    then the values Huffman-coded and the stream assembled by the fused encoder's finish, so
-    both encoders give the same bytes."""
-    tile_ptr, syms, counts, _, ks, rice_bytes, n_esc, _, scratch_off, scratch = _code_tiles(pos, old, new, numel,
-                                                                                          tile, False)
+    entropy.encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, scratch)
     starts = scratch_off[:-1]
-    return finish_scanned_tiles(np.diff(tile_ptr), ks, rice_bytes, n_esc, counts, old.itemsize, scratch,
-                                         starts, syms, tile_ptr[:-1], scratch, starts + rice_bytes, huff=True)
+    return finish_scanned_tiles(ns, ks, rice_bytes, n_esc, counts, width, scratch, starts, syms, tile_ptr[:-1],
+                                scratch, starts + rice_bytes)
 
 
 def _encode_default(pos: np.ndarray, old: np.ndarray, new: np.ndarray, numel: int) -> tuple[str, np.ndarray]:

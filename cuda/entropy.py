@@ -11,7 +11,7 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from weftboard.cuda.bitops import copy_bytes, store_u32le, store_u64le
+from weftboard.cuda.bitops import store_u32le, store_u64le
 from weftboard.cuda.jit import parallel_kernel
 
 SCALE_BITS = 14
@@ -278,63 +278,29 @@ def rice_flush(buf, p, acc, nbits):
 
 
 @parallel_kernel
-def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, rtab, scratch):
-    """Pass 2: write each tile's Rice | rANS | escapes at ``scratch_off[t]``; returns rans_len.
-    With an ``rtab`` of no rows, Rice | escapes only (the ``huffman`` stream codes its values
-    apart, ``weftboard.cuda.huffman``), and every rans_len is 0."""
+def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_off, scratch):
+    """Pass 2 of the two-step encoder: write each tile's Rice bits | escapes at
+    ``scratch_off[t]`` (the ``huffman`` stream codes its values apart, ``weftboard.cuda.huffman``).
+    A region holds the exact Rice bytes, 4 of slack for ``rice_put``'s stores and the escapes."""
     ntiles = tile_ptr.size - 1
-    rans_len = np.zeros(ntiles, np.int64)
     mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - 8 * width)
-    with_rans = rtab.shape[0] > 0
     for t in nb.prange(ntiles):
         lo = tile_ptr[t]
         hi = tile_ptr[t + 1]
         if hi == lo:
             continue
         k = ks[t]
-        base = scratch_off[t]
-        # Rice runs forward from the region start while rANS runs backward from the region
-        # end (before the escapes), in one loop: two independent dependency chains. The
-        # bound on the region (exact Rice bytes + 2 bytes per symbol + 4 + 4 of slack) keeps
-        # them apart, and keeps rice_put's stray bytes off the rANS stream.
-        p = base
+        p = scratch_off[t]
         acc = 0
         nbits = 0
         lowmask = (1 << k) - 1
-        end = scratch_off[t + 1] - n_esc[t] * width
-        q = end
-        x = RANS_L
-        n = hi - lo
         tile_start = t * tile
-        for j in range(n):
+        for j in range(hi - lo):
             i = lo + j
             g = pos[i] - (pos[i - 1] + 1 if j > 0 else tile_start)
             p, acc, nbits = rice_put(scratch, p, acc, nbits, g, k, lowmask)
-            if not with_rans:
-                continue
-            s = syms[hi - 1 - j]
-            if x >= rtab[s, 0]:
-                q -= 1
-                scratch[q] = x & 0xFF
-                x >>= 8
-                if x >= rtab[s, 0]:
-                    q -= 1
-                    scratch[q] = x & 0xFF
-                    x >>= 8
-            x = x + rtab[s, 3] + (((x * rtab[s, 1]) >> 32) >> rtab[s, 2]) * rtab[s, 4]
-        rice_end = rice_flush(scratch, p, acc, nbits)
-        m = 0
-        if with_rans:
-            q -= 4
-            for b in range(4):  # the final state, little-endian, read first by the decoder
-                scratch[q + b] = (x >> (8 * b)) & 0xFF
-            # bytes were written at decreasing addresses, so [q, end) is already in decode order
-            m = end - q
-            for j in range(m):  # q >= rice_end: a forward copy never overwrites unread bytes
-                scratch[rice_end + j] = scratch[q + j]
-        rans_len[t] = m
-        # escapes: raw differences, little-endian, in change order
-        e = rice_end + m
+        # escapes: raw differences, little-endian, in change order, right after the Rice bytes
+        e = rice_flush(scratch, p, acc, nbits)
         if n_esc[t]:
             for i in range(lo, hi):
                 if syms[i] == ESC:
@@ -342,7 +308,6 @@ def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_
                     for b in range(width):
                         scratch[e] = np.uint8((d >> np.uint64(8 * b)) & np.uint64(0xFF))
                         e += 1
-    return rans_len
 
 
 # ---------------------------------------------------------------------------
@@ -351,8 +316,8 @@ def encode_tiles(pos, syms, old, new, width, tile_ptr, tile, ks, n_esc, scratch_
 
 
 @nb.njit(cache=True)
-def _varint(buf, p, end):
-    """(value, new position) or (-1, -1) if truncated or longer than 9 bytes."""
+def read_varint(buf, p, end):
+    """A LEB128 varint at ``buf[p]``, before ``end``: (value, new position) or (-1, -1) if truncated or longer than 9 bytes."""
     v = 0
     shift = 0
     while True:
@@ -369,16 +334,16 @@ def _varint(buf, p, end):
 @nb.njit(cache=True)
 def _read_table(buf, p, end, freq):
     """Parse one frequency table at ``buf[p]`` into ``freq``; (error code or 0, end, nsym)."""
-    nsym, p = _varint(buf, p, end)
+    nsym, p = read_varint(buf, p, end)
     if nsym < 0 or nsym > NSYM:
         return 1, p, 0
     last = -1
     total = 0
     for _ in range(nsym):
-        s, p = _varint(buf, p, end)
+        s, p = read_varint(buf, p, end)
         if s < 0:
             return 1, p, 0
-        f, p = _varint(buf, p, end)
+        f, p = read_varint(buf, p, end)
         if f < 0:
             return 1, p, 0
         if s <= last or s >= NSYM or f < 1 or f > SCALE:
@@ -428,7 +393,7 @@ def parse_directory(buf, p, nclasses, numel, tile, width, changed, nsyms):
         tile_n = min(tile, numel - t * tile)
         n = 0
         for c in range(nclasses):
-            v, p = _varint(buf, p, end)
+            v, p = read_varint(buf, p, end)
             if v < 0:
                 return 3, ns, ks, rice, rans, esc, offs
             ns[t, c] = v
@@ -444,18 +409,18 @@ def parse_directory(buf, p, nclasses, numel, tile, width, changed, nsyms):
                 if p >= end:
                     return 3, ns, ks, rice, rans, esc, offs
                 ks[t, c] = buf[p]
-                r, p = _varint(buf, p + 1, end)
+                r, p = read_varint(buf, p + 1, end)
                 if r < 0:
                     return 3, ns, ks, rice, rans, esc, offs
                 if r > end:  # a length past the stream (summed unchecked, it could wrap int64)
                     return 5, ns, ks, rice, rans, esc, offs
                 rice[t, c] = r
-        a, p = _varint(buf, p, end)
+        a, p = read_varint(buf, p, end)
         if a < 0:
             return 3, ns, ks, rice, rans, esc, offs
         if a > end:
             return 5, ns, ks, rice, rans, esc, offs
-        e, p = _varint(buf, p, end)
+        e, p = read_varint(buf, p, end)
         if e < 0 or e > n:
             return 3, ns, ks, rice, rans, esc, offs
         rans[t] = a
@@ -526,12 +491,13 @@ def gather(target, pos, out):
 
 
 # ---------------------------------------------------------------------------
-# assembly of a tensor's default stream
+# writers of the tables and directories (``tile_assembly``, ``huffman``, ``context_codec``)
 # ---------------------------------------------------------------------------
 
 
 @nb.njit(cache=True)
-def _write_varint(buf, p, v):
+def write_varint(buf, p, v):
+    """Write ``v`` >= 0 as a LEB128 varint (7 bits a byte, low first) at ``buf[p]``; returns the end."""
     while v >= 0x80:
         buf[p] = (v & 0x7F) | 0x80
         p += 1
@@ -547,37 +513,9 @@ def write_table(out, p, freq):
     for s in range(NSYM):
         if freq[s] > 0:
             nsym += 1
-    p = _write_varint(out, p, nsym)
+    p = write_varint(out, p, nsym)
     for s in range(NSYM):
         if freq[s] > 0:
-            p = _write_varint(out, p, s)
-            p = _write_varint(out, p, freq[s])
+            p = write_varint(out, p, s)
+            p = write_varint(out, p, freq[s])
     return p
-
-
-@nb.njit(cache=True, nogil=True)
-def assemble(freq, ns, ks, rice_bytes, rans_len, n_esc, width, scratch, scratch_off):
-    """Table + directory + compacted tile payloads as one uint8 array."""
-    ntiles = ns.size
-    cap = 10 + NSYM * 20 + ntiles * 40
-    for t in range(ntiles):
-        cap += rice_bytes[t] + rans_len[t] + n_esc[t] * width
-    out = np.empty(cap, np.uint8)
-    p = write_table(out, 0, freq)
-    for t in range(ntiles):
-        p = _write_varint(out, p, ns[t])
-        if ns[t] == 0:
-            continue
-        out[p] = ks[t]
-        p += 1
-        p = _write_varint(out, p, rice_bytes[t])
-        p = _write_varint(out, p, rans_len[t])
-        p = _write_varint(out, p, n_esc[t])
-    for t in range(ntiles):
-        if ns[t] == 0:
-            continue
-        src = scratch_off[t]
-        m = rice_bytes[t] + rans_len[t] + n_esc[t] * width  # Rice | rANS | escapes, contiguous
-        copy_bytes(out, p, scratch, src, m)
-        p += m
-    return out[:p]

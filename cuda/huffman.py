@@ -15,10 +15,10 @@ import numpy as np
 from weftboard.cuda.bitops import load_u64le
 from weftboard.cuda.entropy import (
     NSYM,
-    _varint,
-    _write_varint,
     bytes_put,
     parse_directory,
+    read_varint,
+    write_varint,
 )
 from weftboard.cuda.jit import parallel_kernel
 
@@ -160,10 +160,10 @@ def write_table(out, p, lengths, present):
     for s in range(NSYM):
         if present[s]:
             nsym += 1
-    p = _write_varint(out, p, nsym)
+    p = write_varint(out, p, nsym)
     for s in range(NSYM):
         if present[s]:
-            p = _write_varint(out, p, s)
+            p = write_varint(out, p, s)
             out[p] = lengths[s]
             p += 1
     return p
@@ -174,13 +174,13 @@ def read_table(buf, p, end, lengths, present):
     """Parse a table at ``buf[p]`` into ``lengths`` and ``present``; (error code or 0, end,
     nsym). Error 1: truncated or malformed; 2: symbols out of order or unknown, a length out
     of range, or not a complete code."""
-    nsym, p = _varint(buf, p, end)
+    nsym, p = read_varint(buf, p, end)
     if nsym < 0 or nsym > NSYM:
         return 1, p, 0
     last = -1
     kraft = 0
     for _ in range(nsym):
-        s, p = _varint(buf, p, end)
+        s, p = read_varint(buf, p, end)
         if s < 0 or p >= end:
             return 1, p, 0
         d = np.int64(buf[p])

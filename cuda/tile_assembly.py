@@ -54,7 +54,7 @@ def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
     """Pass 2: each tile's symbols (from ``sym_buf[sym_off[t]:]``), rANS-coded backwards so
     that its stream ends at ``rans_off[t+1]``; returns where each tile's stream starts (the
     final state first). ``ns[t, c]`` symbols of class ``c`` come class after class, each
-    coded with its class's table ``rtab[c]`` (one class: the ``sparse`` stream)."""
+    coded with its class's table ``rtab[c]`` (the ``context`` stream)."""
     ntiles, nclasses = ns.shape
     starts = np.zeros(ntiles, np.int64)
     for t in nb.prange(ntiles):
@@ -72,44 +72,6 @@ def rans_encode_tiles(sym_buf, sym_off, ns, rtab, rans_off, rans_buf):
                 j -= 1
                 q, x = _rans_put(rans_buf, q, x, tabf, sym_buf[np.uint64(j)])  # q stays >= rans_off[t] + 4
         starts[t] = _rans_close(rans_buf, q, x)
-    return starts
-
-
-@parallel_kernel
-def rans_encode_tile_pairs(sym_buf, sym_off, ns, tab, rans_off, rans_buf):
-    """``rans_encode_tiles`` for one class (the ``sparse`` stream), the same bytes, two tiles
-    at a time in lockstep: one state's update is a chain of dependent multiplies and shifts,
-    so a core left with one chain idles most of each step; two independent chains fill it."""
-    ntiles = ns.shape[0]
-    starts = np.zeros(ntiles, np.int64)
-    tabf = tab.ravel()
-    for pr in nb.prange((ntiles + 1) // 2):
-        t0 = 2 * pr
-        t1 = min(t0 + 1, ntiles - 1)
-        n0 = ns[t0]
-        n1 = ns[t1] if t1 != t0 else 0
-        q0 = rans_off[t0 + 1]
-        q1 = rans_off[t1 + 1]
-        x0 = RANS_L
-        x1 = RANS_L
-        j0 = sym_off[t0] + n0
-        j1 = sym_off[t1] + n1
-        both = min(n0, n1)
-        for _ in range(both):
-            j0 -= 1
-            j1 -= 1
-            q0, x0 = _rans_put(rans_buf, q0, x0, tabf, sym_buf[np.uint64(j0)])
-            q1, x1 = _rans_put(rans_buf, q1, x1, tabf, sym_buf[np.uint64(j1)])
-        for _ in range(n0 - both):
-            j0 -= 1
-            q0, x0 = _rans_put(rans_buf, q0, x0, tabf, sym_buf[np.uint64(j0)])
-        for _ in range(n1 - both):
-            j1 -= 1
-            q1, x1 = _rans_put(rans_buf, q1, x1, tabf, sym_buf[np.uint64(j1)])
-        if n0:
-            starts[t0] = _rans_close(rans_buf, q0, x0)
-        if n1:
-            starts[t1] = _rans_close(rans_buf, q1, x1)
     return starts
 
 
@@ -170,15 +132,15 @@ def assembly_head(out, p, prefix, freq, ns, ks, rice_len, rans_start, rans_off, 
         p = entropy.write_table(out, p, freq[c])
     for t in range(ntiles):
         for c in range(nclasses):
-            p = entropy._write_varint(out, p, ns[t, c])
+            p = entropy.write_varint(out, p, ns[t, c])
         if tot[t] == 0:
             continue
         for c in range(nclasses):
             if ns[t, c]:
                 out[p] = ks[t, c]
-                p = entropy._write_varint(out, p + 1, rice_len[t, c])
-        p = entropy._write_varint(out, p, rans_off[t + 1] - rans_start[t])
-        p = entropy._write_varint(out, p, n_esc[t].sum())
+                p = entropy.write_varint(out, p + 1, rice_len[t, c])
+        p = entropy.write_varint(out, p, rans_off[t + 1] - rans_start[t])
+        p = entropy.write_varint(out, p, n_esc[t].sum())
     dest = np.zeros(ntiles, np.int64)
     for t in range(ntiles):
         dest[t] = p

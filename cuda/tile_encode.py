@@ -1,7 +1,7 @@
 """The fused encoders of the tiled streams: ``encode_huffman`` (and its batch form) turn one read of
 the old and new bits into a finished ``huffman`` stream; ``scan_tiles`` + ``finish_huffman`` do the
-same for a tensor read piece by piece (the publisher's fold). ``encode_rans``/``finish_rans`` write
-the format-1 ``sparse`` stream, kept for cross-checks of its reader.
+same for a tensor read piece by piece (the publisher's fold). The format-1 ``sparse`` stream is
+read (``decode``), no longer written.
 
 Invariants: the bytes equal the two-step encoder's (``entropy``, ``huffman``) for the same changes;
 pieces must start on tile boundaries, and their finished stream equals the whole tensor's.
@@ -25,7 +25,6 @@ from weftboard.cuda.tile_assembly import (
     compact_tiles,
     move_pieces,
     packed_offsets,
-    rans_encode_tile_pairs,
     rans_encode_tiles,
 )
 from weftboard.cuda.tile_blocks import RICE_SLACK, VECTOR_COMPRESS
@@ -39,20 +38,34 @@ from weftboard.cuda.tile_scan import (
 )
 
 
-def encode_rans(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None = None) -> tuple[int, np.ndarray | None]:
-    """(number of changed elements, the ``sparse`` stream), one read of both arrays.
+def encode_huffman(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None = None) -> tuple[int, np.ndarray | None]:
+    """(number of changed elements, the ``huffman`` stream), one read of both arrays.
 
     ``old`` and ``new`` are unsigned views of one element width. The stream is None when
     nothing changed or when a tile did not fit its scratch (a pathological, very dense tile);
     the caller then picks another mode or the two-step encoder. ``scratch``: a pool kept
     across calls (``pooled``).
     """
-    return _encode(old, new, tile, scratch, False)
-
-
-def encode_huffman(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None = None) -> tuple[int, np.ndarray | None]:
-    """``encode_rans`` with the values Huffman-coded: the ``huffman`` stream."""
-    return _encode(old, new, tile, scratch, True)
+    width = old.itemsize
+    ntiles = (old.size + tile - 1) // tile
+    rstride = tile + RICE_SLACK
+    rice_buf = pooled(scratch, "tile_rice", ntiles * rstride)
+    sym_buf = pooled(scratch, "tile_sym", ntiles * 2 * tile)
+    if packed_scan_fits(tile, width):
+        check_scan_pair(old, new, tile, False)  # (``scan_into_scratch`` checks on the other path)
+        # Every pass in one compiled call: a tensor's Python and dispatch costs (about 0.1 ms
+        # when the passes were called one by one) are paid once per tensor, not per pass.
+        value_buf = pooled(scratch, "values", _value_bytes(old.size, ntiles))
+        total, stream = _encode_tiles_packed(old, new, width, tile, rice_buf, sym_buf, value_buf, False,
+                                              *packed_scan_args(None, VECTOR_COMPRESS))
+        return int(total), (stream if stream.size else None)
+    ns, ks, rice_len, n_esc, counts, over = scan_into_scratch(old, new, tile, rice_buf, sym_buf)
+    total = int(ns.sum())
+    if total == 0 or over.any():
+        return total, None
+    tiles = np.arange(ntiles, dtype=np.int64)  # the scratch layout: fixed strides per tile
+    return total, finish_scanned_tiles(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles,
+                                       sym_buf, 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, scratch=scratch)
 
 
 def encode_huffman_batch(pairs: Sequence[tuple[np.ndarray, np.ndarray]], tile: int,
@@ -90,42 +103,17 @@ def batchable(old: np.ndarray, tile: int) -> bool:
     return packed_scan_fits(tile, old.itemsize)
 
 
-def _encode(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None, huff: bool) -> tuple[int, np.ndarray | None]:
-    width = old.itemsize
-    ntiles = (old.size + tile - 1) // tile
-    rstride = tile + RICE_SLACK
-    rice_buf = pooled(scratch, "tile_rice", ntiles * rstride)
-    sym_buf = pooled(scratch, "tile_sym", ntiles * 2 * tile)
-    if packed_scan_fits(tile, width):
-        check_scan_pair(old, new, tile, False)  # (``scan_into_scratch`` checks on the other path)
-        # Every pass in one compiled call: a tensor's Python and dispatch costs (about 0.1 ms
-        # when the passes were called one by one) are paid once per tensor, not per pass.
-        value_buf = pooled(scratch, "values", _value_bytes(old.size, ntiles))
-        total, stream = _encode_tiles_packed(old, new, width, tile, rice_buf, sym_buf, value_buf, huff, False,
-                                              *packed_scan_args(None, VECTOR_COMPRESS))
-        return int(total), (stream if stream.size else None)
-    ns, ks, rice_len, n_esc, counts, over = scan_into_scratch(old, new, tile, rice_buf, sym_buf)
-    total = int(ns.sum())
-    if total == 0 or over.any():
-        return total, None
-    tiles = np.arange(ntiles, dtype=np.int64)  # the scratch layout: fixed strides per tile
-    return total, finish_scanned_tiles(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles,
-                                     sym_buf, 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, scratch=scratch,
-                                     huff=huff)
-
-
 def _value_bytes(changes: int, ntiles: int) -> int:
-    """Scratch for the coded values of ``changes`` symbols in ``ntiles`` tiles, either coder:
-    rANS pushes at most 2 bytes a symbol and 4 a tile, Huffman ``huffman.MAX_BITS`` bits a
-    symbol and ``huffman.SLACK`` + 1 bytes a tile."""
+    """Scratch for the Huffman-coded values of ``changes`` symbols in ``ntiles`` tiles: at most
+    ``huffman.MAX_BITS`` (<= 16) bits a symbol and ``huffman.SLACK`` + 1 bytes a tile."""
     return 2 * changes + (4 + huffman.SLACK + 1) * ntiles
 
 
 @nb.njit(cache=True, nogil=True)
-def _encode_tiles_packed(a, b, width, tile, rice_buf, sym_buf, value_buf, huff, update, src, nthreads, lane_rows):
-    """``encode_rans`` (``huff`` False) or ``encode_huffman`` of a packed-scan pair
-    (``packed_scan_fits``): the scan, then ``_finish_rans`` or ``_finish_huffman``. Returns (changes,
-    stream), the stream empty when there is none (nothing changed or a tile overflowed).
+def _encode_tiles_packed(a, b, width, tile, rice_buf, sym_buf, value_buf, update, src, nthreads, lane_rows):
+    """``encode_huffman`` of a packed-scan pair (``packed_scan_fits``): the scan, then
+    ``_finish_huffman``. Returns (changes, stream), the stream empty when there is none
+    (nothing changed or a tile overflowed).
     ``value_buf``: ``_value_bytes`` of scratch. ``update`` (False from every caller) comes
     from Python, typed a plain bool: a ``False`` written here is typed as a literal, and the
     scan was compiled once more for it beside the publisher's form (``scan_tiles``)."""
@@ -141,37 +129,17 @@ def _encode_tiles_packed(a, b, width, tile, rice_buf, sym_buf, value_buf, huff, 
     if total == 0 or overflow:
         return total, np.empty(0, np.uint8)
     tiles = np.arange(ntiles)  # the scratch layout: fixed strides per tile
-    if huff:
-        return total, _finish_huffman(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles, sym_buf,
-                                      2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, value_buf)
-    return total, _finish_rans(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles, sym_buf,
-                                 2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, value_buf)
-
-
-@nb.njit(cache=True, nogil=True)
-def _finish_rans(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off,
-                   rans_buf):
-    """Passes 2 and 3 of a ``sparse`` stream (one class) over scanned tiles wherever their
-    pieces lie (every argument per tile, ``counts`` the tensor's histogram): the table, rANS
-    and assembly in one compiled call. ``rans_buf`` holds at least 2 bytes per change and 4
-    per tile (a symbol pushes at most 2 bytes out of the state; the final state takes 4)."""
-    ntiles = ns.size
-    freq = entropy._quantize_freqs(counts)
-    rans_off = np.zeros(ntiles + 1, np.int64)
-    for t in range(ntiles):
-        rans_off[t + 1] = rans_off[t] + (2 * ns[t] + 4 if ns[t] else 0)
-    starts = rans_encode_tile_pairs(sym_buf, sym_off, ns, entropy._rans_encoder_tables(freq), rans_off, rans_buf)
-    return assemble_tiles(np.empty(0, np.uint8), freq.reshape(1, NSYM), ns.reshape(ntiles, 1), ks.reshape(ntiles, 1),
-                          rice_len.reshape(ntiles, 1), starts, rans_off, n_esc.reshape(ntiles, 1), width, rice_buf,
-                          rice_off.reshape(ntiles, 1), esc_buf, esc_off.reshape(ntiles, 1), rans_buf)
+    return total, _finish_huffman(ns, ks, rice_len, n_esc, counts, width, rice_buf, rstride * tiles, sym_buf,
+                                  2 * tile * tiles, sym_buf, 2 * tile * tiles + tile, value_buf)
 
 
 @nb.njit(cache=True, nogil=True)
 def _finish_huffman(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off,
                     value_buf):
-    """``_finish_rans`` for the ``huffman`` stream: the code from the tensor's histogram,
-    each tile's values coded at a fixed stride in ``value_buf`` (``huffman.tile_bound``),
-    then the same assembly with the code's table in front instead of a frequency table."""
+    """Passes 2 and 3 of a ``huffman`` stream over scanned tiles wherever their pieces lie
+    (every argument per tile, ``counts`` the tensor's histogram), in one compiled call: the
+    code from the histogram, each tile's values coded at a fixed stride in ``value_buf``
+    (``huffman.tile_bound``), then the assembly with the code's table in front."""
     ntiles = ns.size
     table = np.empty(huffman.TABLE_BYTES, np.uint8)
     table_len, codes = _huffman_table(counts, table)
@@ -285,23 +253,19 @@ def _encode_huffman_batch(addr_a, addr_b, numels, like, width, tile, rice_buf, s
 
 
 def finish_scanned_tiles(ns, ks, rice_len, n_esc, counts, width, rice_buf, rice_off, sym_buf, sym_off, esc_buf, esc_off,
-                       prefix=None, scratch=None, huff=False):
-    """Passes 2 and 3 over scanned tiles wherever their bytes lie. One class (the ``sparse``
+                         prefix=None, scratch=None):
+    """Passes 2 and 3 over scanned tiles wherever their bytes lie. One class (the ``huffman``
     stream, no ``prefix``): every argument per tile and one histogram ``counts``, coded by
-    ``_finish_rans``; several (``context``): ``ns``, ``ks`` and the Rice and escape pieces
-    per (tile, class), ``counts`` (classes, NSYM), and the stream's ``prefix``; ``sym_off``
-    is per tile either way. ``scratch``: a pool for the coded values (``pooled``). ``huff``
-    (one class only): code the values with ``_finish_huffman``, the ``huffman`` stream."""
+    ``_finish_huffman``; several (``context``, rANS-coded): ``ns``, ``ks`` and the Rice and
+    escape pieces per (tile, class), ``counts`` (classes, NSYM), and the stream's ``prefix``;
+    ``sym_off`` is per tile either way. ``scratch``: a pool for the coded values (``pooled``)."""
     ntiles = ns.shape[0]
     counts = counts.reshape(-1, NSYM)
     if counts.shape[0] == 1 and prefix is None:
         flat = [np.ascontiguousarray(x, dtype=np.int64).reshape(-1) for x in (ns, ks, rice_len, n_esc, rice_off, esc_off)]
         value_buf = pooled(scratch, "values", _value_bytes(int(flat[0].sum()), ntiles))
-        finish = _finish_huffman if huff else _finish_rans
-        return finish(*flat[:4], np.ascontiguousarray(counts[0], dtype=np.int64), width, rice_buf, flat[4],
-                      sym_buf, np.ascontiguousarray(sym_off, dtype=np.int64), esc_buf, flat[5], value_buf)
-    if huff:
-        raise ValueError("the huffman stream has one class")
+        return _finish_huffman(*flat[:4], np.ascontiguousarray(counts[0], dtype=np.int64), width, rice_buf, flat[4],
+                               sym_buf, np.ascontiguousarray(sym_off, dtype=np.int64), esc_buf, flat[5], value_buf)
     ns, ks, rice_len, n_esc, rice_off, esc_off = (x.reshape(ntiles, -1)
                                                   for x in (ns, ks, rice_len, n_esc, rice_off, esc_off))
     freq = np.stack([entropy.quantize_freqs(c) for c in counts])
@@ -345,7 +309,7 @@ class TileScan:
 
 def scan_tiles(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None = None, *,
                update: bool = False, cast: bool = False) -> TileScan:
-    """Pass 1 of ``encode_rans`` over ``old``/``new`` (unsigned views, a whole number of
+    """Pass 1 of ``encode_huffman`` over ``old``/``new`` (unsigned views, a whole number of
     tiles except at a tensor's end); ``update`` also folds ``new`` into ``old`` (see
     ``scan_encode_tiles``). Tiles that did not fit their scratch are listed in
     ``overflowed``. ``scratch`` keeps the scan's buffers between calls.
@@ -369,22 +333,15 @@ def scan_tiles(old: np.ndarray, new: np.ndarray, tile: int, scratch: dict | None
     return TileScan(ns, ks, rice_len, n_esc, rice, syms, escs, counts, overflowed)
 
 
-def finish_rans(scans: Sequence[TileScan], width: int) -> np.ndarray:
-    """The ``sparse`` stream of a tensor from the scans of its pieces, in order (at least one
+def finish_huffman(scans: Sequence[TileScan], width: int) -> np.ndarray:
+    """The ``huffman`` stream of a tensor from the scans of its pieces, in order (at least one
     change in all)."""
     return finish_pieces(scans, width)
 
 
-def finish_huffman(scans: Sequence[TileScan], width: int) -> np.ndarray:
-    """The ``huffman`` stream of a tensor from the scans of its pieces, in order (at least one
-    change in all)."""
-    return finish_pieces(scans, width, huff=True)
-
-
-def finish_pieces(scans: Sequence, width: int, prefix: np.ndarray | None = None, huff: bool = False) -> np.ndarray:
+def finish_pieces(scans: Sequence, width: int, prefix: np.ndarray | None = None) -> np.ndarray:
     """Passes 2 and 3 over the scans of a tensor's pieces, in order: ``TileScan`` (the
-    ``sparse`` stream, or with ``huff`` the ``huffman`` one) or ``context_codec.ContextScan``
-    with the stream's ``prefix``."""
+    ``huffman`` stream) or ``context_codec.ContextScan`` with the stream's ``prefix``."""
     if any(s.overflowed.size for s in scans):
         raise ValueError("a scan with overflowed tiles does not describe its piece; diff those tiles")
     ns = np.concatenate([s.ns for s in scans])
@@ -396,5 +353,5 @@ def finish_pieces(scans: Sequence, width: int, prefix: np.ndarray | None = None,
         ns, np.concatenate([s.ks for s in scans]), rice_len, n_esc, sum(s.counts for s in scans), width,
         np.concatenate([s.rice for s in scans]), packed_offsets(rice_len),
         np.concatenate([s.syms for s in scans]), packed_offsets(ns.reshape(ns.shape[0], -1).sum(axis=1)),
-        np.concatenate([s.escs for s in scans]), packed_offsets(n_esc * width), prefix, huff=huff,
+        np.concatenate([s.escs for s in scans]), packed_offsets(n_esc * width), prefix,
     )

@@ -4,19 +4,19 @@ Invariants (shared with the CPU path in ``weftboard.cuda.diff``, which gives byt
 results):
 - Elements are compared as integers of the element width; positions come out strictly
   ascending as int64, with the old and new bits beside them.
-- Diff reads each element of old and new once in the common case. ``_diff_stage`` gives each
+- Diff reads each element of old and new once in the common case. ``diff_stage_kernel`` gives each
   block of ``BLOCK`` elements its change count and, when the count fits ``STAGE`` slots,
   its compacted changes in a per-block staging area (in-block exclusive prefix sum, no
   atomics, so order is preserved). A device-side cumsum of the counts gives every block its
   output offset (no ``torch.nonzero``, whose host sync per tensor stalls the stream), and
-  ``_diff_place`` copies staged changes to their offsets; only blocks denser than ``STAGE``
+  ``diff_place_kernel`` copies staged changes to their offsets; only blocks denser than ``STAGE``
   re-read their elements there. ``prev`` in update mode is written in the same passes, only
   where an element changed, and a block that overflowed its stage is updated only after it
   was compacted, so old bits are never lost.
 - Sizing the output needs one host read of the total per call; ``diff_many_cuda`` does one
   for a whole batch of tensors.
 - Apply scatters in place (``tensor.data_ptr()`` never changes), so CUDA graphs stay valid;
-  ``_apply_diff`` adds the wrapping integer difference and keeps the old bits for revert.
+  ``apply_diff_kernel`` adds the wrapping integer difference and keeps the old bits for revert.
 - Entropy coding and decoding run on CPU threads (numba) for the GPU path too: only the
   compact (position, bits) arrays cross PCIe, about 1% of the tensor.
 
@@ -40,7 +40,7 @@ APPLY_WARPS = 4
 
 
 @triton.jit
-def _diff_stage(a_ptr, b_ptr, counts_ptr, st_pos_ptr, st_old_ptr, st_new_ptr, n,
+def diff_stage_kernel(a_ptr, b_ptr, counts_ptr, st_pos_ptr, st_old_ptr, st_new_ptr, n,
                 UPDATE: tl.constexpr, BLOCK: tl.constexpr, STAGE: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -62,7 +62,7 @@ def _diff_stage(a_ptr, b_ptr, counts_ptr, st_pos_ptr, st_old_ptr, st_new_ptr, n,
 
 
 @triton.jit
-def _diff_place(a_ptr, b_ptr, counts_ptr, starts_ptr, st_pos_ptr, st_old_ptr, st_new_ptr,
+def diff_place_kernel(a_ptr, b_ptr, counts_ptr, starts_ptr, st_pos_ptr, st_old_ptr, st_new_ptr,
                 pos_ptr, old_ptr, new_ptr, n,
                 UPDATE: tl.constexpr, BLOCK: tl.constexpr, STAGE: tl.constexpr):
     pid = tl.program_id(0)
@@ -92,7 +92,7 @@ def _diff_place(a_ptr, b_ptr, counts_ptr, starts_ptr, st_pos_ptr, st_old_ptr, st
 
 
 @triton.jit
-def _apply_diff(t_ptr, pos_ptr, d_ptr, old_ptr, n, BLOCK: tl.constexpr):
+def apply_diff_kernel(t_ptr, pos_ptr, d_ptr, old_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     p = tl.load(pos_ptr + offs, mask=m, other=0)
@@ -103,7 +103,7 @@ def _apply_diff(t_ptr, pos_ptr, d_ptr, old_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scatter(t_ptr, pos_ptr, v_ptr, n, BLOCK: tl.constexpr):
+def scatter_kernel(t_ptr, pos_ptr, v_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     p = tl.load(pos_ptr + offs, mask=m, other=0)
@@ -125,7 +125,7 @@ class _Pending:
         self.st_old = torch.empty(self.nblocks * STAGE, dtype=self.a.dtype, device=dev)
         self.st_new = torch.empty(self.nblocks * STAGE, dtype=self.a.dtype, device=dev)
         if self.nblocks:
-            _diff_stage[(self.nblocks,)](
+            diff_stage_kernel[(self.nblocks,)](
                 self.a, self.b, self.counts, self.st_pos, self.st_old, self.st_new, self.n,
                 UPDATE=update, BLOCK=BLOCK, STAGE=STAGE, num_warps=warps,
             )
@@ -139,7 +139,7 @@ class _Pending:
         olds = torch.empty(total, dtype=self.a.dtype, device=dev)
         news = torch.empty(total, dtype=self.a.dtype, device=dev)
         if self.nblocks:
-            _diff_place[(self.nblocks,)](
+            diff_place_kernel[(self.nblocks,)](
                 self.a, self.b, self.counts, self.starts, self.st_pos, self.st_old, self.st_new,
                 pos, olds, news, self.n, UPDATE=self.update, BLOCK=BLOCK, STAGE=STAGE,
                 num_warps=self.warps,
@@ -168,7 +168,7 @@ def apply_diff_cuda_(target_bits: torch.Tensor, positions: torch.Tensor, diffs: 
     """target_bits[positions] += diffs (wrapping), old bits saved into old_out; in place."""
     n = positions.numel()
     if n:
-        _apply_diff[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, diffs, old_out, n, BLOCK=APPLY_BLOCK,
+        apply_diff_kernel[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, diffs, old_out, n, BLOCK=APPLY_BLOCK,
                                                         num_warps=APPLY_WARPS)
 
 
@@ -176,5 +176,5 @@ def scatter_cuda_(target_bits: torch.Tensor, positions: torch.Tensor, values: to
     """target_bits[positions] = values, in place."""
     n = positions.numel()
     if n:
-        _scatter[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, values, n, BLOCK=APPLY_BLOCK,
+        scatter_kernel[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, values, n, BLOCK=APPLY_BLOCK,
                                                      num_warps=APPLY_WARPS)

@@ -22,16 +22,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from patchkit import with_header
+from patchkit import load_patch_fixture, with_header
 
-from weftboard.cuda import codec, container, decode, encode
+from weftboard.cuda import codec, container, decode
 from weftboard.cuda.codec import (
     apply_patch_,
     decode_stream,
     encode_patch,
     read_patch_info,
 )
-from weftboard.cuda.diff import bits_view, diff_tensor, unsigned_np
+from weftboard.cuda.diff import bits_view
 from weftboard.proto.errors import CorruptData
 
 ROOT = "xxh3-128:" + "00" * 16
@@ -198,11 +198,11 @@ def _stream_cases():
             p = encode_patch([("x", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding=enc)
             ((entry, stream),) = _entries_and_streams(p.data)
             cases.append((entry, stream))
-            if entry["mode"] == "huffman":  # the same changes as a rANS ``sparse`` stream (format 1's default)
-                d = diff_tensor(old, new)
-                sparse = encode._encode_rans(d.positions.numpy(), unsigned_np(d.old_bits), unsigned_np(d.new_bits),
-                                              n, codec.CODEC_TILE).tobytes()
-                cases.append((dict(entry, mode="sparse", stream_bytes=len(sparse)), sparse))
+    # format 1's rANS ``sparse`` streams, from committed fixtures (their writer was retired)
+    for fixture, name in [("bf16_tiles", "w"), ("u8_fp8", "q"), ("f32_i32", "f"), ("i64_f64", "l")]:
+        fx = load_patch_fixture(fixture)
+        assert fx.entries[name]["mode"] == "sparse"
+        cases.append((fx.entries[name], fx.stream(name)))
     return cases
 
 

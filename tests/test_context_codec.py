@@ -2,7 +2,7 @@
 
 What must hold: every pair round-trips bit for bit, in place and through arrays, for bf16 and
 fp16 with escapes, NaNs, sign flips and partial tiles; on a realistic optimizer step the stream
-is smaller than the i.i.d. ``sparse`` stream (that is its reason to exist); the container
+is smaller than the i.i.d. ``huffman`` stream (that is its reason to exist); the container
 accepts the mode only where it is valid; a damaged stream never leaves a tensor half-patched.
 """
 
@@ -81,13 +81,13 @@ def test_streams_round_trip_in_place_and_through_arrays(dtype: torch.dtype, n: i
     assert np.array_equal(target, a)
 
 
-def test_a_realistic_step_is_smaller_than_the_sparse_stream() -> None:
+def test_a_realistic_step_is_smaller_than_the_huffman_stream() -> None:
     old, new = _step(400_000, torch.bfloat16, seed=1, steps=1)
     a, b = _u16(old), _u16(new)
-    changed, sparse = tile_encode.encode_rans(a, b, CODEC_TILE)
+    changed, huff = tile_encode.encode_huffman(a, b, CODEC_TILE)
     _, context = cc.encode_context(a, b, cc.choose_thresholds(a, torch.bfloat16), CODEC_TILE)
     assert 0.005 < changed / a.size < 0.2
-    assert context.size < 0.9 * sparse.size, (context.size, sparse.size)
+    assert context.size < 0.9 * huff.size, (context.size, huff.size)
 
 
 def test_thresholds_are_checked_and_chosen_below_the_median_binade() -> None:

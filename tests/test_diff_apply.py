@@ -263,13 +263,13 @@ def test_gpu_bench_reports_each_loaded_kernel_form_and_survives_triton_internals
         k._init_handles = lambda: loaded.append(warps)
         return k
 
-    fn = SimpleNamespace(__name__="_diff_stage",
+    fn = SimpleNamespace(__name__="diff_stage_kernel",
                          device_caches={0: ({"a": kernel(16, 75, 0), "b": kernel(4, 255, 2)}, {}, None, None, None)})
-    assert gpu_bench.kernel_resources(fn) == ["_diff_stage: 16 warps, 75 registers, 0 spilled",
-                                              "_diff_stage: 4 warps, 255 registers, 2 spilled"]
+    assert gpu_bench.kernel_resources(fn) == ["diff_stage_kernel: 16 warps, 75 registers, 0 spilled",
+                                              "diff_stage_kernel: 4 warps, 255 registers, 2 spilled"]
     assert loaded == [16, 4]
-    empty = SimpleNamespace(__name__="_scatter", device_caches={})
-    assert gpu_bench.kernel_resources(empty) == ["_scatter: no compiled form"]
-    interpreted = SimpleNamespace(__name__="_apply_diff")  # no device_caches, as under TRITON_INTERPRET
+    empty = SimpleNamespace(__name__="scatter_kernel", device_caches={})
+    assert gpu_bench.kernel_resources(empty) == ["scatter_kernel: no compiled form"]
+    interpreted = SimpleNamespace(__name__="apply_diff_kernel")  # no device_caches, as under TRITON_INTERPRET
     (line,) = gpu_bench.kernel_resources(interpreted)
-    assert line.startswith("_apply_diff: resources unavailable (AttributeError")
+    assert line.startswith("apply_diff_kernel: resources unavailable (AttributeError")

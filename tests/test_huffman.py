@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from patchkit import with_header
+from patchkit import load_patch_fixture, with_header
 
 from weftboard.cuda import codec, container, decode, huffman, tile_encode
 from weftboard.cuda.codec import CODEC_TILE, apply_patch_, decode_stream, encode_patch
@@ -246,19 +246,19 @@ def test_a_value_stream_one_byte_longer_than_its_bits_is_refused() -> None:
     sp = decode.parse_tile_stream(entry, buf, 2)
     assert sp.rans[0] > 0
     # rebuild: table | directory with tile 0's value length + 1 | payloads with a zero byte inserted
-    from weftboard.cuda.entropy import _write_varint
+    from weftboard.cuda.entropy import write_varint
 
     table_end = _table_end(buf)
     out = np.zeros(buf.size + 64, np.uint8)
     out[:table_end] = buf[:table_end]
     p = table_end
     for t in range(sp.ns.size):
-        p = _write_varint(out, p, int(sp.ns[t]))
+        p = write_varint(out, p, int(sp.ns[t]))
         if sp.ns[t]:
             out[p] = sp.ks[t]
-            p = _write_varint(out, p + 1, int(sp.rice[t]))
-            p = _write_varint(out, p, int(sp.rans[t]) + (t == 0))
-            p = _write_varint(out, p, int(sp.esc[t]))
+            p = write_varint(out, p + 1, int(sp.rice[t]))
+            p = write_varint(out, p, int(sp.rans[t]) + (t == 0))
+            p = write_varint(out, p, int(sp.esc[t]))
     for t in range(sp.ns.size):
         o = sp.offs[t]
         piece = buf[o:sp.offs[t + 1]]
@@ -282,7 +282,6 @@ def _table_end(buf: np.ndarray) -> int:
 def test_a_version_1_header_cannot_name_the_huffman_mode() -> None:
     """Format 1 had no Huffman streams: a header that says 1 and huffman is refused, while a
     format 1 patch of rANS ``sparse`` streams still applies."""
-    import xxhash
 
     def rewrite(data: bytes, **changes) -> bytes:
         return with_header(data, lambda header: header.update(changes))
@@ -294,16 +293,13 @@ def test_a_version_1_header_cannot_name_the_huffman_mode() -> None:
     huff = encode_patch([("w", _bf16(a), _bf16(b))], base_version=1, target_version=2, target_root=ROOT).data
     with pytest.raises(CorruptData, match="not valid"):
         codec.read_patch_info(rewrite(huff, format_version=1))
-    # the same changes as a format 1 patch: a rANS ``sparse`` stream
-    changed, sparse = tile_encode.encode_rans(a, b, CODEC_TILE)
-    c = container.read_container(huff)
-    (e,) = c.entries
-    e1 = dict(e, mode="sparse", stream_bytes=int(sparse.size), xxh3_64=xxhash.xxh3_64_hexdigest(sparse.tobytes()))
-    v1 = container.write_container(dict(c.header, format_version=1, tensors=[e1]), [("w", sparse.tobytes())])
-    assert codec.read_patch_info(v1).format_version == 1
-    target = {"w": _bf16(a.copy())}
-    apply_patch_(target, v1)
-    assert torch.equal(bits_view(target["w"]), bits_view(_bf16(b)))
+    # a format 1 patch of rANS ``sparse`` streams (a committed fixture: the writer was retired)
+    v1 = load_patch_fixture("bf16_small_tiles")
+    assert codec.read_patch_info(v1.data).format_version == 1
+    target = v1.tensors("base")
+    apply_patch_(target, v1.data)
+    for name, want in v1.tensors("expected").items():
+        assert torch.equal(bits_view(target[name]), bits_view(want)), name
     with pytest.raises(CorruptData, match="format_version 3 is not supported"):
         codec.read_patch_info(rewrite(huff, format_version=3))
 

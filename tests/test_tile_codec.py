@@ -20,6 +20,7 @@ import torch
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from patchkit import load_patch_fixture
 from test_jit import _parallel_regions
 
 from weftboard.cuda import (
@@ -64,68 +65,62 @@ def _pair(width: int, n: int, density: float, seed: int, far: float = 0.01) -> t
     return a, b
 
 
-# The two streams of the fused encoder: rANS values (format 1's default) and Huffman values.
-ENCODERS = {"sparse": tile_encode.encode_rans, "huffman": tile_encode.encode_huffman}
-TWO_STEP = {"sparse": encode._encode_rans, "huffman": encode._encode_huffman}
-FINISH = {"sparse": tile_encode.finish_rans, "huffman": tile_encode.finish_huffman}
-
-
-def _entry(width: int, numel: int, changed: int, mode: str = "sparse") -> dict:
+def _entry(width: int, numel: int, changed: int, mode: str = "huffman") -> dict:
     return {"name": "x", "dtype": {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32", 8: "float64"}[width],
             "numel": numel, "changed": changed, "mode": mode, "tile": CODEC_TILE}
 
 
-def _fused_apply(stream: np.ndarray, target: np.ndarray, changed: int, sign: int = 1, mode: str = "sparse") -> None:
+def _fused_apply(stream: np.ndarray, target: np.ndarray, changed: int, sign: int = 1, mode: str = "huffman") -> None:
     entry = _entry(target.itemsize, target.size, changed, mode)
     sp = decode.parse_tile_stream(entry, stream, target.itemsize)
     t = torch.from_numpy(target.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[target.itemsize]))
     decode.apply_tile_stream_(t, entry, sp, sign)
 
 
-@pytest.mark.parametrize("mode", ["sparse", "huffman"])
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 @pytest.mark.parametrize("n, density", [(1, 1.0), (63, 0.3), (64, 0.02), (65, 0.5), (70_001, 0.001), (200_003, 0.1), (140_000, 0.9)])
-def test_fused_stream_decodes_to_the_exact_diff_and_applies_back(mode: str, width: int, n: int, density: float) -> None:
+def test_fused_stream_decodes_to_the_exact_diff_and_applies_back(width: int, n: int, density: float) -> None:
+    """The ``huffman`` stream; the format 1 ``sparse`` streams are read from committed
+    fixtures (``test_v1_patches``)."""
     a, b = _pair(width, n, density, seed=n + width)
-    changed, stream = ENCODERS[mode](a, b, CODEC_TILE)
+    changed, stream = tile_encode.encode_huffman(a, b, CODEC_TILE)
     pos = np.flatnonzero(a != b)
     assert changed == pos.size
     if changed == 0:
         assert stream is None
         return
     assert stream is not None
-    dec = decode_stream(_entry(width, n, changed, mode), memoryview(stream.tobytes()))
+    dec = decode_stream(_entry(width, n, changed), memoryview(stream.tobytes()))
     assert np.array_equal(dec.positions, pos)
     mask = np.uint64((1 << (8 * width)) - 1) if width < 8 else np.uint64(2**64 - 1)
     with np.errstate(over="ignore"):
         want = (b[pos].astype(np.uint64) - a[pos].astype(np.uint64)) & mask
     assert np.array_equal(dec.values.astype(np.uint64), want)
     target = a.copy()
-    _fused_apply(stream, target, changed, mode=mode)
+    _fused_apply(stream, target, changed)
     assert np.array_equal(target, b)
-    _fused_apply(stream, target, changed, sign=-1, mode=mode)
+    _fused_apply(stream, target, changed, sign=-1)
     assert np.array_equal(target, a)
 
 
-@pytest.mark.parametrize("mode", ["sparse", "huffman"])
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
-def test_two_step_stream_applies_with_the_fused_kernel(mode: str, width: int) -> None:
+def test_two_step_stream_applies_with_the_fused_kernel(width: int) -> None:
     a, b = _pair(width, 150_000, 0.05, seed=3)
     pos = np.flatnonzero(a != b)
-    stream = TWO_STEP[mode](pos.astype(np.int64), a[pos], b[pos], a.size, CODEC_TILE)
+    stream = encode._encode_huffman(pos.astype(np.int64), a[pos], b[pos], a.size, CODEC_TILE)
     target = a.copy()
-    _fused_apply(stream, target, pos.size, mode=mode)
+    _fused_apply(stream, target, pos.size)
     assert np.array_equal(target, b)
     if width < 8:  # the fused encoder (the walking scan at 8 bytes has its own test) gives the same bytes
-        assert np.array_equal(stream, ENCODERS[mode](a, b, CODEC_TILE)[1])
+        assert np.array_equal(stream, tile_encode.encode_huffman(a, b, CODEC_TILE)[1])
 
 
 def test_misaligned_views_give_the_same_stream() -> None:
     a, b = _pair(2, 10_001, 0.2, seed=9)
     a1, b1 = a[1:], b[1:]  # 2-byte offset: the block compares load unaligned
     assert a1.ctypes.data % 8
-    changed, stream = tile_encode.encode_rans(a1, b1, CODEC_TILE)
-    aligned_changed, aligned_stream = tile_encode.encode_rans(a1.copy(), b1.copy(), CODEC_TILE)
+    changed, stream = tile_encode.encode_huffman(a1, b1, CODEC_TILE)
+    aligned_changed, aligned_stream = tile_encode.encode_huffman(a1.copy(), b1.copy(), CODEC_TILE)
     assert changed == aligned_changed and np.array_equal(stream, aligned_stream)
 
 
@@ -151,20 +146,19 @@ def _block_masks(a, b):
 def test_strided_views_are_refused() -> None:
     a, b = _pair(2, 1000, 0.1, seed=4)
     with pytest.raises(ValueError, match="C-contiguous"):
-        tile_encode.encode_rans(a[::2], b[::2], CODEC_TILE)
+        tile_encode.encode_huffman(a[::2], b[::2], CODEC_TILE)
 
 
-@pytest.mark.parametrize("mode", ["sparse", "huffman"])
-def test_thread_count_does_not_change_the_bytes(mode: str) -> None:
+def test_thread_count_does_not_change_the_bytes() -> None:
     import numba
 
     a, b = _pair(2, 600_000, 0.05, seed=11)
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
-        one = ENCODERS[mode](a, b, CODEC_TILE)[1]
+        one = tile_encode.encode_huffman(a, b, CODEC_TILE)[1]
         numba.set_num_threads(before)
-        many = ENCODERS[mode](a, b, CODEC_TILE)[1]
+        many = tile_encode.encode_huffman(a, b, CODEC_TILE)[1]
     finally:
         numba.set_num_threads(before)
     assert np.array_equal(one, many)
@@ -177,7 +171,7 @@ def test_a_tile_that_overflows_its_scratch_falls_back_to_the_two_step_encoder() 
     a = rng.integers(0, 2**16, n, dtype=np.uint16)
     b = a ^ np.uint16(0x4000)
     b[::1000] = a[::1000]  # not every element changed: the "all" mode does not apply
-    changed, stream = tile_encode.encode_rans(a, b, CODEC_TILE)
+    changed, stream = tile_encode.encode_huffman(a, b, CODEC_TILE)
     assert changed == int((a != b).sum()) and stream is None
     old = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     new = torch.from_numpy(b.view(np.int16)).view(torch.bfloat16)
@@ -188,14 +182,13 @@ def test_a_tile_that_overflows_its_scratch_falls_back_to_the_two_step_encoder() 
     assert torch.equal(bits_view(target["w"]), bits_view(new))
 
 
-@pytest.mark.parametrize("mode", ["sparse", "huffman"])
 @pytest.mark.parametrize("width", [1, 2, 4])
 @pytest.mark.parametrize("pieces", [[3 * CODEC_TILE + 5], [CODEC_TILE, 2 * CODEC_TILE + 5], [CODEC_TILE] * 3 + [5]])
-def test_scanning_piece_by_piece_gives_the_whole_tensor_stream(mode: str, width: int, pieces: list[int]) -> None:
+def test_scanning_piece_by_piece_gives_the_whole_tensor_stream(width: int, pieces: list[int]) -> None:
     """How the publisher encodes a tensor it folds into its view chunk by chunk."""
     a, b = _pair(width, sum(pieces), 0.05, seed=width)
     b[CODEC_TILE : 2 * CODEC_TILE] = a[CODEC_TILE : 2 * CODEC_TILE]  # a tile run with no change at all
-    whole_changed, whole = ENCODERS[mode](a, b, CODEC_TILE)
+    whole_changed, whole = tile_encode.encode_huffman(a, b, CODEC_TILE)
     scratch: dict = {}
     scans, start = [], 0
     for size in pieces:
@@ -204,7 +197,7 @@ def test_scanning_piece_by_piece_gives_the_whole_tensor_stream(mode: str, width:
         scans.append(scan)
         start += size
     assert sum(s.changed for s in scans) == whole_changed and scratch
-    assert np.array_equal(FINISH[mode](scans, width), whole)
+    assert np.array_equal(tile_encode.finish_huffman(scans, width), whole)
 
 
 def test_an_overflowing_tile_is_neither_scanned_nor_folded() -> None:
@@ -217,9 +210,9 @@ def test_an_overflowing_tile_is_neither_scanned_nor_folded() -> None:
     assert np.array_equal(a[:CODEC_TILE], b[:CODEC_TILE]) and np.array_equal(a[2 * CODEC_TILE :], b[2 * CODEC_TILE :])
     assert scan.changed == int((before != b).sum()) - CODEC_TILE and scan.counts.sum() == scan.changed
     with pytest.raises(ValueError, match="overflowed"):
-        tile_encode.finish_rans([scan], 2)
+        tile_encode.finish_huffman([scan], 2)
     with pytest.raises(ValueError, match="at least one change"):
-        tile_encode.finish_rans([tile_encode.scan_tiles(a, a, CODEC_TILE)], 2)
+        tile_encode.finish_huffman([tile_encode.scan_tiles(a, a, CODEC_TILE)], 2)
 
 
 @pytest.mark.parametrize("width, density", [(2, 0.02), (2, 0.6), (1, 0.3), (4, 0.05)])
@@ -230,7 +223,7 @@ def test_scanning_with_update_folds_new_into_old_and_keeps_the_stream(width: int
     folded = a.copy()
     scan = tile_encode.scan_tiles(folded, b, CODEC_TILE, update=True)
     assert not scan.overflowed.size and np.array_equal(folded, b)
-    assert np.array_equal(tile_encode.finish_rans([scan], width), tile_encode.finish_rans([plain], width))
+    assert np.array_equal(tile_encode.finish_huffman([scan], width), tile_encode.finish_huffman([plain], width))
 
 
 def test_scanned_tensor_encodes_and_recovers_its_delta() -> None:
@@ -532,11 +525,11 @@ def test_the_packed_scan_uses_compress_stores_where_the_cpu_has_them(monkeypatch
     real = tile_encode._encode_tiles_packed
     monkeypatch.setattr(tile_encode, "_encode_tiles_packed", lambda *args: seen.append(args) or real(*args))
     a, b = _pair(2, 5000, 0.1, seed=3)
-    changed, stream = tile_encode.encode_rans(a, b, 1024)
+    changed, stream = tile_encode.encode_huffman(a, b, 1024)
     (args,) = seen
-    assert args[8] is False  # no fold: the encoder leaves ``old`` as it is
-    assert args[9] is None  # plain new bits, not a cast
-    assert (args[11] is None) == bitops.HAS_VECTOR_COMPRESS  # no lane rows: compress-stores
+    assert args[7] is False  # no fold: the encoder leaves ``old`` as it is
+    assert args[8] is None  # plain new bits, not a cast
+    assert (args[10] is None) == bitops.HAS_VECTOR_COMPRESS  # no lane rows: compress-stores
     assert changed == np.count_nonzero(a != b) and stream is not None
 
 
@@ -701,32 +694,6 @@ def test_the_assembly_and_the_compaction_refuse_a_piece_outside_its_buffer(field
             tile_assembly.compact_tiles(*_compact_args(p))
 
 
-@pytest.mark.parametrize("counts", [[0], [5], [7, 0], [3, 9, 0, 1], [0, 0, 4], [4096, 17, 2500, 2500, 1]])
-def test_tiles_coded_in_pairs_give_the_same_rans_bytes(counts: list[int]) -> None:
-    """rANS codes two tiles in lockstep (two dependency chains per core): odd tile counts,
-    empty tiles and tiles of unequal length give each tile exactly its one-at-a-time bytes."""
-    from weftboard.cuda import entropy
-
-    rng = np.random.default_rng(len(counts))
-    ns = np.array(counts, np.int64)
-    tile = 4096
-    syms = rng.choice(np.arange(entropy.NSYM, dtype=np.uint8), size=len(counts) * 2 * tile,
-                      p=np.r_[[0.4, 0.4, 0.1], np.full(entropy.NSYM - 3, 0.1 / (entropy.NSYM - 3))])
-    hist = np.zeros(entropy.NSYM, np.int64)
-    sym_off = 2 * tile * np.arange(len(counts), dtype=np.int64)
-    for t, n in enumerate(counts):
-        hist += np.bincount(syms[sym_off[t] : sym_off[t] + n], minlength=entropy.NSYM)
-    rtab = entropy.rans_encoder_tables(entropy.quantize_freqs(hist))
-    rans_off = np.zeros(len(counts) + 1, np.int64)
-    np.cumsum(np.where(ns > 0, 2 * ns + 4, 0), out=rans_off[1:])
-    one, paired = np.zeros(rans_off[-1], np.uint8), np.zeros(rans_off[-1], np.uint8)
-    s_one = tile_assembly.rans_encode_tiles(syms, sym_off, ns[:, None], rtab[None], rans_off, one)
-    s_paired = tile_assembly.rans_encode_tile_pairs(syms, sym_off, ns, rtab, rans_off, paired)
-    assert s_one.tolist() == s_paired.tolist()
-    for t in range(len(counts)):
-        assert one[s_one[t] : rans_off[t + 1]].tobytes() == paired[s_paired[t] : rans_off[t + 1]].tobytes()
-
-
 @pytest.mark.parametrize("tile", [1024, 65536])
 def test_packed_scan_codes_long_gaps_like_the_walk(tile: int) -> None:
     """Clustered changes make the tile's Rice parameter small, so a lone far change has a
@@ -746,7 +713,7 @@ def test_packed_scan_codes_long_gaps_like_the_walk(tile: int) -> None:
         walked = _scan_with("walk", a, b, tile, update, cast=False)
         assert _scan_with("compress", a, b, tile, update, cast=False) == walked
         assert _scan_with("lanes", a, b, tile, update, cast=False) == walked
-    changed, stream = tile_encode.encode_rans(a, b, tile)
+    changed, stream = tile_encode.encode_huffman(a, b, tile)
     assert stream is not None and changed == int((a != b).sum())
 
 
@@ -834,14 +801,14 @@ def test_a_scratch_pool_shared_across_tensors_gives_each_its_own_bytes() -> None
              [(300_000, 0.3, 0.2), (5_000, 0.01, 0.0), (150_001, 0.05, 0.01), (64, 1.0, 1.0), (90_000, 0.02, 0.0)]]
     scratch: dict = {}
     for a, b in pairs:
-        alone = tile_encode.encode_rans(a, b, CODEC_TILE)
-        pooled = tile_encode.encode_rans(a, b, CODEC_TILE, scratch)
+        alone = tile_encode.encode_huffman(a, b, CODEC_TILE)
+        pooled = tile_encode.encode_huffman(a, b, CODEC_TILE, scratch)
         assert pooled[0] == alone[0]
         assert (pooled[1] is None) == (alone[1] is None)
         if alone[1] is not None:
             assert pooled[1].tobytes() == alone[1].tobytes()
     first = {key: buf for key, buf in scratch.items()}
-    tile_encode.encode_rans(*pairs[1], CODEC_TILE, scratch)  # smaller: the pool's buffers are reused
+    tile_encode.encode_huffman(*pairs[1], CODEC_TILE, scratch)  # smaller: the pool's buffers are reused
     assert all(scratch[key] is buf for key, buf in first.items())
 
 
@@ -963,18 +930,14 @@ def test_a_tile_whose_rans_bytes_end_early_is_refused_and_undone(cut: int) -> No
     past the tile's rANS bytes, in its escapes or the next tile); a symbol that needs a byte
     past its tile's recorded end must still be refused (error 6 or 7, never a write that
     stays). Here the last tile's recorded rANS length is cut short, so its last bytes are
-    still in the buffer, readable but not the tile's."""
+    still in the buffer, readable but not the tile's. A format 1 stream of +-1 steps (no
+    escapes), from a committed fixture: the ``sparse`` writer was retired."""
     from weftboard.cuda import entropy
 
-    rng = np.random.default_rng(11)
-    a = rng.integers(0, 1 << 16, 3 * CODEC_TILE).astype(np.uint16)
-    b = a.copy()
-    at = rng.random(a.size) < 0.05
-    b[at] += rng.choice(np.array([1, 0xFFFF], np.uint16), int(at.sum()))  # +-1: no escapes
-    changed, stream = tile_encode.encode_rans(a, b, CODEC_TILE)
-    assert stream is not None
-    entry = _entry(2, a.size, changed)
-    sp = decode.parse_tile_stream(entry, stream, 2)
+    fx = load_patch_fixture("bf16_small_tiles")
+    entry, a = fx.entries["no_escapes"], fx.base["no_escapes"]
+    assert entry["mode"] == "sparse" and entry["numel"] > 2 * entry["tile"]
+    sp = decode.parse_tile_stream(entry, np.frombuffer(fx.stream("no_escapes"), np.uint8), 2)
     last = sp.ns.size - 1
     assert sp.esc[last] == 0  # its rANS bytes end the stream: the reads near the end take the guarded path
     rans = sp.rans.copy()
@@ -1049,26 +1012,36 @@ def test_a_unary_run_longer_than_a_tile_is_refused() -> None:
     assert _read_gaps(buf, 0, 60, 1, 0, tile=1 << 16)[2] == 1  # ... or runs past the end first
 
 
-def test_long_unary_codes_decode_and_apply_bitwise() -> None:
+@pytest.mark.parametrize("tile", [4096, CODEC_TILE])
+def test_long_unary_codes_decode_and_apply_bitwise(tile: int) -> None:
     """Clustered changes give a tile a small Rice parameter, so a lone far change has a unary
-    part of thousands of bits: the decoder's careful path, in the middle of a tile's bits."""
+    part of thousands of bits: the decoder's careful path, in the middle of a tile's bits.
+    Both streams: format 1's ``sparse`` one (a committed fixture in tiles of 4096), and the
+    ``huffman`` one written here."""
     rng = np.random.default_rng(5)
-    n = 3 * CODEC_TILE + 100
+    n = 3 * tile + 100
     a = rng.integers(0, 2**16, n, dtype=np.uint16)
     b = a.copy()
     for t in range(3):
-        s = t * CODEC_TILE
+        s = t * tile
         b[s : s + 700] += np.uint16(1)
-        b[s + CODEC_TILE // 2] -= np.uint16(1)
-        b[s + CODEC_TILE - 2] += np.uint16(3)
+        b[s + tile // 2] -= np.uint16(1)
+        b[s + tile - 2] += np.uint16(3)
     b[-1] += np.uint16(5)
-    changed, stream = tile_encode.encode_rans(a, b, CODEC_TILE)
-    assert stream is not None
-    dec = decode_stream(_entry(2, n, changed), memoryview(stream.tobytes()))
-    assert np.array_equal(dec.positions, np.flatnonzero(a != b))
-    target = a.copy()
-    _fused_apply(stream, target, changed)
-    assert np.array_equal(target, b)
+    changed, huff = tile_encode.encode_huffman(a, b, tile)
+    assert huff is not None
+    streams = [(dict(_entry(2, n, changed), tile=tile), huff.tobytes())]
+    fx = load_patch_fixture("bf16_small_tiles")
+    if tile == fx.entries["long_unary"]["tile"]:
+        assert np.array_equal(fx.base["long_unary"], a) and np.array_equal(fx.expected["long_unary"], b)
+        streams.append((fx.entries["long_unary"], fx.stream("long_unary")))
+    for entry, stream in streams:
+        dec = decode_stream(entry, memoryview(stream))
+        assert np.array_equal(dec.positions, np.flatnonzero(a != b))
+        target = a.copy()
+        sp = decode.parse_tile_stream(entry, np.frombuffer(stream, np.uint8), 2)
+        decode.apply_tile_stream_(torch.from_numpy(target.view(np.int16)), entry, sp, 1)
+        assert np.array_equal(target, b), entry["mode"]
 
 
 def _damaged_streams(sp: decode.TileStream, rng: np.random.Generator) -> list[tuple[str, decode.TileStream]]:

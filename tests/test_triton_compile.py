@@ -82,14 +82,14 @@ def test_every_kernel_compiles_for_a100_and_h100_without_spills() -> None:
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     launched = {(r["kernel"], r["element"], r["variant"], r["n_multiple_of_16"], r["arch"]) for r in rows}
     expected = {(k, e, v, n16, a) for a in (80, 90) for e in tc.ELEMENTS for n16 in (True, False)
-                for k, v in [("_diff_stage", "UPDATE=False"), ("_diff_stage", "UPDATE=True"),
-                             ("_diff_place", "UPDATE=False"), ("_diff_place", "UPDATE=True"),
-                             ("_apply_diff", "-"), ("_scatter", "-")]}
+                for k, v in [("diff_stage_kernel", "UPDATE=False"), ("diff_stage_kernel", "UPDATE=True"),
+                             ("diff_place_kernel", "UPDATE=False"), ("diff_place_kernel", "UPDATE=True"),
+                             ("apply_diff_kernel", "-"), ("scatter_kernel", "-")]}
     assert launched == expected and len(rows) == len(expected)
     from weftboard.cuda import triton_kernels as tk
 
     for r in rows:
-        want_warps = tk.DIFF_WARPS if r["kernel"].startswith("_diff") else tk.APPLY_WARPS
+        want_warps = tk.DIFF_WARPS if r["kernel"].startswith("diff_") else tk.APPLY_WARPS
         assert r["warps"] == want_warps, r
         assert 0 < r["registers"] <= 255 and r["cubin_bytes"] > 0, r
         assert not r["spills"] and r["stack_bytes"] == 0 and r["local_bytes"] == 0, r
@@ -107,8 +107,8 @@ def test_the_table_reports_each_compiled_kernel_and_a_summary() -> None:
     body = [line.split() for line in lines[1:-1]]
     assert sorted((cols[0], cols[2], cols[3]) for cols in body) == sorted(
         (k, v, n) for n in ("0", "any") for k, v in [
-            ("_apply_diff", "-"), ("_diff_place", "UPDATE=False"), ("_diff_place", "UPDATE=True"),
-            ("_diff_stage", "UPDATE=False"), ("_diff_stage", "UPDATE=True"), ("_scatter", "-")])
+            ("apply_diff_kernel", "-"), ("diff_place_kernel", "UPDATE=False"), ("diff_place_kernel", "UPDATE=True"),
+            ("diff_stage_kernel", "UPDATE=False"), ("diff_stage_kernel", "UPDATE=True"), ("scatter_kernel", "-")])
     assert all(cols[1] == "i16" and cols[4] == "sm_90" and cols[5] == "8" and int(cols[6]) > 0 for cols in body)
     spilled = sum(int(cols[7]) > 0 or int(cols[8]) > 0 for cols in body)
     assert lines[-1] == f"12 kernels compiled; {spilled} use stack or local memory"

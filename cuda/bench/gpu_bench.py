@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         print()
         print("kernels as this device loaded them:")
-        for fn in (tk._diff_stage, tk._diff_place, tk._apply_diff, tk._scatter):
+        for fn in (tk.diff_stage_kernel, tk.diff_place_kernel, tk.apply_diff_kernel, tk.scatter_kernel):
             for line in kernel_resources(fn):
                 print(f"  {line}")
     return 0 if all(checks.values()) else 1

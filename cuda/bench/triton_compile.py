@@ -106,12 +106,12 @@ def _kernels() -> dict[str, tuple[Any, dict[str, Any], tuple[dict[str, Any], ...
     from weftboard.cuda import triton_kernels as tk  # optional dependency: triton
 
     kernels = {
-        "_diff_stage": (tk._diff_stage, {"BLOCK": tk.BLOCK, "STAGE": tk.STAGE},
+        "diff_stage_kernel": (tk.diff_stage_kernel, {"BLOCK": tk.BLOCK, "STAGE": tk.STAGE},
                         ({"UPDATE": False}, {"UPDATE": True}), tk.DIFF_WARPS),
-        "_diff_place": (tk._diff_place, {"BLOCK": tk.BLOCK, "STAGE": tk.STAGE},
+        "diff_place_kernel": (tk.diff_place_kernel, {"BLOCK": tk.BLOCK, "STAGE": tk.STAGE},
                         ({"UPDATE": False}, {"UPDATE": True}), tk.DIFF_WARPS),
-        "_apply_diff": (tk._apply_diff, {"BLOCK": tk.APPLY_BLOCK}, ({},), tk.APPLY_WARPS),
-        "_scatter": (tk._scatter, {"BLOCK": tk.APPLY_BLOCK}, ({},), tk.APPLY_WARPS),
+        "apply_diff_kernel": (tk.apply_diff_kernel, {"BLOCK": tk.APPLY_BLOCK}, ({},), tk.APPLY_WARPS),
+        "scatter_kernel": (tk.scatter_kernel, {"BLOCK": tk.APPLY_BLOCK}, ({},), tk.APPLY_WARPS),
     }
     for name, (fn, *_rest) in kernels.items():
         if not isinstance(fn, JITFunction):
