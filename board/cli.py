@@ -2,23 +2,45 @@
 
 Each package contributes its commands through a ``commands`` module with a
 ``register(app, bench)`` function, so this file stays a table of contents and each
-package owns its own flags. Command bodies import their heavy dependencies (torch,
-grpc) lazily, so ``weftboard --help`` stays fast.
+package owns its own flags. ``weftboard --version`` prints the installed distribution's
+version (``importlib.metadata``) and exits before any command is resolved.
 """
 
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as distribution_version
 
 import typer
 
 COMMAND_MODULES = (
-    "weftboard.board.commands",       # serve, history, status, token, gc, bench board
+    "weftboard.board.commands",       # serve, history, status, fleet, token, gc, bench board
     "weftboard.cuda.commands",        # warmup, bench codec, bench formats
     "weftboard.publisher.commands",   # bench sync
     "weftboard.subscriber.commands",  # subscribe
     "weftboard.subscriber.demo.commands",  # demo
 )
+
+
+def installed_version() -> str:
+    try:
+        return distribution_version("weftboard")
+    except PackageNotFoundError:  # running from a checkout that is not installed
+        return "unknown (not installed)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"weftboard {installed_version()}")
+        raise typer.Exit()
+
+
+def _global_options(
+    _version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                  help="Print weftboard's version and exit."),
+) -> None:
+    """Keep rollout islands on a trainer's latest weights with lossless patches."""
 
 
 def build_app() -> typer.Typer:
@@ -32,6 +54,7 @@ def build_app() -> typer.Typer:
         help="Benchmarks; each prints ratios against a baseline measured in the same run.",
         no_args_is_help=True,
     )
+    app.callback()(_global_options)
     app.add_typer(bench, name="bench")
     for name in COMMAND_MODULES:
         try:

@@ -5,7 +5,10 @@ Invariants:
   ``block_ms``). Watch has no deadline: it lives until the caller stops iterating or
   cancels, and cancellation is honoured at once.
 - gRPC failures surface as ``weftboard.proto.errors`` classes (``from_status_code``), so
-  callers handle ``Aborted`` or ``OutOfRange`` without knowing about grpc.
+  callers handle ``Aborted`` or ``OutOfRange`` without knowing about grpc; a failure to
+  connect names the board's address and says when TLS failed (``channel.unavailable_message``).
+- The channel comes from ``channel.open_channel``: plaintext, TLS or mutual TLS as the
+  ``tls``/``tls_ca``/``tls_cert``/``tls_key``/``server_name`` options say.
 - ``watch`` resumes after the last *version* it yielded when the board becomes
   unreachable (UNAVAILABLE, or a stream the server tore down on shutdown): nothing is
   missed and nothing is yielded twice, also across a board restart.
@@ -16,15 +19,22 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import structlog
 
+from weftboard.board.channel import (
+    TlsConfig,
+    client_tls,
+    open_channel,
+    unavailable_message,
+)
 from weftboard.proto.errors import Unavailable, WeftboardError, from_status_code
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
+
+__all__ = ["BoardClient", "TlsConfig"]
 
 log = structlog.get_logger(__name__)
 
@@ -34,31 +44,11 @@ log = structlog.get_logger(__name__)
 _RECONNECT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
-@dataclass(frozen=True)
-class TlsConfig:
-    """Client-side TLS: the CA that signed the board's certificate, and for mutual TLS
-    a client certificate and key. ``server_name`` overrides the name checked against the
-    certificate (useful when dialing an IP address)."""
-
-    root_cert: bytes | None = None
-    client_cert: bytes | None = None
-    client_key: bytes | None = None
-    server_name: str | None = None
-
-    @classmethod
-    def from_files(
-        cls,
-        root_cert: str | Path | None = None,
-        client_cert: str | Path | None = None,
-        client_key: str | Path | None = None,
-        server_name: str | None = None,
-    ) -> TlsConfig:
-        read = lambda p: Path(p).read_bytes() if p else None  # noqa: E731
-        return cls(read(root_cert), read(client_cert), read(client_key), server_name)
-
-
-def _convert(exc: grpc.aio.AioRpcError) -> WeftboardError:
-    return from_status_code(exc.code().name, exc.details() or exc.code().name)
+def _convert(exc: grpc.aio.AioRpcError, address: str, tls: TlsConfig | None) -> WeftboardError:
+    details = exc.details() or exc.code().name
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:
+        details = unavailable_message(address, tls, details)
+    return from_status_code(exc.code().name, details)
 
 
 class BoardClient:
@@ -74,31 +64,29 @@ class BoardClient:
         address: str,
         token: str | None = None,
         *,
-        tls: TlsConfig | None = None,
+        tls: TlsConfig | bool | None = None,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        server_name: str | None = None,
         timeout_s: float = 10.0,
         wait_for_ready: bool = False,
         options: Sequence[tuple[str, object]] = (),
     ) -> None:
         self.address = address
         self.token = token
+        self.tls = client_tls(tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, server_name=server_name)
         self.timeout_s = timeout_s
         self.wait_for_ready = wait_for_ready
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
-        opts: list[tuple[str, object]] = [
+        self._channel = open_channel(address, self.tls, [
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
             ("grpc.keepalive_time_ms", 30_000),
             *options,
-        ]
-        if tls is None:
-            self._channel = grpc.aio.insecure_channel(address, options=opts)
-        else:
-            if tls.server_name:
-                opts.append(("grpc.ssl_target_name_override", tls.server_name))
-            creds = grpc.ssl_channel_credentials(tls.root_cert, tls.client_key, tls.client_cert)
-            self._channel = grpc.aio.secure_channel(address, creds, options=opts)
+        ])
         self._stub = pb_grpc.BoardStub(self._channel)
 
     async def __aenter__(self) -> BoardClient:
@@ -123,7 +111,7 @@ class BoardClient:
                 wait_for_ready=self.wait_for_ready,
             )
         except grpc.aio.AioRpcError as exc:
-            raise _convert(exc) from None
+            raise _convert(exc, self.address, self.tls) from None
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Wait until the channel connects (a board that is still starting)."""
@@ -142,6 +130,10 @@ class BoardClient:
 
     async def list_runs(self, page_size: int = 0, page_token: str = "") -> pb.ListRunsResponse:
         return await self._call("ListRuns", pb.ListRunsRequest(page_size=page_size, page_token=page_token))
+
+    async def get_model_files(self, run: str, *, presign: bool = False) -> list[pb.BlobRef]:
+        """The run's model files (config, tokenizer), with presigned GET URLs when asked for."""
+        return list((await self._call("GetModelFiles", pb.GetModelFilesRequest(run=run, presign=presign))).files)
 
     async def all_runs(self) -> list[pb.Run]:
         runs: list[pb.Run] = []
@@ -232,8 +224,9 @@ class BoardClient:
                 return  # the server ended the stream normally (it never does by design)
             except grpc.aio.AioRpcError as exc:
                 if not reconnect or exc.code() not in _RECONNECT_CODES:
-                    raise _convert(exc) from None
-                log.info("watch reconnecting", run=run, after_version=last, code=exc.code().name, backoff_s=backoff)
+                    raise _convert(exc, self.address, self.tls) from None
+                log.info("watch reconnecting", run=run, after_version=last, code=exc.code().name, backoff_s=backoff,
+                         error=unavailable_message(self.address, self.tls, exc.details() or ""))
             finally:
                 call.cancel()
             await asyncio.sleep(backoff * (0.5 + random.random()))

@@ -1,4 +1,4 @@
-"""Board commands of the ``weftboard`` CLI: serve, history, status, token, gc, bench board.
+"""Board commands of the ``weftboard`` CLI: serve, history, status, fleet, token, gc, bench board.
 
 ``serve`` runs one board process (board/process.py). With no Redis URL it starts the
 embedded default (a bundled ``redis-server`` with an append-only file under the data dir)
@@ -7,9 +7,16 @@ it prints everything it started and stops it all on SIGINT/SIGTERM, board first.
 
 The other commands are clients: ``--board`` and ``--token`` (``WEFTBOARD_BOARD``,
 ``WEFTBOARD_TOKEN``). Without a token they use the admin token that an embedded board
-stored in the data dir, so the quick start needs no copy-and-paste.
+stored in the data dir, so the quick start needs no copy-and-paste. They speak TLS with
+``--tls-ca`` (or ``--tls`` for the system's roots), mutual TLS with ``--tls-cert``/``--tls-key``,
+and check the board's certificate against ``--tls-server-name`` when given (``WEFTBOARD_TLS``,
+``WEFTBOARD_TLS_CA``, ``WEFTBOARD_TLS_CLIENT_CERT``, ``WEFTBOARD_TLS_CLIENT_KEY``,
+``WEFTBOARD_TLS_SERVER_NAME``); the island's ``subscribe`` and ``sidecar`` take the same flags.
 
-Errors from the board print as one line naming the gRPC status and exit with code 1.
+Errors from the board print as one line naming the gRPC status and exit with code 1; a TLS
+file that cannot be read prints one line naming it and exits 2. With ``--json`` a read
+command prints one JSON document on stdout (``board/report.py`` names its keys) and logs
+only to stderr.
 
 ``serve`` invariants:
 - Embedded servers (redis-server, SeaweedFS) are started from the main thread *before* the
@@ -28,25 +35,22 @@ import contextlib
 import json
 import signal
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import typer
-from google.protobuf.json_format import MessageToDict
 from pydantic import ValidationError
-from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from weftboard.board.bench.bench_board import BenchParams, run_bench
 from weftboard.board.blobs import S3BlobStore
-from weftboard.board.client import BoardClient, TlsConfig
+from weftboard.board.channel import TlsConfig, client_tls
+from weftboard.board.client import BoardClient
 from weftboard.board.config import (
     BoardSettings,
     external_blob_store,
@@ -58,6 +62,17 @@ from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_d
 from weftboard.board.embedded import start_redis, start_seaweedfs
 from weftboard.board.logs import configure
 from weftboard.board.process import BoardConfig, start_board
+from weftboard.board.report import (
+    fleet_document,
+    gc_document,
+    history_document,
+    history_table,
+    human_bytes,
+    islands_table,
+    runs_document,
+    runs_table,
+    when,
+)
 from weftboard.proto.errors import WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 
@@ -71,9 +86,16 @@ TOKEN_OPTION = typer.Option(
     None, "--token", envvar="WEFTBOARD_TOKEN",
     help="Bearer token. Default: the admin token an embedded board stored in the data dir.",
 )
-TLS_CA_OPTION = typer.Option(None, "--tls-ca", envvar="WEFTBOARD_TLS_CA", help="CA certificate of a TLS board.")
-TLS_CERT_OPTION = typer.Option(None, "--tls-cert", envvar="WEFTBOARD_TLS_CLIENT_CERT", help="Client certificate (mutual TLS).")
-TLS_KEY_OPTION = typer.Option(None, "--tls-key", envvar="WEFTBOARD_TLS_CLIENT_KEY", help="Client key (mutual TLS).")
+TLS_OPTION = typer.Option(False, "--tls", envvar="WEFTBOARD_TLS",
+                          help="TLS to the board with the system's CA roots (implied by --tls-ca).")
+TLS_CA_OPTION = typer.Option(None, "--tls-ca", envvar="WEFTBOARD_TLS_CA",
+                             help="CA bundle (PEM) that signed the board's certificate: TLS.")
+TLS_CERT_OPTION = typer.Option(None, "--tls-cert", envvar="WEFTBOARD_TLS_CLIENT_CERT",
+                               help="Client certificate (PEM) for a board that requires mutual TLS.")
+TLS_KEY_OPTION = typer.Option(None, "--tls-key", envvar="WEFTBOARD_TLS_CLIENT_KEY",
+                              help="Key (PEM) of the client certificate (mutual TLS).")
+TLS_SERVER_NAME_OPTION = typer.Option(None, "--tls-server-name", envvar="WEFTBOARD_TLS_SERVER_NAME",
+                                      help="Name to check the board's certificate against (default: the host dialled).")
 
 
 class RoleName(str, Enum):
@@ -81,124 +103,6 @@ class RoleName(str, Enum):
     island = "island"
     reader = "reader"
     admin = "admin"
-
-
-# ---------------------------------------------------------------------------
-# Formatting helpers
-# ---------------------------------------------------------------------------
-
-
-def human_bytes(n: int) -> str:
-    if n <= 0:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
-
-
-def when(ms: int, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
-    if ms <= 0:
-        return "-"
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).strftime(fmt)
-
-
-def _table(title: str, columns: tuple[tuple[str, str], ...]) -> Table:
-    """A compact table: light borders, cells never wrapped (numbers stay readable)."""
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for name, justify in columns:
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    return table
-
-
-def ago(ms: int, now_ms: int | None = None) -> str:
-    if ms <= 0:
-        return "-"
-    now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
-    seconds = (now_ms - ms) / 1000
-    if seconds < 0:
-        return f"in {-seconds:.0f}s"
-    if seconds < 120:
-        return f"{seconds:.0f}s ago"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m ago"
-    return f"{seconds / 3600:.1f}h ago"
-
-
-def version_row(record: Any) -> list[str]:
-    """One history table row: version, step, parent, artifacts, bytes, density, committed."""
-    kinds = []
-    patch_bytes = record.stats.patch_bytes
-    anchor_bytes = record.stats.anchor_bytes
-    for artifact in record.artifacts:
-        size = sum(b.size for b in artifact.blobs)
-        if artifact.kind == pb.ARTIFACT_KIND_PATCH:
-            kinds.append("patch")
-            patch_bytes = patch_bytes or size
-        elif artifact.kind == pb.ARTIFACT_KIND_ANCHOR:
-            kinds.append(f"anchor({len(artifact.blobs)})" if len(artifact.blobs) > 1 else "anchor")
-            anchor_bytes = anchor_bytes or size
-    stats = record.stats
-    density = f"{stats.density * 100:.3f}%" if stats.total_elements else "-"
-    return [
-        str(record.version),
-        str(record.step),
-        str(record.parent) if record.parent else "-",
-        "+".join(kinds) or "-",
-        human_bytes(patch_bytes),
-        human_bytes(anchor_bytes),
-        density,
-        f"{stats.changed_elements:,}" if stats.total_elements else "-",
-        when(record.committed_at_ms, "%m-%d %H:%M:%S"),
-    ]
-
-
-def history_table(run: str, records: list[Any]) -> Table:
-    table = _table(f"history of {run}", (
-        ("version", "right"), ("step", "right"), ("parent", "right"), ("artifacts", "left"),
-        ("patch", "right"), ("anchor", "right"), ("density", "right"), ("changed", "right"),
-        ("committed UTC", "left"),
-    ))
-    for record in records:
-        table.add_row(*version_row(record))
-    return table
-
-
-def islands_table(run: str, response: Any, now_ms: int | None = None) -> Table:
-    table = _table(f"fleet of {run} (head {response.head})", (
-        ("island", "left"), ("region", "left"), ("version", "right"), ("lag", "right"), ("state", "left"),
-        ("capacity", "right"), ("last seen", "right"), ("lease", "right"), ("message", "left"),
-    ))
-    for info in sorted(response.islands, key=lambda i: (-i.lag, i.status.island_id)):
-        s = info.status
-        state = pb.IslandState.Name(s.state).removeprefix("ISLAND_STATE_").lower()
-        style = {"ready": "green", "expired": "dim", "error": "red"}.get(state, "yellow")
-        table.add_row(
-            s.island_id, s.region or "-", str(s.version) if s.version else "-", str(info.lag),
-            f"[{style}]{state}[/{style}]", str(s.capacity), ago(info.last_seen_ms, now_ms),
-            ago(info.lease_expires_at_ms, now_ms), s.message or "",
-        )
-    return table
-
-
-def runs_table(runs: list[Any]) -> Table:
-    table = _table("runs", (
-        ("run", "left"), ("kind", "left"), ("format", "left"), ("tensors", "right"), ("head", "right"),
-        ("oldest", "right"), ("created UTC", "left"),
-    ))
-    for run in runs:
-        table.add_row(
-            run.run,
-            pb.RunKind.Name(run.kind).removeprefix("RUN_KIND_").lower(),
-            pb.FormatKind.Name(run.served_format.kind).removeprefix("FORMAT_KIND_").lower(),
-            str(len(run.layout.tensors)),
-            str(run.head),
-            str(run.oldest_available or "-"),
-            when(run.created_at_ms),
-        )
-    return table
 
 
 # ---------------------------------------------------------------------------
@@ -219,16 +123,26 @@ def resolve_token(token: str | None) -> str | None:
     return None
 
 
-def run_client(
-    board: str,
-    token: str | None,
-    body: Callable[[Any], Awaitable[int | None]],
-    tls_ca: Path | None = None,
-    tls_cert: Path | None = None,
-    tls_key: Path | None = None,
-) -> None:
+def tls_from_flags(tls: bool, tls_ca: Path | None, tls_cert: Path | None, tls_key: Path | None,
+                   tls_server_name: str | None) -> TlsConfig | None:
+    """The ``--tls*`` flags as client TLS settings (None: plaintext); a file that cannot be
+    read, or a certificate without its key, exits 2 with one line naming it."""
+    try:
+        return client_tls(tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, server_name=tls_server_name)
+    except WeftboardError as exc:
+        err.print(f"[red]error[/red]: {exc}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+def print_json(document: dict[str, Any]) -> None:
+    """The one JSON document a ``--json`` command prints (logs go to stderr)."""
+    print(json.dumps(document, indent=2), flush=True)
+
+
+def run_client(board: str, token: str | None, body: Callable[[Any], Awaitable[int | None]],
+               tls: TlsConfig | None = None) -> None:
     """Open a BoardClient, run ``body(client)``, map weftboard errors to exit code 1."""
-    tls = TlsConfig.from_files(tls_ca, tls_cert, tls_key) if (tls_ca or tls_cert) else None
+    configure(level="WARNING")  # stdout is the command's output (tables, JSON); logs go to stderr
 
     async def main() -> int | None:
         async with BoardClient(board, resolve_token(token), tls=tls) as client:
@@ -412,14 +326,17 @@ def history(
     from_version: int = typer.Option(0, "--from", help="First version (0: oldest available)."),
     to_version: int = typer.Option(0, "--to", help="Last version (0: head)."),
     last: int = typer.Option(0, help="Only the newest N versions."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per version instead of a table."),
+    as_json: bool = typer.Option(False, "--json", help='One JSON document {"run", "versions": [record, ...]}.'),
     board: str = BOARD_OPTION,
     token: str | None = TOKEN_OPTION,
+    tls: bool = TLS_OPTION,
     tls_ca: Path | None = TLS_CA_OPTION,
     tls_cert: Path | None = TLS_CERT_OPTION,
     tls_key: Path | None = TLS_KEY_OPTION,
+    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
 ) -> None:
     """The versions of a run: step, parent, artifacts, patch/anchor bytes, density."""
+    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
 
     async def body(client: Any) -> None:
         start = from_version
@@ -428,54 +345,100 @@ def history(
             start = max(1, head.version - last + 1, head.oldest_available)
         records = [r async for r in client.iter_versions(run, start, to_version)]
         if as_json:
-            for record in records:
-                print(json.dumps(MessageToDict(record, preserving_proto_field_name=True)))
+            print_json(history_document(run, records))
             return
         out.print(history_table(run, records))
         if not records:
             out.print("(no versions in that range)")
 
-    run_client(board, token, body, tls_ca, tls_cert, tls_key)
+    run_client(board, token, body, tls_config)
 
 
 def status(
     run: str | None = typer.Argument(None, help="Run name; without it, every run's head."),
+    as_json: bool = typer.Option(False, "--json", help='One JSON document: {"runs": [...]}, or with RUN the '
+                                                       "fleet document (as 'fleet --json')."),
     board: str = BOARD_OPTION,
     token: str | None = TOKEN_OPTION,
+    tls: bool = TLS_OPTION,
     tls_ca: Path | None = TLS_CA_OPTION,
     tls_cert: Path | None = TLS_CERT_OPTION,
     tls_key: Path | None = TLS_KEY_OPTION,
+    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
 ) -> None:
     """Head and fleet: each island's version, lag behind the head, state and lease."""
+    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
 
     async def body(client: Any) -> None:
         if run is None:
-            out.print(runs_table(await client.all_runs()))
+            runs = await client.all_runs()
+            if as_json:
+                print_json(runs_document(runs))
+            else:
+                out.print(runs_table(runs))
             return
-        head = await client.get_head(run)
+        await print_fleet(client, run, as_json, with_head_line=True)
+
+    run_client(board, token, body, tls_config)
+
+
+async def print_fleet(client: Any, run: str, as_json: bool, *, with_head_line: bool) -> None:
+    """The run's head and islands, as a table (after a head line) or as the fleet document."""
+    head = await client.get_head(run)
+    islands = await client.list_islands(run)
+    if as_json:
+        print_json(fleet_document(run, head, islands))
+        return
+    if with_head_line:
         out.print(
             f"[bold]{run}[/bold]: head {head.version} (committed {when(head.committed_at_ms)} UTC), "
             f"oldest available {head.oldest_available or '-'}"
         )
-        out.print(islands_table(run, await client.list_islands(run)))
+    out.print(islands_table(run, islands))
 
-    run_client(board, token, body, tls_ca, tls_cert, tls_key)
+
+def fleet(
+    run: str = typer.Argument(..., help="Run name."),
+    as_json: bool = typer.Option(False, "--json", help='One JSON document {"run", "head", ..., "islands": [...]}.'),
+    board: str = BOARD_OPTION,
+    token: str | None = TOKEN_OPTION,
+    tls: bool = TLS_OPTION,
+    tls_ca: Path | None = TLS_CA_OPTION,
+    tls_cert: Path | None = TLS_CERT_OPTION,
+    tls_key: Path | None = TLS_KEY_OPTION,
+    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
+) -> None:
+    """The islands following a run: version, lag, state, capacity, last heartbeat, lease."""
+    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
+
+    async def body(client: Any) -> None:
+        await print_fleet(client, run, as_json, with_head_line=False)
+
+    run_client(board, token, body, tls_config)
 
 
 def gc(
     run: str = typer.Argument(..., help="Run name."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only show what would be deleted."),
     keep_anchors: int = typer.Option(0, help="Newest anchors to keep (0: the run's retention policy)."),
+    as_json: bool = typer.Option(False, "--json", help='One JSON document {"run", "dry_run", "deleted_keys", '
+                                                       '"deleted_blobs", "freed_bytes", "oldest_available"}.'),
     board: str = BOARD_OPTION,
     token: str | None = TOKEN_OPTION,
+    tls: bool = TLS_OPTION,
     tls_ca: Path | None = TLS_CA_OPTION,
     tls_cert: Path | None = TLS_CERT_OPTION,
     tls_key: Path | None = TLS_KEY_OPTION,
+    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
 ) -> None:
     """Delete blobs no live island and no kept anchor needs, and staged parts no commit named (admin)."""
+    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
 
     async def body(client: Any) -> None:
         response = await client.collect_garbage(run, dry_run=dry_run, keep_anchors=keep_anchors)
+        if as_json:
+            print_json(gc_document(run, dry_run, response))
+            return
         verb = "would delete" if dry_run else "deleted"
         out.print(
             f"{verb} {len(response.deleted_keys)} blobs, {human_bytes(response.freed_bytes)} "
@@ -485,7 +448,7 @@ def gc(
         for key in response.deleted_keys:
             out.print(f"  {key}", highlight=False)
 
-    run_client(board, token, body, tls_ca, tls_cert, tls_key)
+    run_client(board, token, body, tls_config)
 
 
 def token_create(
@@ -493,35 +456,42 @@ def token_create(
     role: RoleName = typer.Option(..., help="publisher, island, reader or admin."),
     board: str = BOARD_OPTION,
     token: str | None = TOKEN_OPTION,
+    tls: bool = TLS_OPTION,
     tls_ca: Path | None = TLS_CA_OPTION,
     tls_cert: Path | None = TLS_CERT_OPTION,
     tls_key: Path | None = TLS_KEY_OPTION,
+    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
 ) -> None:
     """Create a token (admin). The token is printed once; the board keeps only its hash."""
+    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
+
     async def body(client: Any) -> None:
         response = await client.create_token(name, pb.Role.Value(f"ROLE_{role.value.upper()}"))
         out.print(f"token id: {response.token_id}", highlight=False)
         out.print(f"token:    {response.token}", highlight=False)
         out.print("(shown once; revoke with: weftboard token revoke " + response.token_id + ")", highlight=False)
 
-    run_client(board, token, body, tls_ca, tls_cert, tls_key)
+    run_client(board, token, body, tls_config)
 
 
 def token_revoke(
     token_id: str = typer.Argument(..., help="The token id printed by 'token create'."),
     board: str = BOARD_OPTION,
     token: str | None = TOKEN_OPTION,
+    tls: bool = TLS_OPTION,
     tls_ca: Path | None = TLS_CA_OPTION,
     tls_cert: Path | None = TLS_CERT_OPTION,
     tls_key: Path | None = TLS_KEY_OPTION,
+    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
 ) -> None:
     """Revoke a token (admin); it stops working at once on this board, within seconds on others."""
+    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
 
     async def body(client: Any) -> None:
         await client.revoke_token(token_id)
         out.print(f"revoked {token_id}", highlight=False)
 
-    run_client(board, token, body, tls_ca, tls_cert, tls_key)
+    run_client(board, token, body, tls_config)
 
 
 def bench_board(
@@ -545,6 +515,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     app.command()(serve)
     app.command()(history)
     app.command()(status)
+    app.command()(fleet)
     app.command()(gc)
     tokens = typer.Typer(help="Create and revoke bearer tokens (admin).", no_args_is_help=True)
     tokens.command("create")(token_create)

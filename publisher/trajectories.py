@@ -19,8 +19,10 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from weftboard.board.channel import TlsConfig, client_tls
 from weftboard.board.client import BoardClient
 from weftboard.proto.v1 import board_pb2 as pb
 
@@ -119,16 +121,22 @@ class TrajectoryConsumer:
 
 class SyncTrajectoryConsumer:
     """The same for a synchronous training loop: its own event loop on a background thread
-    and its own board connection (``address``, ``token``)."""
+    and its own board connection (``address``, ``token``, and the TLS options of
+    ``BoardClient``: ``tls``, ``tls_ca``, ``tls_cert``, ``tls_key``, ``server_name``)."""
 
     def __init__(self, address: str, run: str, group: str, consumer: str, *, token: str | None = None,
-                 timeout_s: float = 10.0, **options: Any) -> None:
+                 timeout_s: float = 10.0, tls: TlsConfig | bool | None = None, tls_ca: str | Path | None = None,
+                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None,
+                 server_name: str | None = None, **options: Any) -> None:
+        # read the TLS files before the thread starts: a missing one fails here, named
+        tls_config = client_tls(tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, server_name=server_name)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weftboard-trajectories", daemon=True)
         self._thread.start()
 
         async def make() -> TrajectoryConsumer:
-            return TrajectoryConsumer(BoardClient(address, token, timeout_s=timeout_s), run, group, consumer, **options)
+            client = BoardClient(address, token, tls=tls_config, timeout_s=timeout_s)
+            return TrajectoryConsumer(client, run, group, consumer, **options)
 
         self.consumer: TrajectoryConsumer = self._call(make())
 

@@ -29,7 +29,7 @@ import torch
 
 from weftboard.board.blobs import S3BlobStore
 from weftboard.board.blobs.transfer import FAST_RECONNECT
-from weftboard.board.client import BoardClient
+from weftboard.board.client import BoardClient, TlsConfig
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
 from weftboard.subscriber.destination import Destination
@@ -60,6 +60,7 @@ class LocalFollowerConfig:
     events: bool = False
     exit_at_version: int = 0  # > 0: exit 0 once this version is held (benchmarks, tests)
     progress: bool | None = None  # None: rich on a terminal
+    tls: TlsConfig | None = None  # None: plaintext to the board (board/channel.py)
 
 
 def _emit(event: dict) -> None:
@@ -86,7 +87,7 @@ async def run_local_follower(cfg: LocalFollowerConfig) -> int:
         store = S3BlobStore(cfg.s3_endpoint, cfg.s3_access_key or "", cfg.s3_secret_key or "", cfg.s3_bucket or "",
                             secure=cfg.s3_secure, region="us-east-1", prefix=cfg.s3_prefix)
     cfg.dir.mkdir(parents=True, exist_ok=True)
-    client = BoardClient(cfg.board, cfg.token, options=FAST_RECONNECT)
+    client = BoardClient(cfg.board, cfg.token, tls=cfg.tls, options=FAST_RECONNECT)
     progress = ProgressReporter(rich=cfg.progress) if cfg.progress is not False else None
     try:
         dest = await _destination(cfg, client)

@@ -4,6 +4,8 @@ commands against it, as a person would type them (real subprocesses, real Redis)
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import json
 import os
 import re
 import signal
@@ -79,9 +81,10 @@ def _port_closed(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-async def _publish_and_heartbeat(address: str, token: str, blobs: LocalDirBlobStore | S3BlobStore, n: int) -> None:
+async def _publish_and_heartbeat(address: str, token: str, blobs: LocalDirBlobStore | S3BlobStore, n: int,
+                                 **retention: int) -> None:
     async with BoardClient(address, token) as client:
-        await client.create_run(make_run("demo"))
+        await client.create_run(make_run("demo", **retention))
         await publish(client, blobs, "demo", range(1, n + 1))
         await client.heartbeat(pb.IslandStatus(island_id="isl-1", run="demo", region="eu", version=n - 2,
                                                state=pb.ISLAND_STATE_CATCHING_UP, capacity=4), lease_s=60)
@@ -109,7 +112,7 @@ def test_serve_embedded_then_client_commands(tmp_path: Path) -> None:
         assert [int(re.findall(r"\d+", r)[0]) for r in rows] == [1, 2, 3, 4]
         assert "anchor" in hist.stdout and "patch" in hist.stdout and "7.500%" in hist.stdout
         last2 = board.cli("history", "demo", "--last", "2", "--json")
-        assert [int(__import__("json").loads(l)["version"]) for l in last2.stdout.splitlines()] == [3, 4]
+        assert [v["version"] for v in json.loads(last2.stdout)["versions"]] == [3, 4]
 
         status = board.cli("status", "demo")
         assert status.returncode == 0, status.stderr
@@ -183,6 +186,72 @@ def test_serve_connects_to_given_redis(redis_url: str, tmp_path: Path) -> None:
     assert not (tmp_path / "data" / "redis").exists()
 
 
+def test_read_commands_print_one_json_document(redis_url: str, tmp_path: Path) -> None:
+    """``--json`` on status, fleet, history and gc: one document on stdout with the board's values."""
+    board = Served(tmp_path / "data", "--redis-url", redis_url, "--blob-dir", str(tmp_path / "b"),
+                   "--admin-token", "admin-" + "x" * 24)
+    admin = "admin-" + "x" * 24
+    try:
+        asyncio.run(_publish_and_heartbeat(board.address, admin, LocalDirBlobStore(tmp_path / "b"), 4,
+                                           keep_versions=1))
+
+        def document(*args: str) -> dict:
+            result = board.cli(*args, "--json", token=admin)
+            assert result.returncode == 0, result.stderr
+            return json.loads(result.stdout)  # the whole of stdout is one document
+
+        runs = document("status")["runs"]
+        assert [(r["run"], r["head"], r["kind"], r["served_format"]["kind"], r["tensors"]) for r in runs] == [
+            ("demo", 4, "weights", "bf16", 2)]
+        fleet = document("fleet", "demo")
+        assert document("status", "demo") == fleet
+        assert (fleet["run"], fleet["head"], fleet["oldest_available"]) == ("demo", 4, 1)
+        assert fleet["committed_at_ms"] > 0
+        [island] = fleet["islands"]
+        assert {k: island[k] for k in ("island_id", "region", "version", "lag", "state", "capacity", "message")} == {
+            "island_id": "isl-1", "region": "eu", "version": 2, "lag": 2, "state": "catching_up", "capacity": 4,
+            "message": ""}
+        assert island["lease_expires_at_ms"] > island["last_seen_ms"] > 0
+
+        history = document("history", "demo")
+        assert history["run"] == "demo" and [v["version"] for v in history["versions"]] == [1, 2, 3, 4]
+        first, second = history["versions"][:2]
+        assert [a["kind"] for a in first["artifacts"]] == ["anchor"] and first["parent"] == 0
+        assert [a["kind"] for a in second["artifacts"]] == ["patch"] and second["artifacts"][0]["base_version"] == 1
+        assert (second["step"], second["stats"]["changed_elements"], second["stats"]["density"]) == (20, 3, 3 / 40)
+        assert isinstance(second["artifacts"][0]["blobs"][0]["size"], int)  # 64-bit integers as numbers
+        assert document("history", "demo", "--from", "3")["versions"][0]["version"] == 3
+
+        async def anchor_and_expected_gc() -> pb.CollectGarbageResponse:
+            """Version 5 with an anchor, the island on it: GC may drop versions 1-4's blobs."""
+            async with BoardClient(board.address, admin) as client:
+                await publish(client, LocalDirBlobStore(tmp_path / "b"), "demo", [5], anchor=True, patch=True)
+                await client.heartbeat(pb.IslandStatus(island_id="isl-1", run="demo", region="eu", version=5,
+                                                       state=pb.ISLAND_STATE_READY, capacity=4), lease_s=60)
+                return await client.collect_garbage("demo", dry_run=True, keep_anchors=1)
+
+        would = asyncio.run(anchor_and_expected_gc())
+        dry = document("gc", "demo", "--dry-run", "--keep-anchors", "1")
+        assert dry == {"run": "demo", "dry_run": True, "deleted_keys": list(would.deleted_keys),
+                       "deleted_blobs": 4, "freed_bytes": would.freed_bytes, "oldest_available": 5}
+        assert dry["freed_bytes"] == 8 * 64 + 3 * 64  # boardkit: the anchor of version 1, the patches of 2-4
+        done = document("gc", "demo", "--keep-anchors", "1")
+        assert done == dict(dry, dry_run=False)
+        assert document("fleet", "demo")["oldest_available"] == 5
+
+        missing = board.cli("fleet", "no-such-run", "--json", token=admin)
+        assert missing.returncode == 1 and missing.stdout == "" and "NOT_FOUND" in missing.stderr
+    finally:
+        code, _ = board.stop()
+    assert code == 0
+
+
+def test_version_flag() -> None:
+    result = subprocess.run([*WEFTBOARD, "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"weftboard {importlib.metadata.version('weftboard')}"
+
+
 def test_invalid_settings_exit_2_with_a_message(tmp_path: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(build_app(), ["serve", "--listen", "nonsense"], env=_env(tmp_path))
@@ -235,7 +304,7 @@ def test_bench_board_smoke_prints_json_last(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.strip().splitlines()
     assert len(lines) > 3 and "fan-out" in result.stdout
-    report = __import__("json").loads(lines[-1])
+    report = json.loads(lines[-1])
     for key in ("watchers", "fanout_p50_ms", "fanout_p99_ms", "commits_per_s", "traj_records_per_s", "history_p99_ms"):
         assert isinstance(report[key], (int, float)), key
     assert report["watchers"] == 20 and report["fanout_missed"] == 0
