@@ -29,6 +29,7 @@ METHOD_ROLES: dict[str, frozenset[int]] = {
     "CreateRun": frozenset({PUBLISHER}),
     "GetRun": frozenset({READER, ISLAND, PUBLISHER}),
     "ListRuns": frozenset({READER}),
+    "GetModelFiles": frozenset({ISLAND}),
     "PresignUpload": frozenset({PUBLISHER}),
     "CommitVersion": frozenset({PUBLISHER}),
     "StagePart": frozenset({PUBLISHER}),

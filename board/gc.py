@@ -15,6 +15,7 @@
   versions may share a blob).
 - Orphans (staged parts whose version was committed without them, see ``store.k_orphans``)
   are deleted, unless a kept artifact names their key; either way GC forgets them.
+- A key in ``keep`` (the run's model files) is never deleted, whatever names it.
 
 The executor moves ``oldest_available`` in Redis *first*, then deletes blobs: a reader
 racing with GC is told a version is gone before its bytes disappear, never after.
@@ -60,8 +61,9 @@ def plan_gc(
     keep_anchors: int,
     keep_versions: int,
     orphans: Mapping[str, int] | None = None,
+    keep: Iterable[str] = (),
 ) -> GcPlan:
-    """Blobs to delete and the new oldest available version."""
+    """Blobs to delete and the new oldest available version; never a key in ``keep``."""
     orphans = orphans or {}
     if head == 0:
         return GcPlan(oldest_available, orphans=tuple(sorted(orphans)))
@@ -79,7 +81,7 @@ def plan_gc(
     new_oldest = below[-1] if below else oldest_available
     new_oldest = max(new_oldest, oldest_available)
 
-    kept: set[str] = set()
+    kept: set[str] = set(keep)
     dropped: dict[str, int] = {}
     for v, blobs in versions.items():
         if v < oldest_available:

@@ -18,6 +18,8 @@ Invariants:
   addressed, so a blob never changes, and GC deletes only keys of collected versions, never
   a staged part. The note itself stays until a commit of its version or a later one settles
   it (named, or an orphan for GC), however long the publisher takes to get there.
+- A run's model files are fixed at CreateRun; version 1 commits only once they are in the
+  blob store, and GC keeps them (``model_files``).
 - Nothing here blocks the event loop: Redis and the blob store are awaited.
 - The blob store refusing the board's own credentials is UNAVAILABLE to the caller, naming
   the operator's fix (``BoardsOwnBlobs``): PERMISSION_DENIED would read as the caller's token.
@@ -33,7 +35,7 @@ from typing import Any
 import structlog
 
 from weftboard.board import gc as gcmod
-from weftboard.board import validate
+from weftboard.board import model_files, validate
 from weftboard.board.auth import Authenticator
 from weftboard.board.fanout import TICK, FanOut, StagedEvent
 from weftboard.board.metrics import BoardMetrics
@@ -135,6 +137,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         run = pb.Run()
         run.CopyFrom(request.run)
         validate.check_run(run)
+        model_files.canonicalize(run)
         run.created_at_ms = now_ms()
         stored, created = await self.store.create_run(run)
         if not created:
@@ -143,6 +146,9 @@ class BoardServicer(pb_grpc.BoardServicer):
                     f"run {run.run!r} exists with a different kind, served format or layout; "
                     "pick another run name"
                 )
+            if difference := validate.model_files_changed(stored, run):
+                raise AlreadyExists(f"run {run.run!r} exists with other model files: {difference}; a run's model "
+                                    "files are fixed when it is created: pick another run name")
             return await self.store.get_run(run.run)
         log.info("run created", tensors=len(run.layout.tensors))
         return stored
@@ -160,6 +166,15 @@ class BoardServicer(pb_grpc.BoardServicer):
         names = names[:size]
         runs = await asyncio.gather(*(self.store.get_run(n) for n in names))
         return pb.ListRunsResponse(runs=runs, next_page_token=names[-1] if more else "")
+
+    async def GetModelFiles(self, request: pb.GetModelFilesRequest, context) -> pb.ModelFiles:
+        run = await self._run_and_state(request.run)
+        if not request.presign:
+            return pb.ModelFiles(files=run.model_files)
+        expires = request.presign_expires_s or DEFAULT_PRESIGN_S
+        if expires > MAX_PRESIGN_S:
+            raise InvalidArgument(f"presign_expires_s {expires} is too long; at most {MAX_PRESIGN_S}")
+        return pb.ModelFiles(files=await model_files.presigned(self.blobs, run, expires))
 
     # -- publishing -------------------------------------------------------
 
@@ -219,6 +234,8 @@ class BoardServicer(pb_grpc.BoardServicer):
         if outcome in COMMIT_ERRORS:
             raise commit_error(outcome, record.run, record.version, run.head)
         await self._check_blobs(record)
+        if record.version == 1:  # an island that sees a version finds the run's model files too
+            await model_files.check_stored(self.blobs, run)
         report, hint_feeds = await asyncio.gather(self.store.commit(record), self.store.staged_feeds(record.run))
         outcome = outcome_of_store(record.version, run.head, report)
         if outcome in COMMIT_ERRORS:
@@ -538,6 +555,7 @@ class BoardServicer(pb_grpc.BoardServicer):
             keep_anchors,
             keep_versions,
             orphans=await self.store.orphans(request.run),
+            keep=model_files.keys(run),
         )
         done = await gcmod.execute_gc(self.store, self.blobs, request.run, plan, dry_run=request.dry_run)
         if not request.dry_run:

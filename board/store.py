@@ -4,7 +4,7 @@ Key layout (every key of a run carries the hash tag ``{<run>}`` so a run lives i
 Redis Cluster slot and the commit script touches one slot only):
 
 - ``wb:runs``                    sorted set of run names (score 0; lexicographic listing)
-- ``wb:{run}:run``               serialized ``Run`` (without head / oldest_available)
+- ``wb:{run}:run``               serialized ``Run`` (without head / oldest_available; with its model files)
 - ``wb:{run}:state``             hash: head, committed_at_ms, oldest
 - ``wb:{run}:versions``          hash: version -> deterministic ``VersionRecord`` bytes, committed_at_ms = 0
 - ``wb:{run}:committed``         hash: version -> committed_at_ms

@@ -15,6 +15,7 @@ from __future__ import annotations
 from weftboard.proto import convert
 from weftboard.proto.errors import InvalidArgument
 from weftboard.proto.layout import check_layout
+from weftboard.proto.model_files import check_model_files, model_files_difference
 from weftboard.proto.names import check_name
 from weftboard.proto.records import check_blob_ref as check_domain_blob_ref
 from weftboard.proto.records import check_record as check_domain_record
@@ -22,16 +23,23 @@ from weftboard.proto.v1 import board_pb2 as pb
 
 
 def check_run(run: pb.Run) -> None:
-    """A run a publisher asks to create: a name, a kind, a served format and a layout."""
+    """A run a publisher asks to create: a name, a kind, a served format, a layout and its
+    model files, if any (``proto.model_files``)."""
     check_name("run.run", run.run)
     if run.kind == pb.RUN_KIND_UNSPECIFIED:
         raise InvalidArgument("run.kind must be RUN_KIND_WEIGHTS or RUN_KIND_LORA_ADAPTER")
     check_layout(convert.layout_from_pb(run))
+    check_model_files(run.run, convert.model_files_from_pb(run))
 
 
 def same_definition(a: pb.Run, b: pb.Run) -> bool:
     """Whether two runs fix the same kind, served format and layout (CreateRun idempotence)."""
     return a.kind == b.kind and a.served_format == b.served_format and a.layout == b.layout
+
+
+def model_files_changed(stored: pb.Run, asked: pb.Run) -> str:
+    """How the model files of a CreateRun differ from the existing run's, "" when the same."""
+    return model_files_difference(convert.model_files_from_pb(stored), convert.model_files_from_pb(asked))
 
 
 def check_record(record: pb.VersionRecord, run: pb.Run) -> None:

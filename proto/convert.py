@@ -48,6 +48,11 @@ def blob_from_pb(blob: pb.BlobRef) -> BlobRef:
     return BlobRef(blob.key, blob.digest, blob.size, blob.url, blob.name)
 
 
+def model_files_from_pb(run: pb.Run) -> tuple[BlobRef, ...]:
+    """A run's model files (``proto.model_files``) as domain blob references."""
+    return tuple(blob_from_pb(f) for f in run.model_files)
+
+
 def artifact_from_pb(artifact: pb.Artifact) -> Artifact:
     return Artifact(
         _ARTIFACT_KIND.get(artifact.kind, ArtifactKind.UNSPECIFIED),

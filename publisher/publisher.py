@@ -44,7 +44,8 @@ from typing import Any
 import structlog
 import torch
 
-from weftboard.board.blobs.transfer import FAST_RECONNECT, Uploader, with_retries
+from weftboard.board.blobs.transfer import FAST_RECONNECT, Uploader
+from weftboard.board.channel import TlsConfig, client_tls
 from weftboard.board.client import BoardClient
 from weftboard.cuda.anchors import DEFAULT_SHARD_BYTES
 from weftboard.cuda.codec import ENCODINGS
@@ -53,13 +54,13 @@ from weftboard.proto.domain import check_name
 from weftboard.proto.errors import (
     FailedPrecondition,
     InvalidArgument,
-    NotFound,
     WeftboardError,
 )
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher import resume
 from weftboard.publisher.commit import commit_job, encode_streams, upload_and_stage
 from weftboard.publisher.job import Job, PublishHandle, job_of_read
+from weftboard.publisher.model_files import collect_model_files, open_run
 from weftboard.publisher.parts import SUGGESTED_PART_BYTES, PartCutter
 from weftboard.publisher.policy import AnchorLedger, AnchorPolicy, AnchorReason
 from weftboard.publisher.served_view import (
@@ -92,8 +93,17 @@ class Publisher:
         encoding: str = "default",
         timeout_s: float = 30.0,
         part_bytes: int | None = None,
+        tls: TlsConfig | bool | None = None,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        server_name: str | None = None,
+        model_files: Any = None,
     ) -> None:
         self.run = check_name("run", run)
+        self.model_files = collect_model_files(self.run, model_files)  # config, tokenizer: publisher/model_files.py
+        # TLS to the board (board/channel.py); the files are read here, so a missing one fails now, named
+        self._tls = client_tls(tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, server_name=server_name)
         if on_backpressure not in ("wait", "skip"):
             raise InvalidArgument(f"on_backpressure must be 'wait' or 'skip', not {on_backpressure!r}")
         if max_pending < 1:
@@ -107,6 +117,7 @@ class Publisher:
             self._address, self._token = board, token
         else:  # a BoardClient lives on its creator's loop: open our own to the same board
             self._address, self._token = board.address, token or board.token
+            self._tls = self._tls or getattr(board, "tls", None)
         self.spec = served_format if served_format is not None else ServedFormatSpec("bf16")
         self.projector = Projector(self.spec)
         self.blob_store = blob_store
@@ -327,27 +338,18 @@ class Publisher:
 
     async def _connect(self, master: dict[str, torch.Tensor] | None, kind: int) -> None:
         if self._client is None:
-            self._client = BoardClient(self._address, self._token, timeout_s=self.timeout_s, options=FAST_RECONNECT)
+            self._client = BoardClient(self._address, self._token, tls=self._tls, timeout_s=self.timeout_s,
+                                       options=FAST_RECONNECT)
             self._uploader = Uploader(self.run, self._client, self.blob_store)
             self._wake = asyncio.Event()
             self._worker = asyncio.run_coroutine_threadsafe(self._commit_worker(), self._loop)
         if master is None:
             raise InvalidArgument("connect() needs the model or state dict to know the run's layout")
         layout = self.projector.layout(master)
-        try:
-            run = await with_retries("GetRun", lambda: self._client.get_run(self.run))
-        except NotFound:
-            run = await with_retries("CreateRun", lambda: self._client.create_run(pb.Run(
-                run=self.run,
-                kind=kind,
-                served_format=self.spec.to_proto(),
-                layout=pb.Layout(tensors=[pb.TensorSpec(name=n, dtype=d, shape=list(s)) for n, d, s in layout]),
-                labels=self.run_labels,
-            )))
-        if run.kind != kind:
-            raise FailedPrecondition(
-                f"run {self.run} is of kind {pb.RunKind.Name(run.kind)}, but this call publishes {pb.RunKind.Name(kind)}"
-            )
+        run = await open_run(self._client, self._uploader, pb.Run(
+            run=self.run, kind=kind, served_format=self.spec.to_proto(), labels=self.run_labels,
+            layout=pb.Layout(tensors=[pb.TensorSpec(name=n, dtype=d, shape=list(s)) for n, d, s in layout])),
+            self.model_files)
         self.view.layout = [(t.name, t.dtype, tuple(t.shape)) for t in run.layout.tensors]
         self.view.check_layout(layout)
         self.anchors.anchor_bytes = self.view.stored_bytes()

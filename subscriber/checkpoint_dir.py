@@ -5,7 +5,9 @@ Layout under ``root``::
     root/current -> versions/vN          (a relative symlink; engines load root/current;
                                           versions/vN-<ns> when the held version was rebuilt)
     root/versions/vN/model.safetensors   (or model-0000i-of-0000K.safetensors + index json)
-    root/versions/vN/weftboard.json      (version, root digest, tensor digests)
+    root/versions/vN/weftboard.json      (version, root digest, tensor digests, model file digests)
+    root/versions/vN/config.json, ...    (the run's model files: config, tokenizer)
+    root/model_files/config.json, ...    (their verified copies, from which each version gets them)
 
 Invariants:
 - A version is built aside (``versions/.tmp-vN-*``), verified (every tensor digest and the
@@ -24,6 +26,11 @@ Invariants:
   written aside before the fetcher has verified the blob's digest.
 - ``before_swap(tmp)`` (tests) runs after the new version is written and verified aside,
   before it is renamed and swapped in: where a crash must leave ``current`` untouched.
+- Model files (``hold_model_files``): every copy is written under a temporary name, hashed,
+  and renamed into place only when it matches the run's digest, never otherwise. A version
+  built aside gets them before its swap; the held version gets the ones it lacks in place,
+  each appearing whole (a rename), its weights untouched. So ``current`` is a complete
+  Hugging Face model folder once the run's files are held.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,13 +50,20 @@ import torch
 
 from weftboard.cuda.anchors import (
     checkpoint_files,
+    file_digest,
     load_safetensors_buffer,
     map_safetensors,
     read_header,
     write_index,
 )
 from weftboard.cuda.codec import apply_patch_, apply_patch_arriving_
-from weftboard.proto.errors import ApplyError, CorruptData, WeftboardError
+from weftboard.proto.errors import (
+    ApplyError,
+    CorruptData,
+    DigestMismatch,
+    WeftboardError,
+)
+from weftboard.proto.records import BlobRef
 from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
 from weftboard.subscriber.destination import (
     Capabilities,
@@ -63,6 +77,7 @@ from weftboard.subscriber.verify import verify_tensors
 log = structlog.get_logger("weftboard.subscriber")
 
 META_NAME = "weftboard.json"
+MODEL_FILES = "model_files"  # under the root: the verified copies of the run's model files
 
 
 def _dir_version(name: str) -> int | None:
@@ -71,6 +86,22 @@ def _dir_version(name: str) -> int | None:
     if head[:1] == "v" and head[1:].isdigit() and (not tail or tail.isdigit()):
         return int(head[1:])
     return None
+
+
+def _verified(path: Path, file: BlobRef) -> bool:
+    """Whether ``path`` holds exactly the bytes of model file ``file``."""
+    try:
+        return path.stat().st_size == file.size and file_digest(path) == file.digest
+    except OSError:  # absent, or a folder
+        return False
+
+
+def _drop_temporaries(folder: Path) -> None:
+    """Remove the ``.tmp-*`` files a crash left while placing model files (one folder level down too)."""
+    for pattern in (".tmp-*", "*/.tmp-*"):
+        for stale in folder.glob(pattern):
+            if stale.is_file():
+                stale.unlink(missing_ok=True)
 
 
 def _fsync(path: Path) -> None:
@@ -114,7 +145,8 @@ class _Mapped:
 
 
 class CheckpointDirDestination:
-    capabilities = Capabilities(applies_while_arriving=True, weights_in_memory=False, activates_engine=False)
+    capabilities = Capabilities(applies_while_arriving=True, weights_in_memory=False, activates_engine=False,
+                                holds_model_files=True)
 
     def __init__(self, root: Path | str, *, keep: int = 2, verify: bool = True,
                  before_swap: Callable[[Path], None] | None = None) -> None:
@@ -124,12 +156,16 @@ class CheckpointDirDestination:
         (self.root / "versions").mkdir(parents=True, exist_ok=True)
         self._held = 0
         self._digests: dict[str, str] = {}
+        self._model_files: tuple[BlobRef, ...] = ()  # the run's, once the subscriber told them
         self._lock = asyncio.Lock()
         self._arriving = ArrivingApplier()  # apply_patch_arriving's thread
         for stale in (self.root / "versions").glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         for link in self.root.glob(".current-*"):  # a swap's new link, left by a crash before its rename
             link.unlink(missing_ok=True)
+        _drop_temporaries(self.root / MODEL_FILES)
+        if self.current.exists():
+            _drop_temporaries(self.current.resolve())
         if verify:
             self._recover()
 
@@ -166,7 +202,55 @@ class CheckpointDirDestination:
                                                what=f"applying version {target.version} in {self.root}")
             self._digests, self._held = digests, target.version
 
+    async def missing_model_files(self, files: Sequence[BlobRef]) -> list[str]:
+        """The names of ``files`` without a verified copy under ``root/model_files`` (re-hashed:
+        nothing on disk is trusted)."""
+        store = self.root / MODEL_FILES
+        return await asyncio.to_thread(lambda: [f.name for f in files if not _verified(store / f.name, f)])
+
+    async def hold_model_files(self, files: Sequence[BlobRef], fetched: Mapping[str, Path]) -> None:
+        """Keep ``files`` from now on: the fetched ones copied to ``root/model_files`` (verified),
+        then placed in the held version's folder where it lacks them, and in every version built
+        from now on."""
+        async with self._lock:
+            await asyncio.to_thread(self._hold_model_files, tuple(files), dict(fetched))
+
     # -- work (worker threads) -------------------------------------------------------------
+
+    def _hold_model_files(self, files: tuple[BlobRef, ...], fetched: dict[str, Path]) -> None:
+        store = self.root / MODEL_FILES
+        for f in files:
+            if f.name in fetched:
+                self._place(fetched[f.name], store / f.name, f)
+            elif not _verified(store / f.name, f):
+                raise CorruptData(f"model file {f.name!r}: {store} holds no verified copy and none was fetched")
+        self._model_files = files
+        if self._held:
+            self._place_model_files(self.current.resolve())
+
+    def _place_model_files(self, folder: Path) -> None:
+        """Every model file of the run into ``folder`` (a version), where it lacks a verified copy."""
+        for f in self._model_files:
+            if not _verified(folder / f.name, f):
+                self._place(self.root / MODEL_FILES / f.name, folder / f.name, f)
+
+    @staticmethod
+    def _place(src: Path, dest: Path, file: BlobRef) -> None:
+        """Copy ``src`` to ``dest`` through a temporary file that becomes ``dest`` only if it
+        holds exactly ``file``'s bytes (``DigestMismatch`` otherwise, nothing written)."""
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".tmp-{dest.name}-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            shutil.copyfile(src, tmp)
+            _fsync(tmp)
+            if not _verified(tmp, file):
+                raise DigestMismatch(f"model file {file.name!r}: the copy from {src} is not the run's "
+                                     f"{file.size} bytes with digest {file.digest}; not written")
+            os.replace(tmp, dest)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync(dest.parent)
 
     def _tmp_dir(self, version: int) -> Path:
         tmp = self.root / "versions" / f".tmp-v{version}-{os.getpid()}-{time.monotonic_ns()}"
@@ -184,6 +268,7 @@ class CheckpointDirDestination:
                 except OSError:
                     shutil.copyfile(src, dest)
                 names.append(src.name)
+            self._place_model_files(tmp)
             if len(names) > 1:
                 files = [(n, list(read_header(tmp / n)[1])) for n in names]
                 total = sum(
@@ -226,9 +311,11 @@ class CheckpointDirDestination:
                 part, buf = load_safetensors_buffer(f)
                 tensors.update(part)
                 buffers.append((f.name, buf))
+            model_files = {f.name.split("/")[0] for f in self._model_files}
             for f in src.iterdir():
-                if f.suffix != ".safetensors" and f.name != META_NAME:
+                if f.is_file() and f.suffix != ".safetensors" and f.name not in (META_NAME, *model_files):
                     shutil.copyfile(f, tmp / f.name)  # the shard index
+            self._place_model_files(tmp)
             applied = apply(tensors)
             require_transition(applied.base_version, applied.target_version, target)
             touched = [n for n, c in applied.changed.items() if c]
@@ -255,6 +342,7 @@ class CheckpointDirDestination:
             "tensor_digests": digests,
             "layout": [[e.name, e.dtype, list(e.shape)] for e in target.layout],
             "labels": dict(target.labels),
+            "model_files": {f.name: f.digest for f in self._model_files},
         }
         (tmp / META_NAME).write_text(json.dumps(meta))
         for f in tmp.iterdir():

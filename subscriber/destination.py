@@ -17,6 +17,9 @@ Invariants every implementation keeps:
 - A patch requires ``held_version() == target.version - 1``.
 - ``apply_patch_arriving`` works only where ``capabilities.applies_while_arriving``; elsewhere
   it raises ``ApplyError`` without touching anything.
+- A destination that declares ``capabilities.holds_model_files`` (a checkpoint directory) also
+  implements ``HoldsModelFiles``: it keeps the run's model files (config, tokenizer) beside the
+  weights of every version it holds, each written only once its digest verified.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from weftboard.proto.errors import ApplyError, CorruptData
+from weftboard.proto.records import BlobRef
 from weftboard.subscriber.arriving import ArrivingBytes
 
 
@@ -60,6 +64,8 @@ class Capabilities:
     weights_in_memory: bool
     #: Activating a version changes what an engine serves (it pauses under the admission gate).
     activates_engine: bool
+    #: It keeps the run's model files beside the weights (``HoldsModelFiles``).
+    holds_model_files: bool = False
 
 
 class Destination(Protocol):
@@ -80,6 +86,20 @@ class Destination(Protocol):
     async def apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> None:
         """Apply a patch while its parts download; the version is held only once the fetcher
         verified every part's digest and the result verified."""
+        ...
+
+
+class HoldsModelFiles(Protocol):
+    """What a destination with ``capabilities.holds_model_files`` also does. A model file is a
+    ``BlobRef`` whose ``name`` is its path in the model folder (``proto.model_files``)."""
+
+    async def missing_model_files(self, files: Sequence[BlobRef]) -> list[str]:
+        """The names of ``files`` this destination holds no verified copy of."""
+        ...
+
+    async def hold_model_files(self, files: Sequence[BlobRef], fetched: Mapping[str, Path]) -> None:
+        """Keep ``files`` (the run's model files) from now on, taking the missing ones from
+        ``fetched`` (name -> a file the fetcher verified); each copy written is verified again."""
         ...
 
 

@@ -217,6 +217,7 @@ class Fetcher:
         final = cache_path(self.cache_dir, ref)
         for p in (final, final.with_name(final.name + ".part")):
             p.unlink(missing_ok=True)
-        if ref.name:
+        if ref.name:  # its folder (two levels for a model file in a subfolder), once empty
             with contextlib.suppress(OSError):
-                final.parent.rmdir()
+                for folder in final.relative_to(self.cache_dir).parents[:-1]:
+                    (self.cache_dir / folder).rmdir()

@@ -1,5 +1,7 @@
 """The island-side follower (``Subscriber``): one forward path per version, in this order.
 
+0. model files: once, the run's config and tokenizer files into a destination that keeps
+   them (``_hold_model_files``, ``model_files.hold_model_files``).
 1. watch: follow the run's events on the board (``run``, ``_follow``); staged-part hints
    start downloads early.
 2. plan: the steps from the held version (``sync_to``: the watch event's own one-patch plan,
@@ -64,6 +66,7 @@ from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.subscriber.arriving import ArrivingBytes
 from weftboard.subscriber.destination import Destination, TensorEntry, VersionTarget
 from weftboard.subscriber.fetch import Fetcher, cache_path
+from weftboard.subscriber.model_files import hold_model_files
 
 log = structlog.get_logger("weftboard.subscriber")
 
@@ -126,6 +129,7 @@ class Subscriber:
         self.lease_s = lease_s
         self._heartbeat_enabled = heartbeat
         self.progress = progress
+        self._model_files_pending = destination.capabilities.holds_model_files  # until step 0 succeeded
         self.head = 0
         self.state = pb.ISLAND_STATE_STARTING
         self.message = ""
@@ -245,6 +249,8 @@ class Subscriber:
                 await asyncio.gather(hb, return_exceptions=True)
 
     async def _follow(self) -> None:
+        async with self._sync_lock:
+            await self._hold_model_files()
         head = (await self.client.get_head(self.run_name)).version
         self.head = max(self.head, head)
         if head > self.held_version:
@@ -286,6 +292,7 @@ class Subscriber:
         common one-patch step needs no planning round trip.
         """
         async with self._sync_lock:
+            await self._hold_model_files()
             errors: list[str] = []
             for attempt, from_nothing in ((1, False), (2, False), (3, True)):
                 have = 0 if from_nothing else self.held_version
@@ -324,6 +331,21 @@ class Subscriber:
             message = "; ".join(errors)
             await self._set_state(pb.ISLAND_STATE_ERROR, message)
             raise ApplyError(f"island {self.island_id} could not reach version {want or 'head'}: {message}")
+
+    async def _hold_model_files(self) -> None:
+        """Step 0, until it succeeds once (the sync lock held): the run's model files into the
+        destination; a file that does not verify is reported as ERROR and raised."""
+        if not self._model_files_pending:
+            return
+        try:
+            fetched = await hold_model_files(self.client, self.run_name, self.destination, self.fetcher,
+                                             presign=self.blob_store is None)
+        except CorruptData as exc:
+            await self._set_state(pb.ISLAND_STATE_ERROR, f"model files: {type(exc).__name__}: {exc}")
+            raise
+        self._model_files_pending = False
+        if fetched:
+            log.info("model files fetched", island=self.island_id, run=self.run_name, files=fetched)
 
     def _direct_plan(self, record: pb.VersionRecord) -> pb.CatchUpPlan | None:
         """The one-patch plan a watch event already describes (no PlanCatchUp round trip),

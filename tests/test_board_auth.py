@@ -32,6 +32,7 @@ REQUESTS = {
     "CreateRun": pb.CreateRunRequest(run=make_run("authrun")),
     "GetRun": pb.GetRunRequest(run="authrun"),
     "ListRuns": pb.ListRunsRequest(),
+    "GetModelFiles": pb.GetModelFilesRequest(run="authrun"),
     "PresignUpload": pb.PresignUploadRequest(run="authrun", digest="xxh3-128:" + "0" * 32, size=1),
     "CommitVersion": pb.CommitVersionRequest(record=pb.VersionRecord(run="authrun", version=1)),
     "StagePart": pb.StagePartRequest(run="authrun", version=2),

@@ -132,7 +132,7 @@ class RetentionPolicy(_message.Message):
     def __init__(self, keep_anchors: _Optional[int] = ..., keep_versions: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run", "kind", "served_format", "layout", "retention", "labels", "created_at_ms", "head", "oldest_available")
+    __slots__ = ("run", "kind", "served_format", "layout", "retention", "labels", "created_at_ms", "head", "oldest_available", "model_files")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class Run(_message.Message):
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
     OLDEST_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FILES_FIELD_NUMBER: _ClassVar[int]
     run: str
     kind: RunKind
     served_format: ServedFormat
@@ -158,7 +159,8 @@ class Run(_message.Message):
     created_at_ms: int
     head: int
     oldest_available: int
-    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[RunKind, str]] = ..., served_format: _Optional[_Union[ServedFormat, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_ms: _Optional[int] = ..., head: _Optional[int] = ..., oldest_available: _Optional[int] = ...) -> None: ...
+    model_files: _containers.RepeatedCompositeFieldContainer[BlobRef]
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[_Union[RunKind, str]] = ..., served_format: _Optional[_Union[ServedFormat, _Mapping]] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., retention: _Optional[_Union[RetentionPolicy, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at_ms: _Optional[int] = ..., head: _Optional[int] = ..., oldest_available: _Optional[int] = ..., model_files: _Optional[_Iterable[_Union[BlobRef, _Mapping]]] = ...) -> None: ...
 
 class CreateRunRequest(_message.Message):
     __slots__ = ("run",)
@@ -187,6 +189,22 @@ class ListRunsResponse(_message.Message):
     runs: _containers.RepeatedCompositeFieldContainer[Run]
     next_page_token: str
     def __init__(self, runs: _Optional[_Iterable[_Union[Run, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class GetModelFilesRequest(_message.Message):
+    __slots__ = ("run", "presign", "presign_expires_s")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    PRESIGN_FIELD_NUMBER: _ClassVar[int]
+    PRESIGN_EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    presign: bool
+    presign_expires_s: int
+    def __init__(self, run: _Optional[str] = ..., presign: _Optional[bool] = ..., presign_expires_s: _Optional[int] = ...) -> None: ...
+
+class ModelFiles(_message.Message):
+    __slots__ = ("files",)
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.RepeatedCompositeFieldContainer[BlobRef]
+    def __init__(self, files: _Optional[_Iterable[_Union[BlobRef, _Mapping]]] = ...) -> None: ...
 
 class BlobRef(_message.Message):
     __slots__ = ("key", "digest", "size", "url", "name")

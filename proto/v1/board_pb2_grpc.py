@@ -50,6 +50,11 @@ class BoardStub:
                 request_serializer=weftboard_dot_v1_dot_board__pb2.ListRunsRequest.SerializeToString,
                 response_deserializer=weftboard_dot_v1_dot_board__pb2.ListRunsResponse.FromString,
                 _registered_method=True)
+        self.GetModelFiles = channel.unary_unary(
+                '/weftboard.v1.Board/GetModelFiles',
+                request_serializer=weftboard_dot_v1_dot_board__pb2.GetModelFilesRequest.SerializeToString,
+                response_deserializer=weftboard_dot_v1_dot_board__pb2.ModelFiles.FromString,
+                _registered_method=True)
         self.PresignUpload = channel.unary_unary(
                 '/weftboard.v1.Board/PresignUpload',
                 request_serializer=weftboard_dot_v1_dot_board__pb2.PresignUploadRequest.SerializeToString,
@@ -148,6 +153,12 @@ class BoardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListRuns(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetModelFiles(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -266,6 +277,11 @@ def add_BoardServicer_to_server(servicer, server):
                     servicer.ListRuns,
                     request_deserializer=weftboard_dot_v1_dot_board__pb2.ListRunsRequest.FromString,
                     response_serializer=weftboard_dot_v1_dot_board__pb2.ListRunsResponse.SerializeToString,
+            ),
+            'GetModelFiles': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelFiles,
+                    request_deserializer=weftboard_dot_v1_dot_board__pb2.GetModelFilesRequest.FromString,
+                    response_serializer=weftboard_dot_v1_dot_board__pb2.ModelFiles.SerializeToString,
             ),
             'PresignUpload': grpc.unary_unary_rpc_method_handler(
                     servicer.PresignUpload,
@@ -429,6 +445,33 @@ class Board:
             '/weftboard.v1.Board/ListRuns',
             weftboard_dot_v1_dot_board__pb2.ListRunsRequest.SerializeToString,
             weftboard_dot_v1_dot_board__pb2.ListRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelFiles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weftboard.v1.Board/GetModelFiles',
+            weftboard_dot_v1_dot_board__pb2.GetModelFilesRequest.SerializeToString,
+            weftboard_dot_v1_dot_board__pb2.ModelFiles.FromString,
             options,
             channel_credentials,
             insecure,
