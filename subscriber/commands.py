@@ -1,7 +1,8 @@
 """CLI of the island: ``weftboard subscribe`` (a plain follower into a local destination) and
 ``weftboard sidecar`` (an island serving an engine with version-aware requests).
 
-Flags may come from WEFTBOARD_* environment variables. A refused token or request (what
+Flags may come from WEFTBOARD_* environment variables. Both reach the board over TLS with the
+board commands' ``--tls*`` flags (``board/commands.py``). A refused token or request (what
 retrying cannot cure) ends the command with exit code 1 and its reason, no traceback.
 """
 
@@ -14,6 +15,14 @@ from pathlib import Path
 import typer
 
 from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
+from weftboard.board.commands import (
+    TLS_CA_OPTION,
+    TLS_CERT_OPTION,
+    TLS_KEY_OPTION,
+    TLS_OPTION,
+    TLS_SERVER_NAME_OPTION,
+    tls_from_flags,
+)
 from weftboard.board.logs import configure
 from weftboard.proto.errors import WeftboardError
 from weftboard.subscriber.bench import engine as bench_engine
@@ -66,14 +75,20 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         exit_at_version: int = typer.Option(0, help="Exit once this version is held (0: follow forever)."),
         progress: bool | None = typer.Option(None, "--progress/--no-progress", help="Progress display (default: on a terminal)."),
         log_json: bool | None = typer.Option(None, envvar="WEFTBOARD_LOG_JSON"),
+        tls: bool = TLS_OPTION,
+        tls_ca: Path | None = TLS_CA_OPTION,
+        tls_cert: Path | None = TLS_CERT_OPTION,
+        tls_key: Path | None = TLS_KEY_OPTION,
+        tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
     ) -> None:
         """Follow RUN into a local checkpoint directory, verified, atomically replaced."""
         configure(json=log_json)
+        tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
         cfg = LocalFollowerConfig(
             board=board, run=run, dir=dir, token=token, island_id=island_id, region=region,
             s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
             s3_secure=s3_secure, s3_prefix=s3_prefix, destination=destination, heartbeat_s=heartbeat_s,
-            lease_s=lease_s, events=events, exit_at_version=exit_at_version, progress=progress,
+            lease_s=lease_s, events=events, exit_at_version=exit_at_version, progress=progress, tls=tls_config,
         )
         try:
             code = asyncio.run(run_local_follower(cfg))
@@ -90,6 +105,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         engine: str = typer.Option("reference", help="reference | vllm | sglang."),
         engine_url: str | None = typer.Option(
             None, help="Where the engine serves HTTP. Omit with --engine reference to run it in this process."),
+        engine_api_key: str | None = typer.Option(
+            None, envvar="WEFTBOARD_ENGINE_API_KEY",
+            help="The engine's --api-key: sent by the island's weight calls, and by the sidecar in place of "
+                 "the caller's Authorization."),
         listen: str = typer.Option("127.0.0.1:8100", help="host:port the sidecar serves the OpenAI API on."),
         dir: Path = typer.Option(Path("./island"), "--dir", envvar="WEFTBOARD_DIR",
                                  help="Island directory: checkpoint/ (for engines in their own process) and cache/."),
@@ -105,9 +124,15 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         s3_prefix: str = typer.Option("", envvar="WEFTBOARD_S3_PREFIX"),
         blob_dir: Path | None = typer.Option(None, help="Read blobs from a local blob directory (same machine)."),
         log_json: bool | None = typer.Option(None, envvar="WEFTBOARD_LOG_JSON"),
+        tls: bool = TLS_OPTION,
+        tls_ca: Path | None = TLS_CA_OPTION,
+        tls_cert: Path | None = TLS_CERT_OPTION,
+        tls_key: Path | None = TLS_KEY_OPTION,
+        tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
     ) -> None:
         """Serve RUN through ENGINE with version-aware requests, following the board."""
         configure(json=log_json)
+        tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
         host, _, port = listen.rpartition(":")
         mode = require_mode(activation)
         store = None
@@ -122,7 +147,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                 island = await start_island(
                     board=board, token=token, run=run, island_id=island_id, engine=engine, engine_url=engine_url,
                     checkpoint_dir=dir / "checkpoint", cache_dir=dir / "cache", mode=mode, host=host or "127.0.0.1",
-                    port=int(port), blob_store=store, default_deadline_s=deadline_ms / 1000.0,
+                    port=int(port), blob_store=store, default_deadline_s=deadline_ms / 1000.0, tls=tls_config,
+                    engine_api_key=engine_api_key,
                 )
             except WeftboardError as exc:
                 typer.echo(f"sidecar did not start: {type(exc).__name__}: {exc}", err=True)

@@ -11,6 +11,8 @@ Invariants:
 - The sidecar's ``VersionState.held`` is only moved by the engine destination, after an
   activation succeeded; ``head`` follows what the subscriber learns from the board.
 - ``stop()`` ends every task this island started and closes its servers and client.
+- One ``BoardClient`` (plaintext, or TLS as ``tls`` says) carries every board call of the
+  island: the subscriber's, the trajectory reporter's and the sidecar's head refresh.
 - A task that ends before ``stop()`` (a fatal error) is logged at once, and ``failed()``
   returns its error, so ``weftboard sidecar`` exits instead of serving a stale version.
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 import structlog
 
-from weftboard.board.client import BoardClient
+from weftboard.board.client import BoardClient, TlsConfig
 from weftboard.proto.errors import InvalidArgument, NotFound
 from weftboard.subscriber.admission import AdmissionGate, VersionState
 from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
@@ -33,6 +35,7 @@ from weftboard.subscriber.destination import Destination
 from weftboard.subscriber.engine_destination import EngineDestination
 from weftboard.subscriber.engines.base import ActivationMode, EngineAdapter
 from weftboard.subscriber.engines.factory import make_adapter
+from weftboard.subscriber.engines.http import HttpEngineAdapter
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
 from weftboard.subscriber.reference_engine.engine import ReferenceEngine
 from weftboard.subscriber.reference_engine.openai_api import serve_engine
@@ -129,8 +132,10 @@ async def start_island(
     heartbeat_s: float = 2.0,
     default_deadline_s: float = 30.0,
     report_trajectories: bool = True,
+    tls: TlsConfig | None = None,
+    engine_api_key: str | None = None,
 ) -> RunningIsland:
-    client = BoardClient(board, token)
+    client = BoardClient(board, token, tls=tls)  # the subscriber's, the reporter's and the sidecar's board calls
     closers: list[Any] = [client.close]
     try:
         state = VersionState()
@@ -148,7 +153,7 @@ async def start_island(
         else:
             if checkpoint_dir is None:
                 raise InvalidArgument(f"--engine {engine} at {engine_url} needs --dir for the checkpoint it loads")
-            adapter = make_adapter(engine, engine_url)
+            adapter = make_adapter(engine, engine_url, api_key=engine_api_key)
             closers.append(adapter.close)
             await adapter.warm_up()
             # its start re-hashes the checkpoint on disk (minutes for a large model): not on the loop
@@ -163,8 +168,11 @@ async def start_island(
         async def board_head() -> int:
             return int((await client.get_head(run)).version)
 
+        # an engine that renames its model on a load (SGLang) keeps the name it was known by
+        model_name = adapter.served_model_name if isinstance(adapter, HttpEngineAdapter) else None
         sidecar = Sidecar(SidecarConfig(engine_url, run, island_id, host=host, port=port,
-                                        default_deadline_s=default_deadline_s), state, gate, reporter,
+                                        default_deadline_s=default_deadline_s, engine_api_key=engine_api_key,
+                                        served_model_name=model_name), state, gate, reporter,
                           refresh_head=board_head)
         url = await sidecar.start()
         tasks = [asyncio.create_task(subscriber.run(), name=f"subscriber-{island_id}"),

@@ -23,6 +23,16 @@ Invariants:
 - Reporting trajectory metadata never adds latency: it is queued for a background task.
 - ``/health/live`` is always 200; ``/health/ready`` is 200 only once the island has
   caught up and activated, and not in error (503 with the reason otherwise).
+- Every request to the engine carries the caller's headers except the hop-by-hop ones
+  (RFC 9110 7.6.1: ``Connection`` and those it names, ``Keep-Alive``, ``TE``, ``Trailer``,
+  ``Transfer-Encoding``, ``Upgrade``, ``Proxy-*``), those of the sidecar's own connection
+  (``Host``, ``Content-Length``, ``Accept-Encoding``, ``Expect``) and the ``X-Weftboard-*``
+  controls; a completion also goes with ``X-Request-Id`` (the request's id) and its body
+  re-encoded as ``application/json``. ``Authorization`` is the caller's, or
+  ``Bearer <engine_api_key>`` in its place when one is configured: the sidecar does not
+  authenticate callers itself, so with a configured key whoever reaches it uses the engine.
+- With ``served_model_name`` configured, ``/v1/models`` lists the engine's base model under
+  that name (an engine that renames its model on a weight load keeps the name it is known by).
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +77,8 @@ class SidecarConfig:
     default_deadline_s: float = 30.0
     engine_timeout_s: float = 600.0
     retry_after_s: float = 1.0
+    engine_api_key: str | None = None  # sent as ``Authorization: Bearer`` in place of the caller's
+    served_model_name: str | None = None  # the name /v1/models lists for the engine's base model
 
 
 # ---------------------------------------------------------------------------
@@ -164,6 +176,47 @@ def can_catch_up(c: VersionConstraint, held: int, head: int) -> bool:
     if c.exact is not None:
         return held < c.exact <= head
     return c.accepts(head, head)
+
+
+# ---------------------------------------------------------------------------
+# What goes to the engine, and what /v1/models lists
+# ---------------------------------------------------------------------------
+
+#: Never passed to the engine: hop-by-hop headers and those of the sidecar's own connection
+NOT_FORWARDED = frozenset({"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
+                           "upgrade", "host", "content-length", "accept-encoding", "expect"})
+
+
+def engine_headers(incoming: Iterable[tuple[str, str]], engine_api_key: str | None,
+                   drop: Collection[str] = ()) -> list[tuple[str, str]]:
+    """The caller's headers the engine gets (see the module's invariants), less ``drop``
+    (lower case names); ``Authorization`` is replaced when ``engine_api_key`` is set."""
+    pairs = list(incoming)
+    named = {token.strip().lower() for name, value in pairs if name.lower() == "connection"
+             for token in value.split(",")}
+    skip = NOT_FORWARDED | named | set(drop) | ({"authorization"} if engine_api_key else set())
+    out = [(name, value) for name, value in pairs
+           if name.lower() not in skip and not name.lower().startswith(("proxy-", "x-weftboard-"))]
+    if engine_api_key:
+        out.append(("Authorization", f"Bearer {engine_api_key}"))
+    return out
+
+
+def rename_base_models(payload: Any, name: str) -> Any:
+    """An OpenAI ``/v1/models`` answer with the engine's base models (entries without a
+    ``parent``) listed as ``name``: their ``id`` and ``root``, and the ``parent`` of the
+    adapters on them. Anything else is returned as it came."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        return payload
+    models = [m for m in data if isinstance(m, dict)]
+    base = {m["id"] for m in models if isinstance(m.get("id"), str) and not m.get("parent")}
+    for model in models:
+        for key in ("id", "root", "parent"):
+            value = model.get(key)
+            if isinstance(value, str) and value in base:
+                model[key] = name
+    return payload
 
 
 # ---------------------------------------------------------------------------
@@ -291,16 +344,22 @@ class Sidecar:
     async def _status(self, _: web.Request) -> web.Response:
         return web.json_response(self._status_body())
 
-    async def _models(self, _: web.Request) -> web.Response:
+    async def _models(self, request: web.Request) -> web.Response:
         assert self._session is not None
+        headers = engine_headers(request.headers.items(), self.config.engine_api_key)
         try:
-            async with self._session.get(self.config.engine_url + "/v1/models",
+            async with self._session.get(self.config.engine_url + "/v1/models", headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=10)) as resp:
                 payload = await resp.read()
-                return web.Response(body=payload, status=resp.status, content_type="application/json",
-                                    headers=self._version_headers(self.state.held, self.state.held))
+                status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             return web.json_response({"error": "engine_unavailable", "message": str(exc)}, status=502)
+        version_headers = self._version_headers(self.state.held, self.state.held)
+        if self.config.served_model_name and status == 200:
+            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError):
+                renamed = rename_base_models(json.loads(payload), self.config.served_model_name)
+                return web.json_response(renamed, headers=version_headers)
+        return web.Response(body=payload, status=status, content_type="application/json", headers=version_headers)
 
     # -- admission ---------------------------------------------------------
 
@@ -398,8 +457,12 @@ class Sidecar:
     async def _forward(self, request: web.Request, plan: RequestPlan, start: int, usage: Usage) -> web.StreamResponse:
         assert self._session is not None
         url = self.config.engine_url + request.path
+        # the body goes re-encoded as JSON (aiohttp sets its Content-Type), under the request's id
+        headers = engine_headers(request.headers.items(), self.config.engine_api_key,
+                                 drop={"content-type", REQUEST_ID_HEADER.lower()})
+        headers.append((REQUEST_ID_HEADER, plan.request_id))
         try:
-            async with self._session.post(url, json=plan.body, timeout=aiohttp.ClientTimeout(
+            async with self._session.post(url, json=plan.body, headers=headers, timeout=aiohttp.ClientTimeout(
                     total=self.config.engine_timeout_s)) as upstream:
                 is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
                 if is_sse:

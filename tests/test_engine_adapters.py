@@ -21,7 +21,9 @@ class RecordingEngine:
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
+        self.authorization: list[str | None] = []  # the Authorization header of each call
         self.fail_paths: dict[str, tuple[int, Any]] = {}
+        self.answers: dict[str, Any] = {}  # path -> the JSON body of a 200 answer
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -33,10 +35,11 @@ class RecordingEngine:
             "query": dict(request.query),
             "json": json.loads(raw) if raw else None,
         })
+        self.authorization.append(request.headers.get("Authorization"))
         if request.path in self.fail_paths:
             status, body = self.fail_paths[request.path]
             return web.json_response(body, status=status)
-        return web.json_response({"success": True})
+        return web.json_response(self.answers.get(request.path, {"success": True}))
 
     async def start(self) -> RecordingEngine:
         app = web.Application()
@@ -144,3 +147,114 @@ def test_unknown_engine_and_missing_url():
         make_adapter("tgi", "http://x")
     with pytest.raises(InvalidArgument, match="--engine-url"):
         make_adapter("vllm", None)
+
+
+# ---------------------------------------------------------------------------
+# The engine's API key
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["reference", "vllm", "sglang"])
+async def test_a_configured_api_key_goes_with_every_call(recorder, tmp_path, kind):
+    adapter = make_adapter(kind, recorder.url, timeout_s=5, api_key="secret")
+    try:
+        assert await adapter.health() is True
+        await adapter.pause(ActivationMode.IN_PLACE)
+        await adapter.resume()
+        assert recorder.calls and recorder.authorization == ["Bearer secret"] * len(recorder.calls)
+        recorder.fail_paths["/health"] = (401, {"error": "bad key"})
+        with pytest.raises(ApplyError, match="401") as failure:
+            await adapter.call("GET", "/health")
+        assert "secret" not in str(failure.value)  # the key is never in a message
+    finally:
+        await adapter.close()
+    adapter = make_adapter(kind, recorder.url, timeout_s=5)  # without a key: no header at all
+    try:
+        recorder.authorization.clear()
+        await adapter.pause(ActivationMode.IN_PLACE)
+        assert recorder.authorization and set(recorder.authorization) == {None}
+    finally:
+        await adapter.close()
+
+
+# ---------------------------------------------------------------------------
+# SGLang: pause modes, the served model name, failures
+# ---------------------------------------------------------------------------
+
+MODELS = {"object": "list", "data": [{"id": "Qwen/Qwen2.5-0.5B", "object": "model", "root": "Qwen/Qwen2.5-0.5B"}]}
+
+
+async def test_sglang_warm_up_records_the_served_model_name(recorder, tmp_path):
+    recorder.answers["/v1/models"] = MODELS
+    adapter = make_adapter("sglang", recorder.url, timeout_s=5)
+    try:
+        assert adapter.served_model_name is None
+        assert await adapter.warm_up() >= 0
+        assert recorder.calls == expected("sglang", "warm_up", None, tmp_path, 0)
+        assert adapter.served_model_name == "Qwen/Qwen2.5-0.5B"
+        # the engine renames its model to the folder it loads; the recorded name stays
+        recorder.answers["/v1/models"] = {"data": [{"id": str(tmp_path)}]}
+        await activate(adapter, ActivationMode.IN_PLACE, tmp_path, 1)
+        await adapter.warm_up()
+        assert adapter.served_model_name == "Qwen/Qwen2.5-0.5B"
+    finally:
+        await adapter.close()
+    recorder.calls.clear()
+    adapter = make_adapter("sglang", recorder.url, timeout_s=5, served_model_name="my-model")
+    try:
+        await adapter.warm_up()  # a name given is not asked for
+        assert recorder.calls == [] and adapter.served_model_name == "my-model"
+    finally:
+        await adapter.close()
+
+
+@pytest.mark.parametrize("answer", [{"data": []}, {"object": "list"}, {"data": [{"id": ""}]}, "text"])
+async def test_sglang_models_answer_without_a_name_is_apply_error(recorder, answer):
+    recorder.answers["/v1/models"] = answer
+    adapter = make_adapter("sglang", recorder.url, timeout_s=5)
+    try:
+        with pytest.raises(ApplyError, match="without a model id"):
+            await adapter.warm_up()
+    finally:
+        await adapter.close()
+
+
+async def test_sglang_in_place_pause_is_undone_even_when_the_load_fails(recorder, tmp_path):
+    recorder.fail_paths["/update_weights_from_disk"] = (400, {
+        "success": False, "num_paused_requests": 0,
+        "message": "Failed to get weights iterator: model.safetensors: no such file"})
+    adapter = make_adapter("sglang", recorder.url, timeout_s=5)
+    try:
+        await adapter.pause(ActivationMode.IN_PLACE)
+        with pytest.raises(ApplyError) as failure:
+            await adapter.load_checkpoint(tmp_path, 5)
+        message = str(failure.value)
+        assert "version 5" in message and str(tmp_path) in message and "400" in message
+        assert "no such file" in message  # the engine's own words
+        await adapter.resume()
+        assert [c["path"] for c in recorder.calls] == ["/pause_generation", "/update_weights_from_disk",
+                                                       "/continue_generation"]
+        assert adapter.served_version() == 0
+
+        # a pause the engine refused is still undone: it may have paused before it failed
+        recorder.calls.clear()
+        recorder.fail_paths = {"/pause_generation": (500, {"error": "scheduler busy"})}
+        with pytest.raises(ApplyError, match="scheduler busy"):
+            await adapter.pause(ActivationMode.IN_PLACE)
+        await adapter.resume()
+        await adapter.resume()  # nothing left to continue
+        assert [c["path"] for c in recorder.calls] == ["/pause_generation", "/continue_generation"]
+    finally:
+        await adapter.close()
+
+
+async def test_sglang_drain_never_pauses_the_engine(recorder, tmp_path):
+    adapter = make_adapter("sglang", recorder.url, timeout_s=5)
+    try:
+        for version in (1, 2):
+            await activate(adapter, ActivationMode.DRAIN, tmp_path, version)
+        assert [c["path"] for c in recorder.calls] == ["/update_weights_from_disk"] * 2
+        assert [c["json"]["weight_version"] for c in recorder.calls] == ["1", "2"]
+        assert adapter.served_version() == 2
+    finally:
+        await adapter.close()

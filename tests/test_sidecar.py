@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import torch
+from aiohttp import web
 
 from weftboard.cuda.digest import root_digest, tensor_digest
 from weftboard.proto.errors import ApplyError
@@ -341,8 +342,6 @@ async def test_an_engine_answer_with_unreadable_usage_still_reaches_the_client()
     """Token counts and logprobs feed the trajectory record only: an engine that sends them
     in a shape the sidecar cannot read gets its answer through (with the version headers),
     and the record goes without them; before, the client got a 500."""
-    from aiohttp import web
-
     answers = iter([
         {"id": "a", "choices": [{"text": "x", "logprobs": {"content": [7]}}], "usage": {"prompt_tokens": "many"}},
         {"id": "b", "choices": [{"text": "y", "logprobs": {"token_logprobs": [-0.5, None]}}],
@@ -393,3 +392,206 @@ async def test_an_engine_answer_with_unreadable_usage_still_reaches_the_client()
     finally:
         await sidecar.stop()
         await runner.cleanup()
+
+
+# ---------------------------------------------------------------------------
+# Headers to the engine: Authorization, tracing, nothing hop-by-hop
+# ---------------------------------------------------------------------------
+
+ENGINE_NAME = "/island/checkpoint/current"  # what SGLang serves its model as after a load from the island
+
+
+class KeyedEngine:
+    """A real HTTP engine that, like one started with ``--api-key secret``, answers 401 to a
+    request without ``Authorization: Bearer secret``, and records the headers it got."""
+
+    def __init__(self, key: str = "secret") -> None:
+        self.key = key
+        self.seen: list[dict] = []  # per request: path, headers (lower-case names, all values), raw body
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        headers: dict[str, list[str]] = {}
+        for name, value in request.headers.items():
+            headers.setdefault(name.lower(), []).append(value)
+        self.seen.append({"path": request.path, "headers": headers, "body": body})
+        if request.headers.get("Authorization") != f"Bearer {self.key}":
+            return web.json_response({"object": "error", "message": "Unauthorized", "code": 401}, status=401)
+        if request.path == "/v1/models":
+            return web.json_response({"object": "list", "data": [
+                {"id": ENGINE_NAME, "object": "model", "root": ENGINE_NAME, "parent": None},
+                {"id": "adapter-a", "object": "model", "root": "/loras/a", "parent": ENGINE_NAME}]})
+        if json.loads(body).get("stream"):
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            await out.write(b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n')
+            await out.write_eof()
+            return out
+        return web.json_response({"id": "cmpl-1", "choices": [{"text": "x"}],
+                                  "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
+
+    async def start(self) -> KeyedEngine:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def stop(self) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+@pytest.fixture
+async def keyed_engine():
+    engine = await KeyedEngine().start()
+    yield engine
+    await engine.stop()
+
+
+async def sidecar_for(engine_url: str, **config) -> Sidecar:
+    state = VersionState()
+    await state.set_held(1)  # an engine serving version 1, caught up
+    sidecar = Sidecar(SidecarConfig(engine_url, "run-a", "island-1", default_deadline_s=5, **config), state,
+                      AdmissionGate(ActivationMode.DRAIN))
+    await sidecar.start()
+    return sidecar
+
+
+async def get_models(url: str, headers: dict | None = None) -> tuple[int, dict, dict]:
+    async with aiohttp.ClientSession() as s, s.get(url + "/v1/models", headers=headers or {}) as r:
+        return r.status, dict(r.headers), await r.json()
+
+
+async def test_the_callers_authorization_reaches_the_engine(keyed_engine):
+    sidecar = await sidecar_for(keyed_engine.url)
+    try:
+        status, _, body = await call(sidecar.url, PROMPT, {"Authorization": "Bearer secret"})
+        assert status == 200 and body["id"] == "cmpl-1"
+        assert keyed_engine.seen[-1]["headers"]["authorization"] == ["Bearer secret"]
+
+        # without it the engine's 401 reaches the client, its answer and the version headers with it
+        status, headers, body = await call(sidecar.url, PROMPT)
+        assert status == 401 and body["message"] == "Unauthorized" and body["code"] == 401
+        assert headers["X-Weftboard-Version-Start"] == "1"
+        assert "authorization" not in keyed_engine.seen[-1]["headers"]
+        status, _, body = await call(sidecar.url, PROMPT, {"Authorization": "Bearer guess"})
+        assert status == 401 and keyed_engine.seen[-1]["headers"]["authorization"] == ["Bearer guess"]
+
+        # a stream and /v1/models go with it as well
+        _, events = await stream(sidecar.url, PROMPT, {"Authorization": "Bearer secret"})
+        assert events[0] == {"choices": [{"text": "x"}]} and events[-1] == "[DONE]"
+        assert keyed_engine.seen[-1]["headers"]["authorization"] == ["Bearer secret"]
+        status, headers, models = await get_models(sidecar.url, {"Authorization": "Bearer secret"})
+        assert status == 200 and models["data"][0]["id"] == ENGINE_NAME and headers["X-Weftboard-Version-Start"] == "1"
+        assert keyed_engine.seen[-1]["headers"]["authorization"] == ["Bearer secret"]
+        status, _, models = await get_models(sidecar.url)
+        assert status == 401 and models["message"] == "Unauthorized"
+        assert sidecar.served == 4 and sidecar.rejected == 0  # completions; /v1/models is not counted
+    finally:
+        await sidecar.stop()
+
+
+async def test_a_configured_engine_api_key_replaces_the_callers(keyed_engine):
+    sidecar = await sidecar_for(keyed_engine.url, engine_api_key="secret")
+    try:
+        for client_headers in ({}, {"Authorization": "Bearer client-token"}):
+            status, _, body = await call(sidecar.url, PROMPT, client_headers)
+            assert status == 200 and body["id"] == "cmpl-1", body
+            assert keyed_engine.seen[-1]["headers"]["authorization"] == ["Bearer secret"]  # the key, only it
+            status, _, models = await get_models(sidecar.url, client_headers)
+            assert status == 200 and models["data"][0]["id"] == ENGINE_NAME
+            assert keyed_engine.seen[-1]["headers"]["authorization"] == ["Bearer secret"]
+        _, events = await stream(sidecar.url, PROMPT)
+        assert events[-1] == "[DONE]" and keyed_engine.seen[-1]["headers"]["authorization"] == ["Bearer secret"]
+    finally:
+        await sidecar.stop()
+
+
+async def test_tracing_headers_go_to_the_engine_and_hop_by_hop_ones_do_not(keyed_engine):
+    sidecar = await sidecar_for(keyed_engine.url)
+    client_headers = {
+        "Authorization": "Bearer secret",
+        "X-Request-Id": "trace-7",
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "Accept": "application/json",
+        "Content-Type": "application/json; charset=utf-8",
+        "X-Custom": "kept",
+        "Connection": "keep-alive, X-Hop",
+        "X-Hop": "named by Connection",
+        "Keep-Alive": "timeout=5",
+        "TE": "trailers",
+        "Trailer": "X-Checksum",
+        "Upgrade": "h2c",
+        "Proxy-Authorization": "Basic dXNlcjpwYXNz",
+        "Proxy-Connection": "keep-alive",
+        "X-Weftboard-Version": "min=1",
+        "X-Weftboard-Labels": "team=a",
+    }
+    try:
+        status, headers, body = await call(sidecar.url, {**PROMPT, "weftboard_deadline_ms": 4000}, client_headers)
+        request_id = {k.lower(): v for k, v in headers.items()}["x-request-id"]
+        assert status == 200 and request_id == "trace-7" == body["weftboard"]["request_id"]
+        seen = keyed_engine.seen[-1]["headers"]
+        assert seen["x-request-id"] == ["trace-7"] and seen["traceparent"] == [client_headers["traceparent"]]
+        assert seen["accept"] == ["application/json"] and seen["x-custom"] == ["kept"]
+        assert seen["authorization"] == ["Bearer secret"]
+        # the body the engine got is the re-encoded one (weftboard fields out): its own type and length
+        assert seen["content-type"] == ["application/json"]
+        assert seen["content-length"] == [str(len(keyed_engine.seen[-1]["body"]))]
+        assert "weftboard_deadline_ms" not in json.loads(keyed_engine.seen[-1]["body"])
+        assert seen["host"] == [keyed_engine.url.removeprefix("http://")]  # the engine's, not the sidecar's
+        for name in ("x-hop", "keep-alive", "te", "trailer", "upgrade", "proxy-authorization",
+                     "proxy-connection", "x-weftboard-version", "x-weftboard-labels"):
+            assert name not in seen, name
+        assert seen.get("connection", ["keep-alive"]) == ["keep-alive"]  # aiohttp's own, if any
+
+        # /v1/models gets the same treatment; a request without X-Request-Id gets one of its own
+        status, _, _ = await get_models(sidecar.url, client_headers)
+        seen = keyed_engine.seen[-1]["headers"]
+        assert status == 200 and seen["traceparent"] == [client_headers["traceparent"]]
+        assert "x-hop" not in seen and "proxy-authorization" not in seen and "upgrade" not in seen
+        status, _, body = await call(sidecar.url, PROMPT, {"Authorization": "Bearer secret"})
+        request_id = body["weftboard"]["request_id"]
+        assert keyed_engine.seen[-1]["headers"]["x-request-id"] == [request_id] and request_id.startswith("req-")
+
+        # the client library does send all of them: it is the sidecar that leaves them out
+        status, _, _ = await call(keyed_engine.url, PROMPT, client_headers)
+        assert status == 200 and {"x-hop", "keep-alive", "te", "trailer", "upgrade", "proxy-authorization",
+                                  "x-weftboard-version"} <= set(keyed_engine.seen[-1]["headers"])
+    finally:
+        await sidecar.stop()
+
+
+async def test_models_lists_the_served_model_name_in_place_of_the_engines(keyed_engine):
+    sidecar = await sidecar_for(keyed_engine.url, engine_api_key="secret", served_model_name="Qwen/Qwen2.5-0.5B")
+    try:
+        status, headers, models = await get_models(sidecar.url)
+        assert status == 200 and headers["X-Weftboard-Version-End"] == "1"
+        assert models["data"] == [
+            {"id": "Qwen/Qwen2.5-0.5B", "object": "model", "root": "Qwen/Qwen2.5-0.5B", "parent": None},
+            {"id": "adapter-a", "object": "model", "root": "/loras/a", "parent": "Qwen/Qwen2.5-0.5B"}]
+    finally:
+        await sidecar.stop()
+    keyed_engine.key = "other"  # an error answer is passed on untouched
+    sidecar = await sidecar_for(keyed_engine.url, engine_api_key="secret", served_model_name="Qwen/Qwen2.5-0.5B")
+    try:
+        status, _, body = await get_models(sidecar.url)
+        assert status == 401 and body == {"object": "error", "message": "Unauthorized", "code": 401}
+    finally:
+        await sidecar.stop()
+
+
+def test_rename_base_models_leaves_what_it_cannot_read():
+    from weftboard.subscriber.sidecar import rename_base_models
+
+    for odd in ([1, 2], {"data": "x"}, {"object": "list"}, "text"):
+        assert rename_base_models(odd, "m") == odd
+    odd_entries = {"data": [7, {"id": ["not", "a", "name"]}, {"id": "base"}, {"id": "x", "parent": {"a": 1}}]}
+    assert rename_base_models(odd_entries, "m") == {
+        "data": [7, {"id": ["not", "a", "name"]}, {"id": "m"}, {"id": "x", "parent": {"a": 1}}]}

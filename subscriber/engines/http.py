@@ -1,7 +1,10 @@
 """Shared HTTP plumbing for adapters of engines that run in their own process.
 
-Invariant: every call has a timeout; a non-2xx answer or an unreachable engine becomes
-``ApplyError`` naming the engine, the method, the path and what the engine said.
+Invariants:
+- Every call has a timeout; a non-2xx answer or an unreachable engine becomes
+  ``ApplyError`` naming the engine, the method, the path and what the engine said.
+- With an ``api_key`` every call carries ``Authorization: Bearer <key>`` (an engine started
+  with ``--api-key`` answers 401 otherwise); the key never appears in an error message.
 """
 
 from __future__ import annotations
@@ -16,11 +19,24 @@ from weftboard.subscriber.engines.base import EngineAdapter
 
 
 class HttpEngineAdapter(EngineAdapter):
-    def __init__(self, engine_url: str, *, timeout_s: float = 30.0, load_timeout_s: float = 600.0) -> None:
+    #: the model name clients know the engine by, where the engine's own answers stop
+    #: showing it (SGLang renames its model to the folder it loads); None: the engine's
+    #: answers stand. The island reports this name in ``/v1/models``.
+    served_model_name: str | None = None
+
+    def __init__(
+        self,
+        engine_url: str,
+        *,
+        timeout_s: float = 30.0,
+        load_timeout_s: float = 600.0,
+        api_key: str | None = None,
+    ) -> None:
         super().__init__()
         self.engine_url = engine_url.rstrip("/")
         self.timeout_s = timeout_s
         self.load_timeout_s = load_timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -41,7 +57,8 @@ class HttpEngineAdapter(EngineAdapter):
         url = self.engine_url + path
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            async with self._client().request(method, url, json=json, params=params, timeout=timeout) as resp:
+            async with self._client().request(method, url, json=json, params=params, headers=self._headers,
+                                              timeout=timeout) as resp:
                 text = await resp.text()
                 if resp.status >= 300:
                     raise ApplyError(

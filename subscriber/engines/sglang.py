@@ -1,51 +1,120 @@
-"""SGLang adapter, against its documented weight-update endpoints.
+"""SGLang adapter: a new version is loaded whole from the island's checkpoint folder.
 
-- ``POST /pause_generation`` ``{"mode": "in_place"}``: stop scheduling between steps,
-  keeping running requests and their KV cache; in ``drain`` mode the sidecar's gate has
-  already emptied the engine, so the same call just stops the scheduler.
-- ``POST /update_weights_from_disk`` ``{"model_path": dir, "load_format": "safetensors",
-  "weight_version": "<n>", "flush_cache": true}``; SGLang answers 200 with
-  ``{"success": false, "message": ...}`` for a load that failed, which is an error too.
-- ``POST /continue_generation`` ``{}``; ``GET /get_model_info``; ``GET /health``.
+Requests (pinned by tests/contracts/sglang.json; read against SGLang 0.5.23's
+``srt/entrypoints/http_server.py``, ``srt/managers/io_struct.py``, ``tokenizer_manager.py``,
+``scheduler.py``):
+- ``in_place``: ``POST /pause_generation {"mode": "retract"}`` stops the scheduler between two
+  steps and sends running requests back to its queue, KV freed; after ``POST
+  /continue_generation {}`` they recompute it on the new weights and go on. SGLang's own
+  ``"in_place"`` mode keeps their KV, and the cache flush a weight change needs then fails
+  (older SGLang: the scheduler asserts and dies); ``"abort"`` would end them.
+- ``drain``: no pause (the gate has drained the sidecar's requests); an update on an unpaused
+  engine waits on SGLang's model-update lock for any other request, holding new ones.
+- ``POST /update_weights_from_disk {"model_path", "load_format": "safetensors",
+  "weight_version", "flush_cache": true, "abort_all_requests": false}``: the engine flushes
+  the cache of the old weights itself. ``{"success": false, "message"}`` (status 400, or 200
+  in older SGLang) raises ``ApplyError`` with the engine's message.
 
-The exact requests are pinned by tests/contracts/sglang.json.
+Invariant: ``served_model_name`` is the name the engine served under before this adapter's
+first load (read by ``warm_up`` unless given). A successful load renames SGLang's served
+model to ``model_path`` and no request field prevents it; completions do not check the
+``model`` field, but ``/v1/models`` would list the island's folder, so the sidecar lists this
+name instead. An engine an earlier island already renamed needs the name given.
+
+Needs ``/pause_generation`` with a ``mode`` (SGLang after 0.5.5) and a cache flush that
+ignores the waiting queue while paused. With ``--admin-api-key``, that key is the ``api_key``.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
+
+import structlog
 
 from weftboard.proto.errors import ApplyError
 from weftboard.subscriber.engines.base import ActivationMode, require_mode
 from weftboard.subscriber.engines.http import HttpEngineAdapter
 
+log = structlog.get_logger(__name__)
+
+#: ``/pause_generation`` mode per activation mode; None: no pause (the engine's update lock drains)
+PAUSE_MODE: dict[ActivationMode, str | None] = {ActivationMode.DRAIN: None, ActivationMode.IN_PLACE: "retract"}
+
 
 class SglangAdapter(HttpEngineAdapter):
     kind = "sglang"
 
+    def __init__(
+        self,
+        engine_url: str,
+        *,
+        timeout_s: float = 30.0,
+        load_timeout_s: float = 600.0,
+        api_key: str | None = None,
+        served_model_name: str | None = None,
+    ) -> None:
+        super().__init__(engine_url, timeout_s=timeout_s, load_timeout_s=load_timeout_s, api_key=api_key)
+        self.served_model_name = served_model_name
+        self._paused = False  # whether resume has a /pause_generation to undo
+
+    async def warm_up(self) -> float:
+        """Record the name the engine serves its model under, before a load renames it."""
+        started = time.monotonic()
+        if self.served_model_name is None:
+            self.served_model_name = first_model_id(await self.call("GET", "/v1/models"), self.engine_url)
+        return time.monotonic() - started
+
     async def pause(self, mode: ActivationMode) -> None:
-        require_mode(mode)
-        await self.call("POST", "/pause_generation", json={"mode": "in_place"})
+        sglang_mode = PAUSE_MODE[require_mode(mode)]
+        if sglang_mode is not None:
+            self._paused = True  # set first: a pause that failed half-way is undone by resume too
+            await self.call("POST", "/pause_generation", json={"mode": sglang_mode})
 
     async def resume(self) -> None:
-        await self.call("POST", "/continue_generation", json={})
+        if self._paused:
+            await self.call("POST", "/continue_generation", json={})
+            self._paused = False
 
     async def load_checkpoint(self, directory: Path, version: int) -> None:
-        answer = await self.call(
-            "POST",
-            "/update_weights_from_disk",
-            json={
-                "model_path": str(directory),
-                "load_format": "safetensors",
-                "weight_version": str(version),
-                "flush_cache": True,
-            },
-            timeout_s=self.load_timeout_s,
-        )
+        if self.served_version() == 0 and self.served_model_name == str(directory):
+            log.warning("the sglang engine already serves its model under the island's folder name (an earlier "
+                        "island's load renamed it); give served_model_name to report the original name",
+                        engine=self.engine_url)
+        try:
+            answer = await self.call(
+                "POST",
+                "/update_weights_from_disk",
+                json={
+                    "model_path": str(directory),
+                    "load_format": "safetensors",
+                    "weight_version": str(version),
+                    "flush_cache": True,
+                    "abort_all_requests": False,
+                },
+                timeout_s=self.load_timeout_s,
+            )
+        except ApplyError as exc:
+            raise ApplyError(f"sglang engine did not take the weights of version {version} from {directory}: "
+                             f"{exc}") from exc
         if isinstance(answer, dict) and answer.get("success") is False:
-            raise ApplyError(f"sglang engine at {self.engine_url} refused the weights of version {version}: "
-                             f"{answer.get('message', 'no message')}")
+            raise ApplyError(f"sglang engine at {self.engine_url} refused the weights of version {version} from "
+                             f"{directory}: {answer.get('message', 'no message')}")
         self.mark_served(version)
 
     async def model_info(self) -> dict:
         return await self.call("GET", "/get_model_info")
+
+
+def first_model_id(answer: Any, engine_url: str) -> str:
+    """The ``id`` of the first model in an OpenAI ``/v1/models`` answer (SGLang lists its
+    base model first, then LoRA adapters)."""
+    try:
+        model_id = answer["data"][0]["id"]
+    except (KeyError, IndexError, TypeError):
+        model_id = None
+    if not isinstance(model_id, str) or not model_id:
+        raise ApplyError(f"sglang engine at {engine_url} answered GET /v1/models without a model id: "
+                         f"{str(answer)[:300]}")
+    return model_id
