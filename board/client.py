@@ -11,7 +11,13 @@ Invariants:
   ``tls``/``tls_ca``/``tls_cert``/``tls_key``/``server_name`` options say.
 - ``watch`` resumes after the last *version* it yielded when the board becomes
   unreachable (UNAVAILABLE, or a stream the server tore down on shutdown): nothing is
-  missed and nothing is yielded twice, also across a board restart.
+  missed and nothing is yielded twice, also across a board restart or a move to another
+  replica (every replica serves the same runs from the same Redis).
+- Several board replicas: ``address`` may list them (``"h1:p,h2:p"`` or a sequence). The
+  client talks to one at a time; when it is unreachable a watch moves to the next one at
+  once, and a unary call that could not connect is sent to the next one (a call that may
+  have reached a board is never re-sent: it raises ``Unavailable`` and the next call goes
+  elsewhere). One DNS name with several records needs no list: gRPC's resolver tries them.
 """
 
 from __future__ import annotations
@@ -30,7 +36,12 @@ from weftboard.board.channel import (
     open_channel,
     unavailable_message,
 )
-from weftboard.proto.errors import Unavailable, WeftboardError, from_status_code
+from weftboard.proto.errors import (
+    InvalidArgument,
+    Unavailable,
+    WeftboardError,
+    from_status_code,
+)
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
 
@@ -44,6 +55,20 @@ log = structlog.get_logger(__name__)
 _RECONNECT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
+def board_addresses(address: str | Sequence[str]) -> tuple[str, ...]:
+    """The replicas' ``host:port`` addresses from ``"h1:p,h2:p"`` or a sequence of them."""
+    items = address.split(",") if isinstance(address, str) else list(address)
+    addresses = tuple(a.strip() for a in items if a and a.strip())
+    if not addresses:
+        raise InvalidArgument("no board address given")
+    return addresses
+
+
+def never_sent(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether an UNAVAILABLE means the call never reached a board (so re-sending it is safe)."""
+    return (exc.details() or "").lower().startswith("failed to connect")
+
+
 def _convert(exc: grpc.aio.AioRpcError, address: str, tls: TlsConfig | None) -> WeftboardError:
     details = exc.details() or exc.code().name
     if exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -54,14 +79,15 @@ def _convert(exc: grpc.aio.AioRpcError, address: str, tls: TlsConfig | None) -> 
 class BoardClient:
     """Typed async methods per RPC of ``weftboard.v1.Board``; use ``async with``.
 
-    ``address`` is ``host:port``. ``token`` is sent as ``authorization: Bearer <token>``.
+    ``address`` is ``host:port``, or several replicas' addresses (comma-separated or a
+    sequence; the first is tried first). ``token`` is sent as ``authorization: Bearer <token>``.
     ``wait_for_ready=True`` makes unary calls wait (up to their timeout) for a board that
     is restarting instead of failing at once with ``Unavailable``.
     """
 
     def __init__(
         self,
-        address: str,
+        address: str | Sequence[str],
         token: str | None = None,
         *,
         tls: TlsConfig | bool | None = None,
@@ -73,7 +99,7 @@ class BoardClient:
         wait_for_ready: bool = False,
         options: Sequence[tuple[str, object]] = (),
     ) -> None:
-        self.address = address
+        self.addresses = board_addresses(address)
         self.token = token
         self.tls = client_tls(tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, server_name=server_name)
         self.timeout_s = timeout_s
@@ -81,13 +107,37 @@ class BoardClient:
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ()
         )
-        self._channel = open_channel(address, self.tls, [
+        self._options = [
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
             ("grpc.keepalive_time_ms", 30_000),
             *options,
-        ])
-        self._stub = pb_grpc.BoardStub(self._channel)
+        ]
+        self._index = 0
+        self._channels: dict[int, grpc.aio.Channel] = {}
+        self._stubs: dict[int, pb_grpc.BoardStub] = {}
+
+    @property
+    def address(self) -> str:
+        """The replica this client talks to now."""
+        return self.addresses[self._index]
+
+    @property
+    def _stub(self) -> pb_grpc.BoardStub:
+        """The stub of the current replica; its channel opens on first use."""
+        index = self._index
+        if index not in self._stubs:
+            self._stubs[index] = pb_grpc.BoardStub(self.channel)
+        return self._stubs[index]
+
+    def _move_on(self, failed: int) -> bool:
+        """After replica ``failed`` was unreachable, talk to the next one; False with one address."""
+        if len(self.addresses) == 1:
+            return False
+        if self._index == failed:
+            self._index = (failed + 1) % len(self.addresses)
+            log.info("moving to another board replica", failed=self.addresses[failed], now=self.address)
+        return True
 
     async def __aenter__(self) -> BoardClient:
         return self
@@ -96,27 +146,41 @@ class BoardClient:
         await self.close()
 
     async def close(self) -> None:
-        await self._channel.close()
+        channels = list(self._channels.values())
+        self._channels.clear()
+        self._stubs.clear()
+        for channel in channels:
+            await channel.close()
 
     @property
     def channel(self) -> grpc.aio.Channel:
-        return self._channel
+        """The channel to the current replica (opened on first use)."""
+        index = self._index
+        if index not in self._channels:
+            self._channels[index] = open_channel(self.addresses[index], self.tls, self._options)
+        return self._channels[index]
 
     async def _call(self, method: str, request: object, timeout_s: float | None = None) -> object:
-        try:
-            return await getattr(self._stub, method)(
-                request,
-                metadata=self._metadata,
-                timeout=timeout_s or self.timeout_s,
-                wait_for_ready=self.wait_for_ready,
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise _convert(exc, self.address, self.tls) from None
+        for attempt in range(len(self.addresses)):
+            index = self._index
+            try:
+                return await getattr(self._stub, method)(
+                    request,
+                    metadata=self._metadata,
+                    timeout=timeout_s or self.timeout_s,
+                    wait_for_ready=self.wait_for_ready,
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or not self._move_on(index):
+                    raise _convert(exc, self.addresses[index], self.tls) from None
+                if not never_sent(exc) or attempt == len(self.addresses) - 1:
+                    raise _convert(exc, self.addresses[index], self.tls) from None
+        raise AssertionError("unreachable")
 
     async def wait_ready(self, timeout_s: float = 10.0) -> None:
         """Wait until the channel connects (a board that is still starting)."""
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+            await asyncio.wait_for(self.channel.channel_ready(), timeout_s)
         except asyncio.TimeoutError:
             raise Unavailable(f"board at {self.address} not reachable within {timeout_s}s") from None
 
@@ -208,6 +272,8 @@ class BoardClient:
         last = after_version
         backoff = 0.05
         while True:
+            index = self._index
+            moved = False
             call = self._stub.Watch(
                 pb.WatchRequest(run=run, after_version=last, progress_interval_ms=progress_interval_ms,
                                 staged_parts=staged_parts),
@@ -224,11 +290,15 @@ class BoardClient:
                 return  # the server ended the stream normally (it never does by design)
             except grpc.aio.AioRpcError as exc:
                 if not reconnect or exc.code() not in _RECONNECT_CODES:
-                    raise _convert(exc, self.address, self.tls) from None
+                    raise _convert(exc, self.addresses[index], self.tls) from None
                 log.info("watch reconnecting", run=run, after_version=last, code=exc.code().name, backoff_s=backoff,
-                         error=unavailable_message(self.address, self.tls, exc.details() or ""))
+                         error=unavailable_message(self.addresses[index], self.tls, exc.details() or ""))
+                moved = self._move_on(index)
             finally:
                 call.cancel()
+            if moved and backoff <= 0.05:
+                backoff *= 2  # the first try on another replica goes at once
+                continue
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, max_backoff_s)
 

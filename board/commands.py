@@ -48,6 +48,7 @@ from rich.console import Console
 from rich.table import Table
 
 from weftboard.board.bench.bench_board import BenchParams, run_bench
+from weftboard.board.bench.bench_replicas import ReplicaParams, run_replica_bench
 from weftboard.board.blobs import S3BlobStore
 from weftboard.board.channel import TlsConfig, client_tls
 from weftboard.board.client import BoardClient
@@ -495,18 +496,24 @@ def token_revoke(
 
 
 def bench_board(
-    watchers: int = typer.Option(1000, help="Concurrent Watch streams."),
-    commits: int = typer.Option(30, help="Versions committed while everyone watches."),
+    watchers: int = typer.Option(0, help="Concurrent Watch streams (0: 1,000; 4,000 with --replicas)."),
+    commits: int = typer.Option(0, help="Versions committed while everyone watches (0: 30; 40 with --replicas)."),
     channels: int = typer.Option(8, help="gRPC channels the watch streams share."),
     reporters: int = typer.Option(8, help="Concurrent trajectory reporters."),
     traj_seconds: float = typer.Option(5.0, help="How long the trajectory reporters run."),
     batch: int = typer.Option(500, help="Trajectory records per ReportTrajectories call."),
+    replicas: int = typer.Option(0, help="Board replicas on a Redis Cluster, one killed mid-run (0: one board)."),
     as_json: bool = typer.Option(False, "--json", help="End with one JSON line (always printed last)."),
 ) -> None:
-    """Board fan-out and ingest: 1,000 watchers, commit-to-delivery p50/p99, trajectories/s."""
-    params = BenchParams(watchers=watchers, commits=commits, channels=channels, reporters=reporters,
-                         traj_seconds=traj_seconds, batch=batch)
-    result = run_bench(params, log=lambda line: print(line, flush=True))
+    """Board fan-out and ingest: 1,000 watchers, commit-to-delivery p50/p99, trajectories/s;
+    with --replicas, watchers spread over replicas on a Redis Cluster and one replica killed."""
+    if replicas:
+        replica_params = ReplicaParams(replicas=replicas, watchers=watchers or 4000, commits=commits or 40)
+        result = run_replica_bench(replica_params, log=lambda line: print(line, flush=True))
+    else:
+        params = BenchParams(watchers=watchers or 1000, commits=commits or 30, channels=channels,
+                             reporters=reporters, traj_seconds=traj_seconds, batch=batch)
+        result = run_bench(params, log=lambda line: print(line, flush=True))
     if as_json:
         print(json.dumps(result), flush=True)
 

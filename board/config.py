@@ -35,7 +35,7 @@ class BoardSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WEFTBOARD_", extra="ignore")
 
     listen: str = Field(DEFAULT_LISTEN, description="host:port the gRPC server binds")
-    redis_url: str | None = Field(None, description="redis://host:port/db; empty starts the embedded redis-server")
+    redis_url: str | None = Field(None, description="redis://host:port/db, or a Redis Cluster: redis+cluster://host:port,host:port (rediss for TLS); empty starts the embedded redis-server")
     s3_endpoint: str | None = Field(None, description="S3 endpoint (host:port or URL); empty uses a local blob dir")
     s3_access_key: str | None = None
     s3_secret_key: SecretStr | None = None
@@ -73,8 +73,8 @@ class BoardSettings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url {value!r} must start with redis://, rediss:// or unix://")
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
+            raise ValueError(f"redis_url {value!r} must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster://")
         return value
 
     def secret(self, name: str) -> str | None:

@@ -11,6 +11,9 @@ Invariants (what makes Watch gap-free and duplicate-free):
   history-then-live has no gap. The watcher drops versions it already sent (duplicates)
   and fills any hole from XRANGE (defence in depth).
 - A feed stops when its last subscriber leaves; a new subscriber starts a fresh one.
+- Every board replica runs its own feeds over the same durable stream (on a Redis Cluster,
+  the node of the run's slot), so watchers on any replica see every commit once, in order;
+  replicas share nothing else.
 - If the feed's Redis read fails, every subscriber receives the exception and its stream
   ends with UNAVAILABLE; clients reconnect and resume by version.
 - Each commit is serialized once (a ``WatchEvent`` as bytes) and the same bytes are
@@ -23,7 +26,8 @@ Invariants (what makes Watch gap-free and duplicate-free):
   listens only while one of its subscriptions asked for them, and only those get them (so the
   channel's subscriber count tells a publisher whether anyone wants them). They may be lost
   (a hint: the committed record is what counts), never reordered with respect to one
-  publisher's calls.
+  publisher's calls. On a Redis Cluster the channel lives on the node of the run's slot
+  (``RedisStore.staged_listener``), where every replica publishes and counts listeners.
 """
 
 from __future__ import annotations
@@ -164,7 +168,7 @@ class RunFeed:
                 sub.queue.put_nowait(exc)
 
     async def _run_staged(self) -> None:
-        pubsub = self.store.staged_listener()
+        pubsub = self.store.staged_listener(self.run)
         try:
             await pubsub.subscribe(k_staged(self.run))
             while True:

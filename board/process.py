@@ -43,7 +43,7 @@ class BoardConfig:
     """Everything a board process needs. ``blob_store`` may instead be passed to ``start_board``."""
 
     listen: str = "127.0.0.1:0"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # or a cluster: redis+cluster://h:p,h:p (board/redis_conn.py)
     blob_store: Any = None
     admin_tokens: tuple[str, ...] = ()
     admin_token: str | None = None  # convenience: one more admin token
@@ -149,7 +149,7 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
         await asyncio.wait_for(store.ping(), 10)
     except (asyncio.TimeoutError, Unavailable) as exc:
         await store.close()
-        raise Unavailable(f"cannot start the board: Redis at {config.redis_url} does not answer ({exc})") from None
+        raise Unavailable(f"cannot start the board: Redis at {store.target.redacted} does not answer ({exc})") from None
     auth = Authenticator(store, enabled=config.auth)
     if config.auth and not config.all_admin_tokens():
         log.warning("auth is on but no admin token is configured; only tokens already in Redis will work")
@@ -181,7 +181,7 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ]
     )
-    add_board_to_server(servicer, auth, metrics, config.redis_url, server)
+    add_board_to_server(servicer, auth, metrics, store.target.redacted, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -26,6 +26,8 @@ Redis Cluster slot and the commit script touches one slot only):
   (one hash tag for all tokens, so creating and revoking stay one-slot transactions)
 
 Invariants:
+- Every script, pipeline and multi-key command names keys of ONE hash tag (a run, or
+  ``{tokens}``), so each runs on one Redis Cluster slot; ``wb:runs`` is written on its own.
 - A version is written only by ``COMMIT_LUA``, which checks idempotence, then the
   compare-and-set (head == n-1), then writes record, head and the commit event in one
   atomic step: a half-published version is never visible and an event exists for every
@@ -45,15 +47,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterPubSub, RedisCluster
+from redis.exceptions import (
+    ClusterError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from weftboard.board.redis_conn import open_redis, parse_redis_url
 from weftboard.proto.commit import CommitReport, StoreResult
 from weftboard.proto.errors import NotFound, Unavailable
 from weftboard.proto.v1 import board_pb2 as pb
 
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+# Redis unreachable, or a cluster between two states (a failover, a slot moving): retry later.
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, ClusterError, TryAgainError, RedisClusterException)
 BLOCKING_LIMIT_S = 60.0  # longest BLOCK any caller may ask for
 
 
@@ -260,34 +270,21 @@ class RedisStore:
     Connection failures surface as redis-py exceptions (``REDIS_ERRORS``), which the RPC
     guard turns into UNAVAILABLE; ``ping`` raises ``Unavailable`` itself.
 
-    Two connection pools: one for short commands, one for blocking reads (XREAD BLOCK,
-    XREADGROUP BLOCK) so that a long wait never starves ordinary requests.
+    Two clients: one for short commands, one for blocking reads (XREAD BLOCK, XREADGROUP
+    BLOCK) so that a long wait never starves ordinary requests. Each is a single-node client
+    or a ``RedisCluster`` as the URL says (``redis_conn``); every command, pipeline and script
+    here names keys of one hash tag only, so it runs on one cluster slot.
     """
 
     def __init__(self, url: str, *, socket_timeout_s: float = 5.0, max_connections: int = 64) -> None:
         self.url = url
+        self.target = parse_redis_url(url)
         self._socket_timeout_s = socket_timeout_s
-        # Blocking pools: a burst of requests (1,000 watchers reconnecting) waits for a free
-        # connection instead of failing with "Too many connections".
-        self.redis = aioredis.Redis(
-            connection_pool=aioredis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections,
-                timeout=socket_timeout_s,
-                socket_timeout=socket_timeout_s,
-                socket_connect_timeout=socket_timeout_s,
-            )
-        )
+        self.redis = open_redis(self.target, socket_timeout_s=socket_timeout_s, connect_timeout_s=socket_timeout_s,
+                                max_connections=max_connections)
         # Blocking commands wait up to their BLOCK time (at most BLOCKING_LIMIT_S) before answering.
-        self.blocking = aioredis.Redis(
-            connection_pool=aioredis.BlockingConnectionPool.from_url(
-                url,
-                max_connections=max_connections,
-                timeout=socket_timeout_s,
-                socket_timeout=BLOCKING_LIMIT_S + socket_timeout_s,
-                socket_connect_timeout=socket_timeout_s,
-            )
-        )
+        self.blocking = open_redis(self.target, socket_timeout_s=BLOCKING_LIMIT_S + socket_timeout_s,
+                                   connect_timeout_s=socket_timeout_s, max_connections=max_connections)
         self._commit = self.redis.register_script(COMMIT_LUA)
         self._advance = self.redis.register_script(ADVANCE_OLDEST_LUA)
         self._add_traj = self.redis.register_script(ADD_TRAJECTORIES_LUA)
@@ -296,13 +293,21 @@ class RedisStore:
     async def close(self) -> None:
         for client in (self.redis, self.blocking):
             await client.aclose()
-            await client.connection_pool.disconnect()
+            if isinstance(client, aioredis.Redis):
+                await client.connection_pool.disconnect()
+
+    def _slot_node(self, key: str) -> dict:
+        """Routing of a key-less command (Pub/Sub) to the node serving ``key``'s slot in a
+        cluster, where PUBLISH and PUBSUB NUMSUB count that node's subscribers only."""
+        if isinstance(self.redis, RedisCluster):
+            return {"target_nodes": self.redis.get_node_from_key(key)}
+        return {}
 
     async def ping(self) -> None:
         try:
             await self.redis.ping()
         except REDIS_ERRORS as exc:
-            raise Unavailable(f"Redis at {self.url} is unreachable: {exc}") from None
+            raise Unavailable(f"Redis at {self.target.redacted} is unreachable: {exc}") from None
 
     # -- runs -------------------------------------------------------------
 
@@ -393,6 +398,9 @@ class RedisStore:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(k_checked(run), key, f"{size}:{version}:{now_ms()}")
         pipe.persist(k_checked(run))  # a hash written when it still had a TTL keeps none
+        if isinstance(self.redis, RedisCluster):  # a cluster pipeline cannot route a key-less PUBLISH
+            await pipe.execute()
+            return int(await self.redis.publish(k_staged(run), payload, **self._slot_node(k_staged(run))))
         pipe.publish(k_staged(run), payload)
         return int((await pipe.execute())[-1])
 
@@ -427,11 +435,14 @@ class RedisStore:
     async def staged_feeds(self, run: str) -> int:
         """Board processes relaying ``run``'s staged-part hints now (subscribers of its channel:
         a feed subscribes while one of its watchers asks for hints)."""
-        reply = await self.redis.pubsub_numsub(k_staged(run))
+        reply = await self.redis.pubsub_numsub(k_staged(run), **self._slot_node(k_staged(run)))
         return int(reply[0][1]) if reply else 0
 
-    def staged_listener(self) -> aioredis.client.PubSub:
-        """A Pub/Sub connection for ``k_staged`` channels (the caller subscribes and closes it)."""
+    def staged_listener(self, run: str) -> aioredis.client.PubSub | ClusterPubSub:
+        """A Pub/Sub connection for ``k_staged(run)`` (the caller subscribes and closes it); in a
+        cluster, on the node serving the run's slot, where the board publishes its hints."""
+        if isinstance(self.redis, RedisCluster):
+            return self.redis.pubsub(node=self.redis.get_node_from_key(k_staged(run)), ignore_subscribe_messages=True)
         return self.redis.pubsub(ignore_subscribe_messages=True)
 
     async def last_event_id(self, run: str) -> bytes:
