@@ -8,8 +8,9 @@ Two shapes, picked from the adapter:
   between ``adapter.pause`` and ``adapter.resume``;
 - engines in their own process (vLLM, SGLang, the reference engine over HTTP): ``inner``
   is a checkpoint-directory destination; the new checkpoint is written and verified
-  aside while serving, then the engine is paused and takes the version: a patch in place
-  where its adapter can (``activate_patch``; vLLM's worker extension), else the folder whole.
+  aside while serving (and the adapter stages the patch: ``prepare_patch``), then the engine
+  is paused and takes the version: a patch in place where its adapter can (``activate_patch``;
+  vLLM's worker extension), else the folder whole.
 
 Invariants:
 - ``held_version()`` is the version the engine serves (``adapter.served_version()``).
@@ -25,15 +26,22 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import structlog
 
 from weftboard.proto.errors import ApplyError, WeftboardError
+from weftboard.proto.records import BlobRef
 from weftboard.subscriber.admission import AdmissionGate, VersionState
 from weftboard.subscriber.arriving import ArrivingBytes
-from weftboard.subscriber.destination import Capabilities, Destination, VersionTarget
+from weftboard.subscriber.destination import (
+    Capabilities,
+    Destination,
+    HoldsModelFiles,
+    VersionTarget,
+)
 from weftboard.subscriber.engines.base import EngineAdapter
 
 log = structlog.get_logger(__name__)
@@ -55,8 +63,10 @@ class EngineDestination:
         self.inner = inner
         # in process: ``inner`` holds the engine's own tensors (``adapter.live_tensors()``)
         self.in_process = adapter.live_tensors() is not None
+        # an engine in its own process starts from the checkpoint folder: it keeps the run's model files
         self.capabilities = Capabilities(applies_while_arriving=False, weights_in_memory=self.in_process,
-                                         activates_engine=True)
+                                         activates_engine=True,
+                                         holds_model_files=inner.capabilities.holds_model_files)
         if not self.in_process and checkpoint_dir is None:
             raise ValueError("an engine in its own process needs the checkpoint directory the inner destination writes")
         self.checkpoint_dir = checkpoint_dir
@@ -70,7 +80,9 @@ class EngineDestination:
         else:
             if self.inner.held_version() != target.version:
                 await self.inner.load_anchor(shards, target)
-            await self._activate_checkpoint(target.version)
+            assert self.checkpoint_dir is not None
+            checkpoint_dir = self.checkpoint_dir
+            await self._activate(target.version, lambda: self.adapter.load_version(checkpoint_dir, target))
 
     async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
         if self.in_process:
@@ -80,8 +92,19 @@ class EngineDestination:
                 await self.inner.apply_patch(patch, target)
             assert self.checkpoint_dir is not None
             checkpoint_dir = self.checkpoint_dir
+            try:
+                await self.adapter.prepare_patch(patch, target)  # while the engine still serves
+            except (WeftboardError, OSError) as exc:  # activate_patch then applies it whole, or fails loudly
+                log.warning("staging the patch in the engine failed", version=target.version, error=str(exc))
             await self._activate(target.version,
                                  lambda: self._patch_engine(patch, target, checkpoint_dir))
+
+    async def missing_model_files(self, files: Sequence[BlobRef]) -> list[str]:
+        """The checkpoint folder's (``HoldsModelFiles``; only with ``capabilities.holds_model_files``)."""
+        return await cast(HoldsModelFiles, self.inner).missing_model_files(files)
+
+    async def hold_model_files(self, files: Sequence[BlobRef], fetched: Mapping[str, Path]) -> None:
+        await cast(HoldsModelFiles, self.inner).hold_model_files(files, fetched)
 
     async def apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> None:
         raise ApplyError(f"the {self.adapter.kind} engine destination does not apply a patch while it arrives")

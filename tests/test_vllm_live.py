@@ -1,16 +1,21 @@
 """A real vLLM (CPU build, its own virtual environment and process) updated in place by patches.
 
 One engine serves the whole module (startup costs about a minute here). For every version the
-island's adapter pauses it, has its workers apply the verified patch to their weights, and
+island's adapter stages the verified patch in the engine's workers while it serves, pauses it,
+has the workers write the staged elements into the live parameters and packed kernels, and
 resumes, while clients keep sending requests; then the engine's greedy tokens and per-token
 log-probs for fixed prompts must equal those it gives after its own full reload of that
-version's checkpoint from disk, and its weights digest the version's root digest. For the last
-version a freshly started engine on the full checkpoint folder must agree too. Versions are
-encoded with the codec's ``encode_patch`` (not through a board), bf16, AdamW-like steps.
+version's checkpoint from disk, and its live weights must be bit for bit the version's verified
+bytes (the deep digest). For the last version a freshly started engine on the full checkpoint
+folder must agree too. Versions are encoded with the codec's ``encode_patch``, bf16, AdamW-like
+steps; the last test publishes the same versions through a real board and follows them with a
+real island and sidecar in front of the same engine.
 """
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 import threading
 import time
 import urllib.error
@@ -18,11 +23,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import aiohttp
 import pytest
 import torch
 
+from weftboard.board.client import BoardClient
+from weftboard.cuda.anchors import checkpoint_files, load_safetensors_buffer
 from weftboard.proto.errors import ApplyError
+from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.publisher import Publisher
 from weftboard.subscriber.bench import vllm_kit
+from weftboard.subscriber.engine_island import start_island
 from weftboard.subscriber.engines.base import ActivationMode
 from weftboard.subscriber.engines.vllm import VllmAdapter
 from weftboard.subscriber.engines.vllm_worker import (
@@ -46,6 +57,7 @@ class Kit:
     src: Path
     live: vllm_kit.VllmServer
     outputs: dict[int, list] = field(default_factory=dict)  # version -> the live engine's answers
+    island_folder: Path | None = None  # the board test's island checkpoint at the last version
 
 
 def _start(kit_python: Path, model: Path, log: Path, src: Path) -> vllm_kit.VllmServer:
@@ -111,7 +123,10 @@ def answers(server: vllm_kit.VllmServer) -> list:
     return [server.complete(p) for p in PROMPTS]
 
 
-async def _swap(adapter: VllmAdapter, version: vllm_kit.Version) -> str:
+async def _swap(adapter: VllmAdapter, version: vllm_kit.Version, *, staged: bool = True) -> str:
+    assert version.patch is not None
+    if staged:
+        assert await adapter.prepare_patch(version.patch, version.target)
     await adapter.pause(ActivationMode.IN_PLACE)
     try:
         assert version.patch is not None
@@ -131,6 +146,8 @@ async def test_every_version_in_place_equals_a_full_load(kit: Kit) -> None:
         finally:
             await adapter.resume()
         assert await adapter.engine_digest() == (0, v0.target.root_digest)
+        assert adapter.write_mode == "direct"
+        kit.outputs[0] = answers(kit.live)
         served = 0
         for version in kit.versions[1:VERSIONS + 1]:
             with Load(kit.live) as load:
@@ -139,7 +156,7 @@ async def test_every_version_in_place_equals_a_full_load(kit: Kit) -> None:
             assert not load.failed, load.failed[:3]
             served += load.done
             assert adapter.served_version() == version.target.version
-            assert await adapter.engine_digest() == (version.target.version, version.target.root_digest)
+            assert await adapter.engine_digest(deep=True) == (version.target.version, version.target.root_digest)
             in_place = answers(kit.live)
             kit.outputs[version.target.version] = in_place
             # the reference: the engine's own full reload of this version's checkpoint from disk
@@ -151,37 +168,13 @@ async def test_every_version_in_place_equals_a_full_load(kit: Kit) -> None:
                     await adapter.resume()
             assert not load.failed, load.failed[:3]
             assert answers(kit.live) == in_place, f"version {version.target.version}"
+            await adapter.adopt(version.folder, version.target)  # the next patch goes in place again
+            assert adapter.write_mode == "direct"
         assert served > 0
         # versions really differ: the answers move
         assert kit.outputs[1] != kit.outputs[VERSIONS]
     finally:
         await adapter.close()
-
-
-async def test_fresh_engine_on_the_last_version_agrees(kit: Kit) -> None:
-    if VERSIONS not in kit.outputs:
-        pytest.skip("needs test_every_version_in_place_equals_a_full_load")
-    last = kit.versions[VERSIONS]
-    folder = vllm_kit.model_folder(kit.model, last.folder, kit.root / "fresh-model")
-    fresh = _start(kit.python, folder, kit.root / "fresh.log", kit.src)
-    try:
-        assert answers(fresh) == kit.outputs[VERSIONS]
-        # A restarted engine holds no version: the next patch takes the island's verified folder whole.
-        adapter = VllmAdapter(fresh.url, timeout_s=120)
-        adapter.mark_served(VERSIONS)
-        nxt = kit.versions[VERSIONS + 1]
-        await adapter.pause(ActivationMode.IN_PLACE)
-        try:
-            with pytest.raises(ApplyError, match="no verified folder"):
-                await adapter.activate_patch(nxt.patch, nxt.target, None)
-            assert adapter.served_version() == VERSIONS
-            assert await adapter.activate_patch(nxt.patch, nxt.target, nxt.folder) == "full_load"
-        finally:
-            await adapter.resume()
-        assert await adapter.engine_digest() == (nxt.target.version, nxt.target.root_digest)
-        await adapter.close()
-    finally:
-        fresh.stop()
 
 
 async def test_a_refused_patch_leaves_the_engine_on_its_version(kit: Kit) -> None:
@@ -207,9 +200,13 @@ async def test_a_refused_patch_leaves_the_engine_on_its_version(kit: Kit) -> Non
         assert adapter.served_version() == VERSIONS
         assert await adapter.engine_digest() == (VERSIONS, root)
         assert answers(kit.live) == before
+        # a staging for another record is never committed: the tampered record stages and fails,
+        # and the commit for the genuine one finds nothing staged for it
+        await adapter.prepare_patch(nxt.patch, tampered)
+        assert await adapter.engine_digest(deep=True) == (VERSIONS, root)
         # the reverted bytes are exactly the old ones: the genuine patch still applies and verifies
-        assert await _swap(adapter, nxt) == "in_place"
-        assert await adapter.engine_digest() == (nxt.target.version, nxt.target.root_digest)
+        assert await _swap(adapter, nxt, staged=False) == "in_place"
+        assert await adapter.engine_digest(deep=True) == (nxt.target.version, nxt.target.root_digest)
     finally:
         await adapter.close()
 
@@ -241,3 +238,130 @@ def test_checkpoint_names_group_by_the_vllm_module_they_load_into() -> None:
 def test_the_version_record_crosses_collective_rpc_as_text() -> None:
     record = vllm_kit.version_record(5, {"a.weight": torch.ones(3, 2, dtype=torch.bfloat16)})
     assert target_from_json(target_to_json(record)) == replace(record, layout=list(record.layout))
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(folder):
+        part, _ = load_safetensors_buffer(path)
+        out.update({n: t.clone() for n, t in part.items()})
+    return out
+
+
+async def _sidecar_answers(url: str) -> list:
+    async with aiohttp.ClientSession() as session:
+        out = []
+        for prompt in PROMPTS:
+            async with session.post(url + "/v1/completions", json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "logprobs": 1,
+                    "ignore_eos": True}, timeout=aiohttp.ClientTimeout(total=60)) as r:
+                assert r.status == 200, await r.text()
+                lp = (await r.json())["choices"][0]["logprobs"]
+                out.append((list(lp["tokens"]), [float(x) for x in lp["token_logprobs"]]))
+        return out
+
+
+class SidecarLoad:
+    """Clients sending completions through the island's sidecar while versions arrive."""
+
+    def __init__(self, url: str, clients: int = 3) -> None:
+        self.url, self.done, self.failed = url, 0, []
+        self._stop = asyncio.Event()
+        self._tasks = [asyncio.create_task(self._run(i)) for i in range(clients)]
+
+    async def _run(self, i: int) -> None:
+        async with aiohttp.ClientSession() as session:
+            while not self._stop.is_set():
+                try:
+                    async with session.post(self.url + "/v1/completions", json={
+                            "model": "tiny", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 8},
+                            timeout=aiohttp.ClientTimeout(total=60)) as r:
+                        if r.status == 200:
+                            self.done += 1
+                        else:
+                            self.failed.append(f"{r.status}: {(await r.text())[:200]}")
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    self.failed.append(repr(exc))
+                    await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.wait_for(asyncio.gather(*self._tasks), timeout=120)
+
+
+@pytest.mark.usefixtures("warm_kernels")
+async def test_a_real_island_and_sidecar_follow_a_board_in_place(kit: Kit, board, local_store, tmp_path) -> None:
+    """The kit's versions published through a real board (anchors every 4, patches between) and
+    followed by a real island whose sidecar fronts the same engine, in place, under load."""
+    if VERSIONS not in kit.outputs:
+        pytest.skip("needs test_every_version_in_place_equals_a_full_load (the reference answers)")
+    run = "vllm-live"
+    publisher = Publisher(board.address, run, token=board.admin_token, blob_store=local_store, anchor_every=4,
+                          work_dir=tmp_path / "pub", model_files=kit.model)
+    client = BoardClient(board.address, board.admin_token)
+    island = load = None
+    kinds: dict[int, str] = {}
+    try:
+        for i, version in enumerate(kit.versions[:VERSIONS + 1]):
+            published = await asyncio.to_thread(
+                lambda v=version: publisher.publish(_tensors(v.folder), step=len(kinds)).version)
+            await asyncio.to_thread(publisher.flush, 120)
+            record = await client.get_version(run, published)
+            kinds[published] = "+".join(sorted(pb.ArtifactKind.Name(a.kind) for a in record.artifacts))
+            assert record.root_digest == version.target.root_digest  # the same bytes, the same digest
+            if island is None:
+                island = await start_island(board=board.address, token=board.admin_token, run=run, island_id="vllm",
+                                            engine="vllm", engine_url=kit.live.url, checkpoint_dir=tmp_path / "ckpt",
+                                            cache_dir=tmp_path / "cache", blob_store=local_store,
+                                            mode="in_place", heartbeat_s=0.5, default_deadline_s=60.0)
+            await island.subscriber.wait_for_version(published, timeout_s=300)
+            if load is None:  # from the first version held on (before it, the sidecar rightly answers 409)
+                load = SidecarLoad(island.url)
+            assert await island.adapter.engine_digest(deep=True) == (published, record.root_digest)
+            assert island.adapter.write_mode == "direct"
+            assert await _sidecar_answers(island.url) == kit.outputs[i], f"board version {published}"
+        assert load is not None
+        await load.stop()
+        assert load.done > 0 and not load.failed, load.failed[:3]
+        # the island's folder is a complete model folder: the run's model files beside the weights
+        folder = (tmp_path / "ckpt" / "current").resolve()
+        for name in vllm_kit.NON_WEIGHT_FILES:
+            assert (folder / name).read_bytes() == (kit.model / name).read_bytes(), name
+        kit.island_folder = kit.root / "island-folder"
+        shutil.copytree(folder, kit.island_folder)
+        assert len(kinds) >= VERSIONS
+        assert {"ARTIFACT_KIND_PATCH", "ARTIFACT_KIND_ANCHOR+ARTIFACT_KIND_PATCH"} <= set(kinds.values()), kinds
+    finally:
+        if load is not None:
+            await load.stop()
+        if island is not None:
+            await island.stop()
+        await client.close()
+        await asyncio.to_thread(publisher.close)
+
+
+async def test_fresh_engine_on_the_last_version_agrees(kit: Kit) -> None:
+    if VERSIONS not in kit.outputs:
+        pytest.skip("needs test_every_version_in_place_equals_a_full_load")
+    # the island's own checkpoint folder (weights and the run's model files) when the board test
+    # ran: a complete Hugging Face folder vLLM starts from
+    folder = kit.island_folder or vllm_kit.model_folder(kit.model, kit.versions[VERSIONS].folder, kit.root / "fresh")
+    fresh = _start(kit.python, folder, kit.root / "fresh.log", kit.src)
+    try:
+        assert answers(fresh) == kit.outputs[VERSIONS]
+        # A restarted engine holds no version: the next patch takes the island's verified folder whole.
+        adapter = VllmAdapter(fresh.url, timeout_s=120)
+        adapter.mark_served(VERSIONS)
+        nxt = kit.versions[VERSIONS + 1]
+        await adapter.pause(ActivationMode.IN_PLACE)
+        try:
+            with pytest.raises(ApplyError, match="no verified folder"):
+                await adapter.activate_patch(nxt.patch, nxt.target, None)
+            assert adapter.served_version() == VERSIONS
+            assert await adapter.activate_patch(nxt.patch, nxt.target, nxt.folder) == "full_load"
+        finally:
+            await adapter.resume()
+        assert await adapter.engine_digest() == (nxt.target.version, nxt.target.root_digest)
+        await adapter.close()
+    finally:
+        fresh.stop()

@@ -5,8 +5,10 @@ bf16 AdamW-like versions), for every version: the swap in place (pause, every wo
 verified patch, resume) and then the engine's own reload of the same version's checkpoint from
 disk (pause, ``reload_weights``, resume), each timed from the pause request to the resume
 answer, while clients keep sending requests. After each, the greedy tokens and log-probs of
-fixed prompts are read; the two must be equal, and the engine's weights digest the version's
-root. ``swap_speedup`` is the median reload time over the median in-place time;
+fixed prompts are read; the two must be equal, and the engine's live weights the version's
+verified bytes (the deep digest). The patch is staged in the workers (applied, verified, the
+changed elements found, CPU kernels packed) while the engine serves, before the pause:
+``stage_s``. ``swap_speedup`` is the median reload time over the median in-place time;
 ``write_speedup`` the same for the weights' change alone (without the pause and resume).
 """
 
@@ -85,11 +87,14 @@ async def _measure(server: vllm_kit.VllmServer, versions: list[vllm_kit.Version]
             target = version.target
             load = _Load(server, clients)
             time.sleep(0.2)
+            t_stage = time.perf_counter()
+            staged = await adapter.prepare_patch(version.patch, target)  # the engine serves meanwhile
+            stage_s = time.perf_counter() - t_stage
             in_place_s, in_place_write_s, how = await _timed_swap(
                 adapter, lambda version=version: adapter.activate_patch(version.patch, version.target, version.folder))
             load.finish()
             worker = dict(adapter.last_timings)
-            digest = await adapter.engine_digest()
+            digest = await adapter.engine_digest(deep=True)
             after_patch = ask()
             reload_load = _Load(server, clients)
             time.sleep(0.2)
@@ -97,14 +102,17 @@ async def _measure(server: vllm_kit.VllmServer, versions: list[vllm_kit.Version]
                 version.folder, version.target.version))
             reload_load.finish()
             after_reload = ask()
+            await adapter.adopt(version.folder, target)  # back to patches in place (not timed)
             rows.append({
-                "version": target.version, "how": how, "in_place_s": in_place_s, "reload_s": reload_s,
+                "version": target.version, "how": how, "staged": staged, "stage_s": stage_s,
+                "in_place_s": in_place_s, "reload_s": reload_s,
                 "in_place_write_s": in_place_write_s, "reload_write_s": reload_write_s,
                 "digest_match": digest == (target.version, target.root_digest),
                 "tokens_match": [a[0] for a in after_patch] == [b[0] for b in after_reload],
                 "logprobs_match": [a[1] for a in after_patch] == [b[1] for b in after_reload],
                 "requests": load.done + reload_load.done, "failed": load.failed + reload_load.failed,
-                "worker_apply_s": worker.get("apply_s"), "worker_install_s": worker.get("install_s"),
+                "worker_stage_s": worker.get("apply_s"), "worker_write_s": worker.get("install_s"),
+                "write_mode": adapter.write_mode,
             })
             say(f"version {target.version}: in place {in_place_s * 1e3:.1f} ms ({how}), reload "
                 f"{reload_s * 1e3:.1f} ms, tokens equal {rows[-1]['tokens_match']}, failed {rows[-1]['failed']}")
@@ -116,12 +124,14 @@ async def _measure(server: vllm_kit.VllmServer, versions: list[vllm_kit.Version]
     return {
         "engine": "vllm",
         "in_place": all(r["how"] == "in_place" for r in rows),
+        "write_mode": "/".join(sorted({r["write_mode"] for r in rows})),
         "versions": len(rows),
         "tokens_match": all(r["tokens_match"] for r in rows),
         "logprobs_match": all(r["logprobs_match"] for r in rows),
         "digest_match": all(r["digest_match"] for r in rows),
         "requests_served": sum(r["requests"] for r in rows),
         "requests_failed": sum(r["failed"] for r in rows),
+        "stage_median_s": statistics.median(r["stage_s"] for r in rows),
         "in_place_median_s": in_place_med,
         "reload_median_s": reload_med,
         "swap_speedup": reload_med / in_place_med,
@@ -133,10 +143,11 @@ async def _measure(server: vllm_kit.VllmServer, versions: list[vllm_kit.Version]
     }
 
 
-def run(*, versions: int = 8, hidden: int = 64, layers: int = 2, clients: int = 3,
-        workdir: Path | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
+def run(*, versions: int = 8, hidden: int = 1024, layers: int = 8, clients: int = 3,
+        workdir: Path | None = None, engine_python: Path | None = None,
+        say: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the model and its versions, start the engine, measure; the JSON-ready result."""
-    python, why = vllm_kit.engine_python()
+    python, why = vllm_kit.engine_python(engine_python)
     if python is None:
         raise RuntimeError(why)
     with tempfile.TemporaryDirectory(prefix="weftboard-bench-engine-", dir=workdir) as tmp:
@@ -160,13 +171,16 @@ def register(bench: typer.Typer) -> None:
     @bench.command("engine")
     def bench_engine(
         versions: int = typer.Option(8, "--versions", min=1),
-        hidden: int = typer.Option(64, "--hidden", min=32, help="a multiple of 32"),
-        layers: int = typer.Option(2, "--layers", min=1),
+        hidden: int = typer.Option(1024, "--hidden", min=32, help="a multiple of 32"),
+        layers: int = typer.Option(8, "--layers", min=1),
+        engine_python: Path | None = typer.Option(
+            None, "--engine-python", envvar="WEFTBOARD_ENGINE_PYTHON",
+            help="the Python of an environment that has vLLM (a GPU build); default: a CPU one under ~/.cache"),
         clients: int = typer.Option(3, "--clients", min=0, help="concurrent clients during the swaps"),
         as_json: bool = typer.Option(False, "--json", help="print the result as JSON on the last line"),
     ) -> None:
         """vLLM in place (pause, patch, resume) against its own full reload, version by version."""
-        result = run(versions=versions, hidden=hidden, layers=layers, clients=clients,
+        result = run(versions=versions, hidden=hidden, layers=layers, clients=clients, engine_python=engine_python,
                      say=(lambda line: typer.echo(line, err=True)) if as_json else typer.echo)
         if as_json:
             print(json.dumps(result))

@@ -60,8 +60,11 @@ def _imports_vllm(python: Path) -> bool:
     return python.exists() and subprocess.run([str(python), "-c", probe], capture_output=True, timeout=300).returncode == 0
 
 
-def engine_python() -> tuple[Path | None, str]:
-    """The engine venv's Python (created on first use), or None and why it cannot exist here."""
+def engine_python(given: Path | None = None) -> tuple[Path | None, str]:
+    """The engine venv's Python (created on first use; ``given``: one that has vLLM already, such
+    as a GPU build), or None and why it cannot exist here."""
+    if given is not None:
+        return (given, "") if _imports_vllm(given) else (None, f"{given} cannot import vllm and its deps")
     root = venv_dir()
     python = root / "bin" / "python"
     if _imports_vllm(python):
@@ -236,7 +239,9 @@ class VllmServer:
         self.served_name = served_name
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": str(pythonpath),
                "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               # the engine's numba is not the tests' one: its own kernel cache, kept from run to run
+               "NUMBA_CACHE_DIR": str(venv_dir().with_name(venv_dir().name + "-numba-cache"))}
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8",

@@ -72,6 +72,16 @@ class EngineAdapter(abc.ABC):
         between ``pause`` and ``resume`` and then calls ``mark_served``."""
         return None
 
+    async def load_version(self, directory: Path, target: VersionTarget) -> None:
+        """Between ``pause`` and ``resume``: the verified folder of ``target`` whole. Adapters that
+        keep the bytes for later patches in place override it; the default is ``load_checkpoint``."""
+        await self.load_checkpoint(directory, target.version)
+
+    async def prepare_patch(self, patch: Path, target: VersionTarget) -> bool:
+        """While the engine serves, before ``pause``: get ready to take ``patch`` (adapters that
+        apply in place stage it). Answers whether something was staged for ``activate_patch``."""
+        return False
+
     async def activate_patch(self, patch: Path, target: VersionTarget, checkpoint_dir: Path) -> str:
         """Between ``pause`` and ``resume``: make the engine serve ``target``, given the verified
         ``patch`` from the version it serves and the verified folder ``checkpoint_dir`` that

@@ -9,11 +9,13 @@ Endpoints used (``vllm/entrypoints/rl/online/api_router.py`` and ``serve/dev``):
 - ``POST /pause?mode=wait|keep&clear_cache=true``: ``wait`` lets in-flight requests finish
   first (our ``drain``); ``keep`` freezes them between two steps (our ``in_place``); the KV and
   prefix caches computed on the old weights are dropped (frozen requests recompute theirs).
-- ``POST /collective_rpc`` ``{"method": "weftboard_apply_patch", "kwargs": {"patch_path",
-  "target"}}``: every worker applies the verified patch file (on this host) to its weights and
-  answers its status and root digest (``vllm_worker``); ``weftboard_attach`` loads a verified
-  checkpoint folder whole; ``weftboard_digest`` reports what the workers hold;
-  ``reload_weights`` (the engine's own reload from disk) stays for ``load_checkpoint``.
+- ``POST /collective_rpc`` ``{"method": ..., "kwargs": {...}}`` runs a ``vllm_worker`` method
+  in every worker: ``weftboard_stage_patch`` (while the engine serves: apply and verify the
+  patch file, on this host, on the worker's copy and find what differs) and
+  ``weftboard_commit`` (paused: write it into the live parameters); ``weftboard_apply_patch``
+  (both at once); ``weftboard_attach`` (a verified checkpoint folder whole, through vLLM's
+  loader); ``weftboard_detach``/``weftboard_adopt`` around the engine's own ``reload_weights``
+  from disk (``load_checkpoint``); ``weftboard_digest``.
 - ``POST /reset_prefix_cache`` after a change; ``POST /resume``; ``GET /health``.
 The requests of ``pause``, ``resume`` and ``load_checkpoint`` are pinned by tests/contracts/vllm.json.
 
@@ -24,11 +26,14 @@ reach the engine through the island's sidecar.
 
 Invariants: ``served_version()`` moves only after every worker answered ``ok`` with the
 record's root digest; any other answer raises ``ApplyError`` saying what the engine serves
-now. Patches in place need the island and the engine on one host (the worker reads the file).
+now. A staged patch is committed only for the version it was staged for. Patches in place need
+the island and the engine on one host (the worker reads the file).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +52,8 @@ WORKER_EXTENSION = "weftboard.subscriber.engines.vllm_worker.WeftboardWorkerExte
 _PAUSE_MODE = {ActivationMode.DRAIN: "wait", ActivationMode.IN_PLACE: "keep"}
 #: worker answers after which the engine may take the version whole from a verified folder
 _NEEDS_FULL_LOAD = ("needs_attach", "install_failed")
+#: how often the island asks whether the workers finished staging (each ask is a step boundary)
+_STAGE_POLL_S = 0.02
 
 
 class VllmAdapter(HttpEngineAdapter):
@@ -56,6 +63,10 @@ class VllmAdapter(HttpEngineAdapter):
     #: the slowest worker's seconds of the last patch in place: ``apply_s`` (patch and verify),
     #: ``install_s`` (the model's loader); empty after anything else
     last_timings: dict[str, float] = {}  # replaced, never mutated
+    #: how the workers write a patch: ``direct`` (into the live parameters) or ``loader``
+    write_mode: str = "unknown"
+    #: the record of the patch the workers staged (``prepare_patch``, as sent), else None
+    _staged: str | None = None
 
     async def pause(self, mode: ActivationMode) -> None:
         await self.call("POST", "/pause", params={"mode": _PAUSE_MODE[require_mode(mode)], "clear_cache": "true"},
@@ -65,7 +76,14 @@ class VllmAdapter(HttpEngineAdapter):
         await self.call("POST", "/resume")
 
     async def load_checkpoint(self, directory: Path, version: int) -> None:
-        """The engine's own reload of a whole checkpoint folder from disk."""
+        """The engine's own reload of a whole checkpoint folder from disk (the workers first give
+        vLLM its layers back: what they vouched for is gone until ``adopt`` or ``attach``)."""
+        self._staged = None
+        if self.in_place:
+            try:
+                await self._rpc("weftboard_detach", {})
+            except ApplyError as exc:  # an engine without the extension has nothing bound
+                log.warning("vllm workers did not detach before the reload", engine=self.engine_url, error=str(exc))
         await self.call(
             "POST",
             "/collective_rpc",
@@ -98,10 +116,44 @@ class VllmAdapter(HttpEngineAdapter):
 
     async def attach(self, directory: Path, target: VersionTarget) -> None:
         """Between pause and resume: every worker loads the verified folder of ``target`` whole."""
+        self._staged = None
         answers = await self._rpc("weftboard_attach", {"checkpoint_dir": str(directory), "target": target_to_json(target)})
         self._require_ok(answers, target, what=f"loading {directory}")
+        self.write_mode = _write_mode(answers)
         await self.call("POST", "/reset_prefix_cache")
         self.mark_served(target.version)
+
+    async def adopt(self, directory: Path, target: VersionTarget) -> None:
+        """After the engine's own reload of ``directory`` (``load_checkpoint``): the workers keep its
+        verified bytes and bind their live parameters again, so the next patch goes in place."""
+        answers = await self._rpc("weftboard_adopt", {"checkpoint_dir": str(directory), "target": target_to_json(target)})
+        self._require_ok(answers, target, what=f"adopting {directory}")
+        self.write_mode = _write_mode(answers)
+
+    async def load_version(self, directory: Path, target: VersionTarget) -> None:
+        if self.in_place:
+            await self.attach(directory, target)
+        else:
+            await self.load_checkpoint(directory, target.version)
+
+    async def prepare_patch(self, patch: Path, target: VersionTarget) -> bool:
+        """While the engine serves: every worker applies and verifies ``patch`` on its copy of the
+        weights and finds the elements to write, in the background; ``activate_patch`` commits."""
+        self._staged = None
+        if not self.in_place:
+            return False
+        record = target_to_json(target)
+        answers = await self._rpc("weftboard_stage_patch", {"patch_path": str(patch), "target": record})
+        deadline = time.monotonic() + self.load_timeout_s
+        while {a.get("status") for a in answers} == {"staging"} and time.monotonic() < deadline:
+            await asyncio.sleep(_STAGE_POLL_S)
+            answers = await self._rpc("weftboard_stage_status", {})
+        if {a.get("status") for a in answers} != {"staged"}:
+            log.info("the patch was not staged; it will be applied whole while paused", version=target.version,
+                     answers=_errors(answers))
+            return False
+        self._staged = record
+        return True
 
     async def activate_patch(self, patch: Path, target: VersionTarget, checkpoint_dir: Path | None = None) -> str:
         """Between pause and resume: apply ``patch`` in place; answers ``"in_place"`` or ``"full_load"``.
@@ -115,7 +167,11 @@ class VllmAdapter(HttpEngineAdapter):
                                  f"verified folder was given to load version {target.version} whole")
             await self.load_checkpoint(checkpoint_dir, target.version)
             return "full_load"
-        answers = await self._rpc("weftboard_apply_patch", {"patch_path": str(patch), "target": target_to_json(target)})
+        if self._staged == target_to_json(target):
+            answers = await self._rpc("weftboard_commit", {"target": self._staged})
+        else:
+            answers = await self._rpc("weftboard_apply_patch", {"patch_path": str(patch), "target": target_to_json(target)})
+        self._staged = None
         statuses = {a.get("status") for a in answers}
         self.last_timings = {k: max(float(a.get(k, 0.0)) for a in answers) for k in ("apply_s", "install_s")}
         if statuses == {"ok"}:
@@ -135,16 +191,20 @@ class VllmAdapter(HttpEngineAdapter):
         await self.attach(checkpoint_dir, target)  # some workers moved, others not, or none holds the base
         return "full_load"
 
-    async def engine_digest(self) -> tuple[int, str | None]:
-        """The version and root digest every worker holds (they must agree)."""
-        answers = await self._rpc("weftboard_digest", {})
+    async def engine_digest(self, *, deep: bool = False) -> tuple[int, str | None]:
+        """The version and root digest every worker holds (they must agree); ``deep`` first
+        compares every live parameter with the verified bytes, bit for bit."""
+        answers = await self._rpc("weftboard_digest", {"deep": deep})
+        bad = [a for a in answers if a.get("status") != "ok"]
+        if bad:
+            raise ApplyError(f"vllm engine at {self.engine_url}: {_errors(bad)}")
         held = {(a.get("version"), a.get("root")) for a in answers}
         if len(held) != 1:
             raise ApplyError(f"vllm engine at {self.engine_url}: workers hold different versions {sorted(map(str, held))}")
         version, root = held.pop()
         return int(version or 0), root
 
-    async def _rpc(self, method: str, kwargs: dict[str, str]) -> list[dict[str, Any]]:
+    async def _rpc(self, method: str, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
         answer = await self.call("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs},
                                  timeout_s=self.load_timeout_s)
         results = answer.get("results") if isinstance(answer, dict) else None
@@ -172,3 +232,8 @@ _EXTENSION = "weftboard.subscriber.engines.vllm_worker.WeftboardWorkerExtension"
 def _errors(answers: list[dict[str, Any]]) -> str:
     return "; ".join(f"worker {a.get('rank')}: {a.get('status')}: {a.get('error')}" for a in answers
                      if a.get("status") != "ok") or "no error"
+
+
+def _write_mode(answers: list[dict[str, Any]]) -> str:
+    modes = {str(a.get("write_mode", "unknown")) for a in answers}
+    return modes.pop() if len(modes) == 1 else "mixed"
