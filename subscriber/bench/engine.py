@@ -143,7 +143,7 @@ async def _measure(server: vllm_kit.VllmServer, versions: list[vllm_kit.Version]
     }
 
 
-def run(*, versions: int = 8, hidden: int = 1024, layers: int = 8, clients: int = 3,
+def run(*, versions: int = 8, hidden: int = 1024, layers: int = 12, clients: int = 3,
         workdir: Path | None = None, engine_python: Path | None = None,
         say: Callable[[str], None] = print) -> dict[str, Any]:
     """Build the model and its versions, start the engine, measure; the JSON-ready result."""
@@ -172,7 +172,7 @@ def register(bench: typer.Typer) -> None:
     def bench_engine(
         versions: int = typer.Option(8, "--versions", min=1),
         hidden: int = typer.Option(1024, "--hidden", min=32, help="a multiple of 32"),
-        layers: int = typer.Option(8, "--layers", min=1),
+        layers: int = typer.Option(12, "--layers", min=1),
         engine_python: Path | None = typer.Option(
             None, "--engine-python", envvar="WEFTBOARD_ENGINE_PYTHON",
             help="the Python of an environment that has vLLM (a GPU build); default: a CPU one under ~/.cache"),
