@@ -2,8 +2,10 @@
 
 ``serve`` runs one board process (board/process.py). With no Redis URL it starts the
 embedded default (a bundled ``redis-server`` with an append-only file under the data dir)
-and with no S3 endpoint a local-directory blob store (or SeaweedFS with ``--embedded-s3``);
-it prints everything it started and stops it all on SIGINT/SIGTERM, board first.
+and with no S3 endpoint a local-directory blob store (or SeaweedFS with ``--embedded-s3``),
+which the board serves itself over signed, expiring HTTP URLs (``--blob-http-port``), so
+publishers and islands in other processes and on other machines need no credentials; it
+prints everything it started and stops it all on SIGINT/SIGTERM, board first.
 
 The other commands are clients: ``--board`` and ``--token`` (``WEFTBOARD_BOARD``,
 ``WEFTBOARD_TOKEN``). Without a token they use the admin token that an embedded board
@@ -49,7 +51,8 @@ from rich.table import Table
 
 from weftboard.board.bench.bench_board import BenchParams, run_bench
 from weftboard.board.bench.bench_replicas import ReplicaParams, run_replica_bench
-from weftboard.board.blobs import S3BlobStore
+from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
+from weftboard.board.blobs.signed_urls import load_or_create_url_secret
 from weftboard.board.channel import TlsConfig, client_tls
 from weftboard.board.client import BoardClient
 from weftboard.board.config import (
@@ -196,8 +199,9 @@ def start_embedded(settings: BoardSettings, data_dir: Path, stack: ExitStack) ->
                                f"(credentials in {weed_dir / 'credentials.json'}, log {weed.log_path})"))
     else:
         blobs = local_blob_store(settings)
-        lines.append(("blobs", f"local directory {blobs.describe()} (islands must share this filesystem; "
-                               "use --s3-endpoint or --embedded-s3 for remote islands)"))
+        served = ("served over signed HTTP URLs (see blob urls)" if settings.blob_http_port >= 0
+                  else "islands must share this filesystem: --blob-http-port -1")
+        lines.append(("blobs", f"local directory {blobs.describe()} ({served})"))
     return Embedded(redis_url=redis_url, blobs=blobs, lines=lines)
 
 
@@ -225,8 +229,15 @@ async def serve_async(settings: BoardSettings, embedded: Embedded, data_dir: Pat
             tls_client_ca=settings.tls_client_ca,
             watch_progress_s=settings.watch_progress_s,
         )
+        if isinstance(embedded.blobs, LocalDirBlobStore) and settings.blob_http_port >= 0:
+            config.blob_http_port = settings.blob_http_port
+            config.blob_http_host = settings.blob_http_host
+            config.blob_public_url = settings.blob_public_url
+            config.blob_url_secret = load_or_create_url_secret(data_dir)
         board = await start_board(config, blobs=embedded.blobs)
         lines.insert(0, ("board", f"listening on {board.address}" + (" (TLS)" if settings.tls_cert else "")))
+        if board.blob_url is not None:
+            lines.append(("blob urls", f"{board.blob_url}/blobs/ (signed, expiring; what the board presigns)"))
         if board.metrics_port is not None:
             lines.append(("metrics", f"http://{settings.metrics_host}:{board.metrics_port}/metrics"))
         if settings.auth:
@@ -237,7 +248,7 @@ async def serve_async(settings: BoardSettings, embedded: Embedded, data_dir: Pat
         print_banner(lines)
         if ready is not None:
             ready({"address": board.address, "metrics_port": board.metrics_port, "admin_token": admin_token,
-                   "redis_url": embedded.redis_url, "blobs": embedded.blobs.describe()})
+                   "redis_url": embedded.redis_url, "blobs": embedded.blobs.describe(), "blob_url": board.blob_url})
 
         stop = stop_event or asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -289,6 +300,12 @@ def serve(
                                                help="start a local SeaweedFS S3 server (env WEFTBOARD_EMBEDDED_S3)"),
     blob_dir: Path | None = typer.Option(None, help="local blob store root (env WEFTBOARD_BLOB_DIR)"),
     data_dir: Path | None = typer.Option(None, help="embedded Redis/S3 data and admin token (env WEFTBOARD_DATA_DIR)"),
+    blob_http_port: int | None = typer.Option(None, help="port serving a local blob store over signed URLs; 0 picks "
+                                                         "one, -1 none (env WEFTBOARD_BLOB_HTTP_PORT; default 0)"),
+    blob_http_host: str | None = typer.Option(None, help="host it binds (env WEFTBOARD_BLOB_HTTP_HOST; default: "
+                                                         "the host of --listen)"),
+    blob_public_url: str | None = typer.Option(None, help="base URL others reach it at, e.g. behind a proxy "
+                                                          "(env WEFTBOARD_BLOB_PUBLIC_URL)"),
     admin_token: str | None = typer.Option(None, help="admin token (env WEFTBOARD_ADMIN_TOKEN); unset: generated and stored in the data dir"),
     auth: bool | None = typer.Option(None, "--auth/--no-auth", help="bearer-token auth (env WEFTBOARD_AUTH; default on)"),
     metrics_port: int | None = typer.Option(None, help="Prometheus port, 0 picks one (env WEFTBOARD_METRICS_PORT)"),

@@ -56,6 +56,9 @@ class BoardSettings(BaseSettings):
     log_json: bool | None = None
     log_level: str = "INFO"
     watch_progress_s: float = 5.0
+    blob_http_port: int = Field(0, description="port of the signed-URL HTTP server of a local blob store; 0 picks one, -1 serves none (readers must share the filesystem)")
+    blob_http_host: str | None = Field(None, description="host the blob HTTP server binds (default: the host of listen)")
+    blob_public_url: str | None = Field(None, description="base URL others reach the blob HTTP server at (default http://<host>:<port>)")
 
     @field_validator("listen")
     @classmethod

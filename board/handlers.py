@@ -186,7 +186,7 @@ class BoardServicer(pb_grpc.BoardServicer):
             raise InvalidArgument(f"expires_s {expires} is too long; at most {MAX_PRESIGN_S}")
         await self.store.get_run(request.run)
         key = blob_key(request.run, request.digest)
-        url = await self.blobs.presign_put(key, expires)
+        url = await self.blobs.presign_put(key, expires, size=request.size)
         if url is None:
             raise FailedPrecondition(
                 f"the blob store ({self.blobs.describe()}) cannot presign URLs; upload with its credentials instead"

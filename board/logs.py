@@ -1,8 +1,16 @@
-"""structlog set-up shared by every weftboard process.
+"""structlog set-up: a library's quiet default, and the commands' readable or JSON logs.
 
-JSON lines when stderr is not a terminal (production, CI, log shippers), a readable
-console renderer when it is. Call ``configure()`` once at process start; library code
-only calls ``structlog.get_logger()`` and binds context (run, version, peer).
+As a library (a trainer importing the Publisher, an application following a run) weftboard
+prints nothing of its own: importing ``weftboard.board`` (which every client imports) routes
+structlog through the standard ``logging`` module under the ``weftboard.*`` loggers, which
+carry a ``NullHandler``; the host's logging configuration decides what is shown and where
+(``logging.basicConfig(level=logging.INFO)`` shows weftboard's info lines). A host that
+configured structlog itself before importing weftboard keeps its configuration.
+
+A command (``weftboard serve``, ``subscribe``, ...) calls ``configure()`` once at start: JSON
+lines when stderr is not a terminal (production, CI, log shippers), a readable console
+renderer when it is. Library code only calls ``structlog.get_logger(name)`` and binds context
+(run, version, peer).
 """
 
 from __future__ import annotations
@@ -11,6 +19,37 @@ import logging
 import sys
 
 import structlog
+
+LIBRARY_LOGGER = "weftboard"
+
+
+def _message_with_fields(_logger: object, _name: str, event_dict: dict) -> str:
+    """``event key=value ...``: one line for whatever formatter the host's logging uses."""
+    event = event_dict.pop("event", "")
+    event_dict.pop("level", None)
+    fields = " ".join(f"{key}={value!r}" if isinstance(value, str) and " " in value else f"{key}={value}"
+                      for key, value in sorted(event_dict.items()))
+    return f"{event} {fields}" if fields else str(event)
+
+
+def library_defaults() -> None:
+    """Route structlog through stdlib ``logging`` (quiet until the host configures logging),
+    unless structlog is configured already. Called when ``weftboard.board`` is imported."""
+    logging.getLogger(LIBRARY_LOGGER).addHandler(logging.NullHandler())
+    if structlog.is_configured():
+        return
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            _message_with_fields,
+        ],
+        wrapper_class=structlog.stdlib.BoundLogger,
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        cache_logger_on_first_use=False,
+    )
 
 
 def configure(json: bool | None = None, level: str = "INFO") -> None:

@@ -7,6 +7,9 @@ Invariants:
   and the server is bound; health reports SERVING from then on, NOT_SERVING during stop.
 - Auth is on unless ``BoardConfig.auth`` is explicitly False (the embedded demo).
 - ``RunningBoard.address`` is the ``host:port`` actually bound (``listen`` may say port 0).
+- A local-directory blob store with ``blob_http_port`` set is served over signed, expiring
+  HTTP URLs (``board/blob_http.py``) for as long as the board runs, so presigning works for
+  it as for S3; ``RunningBoard.blob_url`` is that server's base URL.
 - ``stop`` ends open Watch streams (clients resume by version on the next board) and
   releases every connection, thread and port the board took.
 """
@@ -14,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from weftboard.board.auth import Authenticator
+from weftboard.board.blob_http import BlobHttpServer
+from weftboard.board.blobs import LocalDirBlobStore
 from weftboard.board.fanout import FanOut
 from weftboard.board.handlers import BoardServicer
 from weftboard.board.logs import quiet_undelivered_responses
@@ -58,6 +64,13 @@ class BoardConfig:
     redis_max_connections: int = 128
     islands_refresh_s: float = 15.0  # how often the islands-by-state gauge is refreshed
     health_check_s: float = 5.0  # how often Redis is pinged to keep the health status true
+    # A local-directory blob store is served over signed HTTP URLs on this port (0: a free one;
+    # None: not served, readers must share the filesystem), bound on ``blob_http_host`` (None:
+    # the host of ``listen``); URLs carry ``blob_public_url`` when given (a proxy, a NAT).
+    blob_http_port: int | None = None
+    blob_http_host: str | None = None
+    blob_public_url: str | None = None
+    blob_url_secret: bytes | None = None  # None: a random one for this process
 
     def all_admin_tokens(self) -> tuple[str, ...]:
         return tuple(self.admin_tokens) + ((self.admin_token,) if self.admin_token else ())
@@ -73,6 +86,8 @@ class RunningBoard:
     metrics: BoardMetrics
     fanout: FanOut
     health: Any
+    blob_http: BlobHttpServer | None = None
+    blob_url: str | None = None  # the base URL of the blob HTTP server, when it runs
     _tasks: list[asyncio.Task] = field(default_factory=list)
     _stopped: bool = False
 
@@ -90,6 +105,8 @@ class RunningBoard:
             task.cancel()
         feeds = self.fanout.cancel_all()
         await self.server.stop(grace)
+        if self.blob_http is not None:
+            await self.blob_http.stop()
         await self.store.close()  # closes the sockets a cancelled XREAD may still wait on
         pending = [t for t in (*self._tasks, *feeds) if not t.done()]
         if pending:
@@ -207,7 +224,20 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
         await server.stop(0)
         await store.close()
         raise Unavailable(f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: {exc}") from None
-    running = RunningBoard(address, metrics_port, config, server, store, metrics, fanout, health_servicer)
+    blob_http = None
+    if isinstance(blob_store, LocalDirBlobStore) and config.blob_http_port is not None:
+        blob_http = BlobHttpServer(blob_store, config.blob_url_secret or secrets.token_bytes(32),
+                                   host=(config.blob_http_host or host).strip("[]"), port=config.blob_http_port,
+                                   public_url=config.blob_public_url)
+        try:
+            await blob_http.start()
+        except OSError as exc:
+            await server.stop(0)
+            await asyncio.to_thread(metrics.stop)
+            await store.close()
+            raise Unavailable(f"cannot serve blobs over HTTP on {blob_http.host}:{blob_http.port}: {exc}") from None
+    running = RunningBoard(address, metrics_port, config, server, store, metrics, fanout, health_servicer,
+                           blob_http=blob_http, blob_url=blob_store.signer.base_url if blob_http else None)
     running._tasks.append(asyncio.create_task(_refresh_islands(servicer, config.islands_refresh_s)))
     running._tasks.append(asyncio.create_task(_watch_redis(store, health_servicer, config.health_check_s)))
     log.info(
@@ -218,5 +248,6 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
         auth=config.auth,
         metrics_port=metrics_port,
         blobs=blob_store.describe(),
+        blob_url=running.blob_url,
     )
     return running

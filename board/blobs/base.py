@@ -128,8 +128,9 @@ class BlobStore(abc.ABC):
     async def list_keys(self, prefix: str = "") -> list[str]:
         """Every key starting with ``prefix``, sorted."""
 
-    async def presign_put(self, key: str, expires_s: int) -> str | None:
-        """A URL that lets its holder PUT this one object until it expires; None if unsupported."""
+    async def presign_put(self, key: str, expires_s: int, *, size: int | None = None) -> str | None:
+        """A URL that lets its holder PUT this one object until it expires; None if unsupported.
+        ``size``: the bytes the PUT must carry, where the store can hold the URL to it."""
         return None
 
     async def presign_get(self, key: str, expires_s: int) -> str | None:

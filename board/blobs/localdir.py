@@ -1,11 +1,18 @@
 """A blob store in a local directory: the embedded default and a test double-free option.
 
+Given a ``UrlSigner`` (``board/blobs/signed_urls.py``), it presigns: its URLs point at the
+HTTP server the board runs over this directory (``board/blob_http.py``), so processes on other
+machines, without any credentials, reach its blobs like an S3 store's.
+
 Invariants:
 - ``<root>/<key>`` is the object; keys pass ``check_key`` and the resolved path must stay
   inside the root, so no key reaches outside it.
 - Writes go to a temporary file in the destination directory, are fsynced, then
   ``os.replace``d into place: a crash leaves either the old object or the new one, never a
   torn file. Temporary files start with ``.tmp-`` and are invisible to listings.
+- ``put_stream`` checks the bytes against the digest and size they must have before the
+  rename: bytes that do not match leave nothing behind.
+- Without a signer ``presign_get``/``presign_put`` return None (readers share the filesystem).
 """
 
 from __future__ import annotations
@@ -14,12 +21,15 @@ import asyncio
 import collections
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
+
+import xxhash
 
 from weftboard.board.blobs.base import (
     FIRST_BYTE_SAMPLES,
@@ -29,15 +39,19 @@ from weftboard.board.blobs.base import (
     check_prefix,
     upload_source_size,
 )
-from weftboard.proto.errors import InvalidArgument, NotFound
+from weftboard.board.blobs.signed_urls import UrlSigner
+from weftboard.proto.errors import DigestMismatch, InvalidArgument, NotFound
+from weftboard.proto.names import DIGEST_ALGORITHM, format_digest
 
 _TMP_PREFIX = ".tmp-"
 _CHUNK = 1 << 20
+_HEX128 = re.compile(r"[0-9a-f]{32}")
 
 
 class LocalDirBlobStore(BlobStore):
-    def __init__(self, root: Path | str):
+    def __init__(self, root: Path | str, *, signer: UrlSigner | None = None):
         self.root = Path(root).resolve()
+        self.signer = signer  # set (by the board's blob HTTP server) once its address is known
         self.root.mkdir(parents=True, exist_ok=True)
         # Opening a file is this store's time to first byte: microseconds on a local disk, a
         # round trip on a network mount, so readers judge a directory like any other store.
@@ -78,6 +92,44 @@ class LocalDirBlobStore(BlobStore):
 
     async def put_bytes(self, key: str, data: bytes) -> int:
         return await asyncio.to_thread(self._write_atomic, key, lambda out: out.write(data))
+
+    async def put_stream(self, key: str, chunks: AsyncIterable[bytes], *, digest: str = "",
+                         size: int | None = None) -> int:
+        """Store the streamed bytes under ``key`` if they hash to ``digest`` and number ``size``
+        (each when given); ``DigestMismatch`` (nothing written) otherwise. Returns the size."""
+        path = self.path_for(key)
+
+        def open_temp() -> tuple[BinaryIO, str]:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=path.parent)
+            return os.fdopen(fd, "wb"), name
+
+        out, tmp_name = await asyncio.to_thread(open_temp)
+        hasher = xxhash.xxh3_128()
+        written = 0
+        try:
+            try:
+                async for chunk in chunks:
+                    written += len(chunk)
+                    if size is not None and written > size:
+                        raise DigestMismatch(f"PUT of {key!r} carries more than the {size} bytes it declared")
+                    hasher.update(chunk)
+                    await asyncio.to_thread(out.write, chunk)
+                await asyncio.to_thread(_flush_and_sync, out)
+            finally:
+                await asyncio.to_thread(out.close)
+            if size is not None and written != size:
+                raise DigestMismatch(f"PUT of {key!r} carried {written} bytes; it declared {size}")
+            got = format_digest(hasher.digest())
+            if digest and got != digest:
+                raise DigestMismatch(f"PUT of {key!r}: the bytes hash to {got}, not the declared {digest}")
+            await asyncio.to_thread(os.replace, tmp_name, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp_name)
+            raise
+        await asyncio.to_thread(_fsync_dir, path.parent)
+        return written
 
     async def put_file(self, key: str, path: Path | str) -> int:
         def copy(out: BinaryIO) -> None:
@@ -136,6 +188,16 @@ class LocalDirBlobStore(BlobStore):
         await asyncio.to_thread(unlink_all)
         return len(paths)
 
+    async def presign_get(self, key: str, expires_s: int) -> str | None:
+        self.path_for(key)
+        return self.signer.sign("GET", key, expires_s) if self.signer is not None else None
+
+    async def presign_put(self, key: str, expires_s: int, *, size: int | None = None) -> str | None:
+        self.path_for(key)
+        if self.signer is None:
+            return None
+        return self.signer.sign("PUT", key, expires_s, digest=content_digest(key), size=size)
+
     async def list_keys(self, prefix: str = "") -> list[str]:
         check_prefix(prefix)
         return await asyncio.to_thread(self._list, prefix)
@@ -184,6 +246,19 @@ def _copy_from(source: Path, dest: Path, offset: int, key: str, where: str, on_c
                     out.write(chunk)
                     on_chunk(at, chunk)
     return total
+
+
+def content_digest(key: str) -> str:
+    """The digest a content-addressed key (``<run>/blobs/<hex>``) names, else ""."""
+    parts = key.split("/")
+    if len(parts) == 3 and parts[1] == "blobs" and _HEX128.fullmatch(parts[2]):
+        return f"{DIGEST_ALGORITHM}:{parts[2]}"
+    return ""
+
+
+def _flush_and_sync(out: BinaryIO) -> None:
+    out.flush()
+    os.fsync(out.fileno())
 
 
 def _fsync_dir(directory: Path) -> None:

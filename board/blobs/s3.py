@@ -336,7 +336,7 @@ class S3BlobStore(BlobStore):
 
         return await self._run(None, listing)
 
-    async def presign_put(self, key: str, expires_s: int) -> str | None:
+    async def presign_put(self, key: str, expires_s: int, *, size: int | None = None) -> str | None:
         return await self._presign("PUT", key, expires_s)
 
     async def presign_get(self, key: str, expires_s: int) -> str | None:
