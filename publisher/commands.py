@@ -1,4 +1,5 @@
-"""``weftboard bench sync``: delta sync vs full checkpoints, islands on this machine."""
+"""``weftboard bench sync`` (delta sync vs full checkpoints, islands on this machine) and
+``weftboard bench publish`` (sharded publishing vs a gather to rank 0)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import typer
 
 from weftboard.board.logs import configure
 from weftboard.cuda.codec import ENCODINGS
+from weftboard.publisher.bench import bench_publish
 from weftboard.publisher.bench.bench_sync import main_cli
 from weftboard.publisher.parts import SUGGESTED_PART_BYTES
 
@@ -49,3 +51,19 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
                  wan=wan, wan_rate_mbit=wan_rate_mbit, wan_rtt_ms=wan_rtt_ms, wan_slow_start=wan_slow_start,
                  warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes,
                  board_process=board_process)
+
+    @bench.command("publish")
+    def bench_publish_cmd(
+        ranks: int = typer.Option(4, help="Ranks of the gloo job (processes on this machine)."),
+        params: int = typer.Option(100_000_000, help="Model parameters at least (a stack of square linear layers)."),
+        width: int = typer.Option(2048, help="Width of each linear layer."),
+        versions: int = typer.Option(2, help="Measured patch versions (after the first, which anchors)."),
+        json_out: bool = typer.Option(False, "--json", help="Only the JSON line on stdout."),
+        work_dir: Path | None = typer.Option(None, help="Where Redis, the blob store and the ranks keep their files."),
+        timeout_s: float = typer.Option(600.0, help="How long one version may take on one rank."),
+    ) -> None:
+        """Per-rank blocking time and bytes of sharded publishing vs gather-to-rank-0; last line JSON."""
+        if ranks < 1 or versions < 1:
+            raise typer.BadParameter("--ranks and --versions must be >= 1")
+        configure(json=True, level="WARNING")
+        bench_publish.main_cli(ranks, params, width, versions, json_out, work_dir, timeout_s)

@@ -1,0 +1,163 @@
+"""Sharded publishing with real process groups: FSDP2 ``fully_shard`` on gloo (CPU), a small
+transformer, AdamW steps; islands follow bitwise the full state dict each job gathers itself
+(``full_tensor``), across a world-size change and a rank killed mid-publish.
+
+Real board, Redis and blob store; every rank is a process of its own (torch.multiprocessing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from pubsubkit import WARM_KERNELS, TinyLM, follow_each
+
+from weftboard.board.blobs.localdir import LocalDirBlobStore
+from weftboard.board.client import BoardClient
+from weftboard.proto.errors import InvalidArgument
+from weftboard.publisher.sharded import ShardedPublisher, Slice
+from weftboard.publisher.sharded_layout import RankHeader, TensorEntry, plan_slices
+
+pytestmark = WARM_KERNELS
+
+MODEL = {"vocab": 64, "d": 32, "hidden": 64, "layers": 2}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(rank: int, world: int, cfg: dict[str, Any]) -> None:
+    """One rank of a training job: FSDP2 model, AdamW steps, one version per step."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415  (child process only)
+    from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cfg["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = Path(cfg["out"])
+    model = TinyLM(seed=0, **MODEL)
+    if cfg.get("load"):
+        model.load_state_dict(torch.load(cfg["load"]))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    pub = ShardedPublisher(cfg["board"], "sharded", token=cfg["token"], blob_store=LocalDirBlobStore(cfg["blobs"]),
+                           collective_timeout_s=cfg.get("timeout_s", 60), work_dir=out / f"work-{rank}")
+    if rank == cfg.get("kill_rank"):
+        def die(version: int, result: Any) -> None:
+            if version == cfg["kill_at"]:
+                (out / "killed-part.json").write_text(json.dumps(result.part))
+                os._exit(3)
+        pub.before_gather = die
+    report: dict[str, Any] = {"versions": [], "error": None}
+    try:
+        for step in range(cfg["steps"]):
+            tokens = torch.randint(0, MODEL["vocab"], (4, 12), generator=gen)
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, MODEL["vocab"]), tokens[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            full = {n: t.full_tensor() for n, t in model.state_dict().items()}  # gathered independently
+            handle = pub.publish(model, step=step)
+            if rank == 0:
+                torch.save({n: t.to(torch.bfloat16) for n, t in full.items()}, out / f"view-{handle.version}.pt")
+                torch.save(full, out / "state.pt")
+            report["versions"].append(handle.result(120).version)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        report["error"] = f"{type(exc).__name__}: {exc}"
+    (out / f"report-{rank}.json").write_text(json.dumps(report))
+    if report["error"] is None:
+        pub.close()
+        dist.destroy_process_group()
+    os._exit(0)  # a dead peer can hang the process group's teardown
+
+
+def _spawn(world: int, cfg: dict[str, Any], deadline_s: float = 150.0) -> list[int | None]:
+    """Run one job of ``world`` ranks; their exit codes. A rank still running after ``deadline_s``
+    (all ranks together) is killed and the test fails naming it, so no rank outlives the board."""
+    cfg = dict(cfg, port=_free_port())
+    ctx = mp.spawn(_job, args=(world, cfg), nprocs=world, join=False)
+    end = time.monotonic() + deadline_s
+    for p in ctx.processes:
+        p.join(max(0.1, end - time.monotonic()))
+    hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
+    for rank in hung:
+        ctx.processes[rank].kill()
+        ctx.processes[rank].join(10)
+    assert not hung, (f"job of {world} ranks: rank(s) {hung} still running after {deadline_s:.0f}s (killed); "
+                      f"reports: {_reports(Path(cfg['out']), world)}")
+    return [p.exitcode for p in ctx.processes]
+
+
+def _reports(out: Path, world: int) -> list[dict[str, Any]]:
+    return [json.loads((out / f"report-{r}.json").read_text()) for r in range(world) if (out / f"report-{r}.json").exists()]
+
+
+async def test_fsdp2_ranks_publish_and_an_island_follows_bitwise_across_world_sizes_and_a_killed_rank(
+        board, local_store, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    base = {"board": board.address, "token": board.admin_token, "blobs": str(local_store.root), "out": str(out)}
+    # job 1: 2 ranks, versions 1 (anchor), 2, 3 (patches in two parts)
+    assert await asyncio.to_thread(_spawn, 2, dict(base, steps=3, seed=1)) == [0, 0]
+    assert [r["versions"] for r in _reports(out, 2)] == [[1, 2, 3]] * 2
+    # job 2: 4 ranks from job 1's weights: version 4 (an anchor), 5, then rank 3 dies in version 6
+    torch.save(torch.load(out / "state.pt"), tmp_path / "state-job1.pt")
+    exits = await asyncio.to_thread(_spawn, 4, dict(base, steps=3, seed=2, load=str(tmp_path / "state-job1.pt"),
+                                                   kill_rank=3, kill_at=6, timeout_s=20))
+    assert exits == [0, 0, 0, 3]
+    reports = _reports(out, 4)
+    assert len(reports) == 3 and all(r["versions"] == [4, 5] and "version 6" in r["error"] for r in reports), reports
+    killed_part = json.loads((out / "killed-part.json").read_text())
+    async with BoardClient(board.address, board.admin_token) as client:
+        assert (await client.get_head("sharded")).version == 5  # nothing of version 6 is visible
+        assert await local_store.stat(killed_part[0]) == killed_part[2]  # its part was uploaded and staged
+        # job 3: 2 ranks again, from the weights job 2 had: version 6 (an anchor), 7
+        torch.save(torch.load(out / "state.pt"), tmp_path / "state-job2.pt")
+        assert await asyncio.to_thread(_spawn, 2, dict(base, steps=2, seed=3,
+                                                       load=str(tmp_path / "state-job2.pt"))) == [0, 0]
+        assert [r["versions"] for r in _reports(out, 2)] == [[6, 7]] * 2
+        record = await client.get_version("sharded", 3)
+        assert [a.kind for a in record.artifacts] and len(record.artifacts[0].blobs) == 2  # one part per rank
+        views = {v: torch.load(out / f"view-{v}.pt") for v in range(1, 8)}
+        await follow_each(client, "sharded", local_store, tmp_path, views)
+        await client.collect_garbage("sharded")
+        assert await local_store.stat(killed_part[0]) is None  # the dead rank's part was collected
+
+
+def _header(rank: int, world: int, version: int, *boxes: Any, shape: tuple[int, ...] = (4, 6)) -> RankHeader:
+    return RankHeader(rank, world, version, tuple(TensorEntry(f"t{i}", "bfloat16", shape, b) for i, b in enumerate(boxes)))
+
+
+def test_plan_refuses_bad_layouts_with_clear_errors() -> None:
+    rows = [((0, 0), (2, 6)), ((2, 0), (2, 6))]
+    plan = plan_slices([_header(0, 2, 1, rows[0], None), _header(1, 2, 1, rows[1], None)])
+    assert [len(t.slices) for t in plan.tensors] == [2, 1]  # the replicated tensor is sent once
+    assert plan.tensors[1].whole_on_owner
+    with pytest.raises(InvalidArgument, match="overlapping slices of 't0'"):
+        plan_slices([_header(0, 2, 1, ((0, 0), (3, 6))), _header(1, 2, 1, rows[1])])
+    with pytest.raises(InvalidArgument, match="missing slices of 't0'.*cover 18 of its 24"):
+        plan_slices([_header(0, 2, 1, ((0, 0), (1, 6))), _header(1, 2, 1, rows[1])])
+    with pytest.raises(InvalidArgument, match="ranks disagree on the layout"):
+        plan_slices([_header(0, 2, 1, rows[0]), _header(1, 2, 1, rows[1], shape=(5, 6))])
+    with pytest.raises(InvalidArgument, match="world size changed mid-version"):
+        plan_slices([_header(0, 2, 1, rows[0]), _header(1, 4, 1, rows[1])])
+    with pytest.raises(InvalidArgument, match="ranks disagree on the version"):
+        plan_slices([_header(0, 2, 1, rows[0]), _header(1, 2, 2, rows[1])])
+    assert Slice(torch.zeros(2, 6), (4, 6), (2, 0)).offset == (2, 0)
+
