@@ -21,7 +21,7 @@ from aiohttp import web
 from weftboard.cuda.digest import root_digest, tensor_digest
 from weftboard.proto.errors import ApplyError
 from weftboard.subscriber.admission import AdmissionGate, VersionState
-from weftboard.subscriber.destination import TensorEntry, VersionTarget
+from weftboard.subscriber.destination import Capabilities, TensorEntry, VersionTarget
 from weftboard.subscriber.engine_destination import EngineDestination
 from weftboard.subscriber.engines.base import ActivationMode
 from weftboard.subscriber.engines.reference import ReferenceAdapter
@@ -50,6 +50,8 @@ def live_root(tensors: dict[str, torch.Tensor]) -> str:
 
 class CopyInto:
     """In-test inner destination: 'applies' version n by copying its tensors in place."""
+
+    capabilities = Capabilities(applies_while_arriving=False, weights_in_memory=True, activates_engine=False)
 
     def __init__(self, live: dict[str, torch.Tensor], versions: dict[int, dict[str, torch.Tensor]]) -> None:
         self.live, self.versions, self.version = live, versions, 0
