@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from enginekit import CatchAllServer
 
 from weftboard.proto.errors import ApplyError
 from weftboard.subscriber.engines.base import ActivationMode
@@ -16,7 +17,7 @@ from weftboard.subscriber.engines.factory import make_adapter
 CONTRACTS = Path(__file__).parent / "contracts"
 
 
-class RecordingEngine:
+class RecordingEngine(CatchAllServer):
     """A local HTTP server that records every request and answers as told."""
 
     def __init__(self) -> None:
@@ -24,8 +25,6 @@ class RecordingEngine:
         self.authorization: list[str | None] = []  # the Authorization header of each call
         self.fail_paths: dict[str, tuple[int, Any]] = {}
         self.answers: dict[str, Any] = {}  # path -> the JSON body of a 200 answer
-        self.url = ""
-        self._runner: web.AppRunner | None = None
 
     async def _handle(self, request: web.Request) -> web.Response:
         raw = await request.read()
@@ -41,19 +40,6 @@ class RecordingEngine:
             return web.json_response(body, status=status)
         return web.json_response(self.answers.get(request.path, {"success": True}))
 
-    async def start(self) -> RecordingEngine:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def stop(self) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
 
 
 @pytest.fixture

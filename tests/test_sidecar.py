@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 import torch
 from aiohttp import web
+from enginekit import CatchAllServer
 
 from weftboard.cuda.digest import root_digest, tensor_digest
 from weftboard.proto.errors import ApplyError
@@ -403,15 +404,13 @@ async def test_an_engine_answer_with_unreadable_usage_still_reaches_the_client()
 ENGINE_NAME = "/island/checkpoint/current"  # what SGLang serves its model as after a load from the island
 
 
-class KeyedEngine:
+class KeyedEngine(CatchAllServer):
     """A real HTTP engine that, like one started with ``--api-key secret``, answers 401 to a
     request without ``Authorization: Bearer secret``, and records the headers it got."""
 
     def __init__(self, key: str = "secret") -> None:
         self.key = key
         self.seen: list[dict] = []  # per request: path, headers (lower-case names, all values), raw body
-        self.url = ""
-        self._runner: web.AppRunner | None = None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -434,19 +433,6 @@ class KeyedEngine:
         return web.json_response({"id": "cmpl-1", "choices": [{"text": "x"}],
                                   "usage": {"prompt_tokens": 2, "completion_tokens": 1}})
 
-    async def start(self) -> KeyedEngine:
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def stop(self) -> None:
-        assert self._runner is not None
-        await self._runner.cleanup()
 
 
 @pytest.fixture
