@@ -13,7 +13,11 @@ Phases:
 1. fan-out: commit ``commits`` versions one at a time; per version, the delay from the start of
    CommitVersion to its arrival on each watcher (p50/p99 over every delivery) and on the last
    one. Before commit ``commits // 2`` the first replica is killed with SIGKILL: its watchers
-   and the publisher move to another replica and resume by version.
+   and the publisher move to another replica and resume by version. That one commit measures
+   failover, not fan-out: its deliveries wait for a third of the fleet to notice the loss,
+   reconnect and replay. It is reported on its own (``failover_last_delivery_ms``) and in
+   ``fanout_p99_with_failover_ms``; ``fanout_p50_ms``/``fanout_p99_ms`` are over every other
+   commit, before and after the kill (the survivors then carry the whole fleet).
 2. commit rate: ``rate_commits`` back-to-back commits with every watcher attached.
 3. count: every watcher must have seen every version exactly once, in order; what it did not
    see is ``missed_events``, what it saw again ``duplicate_events``.
@@ -240,7 +244,8 @@ async def _bench(params: ReplicaParams, log: Callable[[str], None], workdir: Pat
             f"({params.processes} load-generating processes)")
 
         # -- 1. fan-out, one replica killed half way ------------------------------
-        latencies_ms: list[float] = []
+        latencies_ms: list[float] = []  # every delivery of every commit but the failover one
+        failover_ms: list[float] = []  # the deliveries of the commit right after the kill
         last_ms: list[float] = []
         failover_last_ms = float("nan")
         version = 1
@@ -259,14 +264,18 @@ async def _bench(params: ReplicaParams, log: Callable[[str], None], workdir: Pat
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(done.wait(), params.delivery_timeout_s)
             samples = [(t - start) * 1000 for t in fleet.arrivals[version]]
-            latencies_ms += samples
-            last_ms.append(max(samples) if samples else float("inf"))
+            samples += [float("inf")] * (params.watchers - len(samples))  # a delivery that never came
             if killed_now:
-                failover_last_ms = last_ms[-1]
+                failover_ms = samples
+                failover_last_ms = max(samples)
+            else:
+                latencies_ms += samples
+                last_ms.append(max(samples))
         p50, p99 = percentile(latencies_ms, 50), percentile(latencies_ms, 99)
-        log(f"fan-out over {params.commits} commits x {params.watchers} watchers: p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
-            f"last delivery median {percentile(last_ms, 50):.1f} ms; the commit after the kill reached every "
-            f"watcher in {failover_last_ms:.0f} ms")
+        p99_with_failover = percentile(latencies_ms + failover_ms, 99)
+        log(f"fan-out over {params.commits - 1} commits x {params.watchers} watchers: p50 {p50:.1f} ms, "
+            f"p99 {p99:.1f} ms, last delivery median {percentile(last_ms, 50):.1f} ms; the commit after the kill "
+            f"reached every watcher in {failover_last_ms:.0f} ms (p99 with it: {p99_with_failover:.1f} ms)")
 
         # -- 2. commit rate ----------------------------------------------------------
         records = [await publisher.record(v) for v in range(version + 1, version + 1 + params.rate_commits)]
@@ -290,6 +299,7 @@ async def _bench(params: ReplicaParams, log: Callable[[str], None], workdir: Pat
             "redis": "cluster-3-masters",
             "fanout_p50_ms": round(p50, 2),
             "fanout_p99_ms": round(p99, 2),
+            "fanout_p99_with_failover_ms": round(p99_with_failover, 2),
             "fanout_last_delivery_median_ms": round(percentile(last_ms, 50), 2),
             "failover_last_delivery_ms": round(failover_last_ms, 2),
             "commits_per_s": round(commits_per_s, 1),
@@ -320,7 +330,8 @@ def run_replica_bench(params: ReplicaParams, log: Callable[[str], None] = print)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     ok = (result["fanout_p99_ms"] < TARGET_FANOUT_P99_MS and result["missed_events"] == 0
-          and result["duplicate_events"] == 0 and result["replica_killed"])
+          and result["duplicate_events"] == 0 and result["replica_killed"]
+          and result["failover_last_delivery_ms"] < params.delivery_timeout_s * 1000)
     log(f"fan-out p99 {result['fanout_p99_ms']:.1f} ms vs target {TARGET_FANOUT_P99_MS:.0f} ms, "
         f"missed {result['missed_events']}, duplicates {result['duplicate_events']}: {'OK' if ok else 'MISSED'}")
     return result
