@@ -9,11 +9,15 @@ Routes (under ``/blobs/<key>``, every one checked by ``UrlSigner.check``):
 - GET/HEAD: the object, streamed from disk, with ``Range`` (206, 416) as any S3 answers it.
 - PUT: the body streamed to a temporary file, hashed, and renamed into place only when its
   digest and size are those the URL was signed for (``LocalDirBlobStore.put_stream``).
+- PUT of a part (a URL signed for one part of a multipart upload): the body written as that
+  part of the open upload (``LocalDirBlobStore.put_part``), answered with its ETag as S3 does;
+  the blob appears only when the board completes the upload.
 
 Invariants:
 - Every request needs a valid, unexpired signature for its method and key: otherwise 403
-  (which clients read as ``UrlExpired``: ask the board again). A missing blob is 404, a
-  malformed key 400, bytes that do not match what the URL declares 400 and nothing stored.
+  (which clients read as ``UrlExpired``: ask the board again). A missing blob (or an upload
+  no longer open) is 404, a malformed key 400, bytes that do not match what the URL declares
+  400 and nothing stored.
 - No listing, no deletion: only what a presigned S3 URL allows.
 """
 
@@ -28,7 +32,12 @@ from aiohttp import web
 
 from weftboard.board.blobs.localdir import LocalDirBlobStore
 from weftboard.board.blobs.signed_urls import BLOB_PATH, Grant, UrlSigner
-from weftboard.proto.errors import CorruptData, InvalidArgument, PermissionDenied
+from weftboard.proto.errors import (
+    CorruptData,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -108,6 +117,8 @@ class BlobHttpServer:
         declared = request.content_length
         if grant.size is not None and declared is not None and declared != grant.size:
             raise web.HTTPBadRequest(text=f"PUT of {key!r}: Content-Length {declared}, the URL is for {grant.size} bytes")
+        if grant.upload_id:
+            return await self._put_part(request, key, grant)
         try:
             size = await self.store.put_stream(key, request.content.iter_chunked(_CHUNK), digest=grant.digest,
                                                size=grant.size if grant.size is not None else declared)
@@ -115,3 +126,14 @@ class BlobHttpServer:
             raise web.HTTPBadRequest(text=str(exc)) from None
         log.debug("blob stored", key=key, size=size)
         return web.Response(status=200)
+
+    async def _put_part(self, request: web.Request, key: str, grant: Grant) -> web.Response:
+        try:
+            etag = await self.store.put_part(key, grant.upload_id, grant.part_number,
+                                             request.content.iter_chunked(_CHUNK), size=grant.size)
+        except NotFound as exc:
+            raise web.HTTPNotFound(text=str(exc)) from None
+        except (CorruptData, InvalidArgument) as exc:
+            raise web.HTTPBadRequest(text=str(exc)) from None
+        log.debug("blob part stored", key=key, upload_id=grant.upload_id, part=grant.part_number)
+        return web.Response(status=200, headers={"ETag": f'"{etag}"'})

@@ -216,6 +216,28 @@ class BoardClient:
             "PresignUpload", pb.PresignUploadRequest(run=run, digest=digest, size=size, expires_s=expires_s)
         )
 
+    async def start_upload(self, run: str, digest: str, size: int, part_bytes: int,
+                           expires_s: int = 0) -> pb.StartUploadResponse:
+        """Open a multipart upload of one blob; the response presigns a PUT URL per part."""
+        return await self._call("StartUpload", pb.StartUploadRequest(run=run, digest=digest, size=size,
+                                                                     part_bytes=part_bytes, expires_s=expires_s))
+
+    async def presign_upload_parts(self, run: str, upload_id: str, part_numbers: Iterable[int],
+                                   expires_s: int = 0) -> pb.PresignUploadPartsResponse:
+        return await self._call("PresignUploadParts", pb.PresignUploadPartsRequest(
+            run=run, upload_id=upload_id, part_numbers=list(part_numbers), expires_s=expires_s))
+
+    async def complete_upload(self, run: str, upload_id: str, parts: Iterable[tuple[int, str]], *,
+                              timeout_s: float | None = None) -> pb.CompleteUploadResponse:
+        """Join the uploaded parts (``(part_number, etag)``, every part in order) into the blob.
+        ``timeout_s``: a large blob may take the board longer than an ordinary call."""
+        request = pb.CompleteUploadRequest(run=run, upload_id=upload_id,
+                                           parts=[pb.UploadedPart(part_number=n, etag=e) for n, e in parts])
+        return await self._call("CompleteUpload", request, timeout_s)
+
+    async def abort_upload(self, run: str, upload_id: str) -> pb.AbortUploadResponse:
+        return await self._call("AbortUpload", pb.AbortUploadRequest(run=run, upload_id=upload_id))
+
     async def commit_version(self, record: pb.VersionRecord) -> pb.CommitVersionResponse:
         return await self._call("CommitVersion", pb.CommitVersionRequest(record=record))
 

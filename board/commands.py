@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import json
 import signal
 import sys
@@ -62,6 +64,7 @@ from weftboard.board.config import (
     load_or_create_s3_credentials,
     local_blob_store,
 )
+from weftboard.board.config_file import environment_wins
 from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_data_dir
 from weftboard.board.embedded import start_redis, start_seaweedfs
 from weftboard.board.logs import configure
@@ -90,16 +93,23 @@ TOKEN_OPTION = typer.Option(
     None, "--token", envvar="WEFTBOARD_TOKEN",
     help="Bearer token. Default: the admin token an embedded board stored in the data dir.",
 )
-TLS_OPTION = typer.Option(False, "--tls", envvar="WEFTBOARD_TLS",
-                          help="TLS to the board with the system's CA roots (implied by --tls-ca).")
-TLS_CA_OPTION = typer.Option(None, "--tls-ca", envvar="WEFTBOARD_TLS_CA",
-                             help="CA bundle (PEM) that signed the board's certificate: TLS.")
-TLS_CERT_OPTION = typer.Option(None, "--tls-cert", envvar="WEFTBOARD_TLS_CLIENT_CERT",
-                               help="Client certificate (PEM) for a board that requires mutual TLS.")
-TLS_KEY_OPTION = typer.Option(None, "--tls-key", envvar="WEFTBOARD_TLS_CLIENT_KEY",
-                              help="Key (PEM) of the client certificate (mutual TLS).")
-TLS_SERVER_NAME_OPTION = typer.Option(None, "--tls-server-name", envvar="WEFTBOARD_TLS_SERVER_NAME",
-                                      help="Name to check the board's certificate against (default: the host dialled).")
+TLS_PANEL = "TLS to the board"
+# The client commands' TLS flags, in one group (``with_tls_flags``): name, annotation, option.
+TLS_FLAGS: tuple[tuple[str, Any, Any], ...] = (
+    ("tls", bool, typer.Option(False, "--tls", envvar="WEFTBOARD_TLS", rich_help_panel=TLS_PANEL,
+                               help="TLS to the board with the system's CA roots (implied by --tls-ca).")),
+    ("tls_ca", Path | None, typer.Option(None, "--tls-ca", envvar="WEFTBOARD_TLS_CA", rich_help_panel=TLS_PANEL,
+                                         help="CA bundle (PEM) that signed the board's certificate: TLS.")),
+    ("tls_cert", Path | None, typer.Option(None, "--tls-cert", envvar="WEFTBOARD_TLS_CLIENT_CERT",
+                                           rich_help_panel=TLS_PANEL,
+                                           help="Client certificate (PEM) for a board that requires mutual TLS.")),
+    ("tls_key", Path | None, typer.Option(None, "--tls-key", envvar="WEFTBOARD_TLS_CLIENT_KEY",
+                                          rich_help_panel=TLS_PANEL,
+                                          help="Key (PEM) of the client certificate (mutual TLS).")),
+    ("tls_server_name", str | None, typer.Option(
+        None, "--tls-server-name", envvar="WEFTBOARD_TLS_SERVER_NAME", rich_help_panel=TLS_PANEL,
+        help="Name to check the board's certificate against (default: the host dialled).")),
+)
 
 
 class RoleName(str, Enum):
@@ -136,6 +146,26 @@ def tls_from_flags(tls: bool, tls_ca: Path | None, tls_cert: Path | None, tls_ke
     except WeftboardError as exc:
         err.print(f"[red]error[/red]: {exc}", highlight=False)
         raise typer.Exit(2) from None
+
+
+def with_tls_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command`` with the ``--tls*`` flags (``TLS_FLAGS``: the same names and variables for every
+    client command), which it receives as one ``tls_config: TlsConfig | None`` (None: plaintext).
+    typer reads the command's parameters from the signature this gives the wrapper."""
+    signature = inspect.signature(command, eval_str=True)
+    kept = [p for p in signature.parameters.values() if p.name != "tls_config"]
+    flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+             for name, annotation, option in TLS_FLAGS]
+
+    @functools.wraps(command)
+    def with_tls(**kwargs: Any) -> Any:
+        config = tls_from_flags(*(kwargs.pop(name) for name, _, _ in TLS_FLAGS))
+        return command(tls_config=config, **kwargs)
+
+    exposed = signature.replace(parameters=[*kept, *flags])
+    with_tls.__signature__ = exposed  # type: ignore[attr-defined]
+    with_tls.__annotations__ = {p.name: p.annotation for p in exposed.parameters.values()}
+    return with_tls
 
 
 def print_json(document: dict[str, Any]) -> None:
@@ -228,6 +258,9 @@ async def serve_async(settings: BoardSettings, embedded: Embedded, data_dir: Pat
             tls_key=settings.tls_key,
             tls_client_ca=settings.tls_client_ca,
             watch_progress_s=settings.watch_progress_s,
+            staged_grace_s=settings.staged_grace_s,
+            redis_min_replicas=settings.redis_min_replicas,
+            redis_replica_timeout_ms=settings.redis_replica_timeout_ms,
         )
         if isinstance(embedded.blobs, LocalDirBlobStore) and settings.blob_http_port >= 0:
             config.blob_http_port = settings.blob_http_port
@@ -287,8 +320,13 @@ def print_banner(lines: list[tuple[str, str]]) -> None:
 
 
 def serve(
+    ctx: typer.Context,
     listen: str | None = typer.Option(None, help=f"host:port to bind (env WEFTBOARD_LISTEN; default {DEFAULT_LISTEN})"),
     redis_url: str | None = typer.Option(None, help="Redis URL (env WEFTBOARD_REDIS_URL); unset starts an embedded redis-server"),
+    redis_min_replicas: int | None = typer.Option(
+        None, help="answer a commit once this many Redis replicas hold it (env WEFTBOARD_REDIS_MIN_REPLICAS; default 0)"),
+    redis_replica_timeout_ms: int | None = typer.Option(
+        None, help="how long a commit waits for them (env WEFTBOARD_REDIS_REPLICA_TIMEOUT_MS; default 1000)"),
     s3_endpoint: str | None = typer.Option(None, help="S3 endpoint host:port or URL (env WEFTBOARD_S3_ENDPOINT)"),
     s3_access_key: str | None = typer.Option(None, help="(env WEFTBOARD_S3_ACCESS_KEY)"),
     s3_secret_key: str | None = typer.Option(None, help="(env WEFTBOARD_S3_SECRET_KEY)"),
@@ -317,9 +355,9 @@ def serve(
     log_level: str | None = typer.Option(None, help="(env WEFTBOARD_LOG_LEVEL; default INFO)"),
 ) -> None:
     """Run a board. With no Redis or S3 given it starts the embedded default and says so."""
-    flags = {k: v for k, v in locals().items() if v is not None}  # flags win over WEFTBOARD_* env
+    flags = {k: v for k, v in locals().items() if v is not None and k != "ctx"}  # flags win over WEFTBOARD_* env
     try:
-        settings = BoardSettings(**flags)
+        settings = BoardSettings(**environment_wins(ctx, flags))  # ... and it over the config file
     except ValidationError as exc:
         for e in exc.errors():
             err.print(f"[red]invalid setting[/red] {'.'.join(map(str, e['loc']))}: {e['msg']}")
@@ -339,6 +377,7 @@ def serve(
 # ---------------------------------------------------------------------------
 
 
+@with_tls_flags
 def history(
     run: str = typer.Argument(..., help="Run name."),
     from_version: int = typer.Option(0, "--from", help="First version (0: oldest available)."),
@@ -347,14 +386,9 @@ def history(
     as_json: bool = typer.Option(False, "--json", help='One JSON document {"run", "versions": [record, ...]}.'),
     board: str = BOARD_OPTION,
     token: str | None = TOKEN_OPTION,
-    tls: bool = TLS_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_cert: Path | None = TLS_CERT_OPTION,
-    tls_key: Path | None = TLS_KEY_OPTION,
-    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
+    tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
 ) -> None:
     """The versions of a run: step, parent, artifacts, patch/anchor bytes, density."""
-    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
 
     async def body(client: Any) -> None:
         start = from_version
@@ -372,20 +406,16 @@ def history(
     run_client(board, token, body, tls_config)
 
 
+@with_tls_flags
 def status(
     run: str | None = typer.Argument(None, help="Run name; without it, every run's head."),
     as_json: bool = typer.Option(False, "--json", help='One JSON document: {"runs": [...]}, or with RUN the '
                                                        "fleet document (as 'fleet --json')."),
     board: str = BOARD_OPTION,
     token: str | None = TOKEN_OPTION,
-    tls: bool = TLS_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_cert: Path | None = TLS_CERT_OPTION,
-    tls_key: Path | None = TLS_KEY_OPTION,
-    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
+    tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
 ) -> None:
     """Head and fleet: each island's version, lag behind the head, state and lease."""
-    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
 
     async def body(client: Any) -> None:
         if run is None:
@@ -415,19 +445,15 @@ async def print_fleet(client: Any, run: str, as_json: bool, *, with_head_line: b
     out.print(islands_table(run, islands))
 
 
+@with_tls_flags
 def fleet(
     run: str = typer.Argument(..., help="Run name."),
     as_json: bool = typer.Option(False, "--json", help='One JSON document {"run", "head", ..., "islands": [...]}.'),
     board: str = BOARD_OPTION,
     token: str | None = TOKEN_OPTION,
-    tls: bool = TLS_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_cert: Path | None = TLS_CERT_OPTION,
-    tls_key: Path | None = TLS_KEY_OPTION,
-    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
+    tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
 ) -> None:
     """The islands following a run: version, lag, state, capacity, last heartbeat, lease."""
-    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
 
     async def body(client: Any) -> None:
         await print_fleet(client, run, as_json, with_head_line=False)
@@ -435,22 +461,19 @@ def fleet(
     run_client(board, token, body, tls_config)
 
 
+@with_tls_flags
 def gc(
     run: str = typer.Argument(..., help="Run name."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only show what would be deleted."),
     keep_anchors: int = typer.Option(0, help="Newest anchors to keep (0: the run's retention policy)."),
     as_json: bool = typer.Option(False, "--json", help='One JSON document {"run", "dry_run", "deleted_keys", '
-                                                       '"deleted_blobs", "freed_bytes", "oldest_available"}.'),
+                                                       '"deleted_blobs", "freed_bytes", "oldest_available", '
+                                                       '"staged_parts_collected", "abandoned_blobs_collected"}.'),
     board: str = BOARD_OPTION,
     token: str | None = TOKEN_OPTION,
-    tls: bool = TLS_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_cert: Path | None = TLS_CERT_OPTION,
-    tls_key: Path | None = TLS_KEY_OPTION,
-    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
+    tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
 ) -> None:
     """Delete blobs no live island and no kept anchor needs, and staged parts no commit named (admin)."""
-    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
 
     async def body(client: Any) -> None:
         response = await client.collect_garbage(run, dry_run=dry_run, keep_anchors=keep_anchors)
@@ -461,7 +484,8 @@ def gc(
         out.print(
             f"{verb} {len(response.deleted_keys)} blobs, {human_bytes(response.freed_bytes)} "
             f"({response.freed_bytes} bytes); oldest available version {'would be' if dry_run else 'is'} "
-            f"{response.oldest_available}"
+            f"{response.oldest_available}; staged parts {response.staged_parts_collected}, abandoned blobs "
+            f"{response.abandoned_blobs_collected} (of versions never committed or committed without them)"
         )
         for key in response.deleted_keys:
             out.print(f"  {key}", highlight=False)
@@ -469,19 +493,15 @@ def gc(
     run_client(board, token, body, tls_config)
 
 
+@with_tls_flags
 def token_create(
     name: str = typer.Argument(..., help="A label for the token (who holds it)."),
     role: RoleName = typer.Option(..., help="publisher, island, reader or admin."),
     board: str = BOARD_OPTION,
     token: str | None = TOKEN_OPTION,
-    tls: bool = TLS_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_cert: Path | None = TLS_CERT_OPTION,
-    tls_key: Path | None = TLS_KEY_OPTION,
-    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
+    tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
 ) -> None:
     """Create a token (admin). The token is printed once; the board keeps only its hash."""
-    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
 
     async def body(client: Any) -> None:
         response = await client.create_token(name, pb.Role.Value(f"ROLE_{role.value.upper()}"))
@@ -492,18 +512,14 @@ def token_create(
     run_client(board, token, body, tls_config)
 
 
+@with_tls_flags
 def token_revoke(
     token_id: str = typer.Argument(..., help="The token id printed by 'token create'."),
     board: str = BOARD_OPTION,
     token: str | None = TOKEN_OPTION,
-    tls: bool = TLS_OPTION,
-    tls_ca: Path | None = TLS_CA_OPTION,
-    tls_cert: Path | None = TLS_CERT_OPTION,
-    tls_key: Path | None = TLS_KEY_OPTION,
-    tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
+    tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
 ) -> None:
     """Revoke a token (admin); it stops working at once on this board, within seconds on others."""
-    tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
 
     async def body(client: Any) -> None:
         await client.revoke_token(token_id)

@@ -24,6 +24,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
 from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_data_dir
+from weftboard.board.gc import DEFAULT_STAGED_GRACE_S, grace_of
 from weftboard.proto.errors import InvalidArgument
 
 __all__ = ["ADMIN_TOKEN_FILE", "DEFAULT_LISTEN", "BoardSettings", "default_data_dir"]
@@ -56,6 +57,9 @@ class BoardSettings(BaseSettings):
     log_json: bool | None = None
     log_level: str = "INFO"
     watch_progress_s: float = 5.0
+    staged_grace_s: float = Field(DEFAULT_STAGED_GRACE_S, description="GC deletes the staged parts and anchor files of a version never committed once they are this old (at least 900)")
+    redis_min_replicas: int = Field(0, ge=0, description="a commit answers once this many Redis replicas acknowledged it (WAIT); 0: the master's word")
+    redis_replica_timeout_ms: int = Field(1000, gt=0, description="how long a commit waits for those replicas before answering UNAVAILABLE (retryable)")
     blob_http_port: int = Field(0, description="port of the signed-URL HTTP server of a local blob store; 0 picks one, -1 serves none (readers must share the filesystem)")
     blob_http_host: str | None = Field(None, description="host the blob HTTP server binds (default: the host of listen)")
     blob_public_url: str | None = Field(None, description="base URL others reach the blob HTTP server at (default http://<host>:<port>)")
@@ -72,6 +76,11 @@ class BoardSettings(BaseSettings):
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
+
+    @field_validator("staged_grace_s")
+    @classmethod
+    def _grace_long_enough(cls, value: float) -> float:
+        return grace_of(value)
 
     @field_validator("redis_url")
     @classmethod

@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import importlib.util
 import os
 import secrets
 import shutil
@@ -34,9 +35,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import urllib3
-from minio import Minio
 
 from weftboard.proto.errors import FailedPrecondition, Unavailable
 
@@ -379,6 +377,8 @@ def start_seaweedfs(
     dir = Path(dir).resolve()
     dir.mkdir(parents=True, exist_ok=True)
     binary = weed_binary()
+    if importlib.util.find_spec("minio") is None:  # the readiness probe's S3 client
+        raise FailedPrecondition("SeaweedFS is checked with the minio client: pip install 'weftboard[s3]'")
     access_key = access_key or "wb" + secrets.token_hex(8)
     secret_key = secret_key or secrets.token_hex(20)
 
@@ -438,6 +438,9 @@ def start_seaweedfs(
 
 
 def _s3_bucket_visible(endpoint: str, access_key: str, secret_key: str, bucket: str) -> bool:
+    import urllib3  # optional dependency (weftboard[s3], which [embedded] includes): SeaweedFS's client
+    from minio import Minio  # optional dependency (weftboard[s3])
+
     http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=3.0), retries=False)
     try:
         client = Minio(endpoint, access_key=access_key, secret_key=secret_key, secure=False,

@@ -13,7 +13,8 @@ Invariants:
   a version twice and never with a gap (see fanout.py). Staged-part hints go only to
   watchers that asked, and only for versions after the last one sent.
 - StagePart checks the part exists (so an island's download finds it), notes it and relays
-  the hint. A commit checks every blob it names, taking a note younger than
+  the hint; an anchor file (a named blob) is only noted, so GC collects it if its version
+  commits without it. A commit checks every blob it names, taking a note younger than
   ``CHECKED_TTL_S`` for a part instead of asking the store again: keys are content
   addressed, so a blob never changes, and GC deletes only keys of collected versions, never
   a staged part. The note itself stays until a commit of its version or a later one settles
@@ -40,6 +41,7 @@ from weftboard.board.auth import Authenticator
 from weftboard.board.fanout import TICK, FanOut, StagedEvent
 from weftboard.board.metrics import BoardMetrics
 from weftboard.board.store import RedisStore, canonical_record, now_ms
+from weftboard.board.uploads import UploadRpcs
 from weftboard.proto import convert
 from weftboard.proto.commit import (
     COMMIT_ERRORS,
@@ -110,7 +112,7 @@ class BoardsOwnBlobs:
         return call
 
 
-class BoardServicer(pb_grpc.BoardServicer):
+class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: uploads.py
     def __init__(
         self,
         store: RedisStore,
@@ -121,6 +123,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         *,
         trajectory_maxlen: int = 1_000_000,
         default_progress_ms: int = 5000,
+        staged_grace_s: float = gcmod.DEFAULT_STAGED_GRACE_S,
     ) -> None:
         self.store = store
         self.blobs = BoardsOwnBlobs(blobs)
@@ -129,6 +132,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         self.fanout = fanout
         self.trajectory_maxlen = trajectory_maxlen
         self.default_progress_ms = default_progress_ms
+        self.staged_grace_s = staged_grace_s  # GC takes a never-committed version's leftovers after this
         self.heartbeat_runs: set[str] = set()
 
     # -- runs -------------------------------------------------------------
@@ -229,6 +233,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         outcome = decide_commit(record.version, run.head, run.head, found)
         if outcome is CommitOutcome.ALREADY_COMMITTED:
             stored = (await self.store.get_versions(record.run, [record.version]))[record.version]
+            await self.store.await_replicas(record.run)  # a retry after a replica shortfall answers once they have it
             await self._settle_staged(stored)  # a retry: the first attempt's answer may have been lost
             return pb.CommitVersionResponse(record=stored, already_committed=True)
         if outcome in COMMIT_ERRORS:
@@ -253,16 +258,19 @@ class BoardServicer(pb_grpc.BoardServicer):
     async def StagePart(self, request: pb.StagePartRequest, context) -> pb.StagePartResponse:
         check_name("run", request.run)
         run = await self._run_and_state(request.run)
-        if request.version <= run.head or request.version < 2:
+        blob = request.blob
+        anchor_file = bool(blob.name)  # noted for GC only: islands take patch parts, never anchor files
+        if request.version <= run.head or (request.version < 2 and not anchor_file):
             raise FailedPrecondition(
-                f"version {request.version} of run {request.run!r} cannot stage a patch part: the head is "
+                f"version {request.version} of run {request.run!r} cannot stage "
+                f"{'an anchor file' if anchor_file else 'a patch part'}: the head is "
                 f"{run.head}, so only versions after it are being published"
                 + (" (and version 1 is an anchor, not a patch)" if request.version < 2 else "")
             )
-        blob = request.blob
         validate.check_blob_ref("blob", request.run, blob)
-        if blob.size <= 0 or blob.url or blob.name:
-            raise InvalidArgument("a staged part has a positive size and no url or file name")
+        if blob.size <= 0 or blob.url or (anchor_file and not blob.name.endswith(".safetensors")):
+            raise InvalidArgument("a staged part has a positive size and no url; a named one is an anchor "
+                                  "file (*.safetensors)")
         size = await self.blobs.stat(blob.key)
         if size != blob.size:
             raise FailedPrecondition(
@@ -272,7 +280,7 @@ class BoardServicer(pb_grpc.BoardServicer):
         staged = pb.StagedPart(version=request.version, base_version=request.version - 1,
                                blob=pb.BlobRef(key=blob.key, digest=blob.digest, size=blob.size))
         await self.store.publish_staged(request.run, request.version, blob.key, blob.size,
-                                        pb.WatchEvent(staged=staged).SerializeToString())
+                                        None if anchor_file else pb.WatchEvent(staged=staged).SerializeToString())
         return pb.StagePartResponse(head=run.head)
 
     # -- reading ----------------------------------------------------------
@@ -540,30 +548,20 @@ class BoardServicer(pb_grpc.BoardServicer):
 
     async def CollectGarbage(self, request: pb.CollectGarbageRequest, context) -> pb.CollectGarbageResponse:
         run = await self._run_and_state(request.run)
-        keep_anchors = request.keep_anchors or run.retention.keep_anchors or 2
-        keep_versions = run.retention.keep_versions or 64
-        oldest = max(run.oldest_available, 1)
-        records = await self.store.get_index(request.run, oldest, run.head)
-        now = now_ms()
-        rows = await self.store.islands(request.run)
-        live = [r.status.version for r in rows if r.lease_expires_at_ms >= now]
-        plan = gcmod.plan_gc(
-            {v: gcmod.version_blobs(convert.record_from_pb(r)) for v, r in records.items()},
-            run.head,
-            run.oldest_available,
-            live,
-            keep_anchors,
-            keep_versions,
-            orphans=await self.store.orphans(request.run),
-            keep=model_files.keys(run),
-        )
-        done = await gcmod.execute_gc(self.store, self.blobs, request.run, plan, dry_run=request.dry_run)
+        done = await gcmod.collect_garbage(  # gc.py: plan and execute
+            self.store, self.blobs, run, keep_anchors=request.keep_anchors or run.retention.keep_anchors or 2,
+            keep_versions=run.retention.keep_versions or 64, staged_grace_s=self.staged_grace_s,
+            dry_run=request.dry_run, now_ms=now_ms())
+        await self.collect_stale_uploads(request.run, dry_run=request.dry_run,  # abandoned multipart uploads
+                                         keep_done_s=self.staged_grace_s)
         if not request.dry_run:
             self.metrics.gc_freed_bytes.inc(done.freed_bytes)
             log.info("garbage collected", deleted=len(done.delete), freed_bytes=done.freed_bytes,
                      oldest_available=done.oldest_available)
         return pb.CollectGarbageResponse(deleted_keys=[k for k, _ in done.delete], freed_bytes=done.freed_bytes,
-                                         oldest_available=done.oldest_available)
+                                         oldest_available=done.oldest_available,
+                                         staged_parts_collected=done.staged_parts_collected,
+                                         abandoned_blobs_collected=done.abandoned_blobs_collected)
 
     async def CreateToken(self, request: pb.CreateTokenRequest, context) -> pb.CreateTokenResponse:
         token_id, token = await self.auth.create(request.name, request.role)

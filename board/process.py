@@ -31,6 +31,7 @@ from weftboard.board.auth import Authenticator
 from weftboard.board.blob_http import BlobHttpServer
 from weftboard.board.blobs import LocalDirBlobStore
 from weftboard.board.fanout import FanOut
+from weftboard.board.gc import DEFAULT_STAGED_GRACE_S
 from weftboard.board.handlers import BoardServicer
 from weftboard.board.logs import quiet_undelivered_responses
 from weftboard.board.metrics import BoardMetrics
@@ -61,7 +62,11 @@ class BoardConfig:
     tls_client_ca: Path | None = None  # set: mutual TLS, clients must present a cert it signed
     watch_progress_s: float = 5.0  # default Progress interval when a watcher asks for 0
     trajectory_maxlen: int = 1_000_000  # approximate cap of each run's trajectory stream; 0: no cap
+    staged_grace_s: float = DEFAULT_STAGED_GRACE_S  # GC takes a never-committed version's leftovers after this
     redis_max_connections: int = 128
+    # > 0: a commit answers only once this many Redis replicas acknowledged it (board/replica_ack.py)
+    redis_min_replicas: int = 0
+    redis_replica_timeout_ms: int = 1000
     islands_refresh_s: float = 15.0  # how often the islands-by-state gauge is refreshed
     health_check_s: float = 5.0  # how often Redis is pinged to keep the health status true
     # A local-directory blob store is served over signed HTTP URLs on this port (0: a free one;
@@ -161,7 +166,8 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
     blob_store = blobs if blobs is not None else config.blob_store
     if blob_store is None:
         raise InvalidArgument("BoardConfig.blob_store (or start_board(blobs=...)) is required")
-    store = RedisStore(config.redis_url, max_connections=config.redis_max_connections)
+    store = RedisStore(config.redis_url, max_connections=config.redis_max_connections,
+                       min_replicas=config.redis_min_replicas, replica_timeout_ms=config.redis_replica_timeout_ms)
     try:
         await asyncio.wait_for(store.ping(), 10)
     except (asyncio.TimeoutError, Unavailable) as exc:
@@ -186,6 +192,7 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
         fanout,
         trajectory_maxlen=config.trajectory_maxlen,
         default_progress_ms=max(int(config.watch_progress_s * 1000), 100),
+        staged_grace_s=config.staged_grace_s,
     )
     quiet_undelivered_responses()  # a client's cancelled call is not the board's error
     server = grpc.aio.server(

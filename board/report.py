@@ -9,7 +9,7 @@ one JSON document built here. The documents' keys (README "Using it"):
   each island ``{"island_id", "region", "version", "lag", "state", "capacity", "message",
   "last_seen_ms", "lease_expires_at_ms"}``
 - ``gc_document``: ``{"run", "dry_run", "deleted_keys", "deleted_blobs", "freed_bytes",
-  "oldest_available"}``
+  "oldest_available", "staged_parts_collected", "abandoned_blobs_collected"}``
 
 Invariants:
 - A message in a document is ``plain(message)``: every field of the proto under its proto
@@ -111,6 +111,8 @@ def gc_document(run: str, dry_run: bool, response: pb.CollectGarbageResponse) ->
         "run": run, "dry_run": dry_run, "deleted_keys": list(response.deleted_keys),
         "deleted_blobs": len(response.deleted_keys), "freed_bytes": response.freed_bytes,
         "oldest_available": response.oldest_available,
+        "staged_parts_collected": response.staged_parts_collected,
+        "abandoned_blobs_collected": response.abandoned_blobs_collected,
     }
 
 

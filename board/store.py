@@ -17,10 +17,11 @@ Redis Cluster slot and the commit script touches one slot only):
 - ``wb:{run}:leases``            sorted set: island id scored by lease expiry (ms)
 - ``wb:{run}:traj``              stream of trajectory records (field r), consumer groups on it
 - ``wb:{run}:checked``           hash: blob key -> "<size>:<version>:<checked_ms>" of the parts
-                                 StagePart found; no expiry: a commit takes out the keys it names
+                                 (and anchor files) StagePart found; no expiry: a commit takes out the keys it names
                                  and moves the rest of its version and older to the orphans
 - ``wb:{run}:orphans``           hash: blob key -> size of staged parts whose version was committed
                                  without them (a publisher that restarted mid-version); GC deletes them
+- ``wb:{run}:uploads``           hash: upload id -> JSON of a multipart upload (``board/uploads.py``)
 - ``wb:{tokens}:id:<id>``        hash: name, role, hash (sha256 hex of the token)
 - ``wb:{tokens}:hash:<sha256>``  token id, for lookup by the presented token
   (one hash tag for all tokens, so creating and revoking stay one-slot transactions)
@@ -28,10 +29,10 @@ Redis Cluster slot and the commit script touches one slot only):
 Invariants:
 - Every script, pipeline and multi-key command names keys of ONE hash tag (a run, or
   ``{tokens}``), so each runs on one Redis Cluster slot; ``wb:runs`` is written on its own.
-- A version is written only by ``COMMIT_LUA``, which checks idempotence, then the
-  compare-and-set (head == n-1), then writes record, head and the commit event in one
-  atomic step: a half-published version is never visible and an event exists for every
-  committed version.
+- A version is written only by ``COMMIT_LUA`` (``store_scripts.py``), which checks
+  idempotence, then the compare-and-set (head == n-1), then writes record, head and the
+  commit event in one atomic step: a half-published version is never visible and an event
+  exists for every committed version.
 - Stream entry ids of the events stream are the version numbers, so a watcher resumes
   with ``XRANGE (<after>-1 +`` and gaps are impossible to hide.
 - ``oldest`` only moves forward.
@@ -58,6 +59,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from weftboard.board.redis_conn import open_redis, parse_redis_url
+from weftboard.board.replica_ack import eval_and_wait, touch_and_wait
+from weftboard.board.store_scripts import (
+    ADD_TRAJECTORIES_LUA,
+    ADVANCE_OLDEST_LUA,
+    COMMIT_LUA,
+    SETTLE_STAGED_LUA,
+)
 from weftboard.proto.commit import CommitReport, StoreResult
 from weftboard.proto.errors import NotFound, Unavailable
 from weftboard.proto.v1 import board_pb2 as pb
@@ -155,85 +163,6 @@ def compact_record(record: pb.VersionRecord) -> bytes:
     ).SerializeToString(deterministic=True)
 
 
-# Returns {code, head, committed_at_ms}: 0 committed, 1 identical record already
-# committed, 2 different record exists, 3 head is not n-1, 4 unknown run. What a code
-# means for the caller is decided in proto/commit.py (``outcome_of_store``).
-COMMIT_LUA = """
-local n = tonumber(ARGV[1])
-if redis.call('EXISTS', KEYS[5]) == 0 then return {4, 0, 0} end
-local head = tonumber(redis.call('HGET', KEYS[1], 'head') or '0')
-local existing = redis.call('HGET', KEYS[2], ARGV[1])
-if existing then
-  if existing == ARGV[2] then
-    return {1, head, tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or '0')}
-  end
-  return {2, head, 0}
-end
-if head ~= n - 1 then return {3, head, 0} end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
-redis.call('HSET', KEYS[6], ARGV[1], ARGV[4])
-redis.call('HSET', KEYS[1], 'head', ARGV[1], 'committed_at_ms', ARGV[3])
-if not redis.call('HGET', KEYS[1], 'oldest') then
-  redis.call('HSET', KEYS[1], 'oldest', ARGV[1])
-end
-redis.call('XADD', KEYS[3], ARGV[1] .. '-1', 'v', ARGV[1], 'r', ARGV[2], 't', ARGV[3])
-return {0, n, tonumber(ARGV[3])}
-"""
-
-# Moves oldest forward (never back) and trims commit events below it. Returns the new oldest.
-ADVANCE_OLDEST_LUA = """
-local cur = tonumber(redis.call('HGET', KEYS[1], 'oldest') or '0')
-local want = tonumber(ARGV[1])
-if want > cur then
-  redis.call('HSET', KEYS[1], 'oldest', ARGV[1])
-  redis.call('XTRIM', KEYS[2], 'MINID', ARGV[1] .. '-1')
-  return want
-end
-return cur
-"""
-
-
-# After version ARGV[1] committed: forgets the checks of the blobs it names (ARGV[2..]), then
-# moves every other checked part of a version up to ARGV[1] to the orphans. Returns how many.
-# Values are "<size>:<version>:<checked_ms>"; "<size>:<version>" (written before the check
-# time was kept) reads the same here.
-SETTLE_STAGED_LUA = """
-for i = 2, #ARGV do
-  redis.call('HDEL', KEYS[1], ARGV[i])
-end
-local version = tonumber(ARGV[1])
-local checked = redis.call('HGETALL', KEYS[1])
-local moved = 0
-for i = 1, #checked, 2 do
-  local value = checked[i + 1]
-  local sep = string.find(value, ':', 1, true)
-  local sep2 = sep and string.find(value, ':', sep + 1, true)
-  local staged_for = sep and tonumber(string.sub(value, sep + 1, (sep2 or 0) - 1))
-  if staged_for and staged_for <= version then
-    redis.call('HSET', KEYS[2], checked[i], string.sub(value, 1, sep - 1))
-    redis.call('HDEL', KEYS[1], checked[i])
-    moved = moved + 1
-  end
-end
-return moved
-"""
-
-
-# XADDs ARGV[2..] to the trajectory stream, trimming it to about ARGV[1] entries (0: no cap).
-ADD_TRAJECTORIES_LUA = """
-local maxlen = ARGV[1]
-for i = 2, #ARGV do
-  if maxlen == '0' then
-    redis.call('XADD', KEYS[1], '*', 'r', ARGV[i])
-  else
-    redis.call('XADD', KEYS[1], 'MAXLEN', '~', maxlen, '*', 'r', ARGV[i])
-  end
-end
-return #ARGV - 1
-"""
-
-
 @dataclass(frozen=True)
 class RunState:
     head: int
@@ -276,8 +205,11 @@ class RedisStore:
     here names keys of one hash tag only, so it runs on one cluster slot.
     """
 
-    def __init__(self, url: str, *, socket_timeout_s: float = 5.0, max_connections: int = 64) -> None:
+    def __init__(self, url: str, *, socket_timeout_s: float = 5.0, max_connections: int = 64,
+                 min_replicas: int = 0, replica_timeout_ms: int = 1000) -> None:
         self.url = url
+        self.min_replicas = min_replicas  # > 0: a commit answers once that many replicas hold it
+        self.replica_timeout_ms = replica_timeout_ms
         self.target = parse_redis_url(url)
         self._socket_timeout_s = socket_timeout_s
         self.redis = open_redis(self.target, socket_timeout_s=socket_timeout_s, connect_timeout_s=socket_timeout_s,
@@ -350,14 +282,23 @@ class RedisStore:
     async def commit(self, record: pb.VersionRecord) -> CommitReport:
         """Run the compare-and-set; what its result means is ``proto.commit.outcome_of_store``."""
         run = record.run
-        result = await self._commit(
-            keys=[k_state(run), k_versions(run), k_events(run), k_committed(run), k_run(run), k_index(run)],
-            args=[record.version, canonical_record(record), now_ms(), compact_record(record)],
-        )
+        keys = [k_state(run), k_versions(run), k_events(run), k_committed(run), k_run(run), k_index(run)]
+        args = [record.version, canonical_record(record), now_ms(), compact_record(record)]
+        if self.min_replicas:
+            result = await eval_and_wait(self.redis, COMMIT_LUA, keys, args, min_replicas=self.min_replicas,
+                                         timeout_ms=self.replica_timeout_ms)
+        else:
+            result = await self._commit(keys=keys, args=args)
         code, head, at = (int(x) for x in result)
         if code == 4:
             raise NotFound(f"run {run!r} does not exist; create it with CreateRun")
         return CommitReport(_COMMIT_RESULT[code], head, at)
+
+    async def await_replicas(self, run: str) -> None:
+        """With ``min_replicas``: return once that many replicas hold the run's writes so far."""
+        if self.min_replicas:
+            await touch_and_wait(self.redis, k_state(run), min_replicas=self.min_replicas,
+                                 timeout_ms=self.replica_timeout_ms, now_ms=now_ms())
 
     async def existing_record(self, run: str, version: int) -> bytes | None:
         return await self.redis.hget(k_versions(run), str(version))
@@ -391,16 +332,17 @@ class RedisStore:
         entries = await self.redis.xrange(k_events(run), min=f"({after}-1", max="+", count=count)
         return [event_record(fields) for _, fields in entries]
 
-    async def publish_staged(self, run: str, version: int, key: str, size: int, payload: bytes) -> int:
+    async def publish_staged(self, run: str, version: int, key: str, size: int, payload: bytes | None) -> int:
         """Note that blob ``key`` (a part of ``version``) was found with ``size`` bytes, and hand a
         serialized ``WatchEvent`` (the staged part) to every board process's feed of ``run``, in
         one round trip; returns how many Redis subscribers got it (feeds, not watchers)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(k_checked(run), key, f"{size}:{version}:{now_ms()}")
         pipe.persist(k_checked(run))  # a hash written when it still had a TTL keeps none
-        if isinstance(self.redis, RedisCluster):  # a cluster pipeline cannot route a key-less PUBLISH
-            await pipe.execute()
-            return int(await self.redis.publish(k_staged(run), payload, **self._slot_node(k_staged(run))))
+        if payload is None or isinstance(self.redis, RedisCluster):  # None: an anchor file, only noted
+            await pipe.execute()  # (and a cluster pipeline cannot route a key-less PUBLISH)
+            return 0 if payload is None else int(await self.redis.publish(k_staged(run), payload,
+                                                                           **self._slot_node(k_staged(run))))
         pipe.publish(k_staged(run), payload)
         return int((await pipe.execute())[-1])
 

@@ -41,6 +41,12 @@ def check_digest(field: str, value: str) -> str:
     return value
 
 
+def blobs_prefix(run: str) -> str:
+    """The prefix of every content-addressed key of ``run`` (``blob_key``)."""
+    check_name("run", run)
+    return f"{run}/blobs/"
+
+
 def blob_key(run: str, digest: str) -> str:
     """Content-addressed key of a blob of ``run`` whose bytes hash to ``digest``."""
     check_name("run", run)

@@ -22,6 +22,11 @@ from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.deltas import merge_deltas
 from weftboard.publisher.policy import AnchorReason
 
+# Per-version telemetry a publisher keeps (its ``committed``, ``commit_latency_s``, ``timings``,
+# ``blocked_s``): the most recent this many versions, so a run of millions of versions does
+# not grow its trainer's memory.
+RECENT_VERSIONS = 256
+
 
 @dataclass
 class PublishHandle:

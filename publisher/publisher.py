@@ -44,7 +44,7 @@ from typing import Any
 import structlog
 import torch
 
-from weftboard.board.blobs.transfer import FAST_RECONNECT, Uploader
+from weftboard.board.blobs.transfer import DEFAULT_PART_BYTES, FAST_RECONNECT, Uploader
 from weftboard.board.channel import TlsConfig, client_tls
 from weftboard.board.client import BoardClient
 from weftboard.cuda.anchors import DEFAULT_SHARD_BYTES
@@ -59,7 +59,8 @@ from weftboard.proto.errors import (
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher import resume
 from weftboard.publisher.commit import commit_job, encode_streams, upload_and_stage
-from weftboard.publisher.job import Job, PublishHandle, job_of_read
+from weftboard.publisher.job import RECENT_VERSIONS, Job, PublishHandle, job_of_read
+from weftboard.publisher.metrics import PublisherMetrics
 from weftboard.publisher.model_files import collect_model_files, open_run
 from weftboard.publisher.parts import SUGGESTED_PART_BYTES, PartCutter
 from weftboard.publisher.policy import AnchorLedger, AnchorPolicy, AnchorReason
@@ -93,12 +94,15 @@ class Publisher:
         encoding: str = "default",
         timeout_s: float = 30.0,
         part_bytes: int | None = None,
+        upload_part_bytes: int = DEFAULT_PART_BYTES,  # without blob_store: larger blobs go up in parts of this
         tls: TlsConfig | bool | None = None,
         tls_ca: str | Path | None = None,
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
         server_name: str | None = None,
         model_files: Any = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         self.run = check_name("run", run)
         self.model_files = collect_model_files(self.run, model_files)  # config, tokenizer: publisher/model_files.py
@@ -128,6 +132,7 @@ class Publisher:
         self.encoding = encoding
         self.timeout_s = timeout_s
         self.part_bytes = part_bytes
+        self._upload_part_bytes = upload_part_bytes
         self._parts_wanted = False  # the board's word at the last commit (for part_bytes=None)
         self.run_labels = dict(run_labels or {})
         self._resume_state = resume_state
@@ -157,10 +162,14 @@ class Publisher:
         self._hooks: list[Any] = []
         self._failure: BaseException | None = None
         self._closed = False
-        self.blocked_s: list[float] = []
-        self.committed: list[pb.VersionRecord] = []
-        self.commit_latency_s: list[float] = []
-        self.timings: list[dict[str, float]] = []  # per committed version: read, digest, encode, upload, commit seconds
+        # Per-version telemetry, of the newest RECENT_VERSIONS versions only (job.py).
+        self.blocked_s: deque[float] = deque(maxlen=RECENT_VERSIONS)
+        self.committed: deque[pb.VersionRecord] = deque(maxlen=RECENT_VERSIONS)
+        self.commit_latency_s: deque[float] = deque(maxlen=RECENT_VERSIONS)
+        self.timings: deque[dict[str, float]] = deque(maxlen=RECENT_VERSIONS)  # read, digest, encode, upload, commit s
+        self.metrics = PublisherMetrics(self.run, self.pending)  # Prometheus, served with metrics_port (metrics.py)
+        if metrics_port is not None:
+            self.metrics.serve(metrics_port, metrics_host)
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"weftboard-publisher-{run}", daemon=True)
@@ -322,6 +331,7 @@ class Publisher:
             self._snapshot_pool.shutdown(wait=True)
             self._hash_pool.shutdown(wait=True)
             self._encode_pool.shutdown(wait=True)
+            self.metrics.stop()
             if self._own_work_dir:
                 shutil.rmtree(self.work_dir, ignore_errors=True)
 
@@ -340,7 +350,7 @@ class Publisher:
         if self._client is None:
             self._client = BoardClient(self._address, self._token, tls=self._tls, timeout_s=self.timeout_s,
                                        options=FAST_RECONNECT)
-            self._uploader = Uploader(self.run, self._client, self.blob_store)
+            self._uploader = Uploader(self.run, self._client, self.blob_store, part_bytes=self._upload_part_bytes)
             self._wake = asyncio.Event()
             self._worker = asyncio.run_coroutine_threadsafe(self._commit_worker(), self._loop)
         if master is None:
@@ -568,6 +578,7 @@ class Publisher:
         self.committed.append(done.record)
         self.commit_latency_s.append(time.perf_counter() - job.t_publish)
         self.timings.append(dict(job.timings, version=job.version))
+        self.metrics.record_commit(done.record, job, self.commit_latency_s[-1])
         return done.record
 
     def _fail(self, exc: BaseException, jobs: list[Job]) -> None:

@@ -61,8 +61,12 @@ async def view_from_run(client: Any, run: str, head: pb.VersionRecord, layout: l
     """The head version's served view on ``device``, followed like an island, and its digests."""
     view = {n: torch.empty(s, dtype=getattr(torch, d), device=device) for n, d, s in layout}
     cache = work_dir / "resume-cache"
-    sub = Subscriber(client, run, LiveTensorsDestination(view), island_id=f"publisher-resume-{run}"[:64],
+    destination = LiveTensorsDestination(view)
+    sub = Subscriber(client, run, destination, island_id=f"publisher-resume-{run}"[:64],
                      blob_store=blob_store, cache_dir=cache, heartbeat=False)
-    await sub.sync_to(head.version)
+    try:
+        await sub.sync_to(head.version)
+    finally:
+        await destination.close()
     shutil.rmtree(cache, ignore_errors=True)
     return view, {d.name: d.digest for d in head.tensor_digests}

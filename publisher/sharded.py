@@ -28,7 +28,11 @@ Invariants:
 - Every rank computes the same ``SlicePlan`` from the same gathered headers, so a bad layout
   (ranks that disagree, overlapping or missing slices, a world size change mid-version) raises
   the same ``InvalidArgument`` on every rank, before anything is uploaded.
-- The served format is elementwise (a cast: bf16, fp16, raw), so a slice projects on its own.
+- The served format is elementwise (a cast: bf16, fp16, raw), so a slice projects on its own;
+  another format is refused when the publisher is made.
+- Each rank stages its anchor file (``StagePart`` with the file's name) before the gather, so
+  the file of a rank that dies mid-version is an orphan GC deletes too; the file's metadata
+  names its version, so no other version's record can name its key.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import concurrent.futures
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,6 +55,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
 from weftboard.board.blobs.transfer import FAST_RECONNECT, Uploader, with_retries
+from weftboard.board.channel import TlsConfig, client_tls
 from weftboard.board.client import BoardClient
 from weftboard.cuda import codec
 from weftboard.cuda.anchors import write_safetensors
@@ -60,7 +66,7 @@ from weftboard.proto.domain import check_name
 from weftboard.proto.errors import FailedPrecondition, InvalidArgument, WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.commit import upload_and_stage
-from weftboard.publisher.job import PublishHandle
+from weftboard.publisher.job import RECENT_VERSIONS, PublishHandle
 from weftboard.publisher.model_files import collect_model_files, open_run
 from weftboard.publisher.sharded_exchange import exchange_slices
 from weftboard.publisher.sharded_layout import (
@@ -70,7 +76,10 @@ from weftboard.publisher.sharded_layout import (
     plan_slices,
 )
 
-__all__ = ["ShardedPublisher", "Slice"]
+__all__ = ["ELEMENTWISE_KINDS", "ShardedPublisher", "Slice"]
+
+#: The served formats a slice projects to on its own (a cast, no scales).
+ELEMENTWISE_KINDS = ("bf16", "fp16", "raw")
 
 log = structlog.get_logger("weftboard.publisher")
 
@@ -113,24 +122,38 @@ def _held(name: str, value: Any) -> tuple[torch.Tensor, tuple[int, ...], tuple[t
     raise InvalidArgument(f"{name!r}: publish() takes tensors, DTensors or Slice objects, not {type(value).__name__}")
 
 
+def _held_state(model_or_state: Any) -> dict[str, tuple]:
+    state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
+    if not isinstance(state, Mapping):
+        raise InvalidArgument(f"publish() takes an nn.Module or a state dict, not {type(state).__name__}")
+    return {name: _held(name, value) for name, value in state.items()}
+
+
 class ShardedPublisher:
     """One per rank; every rank of ``group`` calls each method in the same order.
 
     ``collective_timeout_s``: how long a rank waits for the others at each exchange and gather
-    (a rank that died makes the others fail after it)."""
+    (a rank that died makes the others fail after it). TLS options as ``Publisher``'s."""
 
     def __init__(self, board: str, run: str, *, token: str | None = None, served_format: Any = None,
                  blob_store: Any = None, anchor_every: int = 50, max_pending: int = 2,
                  encoding: str = "default", work_dir: Path | str | None = None,
                  collective_timeout_s: float = 300.0, model_files: Any = None, timeout_s: float = 30.0,
-                 group: dist.ProcessGroup | None = None) -> None:
-        if not dist.is_initialized():
-            raise FailedPrecondition("ShardedPublisher needs torch.distributed initialised (init_process_group)")
+                 group: dist.ProcessGroup | None = None, tls: TlsConfig | bool | None = None,
+                 tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
+                 tls_key: str | Path | None = None, server_name: str | None = None) -> None:
         if encoding not in codec.ENCODINGS:
             raise InvalidArgument(f"unknown patch encoding {encoding!r}; expected one of {codec.ENCODINGS}")
+        self.spec = served_format if served_format is not None else ServedFormatSpec("bf16")
+        if not isinstance(self.spec, ServedFormatSpec) or self.spec.kind not in ELEMENTWISE_KINDS:
+            raise InvalidArgument(f"sharded publishing needs an elementwise served format ({', '.join(ELEMENTWISE_KINDS)}), "
+                                  f"not {self.spec!r}: fp8 and 4-bit formats scale a whole tensor or block, "
+                                  "which no rank's slice holds")
+        if not dist.is_initialized():
+            raise FailedPrecondition("ShardedPublisher needs torch.distributed initialised (init_process_group)")
         self.run = check_name("run", run)
         self.address, self.token = board, token
-        self.spec = served_format if served_format is not None else ServedFormatSpec("bf16")
+        self._tls = client_tls(tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, server_name=server_name)
         self.projector = Projector(self.spec)
         self.blob_store = blob_store
         self.anchor_every = anchor_every
@@ -158,9 +181,10 @@ class ShardedPublisher:
         self._client: BoardClient | None = None
         self._uploader: Uploader | None = None
         self._staging: set[asyncio.Future] = set()
-        self.blocked_s: list[float] = []
-        self.uploaded_bytes: list[int] = []  # per version, this rank's part and anchor file
-        self.committed: list[pb.VersionRecord] = []  # rank 0 only
+        # per version, of the newest RECENT_VERSIONS only (job.py)
+        self.blocked_s: deque[float] = deque(maxlen=RECENT_VERSIONS)
+        self.uploaded_bytes: deque[int] = deque(maxlen=RECENT_VERSIONS)  # this rank's part and anchor file
+        self.committed: deque[pb.VersionRecord] = deque(maxlen=RECENT_VERSIONS)  # rank 0 only
         self.before_gather: Callable[[int, RankResult], None] | None = None  # test hook: version, this rank's result
 
     # -- public API ------------------------------------------------------------------------
@@ -171,14 +195,18 @@ class ShardedPublisher:
     def __exit__(self, exc_type: Any, *exc: object) -> None:
         self.close(flush=exc_type is None)
 
+    def connect(self, model_or_state: Any) -> None:
+        """Plan the slices with every rank and create or open the run (collective; ``publish``
+        calls it on the first version)."""
+        self._raise_if_failed()
+        if self.plan is None:
+            self._setup(_held_state(model_or_state))
+
     def publish(self, model_or_state: Any, *, step: int = 0) -> PublishHandle:
         """Snapshot this rank's slices and publish them as the next version (collective)."""
         t0 = time.perf_counter()
         self._raise_if_failed()
-        state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
-        if not isinstance(state, Mapping):
-            raise InvalidArgument(f"publish() takes an nn.Module or a state dict, not {type(state).__name__}")
-        held = {name: _held(name, value) for name, value in state.items()}
+        held = _held_state(model_or_state)
         if self.plan is None:
             self._setup(held)
         self._slots.acquire()
@@ -230,11 +258,7 @@ class ShardedPublisher:
         """Plan the slices with every rank and open the run (collective, on the first publish)."""
         entries = []
         for name, (local, shape, box) in held.items():
-            stored = self.projector.plan(name, shape, local.dtype)
-            elementwise = len(stored) == 1 and stored[0][0] == name and tuple(stored[0][2]) == shape
-            if not elementwise:
-                raise InvalidArgument(f"the served format {self.spec} projects {name!r} with scales; sharded "
-                                      f"publishing needs an elementwise format (bf16, fp16, raw)")
+            stored = self.projector.plan(name, shape, local.dtype)  # one tensor, as ELEMENTWISE_KINDS project
             entries.append(TensorEntry(name, stored[0][1], shape, box,
                                        torch.empty((), dtype=getattr(torch, stored[0][1])).element_size()))
         self._entries = tuple(entries)
@@ -258,7 +282,8 @@ class ShardedPublisher:
 
     async def _connect(self) -> None:
         if self._client is None:
-            self._client = BoardClient(self.address, self.token, timeout_s=self.timeout_s, options=FAST_RECONNECT)
+            self._client = BoardClient(self.address, self.token, tls=self._tls, timeout_s=self.timeout_s,
+                                       options=FAST_RECONNECT)
             self._uploader = Uploader(self.run, self._client, self.blob_store)
 
     async def _open(self, held: dict[str, tuple]) -> int:
@@ -380,7 +405,16 @@ class ShardedPublisher:
             key = self._call(self._uploader.upload(written.digest, written.size, path=written.path))
         finally:
             written.path.unlink(missing_ok=True)
+        self._call(self._stage_anchor_file(version, pb.BlobRef(key=key, digest=written.digest, size=written.size,
+                                                               name=name)))
         return (name, key, written.digest, written.size)
+
+    async def _stage_anchor_file(self, version: int, ref: pb.BlobRef) -> None:
+        """Have the board note the file, so GC deletes it if this version commits without it."""
+        try:
+            await with_retries("StagePart", lambda: self._client.stage_part(self.run, version, ref))
+        except WeftboardError as exc:  # the version commits all the same; only a crash would leak the file
+            log.info("anchor file not staged", run=self.run, version=version, file=ref.name, error=str(exc))
 
     async def _commit(self, version: int, step: int, results: list[RankResult], anchor: bool) -> pb.VersionRecord:
         errors = [r.error for r in results if r.error]

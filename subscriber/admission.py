@@ -67,6 +67,13 @@ class VersionState:
         self.error = message
         await self._notify()
 
+    async def withdraw(self, message: str) -> None:
+        """The engine's weights are no verified version any more (the scrub found them damaged):
+        nothing is admitted (``held`` 0) and readiness says why, until a version is activated."""
+        self.held = 0
+        self.error = message
+        await self._notify()
+
     async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
         """Wait until ``predicate()`` holds or ``timeout_s`` passes; returns the predicate."""
         if predicate():

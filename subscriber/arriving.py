@@ -13,6 +13,8 @@ Invariants:
 - ``fail(exc)`` wakes every waiter with that error (a download that gave up, a cancelled
   step); nothing waits forever on a download that ended.
 - The buffer is one patch-sized ``bytearray``; a span handed out is a read-only view of it.
+- ``ArrivingApplier``'s thread lives until its owner ``close``s it (a destination, closed by
+  the subscriber that stops following); a later ``run`` starts a new one.
 """
 
 from __future__ import annotations
@@ -159,11 +161,18 @@ class ArrivingApplier:
     Its own thread, not the loop's default pool: the apply blocks until bytes arrive, and the
     download that brings them may need a worker of that pool. Cancelled, ``run`` fails the
     blobs (a patch's parts) so the apply undoes its work and ends, and waits for that before
-    re-raising: a destination's lock is never let go while its apply still runs.
+    re-raising: a destination's lock is never let go while its apply still runs. ``close``
+    ends its thread (a later ``run`` makes another).
     """
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
+
+    async def close(self) -> None:
+        """End the thread (it is idle: ``run`` returns only once its apply ended)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await asyncio.to_thread(pool.shutdown, wait=True)
 
     async def run(self, parts: Sequence[ArrivingBytes], fn: Callable[..., T], *args: Any, what: str = "the apply") -> T:
         if self._pool is None:

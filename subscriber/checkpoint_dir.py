@@ -8,6 +8,7 @@ Layout under ``root``::
     root/versions/vN/weftboard.json      (version, root digest, tensor digests, model file digests)
     root/versions/vN/config.json, ...    (the run's model files: config, tokenizer)
     root/model_files/config.json, ...    (their verified copies, from which each version gets them)
+    root/quarantine/vN-<ns>/             (a version the scrub found damaged, with quarantined.txt)
 
 Invariants:
 - A version is built aside (``versions/.tmp-vN-*``), verified (every tensor digest and the
@@ -26,6 +27,8 @@ Invariants:
   written aside before the fetcher has verified the blob's digest.
 - ``before_swap(tmp)`` (tests) runs after the new version is written and verified aside,
   before it is renamed and swapped in: where a crash must leave ``current`` untouched.
+- ``quarantine`` (the scrub found the held version damaged) removes ``current`` first, then
+  moves the folder aside: from then on nothing is held (the next step is an anchor).
 - Model files (``hold_model_files``): every copy is written under a temporary name, hashed,
   and renamed into place only when it matches the run's digest, never otherwise. A version
   built aside gets them before its swap; the held version gets the ones it lacks in place,
@@ -78,6 +81,8 @@ log = structlog.get_logger("weftboard.subscriber")
 
 META_NAME = "weftboard.json"
 MODEL_FILES = "model_files"  # under the root: the verified copies of the run's model files
+QUARANTINE = "quarantine"  # under the root: versions the scrub found damaged, moved aside
+QUARANTINE_KEEP = 2
 
 
 def _dir_version(name: str) -> int | None:
@@ -202,6 +207,33 @@ class CheckpointDirDestination:
                                                what=f"applying version {target.version} in {self.root}")
             self._digests, self._held = digests, target.version
 
+    async def close(self) -> None:
+        """End the apply thread of patches applied while they arrive (made again when needed)."""
+        async with self._lock:
+            await self._arriving.close()
+
+    async def verify_held(self, target: VersionTarget) -> bool:
+        """The scrub (``scrub.py``): every tensor of the held version on disk re-hashed against
+        ``target``; False when another version is held, ``CorruptData`` when it is damaged."""
+        async with self._lock:
+            if self._held != target.version:
+                return False
+            self._digests = await asyncio.to_thread(self._verify_held, target)
+            return True
+
+    async def quarantine(self, version: int, reason: str) -> bool:
+        """Stop serving ``version`` (found damaged): ``current`` is removed, the version's folder
+        moved under ``quarantine/`` (the newest ``QUARANTINE_KEEP`` stay for a look) and nothing
+        is held; False when another version is held."""
+        async with self._lock:
+            if self._held != version:
+                return False
+            aside = await asyncio.to_thread(self._quarantine, reason)
+            self._held, self._digests = 0, {}
+            log.error("checkpoint quarantined: nothing is held until it is fetched again", version=version,
+                      moved_to=str(aside), reason=reason)
+            return True
+
     async def missing_model_files(self, files: Sequence[BlobRef]) -> list[str]:
         """The names of ``files`` without a verified copy under ``root/model_files`` (re-hashed:
         nothing on disk is trusted)."""
@@ -251,6 +283,27 @@ class CheckpointDirDestination:
             tmp.unlink(missing_ok=True)
             raise
         _fsync(dest.parent)
+
+    def _verify_held(self, target: VersionTarget) -> dict[str, str]:
+        directory = self.current.resolve()
+        try:
+            with _Mapped(directory, writable=False) as mapped:
+                return verify_tensors(mapped.tensors, target)
+        except OSError as exc:  # a file gone or unreadable is damage too
+            raise CorruptData(f"version {target.version} in {directory} cannot be read: {exc}") from exc
+
+    def _quarantine(self, reason: str) -> Path:
+        directory = self.current.resolve()
+        aside = self.root / QUARANTINE / f"{directory.name}-{time.time_ns()}"
+        aside.parent.mkdir(exist_ok=True)
+        self.current.unlink()  # first: nobody loads it from now on
+        _fsync(self.root)
+        os.rename(directory, aside)
+        (aside / "quarantined.txt").write_text(reason + "\n")
+        kept = sorted(aside.parent.iterdir(), key=lambda d: d.stat().st_mtime_ns)  # its note was written last
+        for old in kept[:-QUARANTINE_KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+        return aside
 
     def _tmp_dir(self, version: int) -> Path:
         tmp = self.root / "versions" / f".tmp-v{version}-{os.getpid()}-{time.monotonic_ns()}"

@@ -4,6 +4,8 @@
 Flags may come from WEFTBOARD_* environment variables. Both reach the board over TLS with the
 board commands' ``--tls*`` flags (``board/commands.py``). A refused token or request (what
 retrying cannot cure) ends the command with exit code 1 and its reason, no traceback.
+Island metrics (subscriber/metrics.py): the sidecar serves them at ``/metrics`` on its own port,
+``subscribe`` on ``--metrics-port``.
 """
 
 from __future__ import annotations
@@ -15,14 +17,8 @@ from pathlib import Path
 import typer
 
 from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
-from weftboard.board.commands import (
-    TLS_CA_OPTION,
-    TLS_CERT_OPTION,
-    TLS_KEY_OPTION,
-    TLS_OPTION,
-    TLS_SERVER_NAME_OPTION,
-    tls_from_flags,
-)
+from weftboard.board.channel import TlsConfig
+from weftboard.board.commands import with_tls_flags
 from weftboard.board.logs import configure
 from weftboard.proto.errors import WeftboardError
 from weftboard.subscriber.bench import engine as bench_engine
@@ -55,6 +51,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
     bench_engine.register(bench)
 
     @app.command()
+    @with_tls_flags
     def subscribe(
         board: str = typer.Option(..., envvar="WEFTBOARD_BOARD", help="Board address host:port."),
         run: str = typer.Option(..., envvar="WEFTBOARD_RUN", help="Run to follow."),
@@ -75,20 +72,19 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         exit_at_version: int = typer.Option(0, help="Exit once this version is held (0: follow forever)."),
         progress: bool | None = typer.Option(None, "--progress/--no-progress", help="Progress display (default: on a terminal)."),
         log_json: bool | None = typer.Option(None, envvar="WEFTBOARD_LOG_JSON"),
-        tls: bool = TLS_OPTION,
-        tls_ca: Path | None = TLS_CA_OPTION,
-        tls_cert: Path | None = TLS_CERT_OPTION,
-        tls_key: Path | None = TLS_KEY_OPTION,
-        tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
+        metrics_port: int | None = typer.Option(None, envvar="WEFTBOARD_METRICS_PORT",
+                                                help="Serve Prometheus /metrics on this port (0 picks one)."),
+        metrics_host: str = typer.Option("127.0.0.1", envvar="WEFTBOARD_METRICS_HOST", help="Host /metrics binds."),
+        tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
     ) -> None:
         """Follow RUN into a local checkpoint directory, verified, atomically replaced."""
         configure(json=log_json)
-        tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
         cfg = LocalFollowerConfig(
             board=board, run=run, dir=dir, token=token, island_id=island_id, region=region,
             s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
             s3_secure=s3_secure, s3_prefix=s3_prefix, destination=destination, heartbeat_s=heartbeat_s,
             lease_s=lease_s, events=events, exit_at_version=exit_at_version, progress=progress, tls=tls_config,
+            metrics_port=metrics_port, metrics_host=metrics_host,
         )
         try:
             code = asyncio.run(run_local_follower(cfg))
@@ -98,6 +94,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         raise typer.Exit(code)
 
     @app.command()
+    @with_tls_flags
     def sidecar(
         board: str = typer.Option(..., envvar="WEFTBOARD_BOARD", help="Board address host:port."),
         run: str = typer.Option(..., envvar="WEFTBOARD_RUN", help="Run whose versions this island serves."),
@@ -123,16 +120,14 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         s3_secure: bool = typer.Option(False, envvar="WEFTBOARD_S3_SECURE"),
         s3_prefix: str = typer.Option("", envvar="WEFTBOARD_S3_PREFIX"),
         blob_dir: Path | None = typer.Option(None, help="Read blobs from a local blob directory (same machine)."),
+        scrub_interval_s: float = typer.Option(3600.0, envvar="WEFTBOARD_SCRUB_INTERVAL_S",
+                                               help="Re-hash what the island serves this often (0: never); a "
+                                                    "damaged version is quarantined and fetched again."),
         log_json: bool | None = typer.Option(None, envvar="WEFTBOARD_LOG_JSON"),
-        tls: bool = TLS_OPTION,
-        tls_ca: Path | None = TLS_CA_OPTION,
-        tls_cert: Path | None = TLS_CERT_OPTION,
-        tls_key: Path | None = TLS_KEY_OPTION,
-        tls_server_name: str | None = TLS_SERVER_NAME_OPTION,
+        tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
     ) -> None:
         """Serve RUN through ENGINE with version-aware requests, following the board."""
         configure(json=log_json)
-        tls_config = tls_from_flags(tls, tls_ca, tls_cert, tls_key, tls_server_name)
         host, _, port = listen.rpartition(":")
         mode = require_mode(activation)
         store = None
@@ -148,12 +143,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                     board=board, token=token, run=run, island_id=island_id, engine=engine, engine_url=engine_url,
                     checkpoint_dir=dir / "checkpoint", cache_dir=dir / "cache", mode=mode, host=host or "127.0.0.1",
                     port=int(port), blob_store=store, default_deadline_s=deadline_ms / 1000.0, tls=tls_config,
-                    engine_api_key=engine_api_key,
+                    engine_api_key=engine_api_key, scrub_interval_s=scrub_interval_s,
                 )
             except WeftboardError as exc:
                 typer.echo(f"sidecar did not start: {type(exc).__name__}: {exc}", err=True)
                 raise typer.Exit(1) from None
-            typer.echo(f"sidecar for run {run} serving on {island.url} (engine {engine}, activation {mode.value})")
+            typer.echo(f"sidecar for run {run} serving on {island.url} (engine {engine}, activation {mode.value}; "
+                       f"metrics at {island.url}/metrics)")
             await serve_until_stopped(island, run)
 
         asyncio.run(main())

@@ -17,6 +17,8 @@ Invariants every implementation keeps:
 - A patch requires ``held_version() == target.version - 1``.
 - ``apply_patch_arriving`` works only where ``capabilities.applies_while_arriving``; elsewhere
   it raises ``ApplyError`` without touching anything.
+- ``close()`` ends the worker threads a destination keeps (its owner calls it when it stops
+  following: ``Subscriber.run``); the destination stays usable and makes them again.
 - A destination that declares ``capabilities.holds_model_files`` (a checkpoint directory) also
   implements ``HoldsModelFiles``: it keeps the run's model files (config, tokenizer) beside the
   weights of every version it holds, each written only once its digest verified.
@@ -88,6 +90,10 @@ class Destination(Protocol):
         verified every part's digest and the result verified."""
         ...
 
+    async def close(self) -> None:
+        """End the worker threads this destination keeps (idle ones; it stays usable)."""
+        ...
+
 
 class HoldsModelFiles(Protocol):
     """What a destination with ``capabilities.holds_model_files`` also does. A model file is a
@@ -100,6 +106,23 @@ class HoldsModelFiles(Protocol):
     async def hold_model_files(self, files: Sequence[BlobRef], fetched: Mapping[str, Path]) -> None:
         """Keep ``files`` (the run's model files) from now on, taking the missing ones from
         ``fetched`` (name -> a file the fetcher verified); each copy written is verified again."""
+        ...
+
+
+class Scrubbable(Protocol):
+    """What a destination does for the island's scrub (``scrub.py``); the checkpoint directory,
+    live tensors and the engine destination implement it."""
+
+    def held_version(self) -> int: ...
+
+    async def verify_held(self, target: VersionTarget) -> bool:
+        """Re-hash every held tensor against ``target`` (off the event loop, no apply meanwhile):
+        False when ``target.version`` is not held; ``CorruptData`` (``DigestMismatch``) when damaged."""
+        ...
+
+    async def quarantine(self, version: int, reason: str) -> bool:
+        """Stop holding ``version``, found damaged for ``reason`` (``held_version()`` is 0 after);
+        False when another version is held."""
         ...
 
 

@@ -13,7 +13,8 @@ Two shapes, picked from the adapter:
   vLLM's worker extension), else the folder whole.
 
 Invariants:
-- ``held_version()`` is the version the engine serves (``adapter.served_version()``).
+- ``held_version()`` is the version the engine serves (``adapter.served_version()``), 0 once
+  the scrub quarantined it (``quarantine``) until the next activation.
 - A failed activation raises (``ApplyError`` and friends), leaves the engine and
   ``held_version()`` on the previous version, and marks the island state in error
   (the sidecar's readiness and the subscriber's heartbeat report it); the next
@@ -26,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import cast
@@ -40,9 +42,11 @@ from weftboard.subscriber.destination import (
     Capabilities,
     Destination,
     HoldsModelFiles,
+    Scrubbable,
     VersionTarget,
 )
 from weftboard.subscriber.engines.base import EngineAdapter
+from weftboard.subscriber.metrics import IslandMetrics
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +60,7 @@ class EngineDestination:
         inner: Destination,
         *,
         checkpoint_dir: Path | None = None,
+        metrics: IslandMetrics | None = None,
     ) -> None:
         self.adapter = adapter
         self.gate = gate
@@ -70,9 +75,11 @@ class EngineDestination:
         if not self.in_process and checkpoint_dir is None:
             raise ValueError("an engine in its own process needs the checkpoint directory the inner destination writes")
         self.checkpoint_dir = checkpoint_dir
+        self._quarantined = False  # the scrub found the served weights damaged; until the next activation
+        self.metrics = metrics
 
     def held_version(self) -> int:
-        return self.adapter.served_version()
+        return 0 if self._quarantined else self.adapter.served_version()
 
     async def load_anchor(self, shards: Sequence[Path], target: VersionTarget) -> None:
         if self.in_process:
@@ -109,6 +116,30 @@ class EngineDestination:
     async def apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> None:
         raise ApplyError(f"the {self.adapter.kind} engine destination does not apply a patch while it arrives")
 
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def verify_held(self, target: VersionTarget) -> bool:
+        """The scrub (``scrub.py``): the inner destination's copy re-hashed (in process: the
+        engine's own tensors; else the checkpoint folder it loaded)."""
+        if self.held_version() != target.version:
+            return False
+        return await cast(Scrubbable, self.inner).verify_held(target)
+
+    async def quarantine(self, version: int, reason: str) -> bool:
+        """Stop serving ``version`` (found damaged): under the gate (no request admitted, those
+        that may not see a change drained), the inner copy is quarantined and the island holds
+        nothing (readiness 503 with the reason) until the next activation."""
+        async with self.gate.activation():
+            if self.held_version() != version:
+                return False
+            await cast(Scrubbable, self.inner).quarantine(version, reason)
+            self._quarantined = True
+            await self.state.withdraw(f"version {version} quarantined: {reason}")
+        log.error("served version quarantined; the island serves nothing until it is fetched again",
+                  version=version, engine=self.adapter.kind)
+        return True
+
     async def activate_held(self) -> int:
         """After a restart: make the engine serve the verified checkpoint already on disk
         (engines in their own process only), so the island resumes without a download."""
@@ -140,17 +171,21 @@ class EngineDestination:
     async def _activate(self, version: int, change: Callable[[], Awaitable[None]]) -> None:
         """Pause the engine, make the change, record the held version, resume: the only
         window in which the engine does not serve. A failure is recorded and re-raised."""
+        closed = time.perf_counter()
         async with self.gate.activation():
             try:
                 try:
                     await self.adapter.pause(self.gate.mode)
                     await change()
                     await self.state.set_held(version)
+                    self._quarantined = False
                 finally:
                     await self.adapter.resume()
             except (WeftboardError, OSError) as exc:
                 await self._failed(version, exc)
                 raise
+        if self.metrics is not None:  # the gate was closed: drain, pause, change, resume
+            self.metrics.activated(time.perf_counter() - closed)
         await self._succeeded(version)
 
     async def _failed(self, version: int, exc: BaseException) -> None:

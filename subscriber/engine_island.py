@@ -13,6 +13,10 @@ Invariants:
 - ``stop()`` ends every task this island started and closes its servers and client.
 - One ``BoardClient`` (plaintext, or TLS as ``tls`` says) carries every board call of the
   island: the subscriber's, the trajectory reporter's and the sidecar's head refresh.
+- One ``IslandMetrics`` (its own registry) records the subscriber's steps, the engine's
+  activations and the sidecar's requests; the sidecar serves it at ``/metrics``.
+- Every ``scrub_interval_s`` (and once the first version is held) what the island serves is
+  re-hashed against its record; a damaged version is quarantined and fetched again (scrub.py).
 - A task that ends before ``stop()`` (a fatal error) is logged at once, and ``failed()``
   returns its error, so ``weftboard sidecar`` exits instead of serving a stale version.
 """
@@ -37,8 +41,10 @@ from weftboard.subscriber.engines.base import ActivationMode, EngineAdapter
 from weftboard.subscriber.engines.factory import make_adapter
 from weftboard.subscriber.engines.http import HttpEngineAdapter
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
+from weftboard.subscriber.metrics import IslandMetrics
 from weftboard.subscriber.reference_engine.engine import ReferenceEngine
 from weftboard.subscriber.reference_engine.openai_api import serve_engine
+from weftboard.subscriber.scrub import DEFAULT_SCRUB_INTERVAL_S, Scrubber
 from weftboard.subscriber.sidecar import Sidecar, SidecarConfig
 from weftboard.subscriber.subscriber import Subscriber
 from weftboard.subscriber.trajectory_reporter import TrajectoryReporter
@@ -61,6 +67,7 @@ class RunningIsland:
     engine: ReferenceEngine | None = None  # the in-process engine, when there is one
     _closers: list[Any] = field(default_factory=list)
     _tasks: list[asyncio.Task] = field(default_factory=list)
+    scrubber: Scrubber | None = None  # re-verifies what the island serves (scrub.py)
 
     async def failed(self) -> BaseException:
         """Waits for one of the island's tasks to end and returns why. They run until ``stop``,
@@ -134,12 +141,14 @@ async def start_island(
     report_trajectories: bool = True,
     tls: TlsConfig | None = None,
     engine_api_key: str | None = None,
+    scrub_interval_s: float = DEFAULT_SCRUB_INTERVAL_S,
 ) -> RunningIsland:
     client = BoardClient(board, token, tls=tls)  # the subscriber's, the reporter's and the sidecar's board calls
     closers: list[Any] = [client.close]
     try:
         state = VersionState()
         gate = AdmissionGate(mode)
+        metrics = IslandMetrics(run)  # one registry for the island: its subscriber, engine and sidecar
         in_process = None
         if engine == "reference" and not engine_url:
             config = reference_config if reference_config is not None else await reference_config_of_run(client, run)
@@ -149,7 +158,7 @@ async def start_island(
             engine_url = server.url
             adapter = make_adapter("reference", engine=in_process)
             inner: Destination = LiveTensorsDestination(in_process.tensors)
-            destination = EngineDestination(adapter, gate, state, inner)
+            destination = EngineDestination(adapter, gate, state, inner, metrics=metrics)
         else:
             if checkpoint_dir is None:
                 raise InvalidArgument(f"--engine {engine} at {engine_url} needs --dir for the checkpoint it loads")
@@ -158,11 +167,12 @@ async def start_island(
             await adapter.warm_up()
             # its start re-hashes the checkpoint on disk (minutes for a large model): not on the loop
             on_disk = await asyncio.to_thread(CheckpointDirDestination, checkpoint_dir)
-            destination = EngineDestination(adapter, gate, state, on_disk, checkpoint_dir=on_disk.current)
+            destination = EngineDestination(adapter, gate, state, on_disk, checkpoint_dir=on_disk.current,
+                                            metrics=metrics)
             if on_disk.held_version():  # a restart: serve the verified checkpoint on disk first
                 await destination.activate_held()
         subscriber = Subscriber(client, run, destination, island_id=island_id, blob_store=blob_store,
-                                cache_dir=cache_dir, heartbeat_s=heartbeat_s)
+                                cache_dir=cache_dir, heartbeat_s=heartbeat_s, metrics=metrics)
         reporter = TrajectoryReporter(client) if report_trajectories else None
 
         async def board_head() -> int:
@@ -173,14 +183,17 @@ async def start_island(
         sidecar = Sidecar(SidecarConfig(engine_url, run, island_id, host=host, port=port,
                                         default_deadline_s=default_deadline_s, engine_api_key=engine_api_key,
                                         served_model_name=model_name), state, gate, reporter,
-                          refresh_head=board_head)
+                          refresh_head=board_head, metrics=metrics)
         url = await sidecar.start()
         tasks = [asyncio.create_task(subscriber.run(), name=f"subscriber-{island_id}"),
                  asyncio.create_task(_follow_head(subscriber, state), name=f"head-{island_id}")]
+        scrubber = Scrubber(subscriber, interval_s=scrub_interval_s)  # 0: only when called
+        if scrub_interval_s > 0:
+            tasks.append(asyncio.create_task(scrubber.run(), name=f"scrub-{island_id}"))
         for task in tasks:
             task.add_done_callback(_log_end)
         island = RunningIsland(island_id, url, sidecar, subscriber, state, gate, adapter, destination, in_process,
-                               closers, tasks)
+                               closers, tasks, scrubber=scrubber)
         log.info("island started", island=island_id, url=url, engine=engine, engine_url=engine_url,
                  mode=gate.mode.value)
         return island

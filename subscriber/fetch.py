@@ -17,6 +17,10 @@ Invariants:
   for ``fetch`` to return before trusting them (``arriving.ArrivingBytes.verified``).
 - Two fetches of one blob never write its files at once: the second waits for the first and
   then finds the verified file (a staged part's download and a plan's, say).
+- A cancelled fetch (an island stopping, a newer plan) stops its download at once (the store's
+  threads stop reading: ``board/blobs/stoppable.py``) and removes its ``.part`` file before the
+  cancellation goes on; only a crash leaves a ``.part`` to resume. ``join`` likewise removes
+  a joined patch file it was cancelled writing.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,7 @@ from weftboard.board.blobs import fetch_url
 from weftboard.board.blobs.base import ChunkCallback
 from weftboard.board.blobs.transfer import with_retries
 from weftboard.cuda.anchors import file_digest
+from weftboard.cuda.codec import join_patches
 from weftboard.proto.errors import (
     DigestMismatch,
     PermissionDenied,
@@ -64,6 +69,11 @@ def _replay(path: Path, start: int, end: int, on_chunk: ChunkCallback, chunk: in
                 raise Unavailable(f"{path} ends at byte {pos}, expected {end}")
             on_chunk(pos, data)
             pos += len(data)
+
+
+def _join_files(out: Path, parts: list[Path]) -> Path:
+    out.write_bytes(join_patches([p.read_bytes() for p in parts]))
+    return out
 
 
 def _cached_size(final: Path) -> int | None:
@@ -171,6 +181,15 @@ class Fetcher:
                 return final
             await asyncio.to_thread(final.unlink, missing_ok=True)
         part = final.with_name(final.name + ".part")
+        try:
+            return await self._download(ref, final, part, on_chunk)
+        except asyncio.CancelledError:
+            # The store's download has stopped by now (its thread ended): nothing writes the
+            # part file any more, and a cancelled fetch leaves nothing partial behind.
+            await asyncio.shield(asyncio.to_thread(part.unlink, missing_ok=True))
+            raise
+
+    async def _download(self, ref: Any, final: Path, part: Path, on_chunk: ChunkCallback | None) -> Path:
         streamed = False
         async with self._sem:
             async def attempt() -> None:
@@ -211,6 +230,21 @@ class Fetcher:
         if on_chunk is not None and not streamed:
             await asyncio.to_thread(_replay, final, 0, size, on_chunk)
         return final
+
+    async def join(self, version: int, parts: Sequence[Path]) -> Path:
+        """A patch's part files joined into one container file in the cache (for a destination
+        that takes a single file); the caller removes it. Cancelled, the join's thread is let
+        finish and its file removed before the cancellation goes on."""
+        out = self.cache_dir / f"joined-v{version}.patch"
+        work = asyncio.ensure_future(asyncio.to_thread(_join_files, out, list(parts)))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            await asyncio.wait([work])
+            if not work.cancelled():
+                work.exception()  # retrieved: the join's own outcome no longer matters
+            await asyncio.to_thread(out.unlink, missing_ok=True)
+            raise
 
     def forget(self, ref: Any) -> None:
         """Drop a blob's cached file (after it was applied, or when it proved bad)."""

@@ -15,7 +15,8 @@ Invariants:
   (including a download that gives up or a cancelled step) reverts every write first.
 - An anchor is verified in its files first (tensor digests and root), and only then copied
   into the live tensors with ``copy_``.
-- ``held_version()`` names a verified version only; 0 until the first verified step.
+- ``held_version()`` names a verified version only; 0 until the first verified step, and
+  again after the scrub found the tensors damaged (``quarantine``).
 """
 
 from __future__ import annotations
@@ -107,6 +108,30 @@ class LiveTensorsDestination:
             digests = await self._arriving.run(parts, self._apply_arriving, parts, target,
                                                what=f"applying version {target.version}")
             self._digests, self._held = digests, target.version
+
+    async def close(self) -> None:
+        """End the apply thread of patches applied while they arrive (made again when needed)."""
+        async with self._lock:
+            await self._arriving.close()
+
+    async def verify_held(self, target: VersionTarget) -> bool:
+        """The scrub (``scrub.py``): every held tensor re-hashed against ``target``; False when
+        another version is held, ``DigestMismatch`` when the tensors were damaged."""
+        async with self._lock:
+            if self._held != target.version:
+                return False
+            self._digests = await asyncio.to_thread(verify_tensors, self.tensors, target)
+            return True
+
+    async def quarantine(self, version: int, reason: str) -> bool:
+        """Hold nothing from now on (``version`` was found damaged: the tensors are no verified
+        version until an anchor is loaded into them); False when another version is held."""
+        async with self._lock:
+            if self._held != version:
+                return False
+            self._held, self._digests = 0, {}
+            log.error("live tensors quarantined: they hold no verified version", version=version, reason=reason)
+            return True
 
     def _apply_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> dict[str, str]:
         check_layout(self.tensors, target)

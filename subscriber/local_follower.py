@@ -34,6 +34,7 @@ from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
 from weftboard.subscriber.destination import Destination
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
+from weftboard.subscriber.metrics import IslandMetrics
 from weftboard.subscriber.progress import ProgressReporter
 from weftboard.subscriber.subscriber import Subscriber
 
@@ -61,6 +62,8 @@ class LocalFollowerConfig:
     exit_at_version: int = 0  # > 0: exit 0 once this version is held (benchmarks, tests)
     progress: bool | None = None  # None: rich on a terminal
     tls: TlsConfig | None = None  # None: plaintext to the board (board/channel.py)
+    metrics_port: int | None = None  # Prometheus /metrics on this port (0 picks one); None: not served
+    metrics_host: str = "127.0.0.1"
 
 
 def _emit(event: dict) -> None:
@@ -89,14 +92,20 @@ async def run_local_follower(cfg: LocalFollowerConfig) -> int:
     cfg.dir.mkdir(parents=True, exist_ok=True)
     client = BoardClient(cfg.board, cfg.token, tls=cfg.tls, options=FAST_RECONNECT)
     progress = ProgressReporter(rich=cfg.progress) if cfg.progress is not False else None
+    metrics = IslandMetrics(cfg.run)
     try:
         dest = await _destination(cfg, client)
         sub = Subscriber(client, cfg.run, dest, island_id=cfg.island_id, region=cfg.region, blob_store=store,
-                         cache_dir=cfg.dir / "cache", heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s, progress=progress)
+                         cache_dir=cfg.dir / "cache", heartbeat_s=cfg.heartbeat_s, lease_s=cfg.lease_s, progress=progress,
+                         metrics=metrics)
+        metrics_port = None if cfg.metrics_port is None else await metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        if metrics_port is not None:
+            log.info("serving metrics", url=f"http://{cfg.metrics_host}:{metrics_port}/metrics")
         log.info("island starting", island=cfg.island_id, run=cfg.run, board=cfg.board, held=sub.held_version,
                  destination=cfg.destination, blobs="s3" if store else "presigned")
         if cfg.events:
-            _emit({"event": "started", "island": cfg.island_id, "held": sub.held_version, "t": time.time()})
+            _emit({"event": "started", "island": cfg.island_id, "held": sub.held_version, "t": time.time(),
+                   "metrics_port": metrics_port})
         done = asyncio.Event()
 
         def on_version(version: int) -> None:
@@ -124,6 +133,7 @@ async def run_local_follower(cfg: LocalFollowerConfig) -> int:
         log.info("island stopped", island=cfg.island_id, held=sub.held_version)
         return 0
     finally:
+        await metrics.stop()
         if progress is not None:
             progress.close()
         await client.close()

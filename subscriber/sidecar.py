@@ -22,7 +22,8 @@ Invariants:
   it actually ran on. An exact-version request never spans an activation (the gate).
 - Reporting trajectory metadata never adds latency: it is queued for a background task.
 - ``/health/live`` is always 200; ``/health/ready`` is 200 only once the island has
-  caught up and activated, and not in error (503 with the reason otherwise).
+  caught up and activated, and not in error (503 with the reason otherwise). ``/metrics``
+  serves the island's ``IslandMetrics`` (subscriber/metrics.py) when it has them.
 - Every request to the engine carries the caller's headers except the hop-by-hop ones
   (RFC 9110 7.6.1: ``Connection`` and those it names, ``Keep-Alive``, ``TE``, ``Trailer``,
   ``Transfer-Encoding``, ``Upgrade``, ``Proxy-*``), those of the sidecar's own connection
@@ -54,6 +55,7 @@ from aiohttp import web
 from weftboard.proto.domain import VersionConstraint
 from weftboard.proto.errors import DeadlineExceeded, InvalidArgument, WeftboardError
 from weftboard.subscriber.admission import AdmissionGate, Ticket, VersionState
+from weftboard.subscriber.metrics import IslandMetrics
 from weftboard.subscriber.trajectory_reporter import TrajectoryReporter, make_record
 
 log = structlog.get_logger(__name__)
@@ -272,12 +274,16 @@ class Sidecar:
         gate: AdmissionGate,
         reporter: TrajectoryReporter | None = None,
         refresh_head: Callable[[], Awaitable[int]] | None = None,
+        metrics: IslandMetrics | None = None,
     ) -> None:
         self.config = config
         self.refresh_head = refresh_head  # asks the board when a request names a version beyond our head
         self.state = state
         self.gate = gate
         self.reporter = reporter
+        self.metrics = metrics  # served at /metrics; requests counted by constraint and outcome
+        if metrics is not None:
+            metrics.watch_requests(state, gate)
         self.url = ""
         self.served = 0
         self.rejected = 0
@@ -292,6 +298,8 @@ class Sidecar:
         app.router.add_get("/health/ready", self._ready)
         app.router.add_get("/weftboard/status", self._status)
         app.router.add_get("/v1/models", self._models)
+        if self.metrics is not None:
+            app.router.add_get("/metrics", self.metrics.handle)
         for path in PROXIED_PATHS:
             app.router.add_post(path, self._proxy)
         return app
@@ -363,8 +371,10 @@ class Sidecar:
 
     # -- admission ---------------------------------------------------------
 
-    def _not_ready(self, plan: RequestPlan, why: str) -> web.Response:
+    def _not_ready(self, plan: RequestPlan, why: str, outcome: str = "refused") -> web.Response:
         self.rejected += 1
+        if self.metrics is not None:
+            self.metrics.request(plan.constraint, outcome)
         retry = self.config.retry_after_s
         body = {"error": "version_not_ready", "held": self.state.held, "head": self.state.head,
                 "constraint": constraint_json(plan.constraint), "retry_after_s": retry, "message": why,
@@ -395,7 +405,7 @@ class Sidecar:
                 try:
                     ticket = await self.gate.admit(exact=c.exact is not None, timeout_s=max(remaining, 0.0))
                 except DeadlineExceeded as exc:
-                    return self._not_ready(plan, str(exc))
+                    return self._not_ready(plan, str(exc), "timeout")
                 if c.accepts(self.state.held, self.state.head):
                     return ticket
                 ticket.release()  # the version moved while we waited for the gate; decide again
@@ -412,7 +422,8 @@ class Sidecar:
                     why = f"no version up to the head ({head}) satisfies the constraint"
                 return self._not_ready(plan, why)
             if remaining <= 0:
-                return self._not_ready(plan, f"catching up from {held} towards {head} did not finish within the deadline")
+                return self._not_ready(plan, f"catching up from {held} towards {head} did not finish within the deadline",
+                                       "timeout")
             await self.state.wait_for(lambda held=held, head=head: self.state.held != held or self.state.head != head,
                                       remaining)
 
@@ -436,6 +447,8 @@ class Sidecar:
         if isinstance(admitted, web.Response):
             return admitted
         ticket = admitted
+        if self.metrics is not None:
+            self.metrics.request(plan.constraint, "admitted")
         started = time.monotonic()
         start_version = self.state.held
         usage = Usage()

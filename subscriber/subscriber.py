@@ -47,7 +47,6 @@ from typing import Any
 
 import structlog
 
-from weftboard.cuda.codec import join_patches
 from weftboard.proto.errors import (
     AlreadyExists,
     ApplyError,
@@ -66,6 +65,7 @@ from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.subscriber.arriving import ArrivingBytes
 from weftboard.subscriber.destination import Destination, TensorEntry, VersionTarget
 from weftboard.subscriber.fetch import Fetcher, cache_path
+from weftboard.subscriber.metrics import IslandMetrics
 from weftboard.subscriber.model_files import hold_model_files
 
 log = structlog.get_logger("weftboard.subscriber")
@@ -116,6 +116,7 @@ class Subscriber:
         heartbeat: bool = True,
         parallel: int = 8,
         progress: Any = None,
+        metrics: IslandMetrics | None = None,
     ) -> None:
         self.client = client
         self.run_name = run
@@ -124,7 +125,9 @@ class Subscriber:
         self.region = region
         self.blob_store = blob_store
         # ``parallel`` downloads at once: a version's staged parts all start as their hints come.
-        self.fetcher = Fetcher(Path(cache_dir), blob_store, parallel=parallel)
+        self.metrics = metrics or IslandMetrics(run)  # the island's, shared with its sidecar (metrics.py)
+        self.metrics.follow(self)
+        self.fetcher = Fetcher(Path(cache_dir), blob_store, parallel=parallel, on_bytes=self.metrics.downloaded)
         self.heartbeat_s = heartbeat_s
         self.lease_s = lease_s
         self._heartbeat_enabled = heartbeat
@@ -238,6 +241,7 @@ class Subscriber:
                     if isinstance(exc, FATAL_ERRORS) and not isinstance(exc, UrlExpired):
                         raise  # (an expired URL passes: the next plan carries fresh ones)
                     failures = 1 if self.held_version > held else failures + 1
+                    self.metrics.follow_retried()
                     delay = retry_delay_s(failures) * random.uniform(0.75, 1.0)
                     log.error("follow loop error; retrying", island=self.island_id, error=f"{type(exc).__name__}: {exc}",
                               failures=failures, retry_in_s=delay, held=self.held_version)
@@ -247,6 +251,7 @@ class Subscriber:
             if hb is not None:
                 hb.cancel()
                 await asyncio.gather(hb, return_exceptions=True)
+            await self.destination.close()  # its worker threads end with the following
 
     async def _follow(self) -> None:
         async with self._sync_lock:
@@ -312,6 +317,7 @@ class Subscriber:
                 try:
                     await self._execute(plan)
                 except _RECOVERABLE as exc:
+                    self.metrics.step_failed(exc)
                     await report
                     errors.append(f"attempt {attempt}: {type(exc).__name__}: {exc}")
                     log.error(
@@ -499,17 +505,11 @@ class Subscriber:
         if len(paths) == 1:
             await self.destination.apply_patch(paths[0], target)
             return
-        joined = await asyncio.to_thread(self._join_parts, step, paths)
+        joined = await self.fetcher.join(step.to_version, paths)  # cancelled: no joined file is left
         try:
             await self.destination.apply_patch(joined, target)
         finally:
             joined.unlink(missing_ok=True)
-
-    def _join_parts(self, step: pb.PlanStep, paths: list[Path]) -> Path:
-        """A patch step's parts as one container file, for ``Destination.apply_patch``."""
-        out = self.fetcher.cache_dir / f"joined-v{step.to_version}.patch"
-        out.write_bytes(join_patches([p.read_bytes() for p in paths]))
-        return out
 
     async def _execute_arriving(self, step: pb.PlanStep, t_plan: float) -> None:
         """Steps 3 to 6 of one patch step at once: tensors are applied as its parts' bytes
@@ -561,6 +561,8 @@ class Subscriber:
         if arriving:
             timing["streamed"] = 1.0
         self.timings.setdefault(step.to_version, {}).update(timing)
+        self.metrics.step_applied("anchor" if step.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
+                                  sum(b.size for b in step.blobs), fetched_s, apply_s)
         log.info("version applied", island=self.island_id, run=self.run_name, version=step.to_version,
                  kind="anchor" if step.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
                  bytes=sum(b.size for b in step.blobs), fetched_s=round(fetched_s, 3), apply_s=round(apply_s, 3),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -185,6 +186,37 @@ async def test_a_replica_dies_and_its_clients_move_on(boards, blobs) -> None:
     finally:
         for c in clients:
             await c.close()
+
+
+async def test_a_commit_answers_once_a_replica_holds_it(redis_cluster: RedisCluster, blobs) -> None:
+    """``redis_min_replicas``: the commit and WAIT go to the slot's master on one connection.
+    A replica that does not acknowledge (stopped) makes the commit UNAVAILABLE, though the
+    master holds it; the retried identical commit answers once the replica has it again."""
+    token = "admin-" + secrets.token_hex(8)
+    board = await start_board(BoardConfig(redis_url=redis_cluster.url, admin_token=token, redis_min_replicas=1,
+                                          redis_replica_timeout_ms=300), blobs=blobs)
+    client = BoardClient(board.address, token)
+    run = run_name()
+    (replica,) = redis_cluster.replicas_of(redis_cluster.master_of(k_events(run)))
+    try:
+        await client.create_run(make_run(run))
+        for v in (1, 2):
+            assert not (await client.commit_version(await make_record(blobs, run, v))).already_committed
+        record = await make_record(blobs, run, 3)
+        replica.process.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(2):  # the first commit, then its identical retry
+                with pytest.raises(errors.Unavailable, match="0 of the 1 replicas"):
+                    await client.commit_version(record)
+            assert (await client.get_head(run)).version == 3  # on the master all along
+        finally:
+            replica.process.send_signal(signal.SIGCONT)
+        response = await client.commit_version(record)
+        assert response.already_committed and response.record.version == 3
+    finally:
+        replica.process.send_signal(signal.SIGCONT)
+        await client.close()
+        await board.stop(grace=0)
 
 
 async def test_a_redis_master_dies_and_its_replica_takes_over(redis_cluster: RedisCluster, boards, blobs) -> None:

@@ -233,7 +233,8 @@ def test_read_commands_print_one_json_document(redis_url: str, tmp_path: Path) -
         would = asyncio.run(anchor_and_expected_gc())
         dry = document("gc", "demo", "--dry-run", "--keep-anchors", "1")
         assert dry == {"run": "demo", "dry_run": True, "deleted_keys": list(would.deleted_keys),
-                       "deleted_blobs": 4, "freed_bytes": would.freed_bytes, "oldest_available": 5}
+                       "deleted_blobs": 4, "freed_bytes": would.freed_bytes, "oldest_available": 5,
+                       "staged_parts_collected": 0, "abandoned_blobs_collected": 0}
         assert dry["freed_bytes"] == 8 * 64 + 3 * 64  # boardkit: the anchor of version 1, the patches of 2-4
         done = document("gc", "demo", "--keep-anchors", "1")
         assert done == dict(dry, dry_run=False)

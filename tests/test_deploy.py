@@ -2,7 +2,8 @@
 
 Every ``WEFTBOARD_*`` variable a deploy file sets must be one the code reads; every flag it
 passes must exist; the README's settings table must list exactly ``BoardSettings``; and
-every metric the Grafana dashboard queries must be exported by a running board. Beyond that:
+every metric a Grafana dashboard queries must be one the code exports (the board's by a running
+board; the islands' and publishers' by their metric definitions). Beyond that:
 - Kubernetes: every container has readiness and liveness probes, CPU/memory requests and a
   memory limit, and a restricted security context (non-root, read-only root with writable
   mounts where it writes, no privilege escalation, no capabilities, RuntimeDefault seccomp);
@@ -10,8 +11,9 @@ every metric the Grafana dashboard queries must be exported by a running board. 
   sidecar and the engine really serve, and no Service exposes the engine's port.
 - Compose: a trainer and an engine beside board, Redis, MinIO and the island; healthchecks
   and ``depends_on`` conditions; MinIO's S3 port published; volumes owned by the image's user.
-- Grafana: per-run gauges combined across board replicas with ``max``, counters with
-  ``sum(rate(...))``.
+- Grafana: per-run gauges combined across board replicas (and islands) with ``max``, counters
+  with ``sum(rate(...))``; every dashboard is provisioned in compose, and Prometheus scrapes the
+  island's sidecar where it listens.
 - systemd: units that ``systemd-analyze verify`` accepts, hardened, restarting on failure but
   not on the exit codes of a refused token or a usage error (checked against the commands).
 """
@@ -45,6 +47,7 @@ from weftboard.proto.v1 import board_pb2 as pb
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 TEXT_FILES = [p for p in DEPLOY.rglob("*") if p.is_file()]
+DASHBOARDS = sorted((DEPLOY / "grafana").glob("*.json"))
 
 
 def _cli():
@@ -82,8 +85,9 @@ def test_deploy_files_parse() -> None:
         assert docs and all(d is not None for d in docs), path
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     assert {"redis", "minio", "board", "island"} <= set(compose["services"])
-    dashboard = json.loads((DEPLOY / "grafana" / "weftboard-board.json").read_text())
-    assert dashboard["panels"] and all(p["targets"] for p in dashboard["panels"])
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        assert dashboard["panels"] and all(p["targets"] for p in dashboard["panels"]), path.name
 
 
 def test_every_weftboard_variable_is_read_by_the_code() -> None:
@@ -170,7 +174,14 @@ async def test_dashboard_metrics_are_exported_by_a_board(board_factory, local_st
     readme_metrics = set(re.findall(r"^\| `(weftboard_[a-z_]+)`", (DEPLOY / "README.md").read_text(), flags=re.M))
     assert readme_metrics, "deploy/README.md lists no metrics"
     families = {re.sub(r"_(bucket|sum|count|created)$", "", m) for m in exported}
-    assert readme_metrics <= families | exported, readme_metrics - families - exported
+    # the board's rows against what a running board exported; every row against the definitions,
+    # and every island and publisher metric has its row
+    board_rows = {m for m in readme_metrics if not m.startswith(("weftboard_island_", "weftboard_publisher_"))}
+    assert board_rows <= families | exported, board_rows - families - exported
+    defined = _families(_metric_kinds())
+    assert readme_metrics <= defined, readme_metrics - defined
+    others = {m for m in defined if m.startswith(("weftboard_island_", "weftboard_publisher_"))}
+    assert others <= readme_metrics, f"deploy/README.md leaves out {others - readme_metrics}"
 
 
 # ---------------------------------------------------------------------------
@@ -576,13 +587,17 @@ async def test_the_example_trainer_publishes_to_a_board(board_factory, s3_store,
 
 
 def _metric_kinds() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Exported series name -> (kind, labels), from the board's own metric definitions."""
+    """Exported series name -> (kind, labels), from the metric definitions of the board, the
+    island (sidecar and follower) and the publisher."""
     from prometheus_client.metrics import MetricWrapperBase
 
     from weftboard.board.metrics import BoardMetrics
+    from weftboard.publisher.metrics import PublisherMetrics
+    from weftboard.subscriber.metrics import IslandMetrics
 
     kinds: dict[str, tuple[str, tuple[str, ...]]] = {}
-    for metric in vars(BoardMetrics()).values():
+    metrics = [*vars(BoardMetrics()).values(), *vars(IslandMetrics("r")).values(), *vars(PublisherMetrics("r")).values()]
+    for metric in metrics:
         if not isinstance(metric, MetricWrapperBase):
             continue
         name, kind, labels = metric._name, metric._type, tuple(metric._labelnames)
@@ -594,6 +609,13 @@ def _metric_kinds() -> dict[str, tuple[str, tuple[str, ...]]]:
         else:
             kinds[name] = (kind, labels)
     return kinds
+
+
+def _families(kinds: dict[str, tuple[str, tuple[str, ...]]]) -> set[str]:
+    """The names a metrics table lists: counters as ``_total`` series, histograms by family."""
+    histograms = {name.removesuffix("_bucket") for name, (kind, _) in kinds.items() if kind == "bucket"}
+    series_of_histograms = {h + suffix for h in histograms for suffix in ("_bucket", "_sum", "_count")}
+    return histograms | (set(kinds) - series_of_histograms)
 
 
 def _enclosing(expr: str, pos: int) -> list[tuple[str, set[str]]]:
@@ -654,17 +676,41 @@ def test_dashboard_panels_stay_right_with_several_board_replicas() -> None:
     assert _aggregation_problems("histogram_quantile(0.9, sum by (method) (rate(weftboard_rpc_latency_seconds_bucket[5m])))", kinds)
     assert not _aggregation_problems("sum(max by (run, state) (weftboard_islands))", kinds)
 
-    dashboard = json.loads((DEPLOY / "grafana" / "weftboard-board.json").read_text())
-    gauges = counters = 0
-    for panel in dashboard["panels"]:
-        for target in panel["targets"]:
-            expr = target["expr"]
-            problems = _aggregation_problems(expr, kinds)
-            assert not problems, f"panel {panel['title']!r}: {problems}"
-            for name in re.findall(r"\b(weftboard_[a-z_]+)\b", expr):
-                gauges += kinds[name][0] == "gauge" and "run" in kinds[name][1]
-                counters += kinds[name][0] == "counter"
-    assert gauges >= 2 and counters >= 5
+    assert _aggregation_problems("sum by (run) (weftboard_island_version)", kinds)  # islands: max, as replicas
+    assert not _aggregation_problems("sum(max by (run, instance) (weftboard_island_ready))", kinds)
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        gauges = counters = 0
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                expr = target["expr"]
+                problems = _aggregation_problems(expr, kinds)
+                assert not problems, f"{path.name}, panel {panel['title']!r}: {problems}"
+                for name in re.findall(r"\b(weftboard_[a-z_]+)\b", expr):
+                    gauges += kinds[name][0] == "gauge" and "run" in kinds[name][1]
+                    counters += kinds[name][0] == "counter"
+        assert gauges >= 2 and counters >= 5, path.name
+
+
+def test_every_metric_a_dashboard_queries_is_exported_and_every_dashboard_is_provisioned() -> None:
+    """Each ``weftboard_*`` name in a panel's query or a template variable's is a series that
+    BoardMetrics, IslandMetrics or PublisherMetrics defines; compose's Grafana mounts every
+    dashboard, and its Prometheus scrapes the island's sidecar on the port it listens on."""
+    kinds = _metric_kinds()
+    for path in DASHBOARDS:
+        dashboard = json.loads(path.read_text())
+        queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+        queries += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+        queried = {name for q in queries for name in re.findall(r"\b(weftboard_\w+)", q)}
+        assert queried, f"{path.name} queries no weftboard metric"
+        assert queried <= set(kinds), f"{path.name} queries series no metrics class exports: {queried - set(kinds)}"
+    compose = _compose()
+    mounted = {Path(source).name for source, _target, _ro in _mounts(compose["services"]["grafana"])}
+    assert {p.name for p in DASHBOARDS} <= mounted, "compose's Grafana leaves out a dashboard"
+    targets = {t for job in yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+               for config in job["static_configs"] for t in config["targets"]}
+    listen = _flag(shlex.split(_command_text(compose["services"]["island"]).split("weftboard sidecar", 1)[1]), "--listen")
+    assert f"island:{listen.rpartition(':')[2]}" in targets, targets
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Sharded publishing with real process groups: FSDP2 ``fully_shard`` on gloo (CPU), a small
 transformer, AdamW steps; islands follow bitwise the full state dict each job gathers itself
-(``full_tensor``), across a world-size change and a rank killed mid-publish.
+(``full_tensor``), across a world-size change and a rank killed mid-publish (in a version
+that anchors and patches: its staged part and its anchor file are both collected by GC).
 
 Real board, Redis and blob store; every rank is a process of its own (torch.multiprocessing).
 """
@@ -19,11 +20,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from boardkit import make_record, make_run, upload
 from pubsubkit import WARM_KERNELS, TinyLM, follow_each
 
 from weftboard.board.blobs.localdir import LocalDirBlobStore
 from weftboard.board.client import BoardClient
+from weftboard.cuda.formats import ServedFormatSpec
+from weftboard.proto import errors
 from weftboard.proto.errors import InvalidArgument
+from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.sharded import ShardedPublisher, Slice
 from weftboard.publisher.sharded_layout import RankHeader, TensorEntry, plan_slices
 
@@ -56,11 +61,12 @@ def _job(rank: int, world: int, cfg: dict[str, Any]) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(cfg["seed"])
     pub = ShardedPublisher(cfg["board"], "sharded", token=cfg["token"], blob_store=LocalDirBlobStore(cfg["blobs"]),
-                           collective_timeout_s=cfg.get("timeout_s", 60), work_dir=out / f"work-{rank}")
+                           collective_timeout_s=cfg.get("timeout_s", 60), work_dir=out / f"work-{rank}",
+                           anchor_every=cfg.get("anchor_every", 50))
     if rank == cfg.get("kill_rank"):
         def die(version: int, result: Any) -> None:
             if version == cfg["kill_at"]:
-                (out / "killed-part.json").write_text(json.dumps(result.part))
+                (out / "killed.json").write_text(json.dumps({"part": result.part, "anchor": result.anchor}))
                 os._exit(3)
         pub.before_gather = die
     report: dict[str, Any] = {"versions": [], "error": None}
@@ -117,16 +123,20 @@ async def test_fsdp2_ranks_publish_and_an_island_follows_bitwise_across_world_si
     assert await asyncio.to_thread(_spawn, 2, dict(base, steps=3, seed=1)) == [0, 0]
     assert [r["versions"] for r in _reports(out, 2)] == [[1, 2, 3]] * 2
     # job 2: 4 ranks from job 1's weights: version 4 (an anchor), 5, then rank 3 dies in version 6
+    # (due to anchor: a patch part and an anchor file per rank)
     torch.save(torch.load(out / "state.pt"), tmp_path / "state-job1.pt")
     exits = await asyncio.to_thread(_spawn, 4, dict(base, steps=3, seed=2, load=str(tmp_path / "state-job1.pt"),
-                                                   kill_rank=3, kill_at=6, timeout_s=20))
+                                                   kill_rank=3, kill_at=6, timeout_s=20, anchor_every=2))
     assert exits == [0, 0, 0, 3]
     reports = _reports(out, 4)
     assert len(reports) == 3 and all(r["versions"] == [4, 5] and "version 6" in r["error"] for r in reports), reports
-    killed_part = json.loads((out / "killed-part.json").read_text())
+    killed = json.loads((out / "killed.json").read_text())
+    killed_part, killed_anchor = killed["part"], killed["anchor"]
+    assert killed_anchor[0] == "model-00004-of-00004.safetensors"
     async with BoardClient(board.address, board.admin_token) as client:
         assert (await client.get_head("sharded")).version == 5  # nothing of version 6 is visible
         assert await local_store.stat(killed_part[0]) == killed_part[2]  # its part was uploaded and staged
+        assert await local_store.stat(killed_anchor[1]) == killed_anchor[3]  # so was its anchor file
         # job 3: 2 ranks again, from the weights job 2 had: version 6 (an anchor), 7
         torch.save(torch.load(out / "state.pt"), tmp_path / "state-job2.pt")
         assert await asyncio.to_thread(_spawn, 2, dict(base, steps=2, seed=3,
@@ -138,6 +148,7 @@ async def test_fsdp2_ranks_publish_and_an_island_follows_bitwise_across_world_si
         await follow_each(client, "sharded", local_store, tmp_path, views)
         await client.collect_garbage("sharded")
         assert await local_store.stat(killed_part[0]) is None  # the dead rank's part was collected
+        assert await local_store.stat(killed_anchor[1]) is None  # and its anchor file
 
 
 def _header(rank: int, world: int, version: int, *boxes: Any, shape: tuple[int, ...] = (4, 6)) -> RankHeader:
@@ -161,3 +172,60 @@ def test_plan_refuses_bad_layouts_with_clear_errors() -> None:
         plan_slices([_header(0, 2, 1, rows[0]), _header(1, 2, 2, rows[1])])
     assert Slice(torch.zeros(2, 6), (4, 6), (2, 0)).offset == (2, 0)
 
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "mxfp4", "nvfp4"])
+def test_a_served_format_with_scales_is_refused_when_the_publisher_is_made(kind: str) -> None:
+    # no process group needed: the argument is checked first
+    with pytest.raises(InvalidArgument, match=f"needs an elementwise served format.*{kind}"):
+        ShardedPublisher("127.0.0.1:1", "r", served_format=ServedFormatSpec(kind))
+
+
+async def test_a_staged_anchor_file_is_noted_never_relayed_and_collected_if_its_version_commits_without_it(
+        board, local_store) -> None:
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run("a"))
+        dead = await upload(local_store, "a", b"anchor file of a rank that died", name="model-00002-of-00002.safetensors")
+        assert (await client.stage_part("a", 1, dead)).head == 0  # version 1 anchors: its files may be staged
+        with pytest.raises(errors.InvalidArgument, match=r"anchor file \(\*.safetensors\)"):
+            await client.stage_part("a", 1, pb.BlobRef(key=dead.key, digest=dead.digest, size=dead.size,
+                                                       name="config.json"))
+        await client.commit_version(await make_record(local_store, "a", 1))  # names other files
+        with pytest.raises(errors.FailedPrecondition, match="cannot stage an anchor file: the head is 1"):
+            await client.stage_part("a", 1, dead)
+
+        # A watcher asking for hints gets patch parts only: once it is known to listen, an anchor
+        # file staged before a part would reach it first, were it relayed.
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def watch() -> None:
+            async for event in client.watch("a", after_version=1, staged_parts=True, progress_interval_ms=60000):
+                events.put_nowait(event)
+
+        watcher = asyncio.create_task(watch())
+        anchor_file = await upload(local_store, "a", b"anchor file of version 2", name="model.safetensors")
+        part = await upload(local_store, "a", b"a patch part of version 2")
+        for _ in range(100):
+            await client.stage_part("a", 2, anchor_file)
+            await client.stage_part("a", 2, part)
+            try:
+                first = await asyncio.wait_for(events.get(), 0.2)
+                break
+            except asyncio.TimeoutError:
+                continue  # the stream was not listening yet
+        else:
+            raise AssertionError("no staged-part hint reached the watcher")
+        await client.stage_part("a", 2, anchor_file)
+        await client.stage_part("a", 2, part)
+        second = await asyncio.wait_for(events.get(), 10)
+        assert [e.staged.blob.key for e in (first, second)] == [part.key] * 2
+        watcher.cancel()
+
+        record = await make_record(local_store, "a", 2)
+        record.artifacts[0].ClearField("blobs")
+        record.artifacts[0].blobs.append(part)
+        await client.commit_version(record)  # version 2 without the staged anchor file
+        done = await client.collect_garbage("a")
+        assert {dead.key, anchor_file.key} <= set(done.deleted_keys)
+        assert await local_store.stat(dead.key) is None and await local_store.stat(anchor_file.key) is None
+        assert await local_store.stat(part.key) == part.size  # named by version 2: kept

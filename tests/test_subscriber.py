@@ -101,9 +101,9 @@ async def test_one_patch_steps_apply_while_they_download_in_ranges(board_factory
     ranged: list[int] = []
     real_ranges = s3_store._download_ranges
 
-    def counting(key, name, dest, total, parts, on_chunk=None):
+    def counting(key, name, dest, total, parts, on_chunk=None, **kw):
         ranged.append(parts)
-        return real_ranges(key, name, dest, total, parts, on_chunk)
+        return real_ranges(key, name, dest, total, parts, on_chunk, **kw)
 
     s3_store._download_ranges = counting
     async with BoardClient(board.address, board.admin_token) as client:

@@ -72,6 +72,11 @@ class RedisCluster:
                     return by_port[port]
         raise RuntimeError(f"no live master serves the slot of {key!r}")
 
+    def replicas_of(self, master: ClusterNode) -> list[ClusterNode]:
+        """The live nodes replicating ``master`` now."""
+        return [n for n in self.nodes if n.alive() and n is not master
+                and f"master_port:{master.port}" in n.cli("info", "replication")]
+
     def wait_ok(self, timeout_s: float = 30.0) -> None:
         """Until every live node says ``cluster_state:ok`` (after a failover too)."""
         deadline = time.monotonic() + timeout_s

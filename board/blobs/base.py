@@ -20,7 +20,8 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from weftboard.proto.errors import InvalidArgument, NotFound
@@ -69,6 +70,14 @@ def check_prefix(prefix: str) -> str:
             raise InvalidArgument(f"listing prefix {prefix!r} must not start with '/'")
         check_key(stripped)
     return prefix
+
+
+@dataclass(frozen=True)
+class ListedBlob:
+    """An object as a listing finds it."""
+
+    size: int
+    modified_s: float  # unix time of its last write
 
 
 class BlobStore(abc.ABC):
@@ -128,6 +137,11 @@ class BlobStore(abc.ABC):
     async def list_keys(self, prefix: str = "") -> list[str]:
         """Every key starting with ``prefix``, sorted."""
 
+    async def list_blobs(self, prefix: str = "") -> dict[str, ListedBlob]:
+        """Every key starting with ``prefix``, with its size and the time of its last write;
+        {} from a store that cannot tell (garbage collection then finds no abandoned blobs)."""
+        return {}
+
     async def presign_put(self, key: str, expires_s: int, *, size: int | None = None) -> str | None:
         """A URL that lets its holder PUT this one object until it expires; None if unsupported.
         ``size``: the bytes the PUT must carry, where the store can hold the URL to it."""
@@ -136,6 +150,32 @@ class BlobStore(abc.ABC):
     async def presign_get(self, key: str, expires_s: int) -> str | None:
         """A URL that lets its holder GET this one object until it expires; None if unsupported."""
         return None
+
+    # -- multipart uploads through presigned URLs (``multipart.py`` fixes the part layout) --
+
+    async def start_multipart(self, key: str, size: int, part_bytes: int, digest: str) -> str | None:
+        """Open a multipart upload of a ``size``-byte blob hashing to ``digest``, in parts of
+        ``part_bytes``; returns its upload id, None when this store cannot take parts through
+        presigned URLs. Nothing is visible under ``key`` until ``complete_multipart``."""
+        return None
+
+    async def presign_parts(self, key: str, upload_id: str, parts: Sequence[tuple[int, int]],
+                            expires_s: int) -> list[str]:
+        """For each ``(part_number, size)`` of an open upload, a URL that lets its holder PUT
+        that part (exactly ``size`` bytes) until it expires; the PUT answers the part's ETag."""
+        raise NotFound(f"no multipart upload {upload_id!r} of {key!r} in {self.describe()}")
+
+    async def complete_multipart(self, key: str, upload_id: str, parts: Sequence[tuple[int, str]], *, size: int,
+                                 digest: str) -> None:
+        """Join the parts (``(part_number, etag)``, every part in order) into ``key`` at once,
+        once they add up to ``size`` (and hash to ``digest`` where the store can tell);
+        ``FailedPrecondition`` (the upload stays open) otherwise. Completing again once the
+        blob is there succeeds; ``NotFound`` for an upload that is not open."""
+        raise NotFound(f"no multipart upload {upload_id!r} of {key!r} in {self.describe()}")
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        """Drop an open upload and its parts; ``NotFound`` for an upload that is not open."""
+        raise NotFound(f"no multipart upload {upload_id!r} of {key!r} in {self.describe()}")
 
     @abc.abstractmethod
     def describe(self) -> str:

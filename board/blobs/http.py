@@ -107,10 +107,20 @@ def _open_at(dest: Path, start: int):
     return out
 
 
-async def _file_chunks(path: Path) -> AsyncIterator[bytes]:
+async def _file_chunks(path: Path, offset: int = 0, length: int | None = None) -> AsyncIterator[bytes]:
+    """The file's bytes from ``offset`` on (``length`` of them, or to its end)."""
     handle = await asyncio.to_thread(open, path, "rb")
     try:
-        while chunk := await asyncio.to_thread(handle.read, _CHUNK):
+        await asyncio.to_thread(handle.seek, offset)
+        left = length
+        while left is None or left > 0:
+            chunk = await asyncio.to_thread(handle.read, _CHUNK if left is None else min(_CHUNK, left))
+            if not chunk:
+                if left:
+                    raise Unavailable(f"{path} ends {left} bytes before the part it is uploading")
+                return
+            if left is not None:
+                left -= len(chunk)
             yield chunk
     finally:
         await asyncio.to_thread(handle.close)
@@ -143,6 +153,33 @@ async def upload_url(
         if own:
             await session.close()
     return size
+
+
+async def upload_part_url(
+    url: str,
+    *,
+    path: Path | str | None = None,
+    data: bytes | None = None,
+    offset: int,
+    length: int,
+    timeout_s: float | None = 600.0,
+) -> str:
+    """PUT bytes ``[offset, offset + length)`` of a file (``path``) or of ``data`` to a presigned
+    URL of one part of a multipart upload; returns the ETag the store answered for it."""
+    body = _file_chunks(Path(path), offset, length) if path is not None else memoryview(data)[offset:offset + length]
+    async with aiohttp.ClientSession(timeout=_timeout(timeout_s, 10.0)) as session:
+        try:
+            async with session.put(url, data=body, headers={"Content-Length": str(length)}) as response:
+                if response.status not in (200, 201, 204):
+                    _raise_for_status(response.status, url, await response.text(errors="replace"))
+                etag = response.headers.get("ETag", "")
+        except aiohttp.ClientError as exc:
+            raise Unavailable(f"cannot upload a part to {_redact(url)}: {exc}") from exc
+        except asyncio.TimeoutError as exc:
+            raise Unavailable(f"upload of a part to {_redact(url)} timed out") from exc
+    if not etag:
+        raise Unavailable(f"{_redact(url)} answered the part's PUT without an ETag; PUT it again")
+    return etag
 
 
 async def upload_bytes_url(url: str, data: bytes, *, timeout_s: float = 120.0) -> int:

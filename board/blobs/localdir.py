@@ -13,6 +13,10 @@ Invariants:
 - ``put_stream`` checks the bytes against the digest and size they must have before the
   rename: bytes that do not match leave nothing behind.
 - Without a signer ``presign_get``/``presign_put`` return None (readers share the filesystem).
+- A multipart upload lives in ``.tmp-uploads/<upload id>/`` (invisible, unreachable by keys):
+  ``meta.json`` (key, size, part size, digest), ``data`` (each part written at its offset) and
+  a marker ``part-<n>`` holding the ETag of each part received whole. Completing checks every
+  marker and the digest of ``data``, then renames it into place: the key shows nothing before.
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterable, Callable, Iterable
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -35,17 +41,26 @@ from weftboard.board.blobs.base import (
     FIRST_BYTE_SAMPLES,
     BlobStore,
     ChunkCallback,
+    ListedBlob,
     check_key,
     check_prefix,
     upload_source_size,
 )
+from weftboard.board.blobs.multipart import check_completed, part_count, part_span
 from weftboard.board.blobs.signed_urls import UrlSigner
-from weftboard.proto.errors import DigestMismatch, InvalidArgument, NotFound
+from weftboard.board.blobs.stoppable import Stopper
+from weftboard.proto.errors import (
+    DigestMismatch,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+)
 from weftboard.proto.names import DIGEST_ALGORITHM, format_digest
 
 _TMP_PREFIX = ".tmp-"
 _CHUNK = 1 << 20
 _HEX128 = re.compile(r"[0-9a-f]{32}")
+_UPLOADS = _TMP_PREFIX + "uploads"  # open multipart uploads, one folder each
 
 
 class LocalDirBlobStore(BlobStore):
@@ -151,8 +166,15 @@ class LocalDirBlobStore(BlobStore):
     async def download_to(self, key: str, path: Path | str, offset: int = 0, *, size: int | None = None,
                           ranges: int = 1, on_chunk: ChunkCallback | None = None) -> int:
         source = self.path_for(key)
-        return await asyncio.to_thread(_copy_from, source, Path(path), offset, key, self.describe(), on_chunk,
-                                       self._first_byte.append)
+        stopper = Stopper()  # cancelled, the copy stops at its next chunk and ends before the caller goes on
+
+        def watched(at: int, chunk: bytes) -> None:
+            stopper.check()
+            if on_chunk is not None:
+                on_chunk(at, chunk)
+
+        return await stopper.run(_copy_from, source, Path(path), offset, key, self.describe(), watched,
+                                 self._first_byte.append)
 
     def first_byte_s(self) -> float | None:
         return min(self._first_byte, default=None)
@@ -201,6 +223,143 @@ class LocalDirBlobStore(BlobStore):
     async def list_keys(self, prefix: str = "") -> list[str]:
         check_prefix(prefix)
         return await asyncio.to_thread(self._list, prefix)
+
+    async def list_blobs(self, prefix: str = "") -> dict[str, ListedBlob]:
+        check_prefix(prefix)
+
+        def listing() -> dict[str, ListedBlob]:
+            found = {}
+            for key in self._list(prefix):
+                with contextlib.suppress(FileNotFoundError):  # deleted since the walk
+                    st = os.stat(self.root / key)
+                    found[key] = ListedBlob(st.st_size, st.st_mtime)
+            return found
+
+        return await asyncio.to_thread(listing)
+
+    # -- multipart uploads ----------------------------------------------------
+
+    def _upload_dir(self, key: str, upload_id: str) -> Path:
+        if not _HEX128.fullmatch(upload_id):
+            raise NotFound(f"no multipart upload {upload_id!r} of {key!r} in {self.describe()}")
+        return self.root / _UPLOADS / upload_id
+
+    def _upload_meta(self, key: str, upload_id: str) -> tuple[Path, dict]:
+        """An open upload's folder and meta data; ``NotFound`` unless it is open for ``key``."""
+        folder = self._upload_dir(key, upload_id)
+        try:
+            meta = json.loads((folder / "meta.json").read_text())
+        except FileNotFoundError:
+            raise NotFound(f"no multipart upload {upload_id!r} of {key!r} in {self.describe()} "
+                           "(completed, aborted or never started)") from None
+        if meta["key"] != key:
+            raise NotFound(f"multipart upload {upload_id!r} is of {meta['key']!r}, not {key!r}")
+        return folder, meta
+
+    async def start_multipart(self, key: str, size: int, part_bytes: int, digest: str) -> str | None:
+        self.path_for(key)
+        if self.signer is None:
+            return None
+        part_count(size, part_bytes)
+        upload_id = secrets.token_hex(16)
+        folder = self.root / _UPLOADS / upload_id
+        meta = {"key": key, "size": size, "part_bytes": part_bytes, "digest": digest}
+
+        def create() -> None:
+            folder.mkdir(parents=True)
+            (folder / "data").touch()
+            (folder / "meta.json").write_text(json.dumps(meta))  # last: the upload is open once it is there
+
+        await asyncio.to_thread(create)
+        return upload_id
+
+    async def presign_parts(self, key: str, upload_id: str, parts: Sequence[tuple[int, int]],
+                            expires_s: int) -> list[str]:
+        self._upload_dir(key, upload_id)
+        if self.signer is None:
+            raise FailedPrecondition(f"{self.describe()} is not served over HTTP: no URLs to sign")
+        return [self.signer.sign("PUT", key, expires_s, size=size, upload_id=upload_id, part_number=n)
+                for n, size in parts]
+
+    async def put_part(self, key: str, upload_id: str, part_number: int, chunks: AsyncIterable[bytes], *,
+                       size: int | None = None) -> str:
+        """Write the streamed bytes as part ``part_number`` of an open upload; returns its ETag.
+        Bytes of another size than the part's (or ``size``) raise ``DigestMismatch`` and leave
+        the part missing (its earlier copy too: a complete waits for a whole one)."""
+        folder, meta = await asyncio.to_thread(self._upload_meta, key, upload_id)
+        offset, length = part_span(meta["size"], meta["part_bytes"], part_number)
+        if size is not None and size != length:
+            raise DigestMismatch(f"part {part_number} of {key!r} holds {length} bytes, not {size}")
+        marker = folder / f"part-{part_number}"
+
+        def open_data() -> int:
+            marker.unlink(missing_ok=True)
+            return os.open(folder / "data", os.O_WRONLY)
+
+        try:
+            fd = await asyncio.to_thread(open_data)
+        except FileNotFoundError:
+            raise NotFound(f"multipart upload {upload_id!r} of {key!r} was completed or aborted meanwhile") from None
+        hasher = xxhash.xxh3_128()
+        written = 0
+        try:
+            async for chunk in chunks:
+                if written + len(chunk) > length:
+                    raise DigestMismatch(f"part {part_number} of {key!r} carries more than its {length} bytes")
+                hasher.update(chunk)
+                await asyncio.to_thread(os.pwrite, fd, chunk, offset + written)
+                written += len(chunk)
+            if written != length:
+                raise DigestMismatch(f"part {part_number} of {key!r} carried {written} bytes, not its {length}")
+            await asyncio.to_thread(os.fsync, fd)
+        finally:
+            await asyncio.to_thread(os.close, fd)
+        etag = hasher.hexdigest()
+        await asyncio.to_thread(_write_marker, marker, etag)
+        return etag
+
+    async def complete_multipart(self, key: str, upload_id: str, parts: Sequence[tuple[int, str]], *, size: int,
+                                 digest: str) -> None:
+        path = self.path_for(key)
+
+        def complete() -> None:
+            folder, meta = self._upload_meta(key, upload_id)
+            if (meta["size"], meta["digest"]) != (size, digest):
+                raise FailedPrecondition(f"multipart upload {upload_id!r} is of {meta['size']} bytes hashing to "
+                                         f"{meta['digest']}, not {size} bytes hashing to {digest}")
+            etags = check_completed(parts, part_count(size, meta["part_bytes"]))
+            for number, etag in enumerate(etags, start=1):
+                try:
+                    held = (folder / f"part-{number}").read_text()
+                except FileNotFoundError:
+                    raise FailedPrecondition(f"part {number} of upload {upload_id!r} was not uploaded whole; "
+                                             "PUT it, then complete again") from None
+                if held != etag:
+                    raise FailedPrecondition(f"part {number} of upload {upload_id!r} holds ETag {held}, not "
+                                             f"{etag}: name the ETag of its last PUT")
+            data = folder / "data"
+            hasher = xxhash.xxh3_128()
+            with open(data, "rb") as src:
+                while chunk := src.read(_CHUNK):
+                    hasher.update(chunk)
+                held_size = src.tell()
+            got = format_digest(hasher.digest())
+            if held_size != size or (digest and got != digest):
+                raise DigestMismatch(f"upload {upload_id!r} of {key!r}: its {held_size} bytes hash to {got}, not the "
+                                     f"declared {size} bytes hashing to {digest}; upload the parts again")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(data, path)
+            _fsync_dir(path.parent)
+            shutil.rmtree(folder, ignore_errors=True)
+
+        await asyncio.to_thread(complete)
+
+    async def abort_multipart(self, key: str, upload_id: str) -> None:
+        def abort() -> None:
+            folder, _ = self._upload_meta(key, upload_id)
+            shutil.rmtree(folder, ignore_errors=True)
+
+        await asyncio.to_thread(abort)
 
     def _list(self, prefix: str) -> list[str]:
         # Walk only the deepest directory the prefix pins down.
@@ -254,6 +413,13 @@ def content_digest(key: str) -> str:
     if len(parts) == 3 and parts[1] == "blobs" and _HEX128.fullmatch(parts[2]):
         return f"{DIGEST_ALGORITHM}:{parts[2]}"
     return ""
+
+
+def _write_marker(marker: Path, etag: str) -> None:
+    """A part's marker, through a temporary file: it exists only with the whole ETag in it."""
+    tmp = marker.with_name(marker.name + ".tmp")
+    tmp.write_text(etag)
+    os.replace(tmp, marker)
 
 
 def _flush_and_sync(out: BinaryIO) -> None:

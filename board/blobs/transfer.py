@@ -6,6 +6,11 @@ Invariants:
   same bytes and an upload whose key already holds a blob of the right size is skipped.
 - Bytes never flow through the board: with credentials the uploader writes to the store;
   without, it asks the board for a short-lived presigned PUT URL and sends the bytes there.
+- Without credentials a blob larger than ``part_bytes`` goes up as a multipart upload
+  (``StartUpload``, one presigned PUT per part, ``CompleteUpload``): parts go in parallel,
+  each retried on its own (with a fresh URL once its own expired), and an upload that fails
+  is aborted (``AbortUpload``), so nothing is left under the key; one the publisher could not
+  abort (its process died) is aborted by the board's garbage collection once stale.
 - Transient failures (``Unavailable``, deadlines, connection errors) are retried with
   exponential backoff and jitter up to a total deadline; anything else is raised at once.
 """
@@ -20,9 +25,21 @@ from typing import TypeVar
 
 import structlog
 
-from weftboard.board.blobs.http import upload_bytes_url, upload_url
+from weftboard.board.blobs.http import upload_bytes_url, upload_part_url, upload_url
+from weftboard.board.blobs.multipart import (
+    DEFAULT_PART_BYTES,
+    check_part_bytes,
+    part_span,
+)
 from weftboard.proto.domain import blob_key
-from weftboard.proto.errors import DeadlineExceeded, Unavailable
+from weftboard.proto.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    UrlExpired,
+    WeftboardError,
+)
 
 log = structlog.get_logger("weftboard.board.blobs.transfer")
 T = TypeVar("T")
@@ -58,14 +75,32 @@ async def with_retries(
             backoff = min(backoff * 2, max_backoff_s)
 
 
-class Uploader:
-    """Uploads content-addressed blobs of one run (``store`` given: direct; else presigned)."""
+# How fast a board is assumed to join an upload's parts (a local store hashes them all) when
+# CompleteUpload's deadline is set; S3 joins them itself, in seconds.
+_COMPLETE_BYTES_PER_S = 64 << 20
+# ``put_part(url, *, path, data, offset, length, timeout_s) -> etag``: one part's PUT.
+PartPut = Callable[..., Awaitable[str]]
 
-    def __init__(self, run: str, client, store=None, *, timeout_s: float = 600.0) -> None:
+
+class Uploader:
+    """Uploads content-addressed blobs of one run (``store`` given: direct; else presigned).
+
+    Without a store, a blob over ``part_bytes`` goes up in parts of that size, ``parallel_parts``
+    at a time, each PUT made by ``put_part`` (``upload_part_url``; a test may wrap it)."""
+
+    def __init__(self, run: str, client, store=None, *, timeout_s: float = 600.0,
+                 part_bytes: int = DEFAULT_PART_BYTES, parallel_parts: int = 4,
+                 put_part: PartPut = upload_part_url) -> None:
+        check_part_bytes(part_bytes)
+        if parallel_parts < 1:
+            raise InvalidArgument(f"parallel_parts must be >= 1, got {parallel_parts}")
         self.run = run
         self.client = client
         self.store = store
         self.timeout_s = timeout_s
+        self.part_bytes = part_bytes
+        self.parallel_parts = parallel_parts
+        self.put_part = put_part
 
     async def upload(self, digest: str, size: int, *, path: Path | None = None, data: bytes | None = None,
                      skip_existing: bool = True) -> str:
@@ -86,6 +121,10 @@ class Uploader:
             await with_retries(f"upload of {key}", direct)
             return key
 
+        if size > self.part_bytes:
+            await self._upload_in_parts(key, digest, size, path, data)
+            return key
+
         async def presigned() -> None:
             grant = await self.client.presign_upload(self.run, digest, size)
             if path is not None:
@@ -95,3 +134,49 @@ class Uploader:
 
         await with_retries(f"presigned upload of {key}", presigned)
         return key
+
+    async def _upload_in_parts(self, key: str, digest: str, size: int, path: Path | None, data: bytes | None) -> None:
+        """A multipart upload through presigned part URLs; aborted when it cannot complete."""
+        started = await with_retries(f"starting the multipart upload of {key}",
+                                     lambda: self.client.start_upload(self.run, digest, size, self.part_bytes))
+        upload_id = started.upload_id
+        urls = {part.part_number: part.url for part in started.parts}
+        slots = asyncio.Semaphore(self.parallel_parts)
+
+        async def one_part(number: int) -> tuple[int, str]:
+            offset, length = part_span(size, self.part_bytes, number)
+
+            async def attempt() -> str:
+                try:
+                    return await self.put_part(urls[number], path=path, data=data, offset=offset, length=length,
+                                               timeout_s=self.timeout_s)
+                except UrlExpired as exc:
+                    fresh = await self.client.presign_upload_parts(self.run, upload_id, [number])
+                    urls[number] = fresh.parts[0].url
+                    raise Unavailable(f"the URL of part {number} was refused ({exc}); PUT again with a new one") from exc
+
+            async with slots:
+                return number, await with_retries(f"part {number} of the upload of {key}", attempt)
+
+        tasks = [asyncio.ensure_future(one_part(n)) for n in sorted(urls)]
+        try:
+            etags = await asyncio.gather(*tasks)
+            await with_retries(f"completing the multipart upload of {key}", lambda: self.client.complete_upload(
+                self.run, upload_id, etags, timeout_s=self.client.timeout_s + size / _COMPLETE_BYTES_PER_S))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.shield(self._abort(key, upload_id))
+            raise
+        log.debug("multipart upload complete", key=key, parts=len(etags), size=size)
+
+    async def _abort(self, key: str, upload_id: str) -> None:
+        """Best effort: an upload left open is aborted by the board's garbage collection later."""
+        try:
+            await self.client.abort_upload(self.run, upload_id)
+        except NotFound:
+            return  # not open any more
+        except (WeftboardError, asyncio.TimeoutError) as exc:
+            log.warning("could not abort a failed multipart upload; garbage collection will",
+                        key=key, upload_id=upload_id, error=str(exc))

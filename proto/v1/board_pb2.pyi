@@ -321,6 +321,106 @@ class PresignUploadResponse(_message.Message):
     expires_at_ms: int
     def __init__(self, key: _Optional[str] = ..., url: _Optional[str] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
 
+class StartUploadRequest(_message.Message):
+    __slots__ = ("run", "digest", "size", "part_bytes", "expires_s")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PART_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    digest: str
+    size: int
+    part_bytes: int
+    expires_s: int
+    def __init__(self, run: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., part_bytes: _Optional[int] = ..., expires_s: _Optional[int] = ...) -> None: ...
+
+class UploadPartUrl(_message.Message):
+    __slots__ = ("part_number", "url")
+    PART_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    part_number: int
+    url: str
+    def __init__(self, part_number: _Optional[int] = ..., url: _Optional[str] = ...) -> None: ...
+
+class StartUploadResponse(_message.Message):
+    __slots__ = ("key", "upload_id", "parts", "expires_at_ms")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    upload_id: str
+    parts: _containers.RepeatedCompositeFieldContainer[UploadPartUrl]
+    expires_at_ms: int
+    def __init__(self, key: _Optional[str] = ..., upload_id: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[UploadPartUrl, _Mapping]]] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+
+class PresignUploadPartsRequest(_message.Message):
+    __slots__ = ("run", "digest", "upload_id", "part_numbers", "expires_s")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    PART_NUMBERS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_S_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    digest: str
+    upload_id: str
+    part_numbers: _containers.RepeatedScalarFieldContainer[int]
+    expires_s: int
+    def __init__(self, run: _Optional[str] = ..., digest: _Optional[str] = ..., upload_id: _Optional[str] = ..., part_numbers: _Optional[_Iterable[int]] = ..., expires_s: _Optional[int] = ...) -> None: ...
+
+class PresignUploadPartsResponse(_message.Message):
+    __slots__ = ("parts", "expires_at_ms")
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[UploadPartUrl]
+    expires_at_ms: int
+    def __init__(self, parts: _Optional[_Iterable[_Union[UploadPartUrl, _Mapping]]] = ..., expires_at_ms: _Optional[int] = ...) -> None: ...
+
+class UploadedPart(_message.Message):
+    __slots__ = ("part_number", "etag")
+    PART_NUMBER_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
+    part_number: int
+    etag: str
+    def __init__(self, part_number: _Optional[int] = ..., etag: _Optional[str] = ...) -> None: ...
+
+class CompleteUploadRequest(_message.Message):
+    __slots__ = ("run", "digest", "size", "upload_id", "parts")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    digest: str
+    size: int
+    upload_id: str
+    parts: _containers.RepeatedCompositeFieldContainer[UploadedPart]
+    def __init__(self, run: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., upload_id: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[UploadedPart, _Mapping]]] = ...) -> None: ...
+
+class CompleteUploadResponse(_message.Message):
+    __slots__ = ("key", "size")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    size: int
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class AbortUploadRequest(_message.Message):
+    __slots__ = ("run", "digest", "upload_id")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    digest: str
+    upload_id: str
+    def __init__(self, run: _Optional[str] = ..., digest: _Optional[str] = ..., upload_id: _Optional[str] = ...) -> None: ...
+
+class AbortUploadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class CommitVersionRequest(_message.Message):
     __slots__ = ("record",)
     RECORD_FIELD_NUMBER: _ClassVar[int]
@@ -659,14 +759,18 @@ class CollectGarbageRequest(_message.Message):
     def __init__(self, run: _Optional[str] = ..., dry_run: _Optional[bool] = ..., keep_anchors: _Optional[int] = ...) -> None: ...
 
 class CollectGarbageResponse(_message.Message):
-    __slots__ = ("deleted_keys", "freed_bytes", "oldest_available")
+    __slots__ = ("deleted_keys", "freed_bytes", "oldest_available", "staged_parts_collected", "abandoned_blobs_collected")
     DELETED_KEYS_FIELD_NUMBER: _ClassVar[int]
     FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
     OLDEST_AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    STAGED_PARTS_COLLECTED_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_BLOBS_COLLECTED_FIELD_NUMBER: _ClassVar[int]
     deleted_keys: _containers.RepeatedScalarFieldContainer[str]
     freed_bytes: int
     oldest_available: int
-    def __init__(self, deleted_keys: _Optional[_Iterable[str]] = ..., freed_bytes: _Optional[int] = ..., oldest_available: _Optional[int] = ...) -> None: ...
+    staged_parts_collected: int
+    abandoned_blobs_collected: int
+    def __init__(self, deleted_keys: _Optional[_Iterable[str]] = ..., freed_bytes: _Optional[int] = ..., oldest_available: _Optional[int] = ..., staged_parts_collected: _Optional[int] = ..., abandoned_blobs_collected: _Optional[int] = ...) -> None: ...
 
 class CreateTokenRequest(_message.Message):
     __slots__ = ("name", "role")

@@ -60,6 +60,26 @@ class BoardStub:
                 request_serializer=weftboard_dot_v1_dot_board__pb2.PresignUploadRequest.SerializeToString,
                 response_deserializer=weftboard_dot_v1_dot_board__pb2.PresignUploadResponse.FromString,
                 _registered_method=True)
+        self.StartUpload = channel.unary_unary(
+                '/weftboard.v1.Board/StartUpload',
+                request_serializer=weftboard_dot_v1_dot_board__pb2.StartUploadRequest.SerializeToString,
+                response_deserializer=weftboard_dot_v1_dot_board__pb2.StartUploadResponse.FromString,
+                _registered_method=True)
+        self.PresignUploadParts = channel.unary_unary(
+                '/weftboard.v1.Board/PresignUploadParts',
+                request_serializer=weftboard_dot_v1_dot_board__pb2.PresignUploadPartsRequest.SerializeToString,
+                response_deserializer=weftboard_dot_v1_dot_board__pb2.PresignUploadPartsResponse.FromString,
+                _registered_method=True)
+        self.CompleteUpload = channel.unary_unary(
+                '/weftboard.v1.Board/CompleteUpload',
+                request_serializer=weftboard_dot_v1_dot_board__pb2.CompleteUploadRequest.SerializeToString,
+                response_deserializer=weftboard_dot_v1_dot_board__pb2.CompleteUploadResponse.FromString,
+                _registered_method=True)
+        self.AbortUpload = channel.unary_unary(
+                '/weftboard.v1.Board/AbortUpload',
+                request_serializer=weftboard_dot_v1_dot_board__pb2.AbortUploadRequest.SerializeToString,
+                response_deserializer=weftboard_dot_v1_dot_board__pb2.AbortUploadResponse.FromString,
+                _registered_method=True)
         self.CommitVersion = channel.unary_unary(
                 '/weftboard.v1.Board/CommitVersion',
                 request_serializer=weftboard_dot_v1_dot_board__pb2.CommitVersionRequest.SerializeToString,
@@ -165,6 +185,30 @@ class BoardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PresignUpload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartUpload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PresignUploadParts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompleteUpload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortUpload(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -287,6 +331,26 @@ def add_BoardServicer_to_server(servicer, server):
                     servicer.PresignUpload,
                     request_deserializer=weftboard_dot_v1_dot_board__pb2.PresignUploadRequest.FromString,
                     response_serializer=weftboard_dot_v1_dot_board__pb2.PresignUploadResponse.SerializeToString,
+            ),
+            'StartUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartUpload,
+                    request_deserializer=weftboard_dot_v1_dot_board__pb2.StartUploadRequest.FromString,
+                    response_serializer=weftboard_dot_v1_dot_board__pb2.StartUploadResponse.SerializeToString,
+            ),
+            'PresignUploadParts': grpc.unary_unary_rpc_method_handler(
+                    servicer.PresignUploadParts,
+                    request_deserializer=weftboard_dot_v1_dot_board__pb2.PresignUploadPartsRequest.FromString,
+                    response_serializer=weftboard_dot_v1_dot_board__pb2.PresignUploadPartsResponse.SerializeToString,
+            ),
+            'CompleteUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompleteUpload,
+                    request_deserializer=weftboard_dot_v1_dot_board__pb2.CompleteUploadRequest.FromString,
+                    response_serializer=weftboard_dot_v1_dot_board__pb2.CompleteUploadResponse.SerializeToString,
+            ),
+            'AbortUpload': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortUpload,
+                    request_deserializer=weftboard_dot_v1_dot_board__pb2.AbortUploadRequest.FromString,
+                    response_serializer=weftboard_dot_v1_dot_board__pb2.AbortUploadResponse.SerializeToString,
             ),
             'CommitVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitVersion,
@@ -499,6 +563,114 @@ class Board:
             '/weftboard.v1.Board/PresignUpload',
             weftboard_dot_v1_dot_board__pb2.PresignUploadRequest.SerializeToString,
             weftboard_dot_v1_dot_board__pb2.PresignUploadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weftboard.v1.Board/StartUpload',
+            weftboard_dot_v1_dot_board__pb2.StartUploadRequest.SerializeToString,
+            weftboard_dot_v1_dot_board__pb2.StartUploadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PresignUploadParts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weftboard.v1.Board/PresignUploadParts',
+            weftboard_dot_v1_dot_board__pb2.PresignUploadPartsRequest.SerializeToString,
+            weftboard_dot_v1_dot_board__pb2.PresignUploadPartsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompleteUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weftboard.v1.Board/CompleteUpload',
+            weftboard_dot_v1_dot_board__pb2.CompleteUploadRequest.SerializeToString,
+            weftboard_dot_v1_dot_board__pb2.CompleteUploadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortUpload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weftboard.v1.Board/AbortUpload',
+            weftboard_dot_v1_dot_board__pb2.AbortUploadRequest.SerializeToString,
+            weftboard_dot_v1_dot_board__pb2.AbortUploadResponse.FromString,
             options,
             channel_credentials,
             insecure,
