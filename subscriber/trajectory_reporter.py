@@ -4,8 +4,13 @@ Invariants:
 - ``submit`` never waits: the request path only appends to a bounded queue; a full queue
   drops the record and counts it (``dropped``), it never slows a response.
 - One background task sends batches (up to ``batch_size`` records, or whatever arrived
-  within ``flush_interval_s``); a failed send is retried with backoff a few times, then
-  the batch is dropped and counted (``failed``), so a board outage cannot grow memory.
+  within ``flush_interval_s``). A send the board could not take now (UNAVAILABLE, a
+  deadline: a board or Redis restarting) is retried with capped backoff until it goes
+  through, so an outage loses nothing it outlasts; memory stays bounded by the queue, which
+  drops new records (counted) while the batch waits. A send the board refuses (a token
+  without the right, a bad record) cannot be cured by retrying: that batch is dropped and
+  counted (``failed``). A batch resent after a lost answer may arrive twice: consumers
+  deduplicate by ``request_id``.
 - ``stop`` flushes what is queued, bounded by a timeout.
 """
 
@@ -19,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from weftboard.proto.errors import WeftboardError
+from weftboard.proto.errors import DeadlineExceeded, Unavailable, WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -70,13 +75,13 @@ class TrajectoryReporter:
         max_queue: int = 10_000,
         batch_size: int = 500,
         flush_interval_s: float = 0.2,
-        retries: int = 3,
+        max_backoff_s: float = 5.0,
     ) -> None:
         self._client = client
         self._queue: asyncio.Queue[pb.TrajectoryRecord] = asyncio.Queue(max_queue)
         self.batch_size = min(batch_size, MAX_RECORDS_PER_CALL)
         self.flush_interval_s = flush_interval_s
-        self.retries = retries
+        self.max_backoff_s = max_backoff_s
         self.sent = 0
         self.dropped = 0
         self.failed = 0
@@ -110,19 +115,22 @@ class TrajectoryReporter:
         return batch
 
     async def _send(self, batch: list[pb.TrajectoryRecord]) -> None:
+        """Send until the board takes the batch (the caller bounds the wait, if it must)."""
         delay = 0.2
-        for attempt in range(self.retries + 1):
+        while True:
             try:
                 await self._client.report_trajectories(batch)
                 self.sent += len(batch)
                 return
-            except WeftboardError as exc:
-                if attempt == self.retries:
-                    self.failed += len(batch)
-                    log.warning("trajectory batch dropped after retries", records=len(batch), error=str(exc))
-                    return
+            except (Unavailable, DeadlineExceeded) as exc:
+                log.info("trajectory batch waits for the board", records=len(batch), retry_in_s=delay,
+                         error=str(exc))
                 await asyncio.sleep(delay)
-                delay *= 2
+                delay = min(delay * 2, self.max_backoff_s)
+            except WeftboardError as exc:
+                self.failed += len(batch)
+                log.warning("trajectory batch refused by the board; dropped", records=len(batch), error=str(exc))
+                return
 
     async def _run(self) -> None:
         while True:

@@ -1,0 +1,72 @@
+"""The island's trajectory reporter against a real board: an outage of the board (longer
+than any fixed retry budget) loses nothing, and a refusal no retry can cure (a token without
+the right) drops the batch and says so instead of retrying forever."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from boardkit import make_run
+
+from weftboard.board.client import BoardClient
+from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.publisher.trajectories import TrajectoryConsumer
+from weftboard.subscriber.trajectory_reporter import TrajectoryReporter, make_record
+
+
+def record(run: str, request_id: str) -> pb.TrajectoryRecord:
+    return make_record(run=run, island_id="i", version_start=1, version_end=1, request_id=request_id,
+                       prompt_tokens=1, completion_tokens=2, logprobs=[-0.5], latency_ms=1.0, labels={})
+
+
+async def until(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_board_outage_loses_no_trajectory(board) -> None:
+    admin = BoardClient(board.address, board.admin_token, timeout_s=2)
+    reporter = TrajectoryReporter(admin, flush_interval_s=0.05, max_backoff_s=0.5)
+    try:
+        await admin.create_run(make_run("traj-outage"))
+        reporter.start()
+        reporter.submit(record("traj-outage", "before"))
+        await until(lambda: reporter.sent == 1)
+        await board.stop()
+        for i in range(5):
+            reporter.submit(record("traj-outage", f"during-{i}"))
+        await asyncio.sleep(3.0)  # the outage: longer than the 1.4 s of retries that used to drop the batch
+        assert reporter.sent == 1 and reporter.failed == 0
+        await board.restart()
+        await until(lambda: reporter.sent == 6)
+        consumer = TrajectoryConsumer(admin, "traj-outage", "g", "c", block_ms=200)
+        got = []
+        for _ in range(20):
+            got += await consumer.poll()
+            if len(got) >= 6:
+                break
+        assert sorted(t.record.request_id for t in got) == ["before", *(f"during-{i}" for i in range(5))]
+        assert reporter.failed == 0 and reporter.dropped == 0
+    finally:
+        await reporter.stop(timeout_s=1)
+        await admin.close()
+
+
+async def test_a_refused_batch_is_dropped_and_counted(board) -> None:
+    admin = BoardClient(board.address, board.admin_token)
+    await admin.create_run(make_run("traj-refused"))
+    reader_token = (await admin.create_token("reader", pb.ROLE_READER)).token
+    reader = BoardClient(board.address, reader_token)
+    reporter = TrajectoryReporter(reader, flush_interval_s=0.05)
+    try:
+        reporter.start()
+        reporter.submit(record("traj-refused", "x"))
+        await until(lambda: reporter.failed == 1)  # PERMISSION_DENIED: retrying cannot cure it
+        assert reporter.sent == 0
+    finally:
+        await reporter.stop(timeout_s=1)
+        await reader.close()
+        await admin.close()
