@@ -1,5 +1,6 @@
-"""``weftboard bench sync`` (delta sync vs full checkpoints, islands on this machine) and
-``weftboard bench publish`` (sharded publishing vs a gather to rank 0)."""
+"""``weftboard bench sync`` (delta sync vs full checkpoints, islands on this machine),
+``weftboard bench publish`` (sharded publishing vs a gather to rank 0) and ``weftboard bench
+chaos`` (the whole system under seeded faults, its history checked)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from weftboard.board.logs import configure
 from weftboard.cuda.codec import ENCODINGS
 from weftboard.publisher.bench import bench_publish
 from weftboard.publisher.bench.bench_sync import main_cli
+from weftboard.publisher.bench.chaos import bench as chaos_bench
 from weftboard.publisher.parts import SUGGESTED_PART_BYTES
 
 
@@ -67,3 +69,25 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
             raise typer.BadParameter("--ranks and --versions must be >= 1")
         configure(json=True, level="WARNING")
         bench_publish.main_cli(ranks, params, width, versions, json_out, work_dir, timeout_s)
+
+    @bench.command("chaos")
+    def bench_chaos(
+        duration: float = typer.Option(300.0, help="Seconds of faults (3600: the soak, memory and descriptor growth)."),
+        seed: int | None = typer.Option(None, help="Replays a fault schedule (default: a random seed, printed)."),
+        json_out: bool = typer.Option(False, "--json", help="Only the JSON line on stdout."),
+        islands: int = typer.Option(3, help="Islands (an engine process and a sidecar each)."),
+        appendfsync: str = typer.Option("everysec", help="Redis AOF fsync policy: everysec or always."),
+        publish_interval_s: float = typer.Option(0.25, help="Least time between two versions (0: back to back)."),
+        work_dir: Path | None = typer.Option(None, help="Where processes keep data and logs (kept afterwards)."),
+        keep: bool = typer.Option(False, help="Keep the temporary work dir (it is kept anyway when a check fails)."),
+    ) -> None:
+        """The whole system under a seeded schedule of kills, network faults, a full disk and corrupt
+        blobs, then its history checked (nothing lost, no torn or wrong version); last line JSON."""
+        if appendfsync not in ("everysec", "always"):
+            raise typer.BadParameter("everysec or always", param_hint="--appendfsync")
+        if duration <= 0 or islands < 1:
+            raise typer.BadParameter("--duration and --islands must be positive")
+        configure(json=True, level="WARNING")
+        params = chaos_bench.ChaosParams(duration_s=duration, seed=seed, islands=islands, appendfsync=appendfsync,
+                                         publish_interval_s=publish_interval_s, work_dir=work_dir, keep=keep)
+        raise typer.Exit(chaos_bench.main_cli(params, json_out))
