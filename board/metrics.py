@@ -22,6 +22,32 @@ from prometheus_client import (
 
 from weftboard.proto.v1 import board_pb2 as pb
 
+
+class MetricsEndpoint:
+    """``/metrics`` of one registry on a port of its own (prometheus_client's WSGI server, on a
+    thread of its own); ``stop`` closes the socket and joins the thread."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.port: int | None = None
+        self._http: tuple[WSGIServer, threading.Thread] | None = None
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Serve on ``port`` (0 picks a free one); returns the bound port."""
+        server, thread = start_http_server(port, addr=addr, registry=self.registry)
+        self._http = (server, thread)
+        self.port = server.server_port
+        return self.port
+
+    def stop(self) -> None:
+        if self._http is not None:
+            server, thread = self._http
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=5)
+            self._http = None
+
+
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -43,21 +69,14 @@ class BoardMetrics:
         self.islands = Gauge("weftboard_islands", "Islands by run and state (as of the last heartbeat or listing)",
                              ["run", "state"], registry=r)
         self.trajectories = Counter("weftboard_trajectories", "Trajectory records accepted, by run", ["run"], registry=r)
-        self._http: tuple[WSGIServer, threading.Thread] | None = None
+        self.endpoint = MetricsEndpoint(r)
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve /metrics on ``port`` (0 picks a free one); returns the bound port."""
-        server, thread = start_http_server(port, addr=addr, registry=self.registry)
-        self._http = (server, thread)
-        return server.server_port
+        return self.endpoint.serve(port, addr)
 
     def stop(self) -> None:
-        if self._http is not None:
-            server, thread = self._http
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=5)
-            self._http = None
+        self.endpoint.stop()
 
     def record_commit(self, record: pb.VersionRecord) -> None:
         self.commits.labels(record.run).inc()

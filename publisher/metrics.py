@@ -11,18 +11,11 @@ Invariants:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    start_http_server,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from weftboard.board.metrics import MetricsEndpoint
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.job import Job
 
@@ -61,23 +54,19 @@ class PublisherMetrics:
             histogram.labels(run)
         if pending is not None:
             self.pending.labels(run).set_function(pending)
-        self.port: int | None = None
-        self._http: tuple[WSGIServer, threading.Thread] | None = None
+        self.endpoint = MetricsEndpoint(r)
+
+    @property
+    def port(self) -> int | None:
+        return self.endpoint.port
 
     def serve(self, port: int, addr: str = "127.0.0.1") -> PublisherMetrics:
         """Serve /metrics on ``port`` (0 picks a free one: ``self.port``); returns ``self``."""
-        server, thread = start_http_server(port, addr=addr, registry=self.registry)
-        self._http = (server, thread)
-        self.port = server.server_port
+        self.endpoint.serve(port, addr)
         return self
 
     def stop(self) -> None:
-        if self._http is not None:
-            server, thread = self._http
-            server.shutdown()
-            server.server_close()
-            thread.join(timeout=5)
-            self._http = None
+        self.endpoint.stop()
 
     def record_commit(self, record: pb.VersionRecord, job: Job, latency_s: float) -> None:
         """One committed version: ``job`` is the publisher's, ``latency_s`` from publish to commit."""
