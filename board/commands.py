@@ -68,7 +68,7 @@ from weftboard.board.config_file import environment_wins
 from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_data_dir
 from weftboard.board.embedded import start_redis, start_seaweedfs
 from weftboard.board.logs import configure
-from weftboard.board.process import BoardConfig, start_board
+from weftboard.board.process import BoardConfig, start_board, tune_gc_for_serving
 from weftboard.board.report import (
     fleet_document,
     gc_document,
@@ -301,6 +301,7 @@ def serve_until_signal(settings: BoardSettings) -> None:
     data_dir = Path(settings.data_dir).expanduser().resolve()
     with ExitStack() as stack:
         embedded = start_embedded(settings, data_dir, stack)
+        tune_gc_for_serving()
         with contextlib.suppress(KeyboardInterrupt):  # a signal before the handlers were installed
             asyncio.run(serve_async(settings, embedded, data_dir))
     banner_out.print("stopped")
@@ -540,6 +541,7 @@ def bench_board(
 ) -> None:
     """Board fan-out and ingest: 1,000 watchers, commit-to-delivery p50/p99, trajectories/s;
     with --replicas, watchers spread over replicas on a Redis Cluster and one replica killed."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # as Ctrl-C: stop every server it started
     if replicas:
         replica_params = ReplicaParams(replicas=replicas, watchers=watchers or 4000, commits=commits or 40)
         result = run_replica_bench(replica_params, log=lambda line: print(line, flush=True))
