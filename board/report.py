@@ -160,8 +160,17 @@ def ago(ms: int, now_ms: int | None = None) -> str:
     return f"{seconds / 3600:.1f}h ago"
 
 
+def coder_summary(stats: Any) -> str:
+    """How many changed tensors each patch coder carried, most used first ("huffman 51, bitmap 3")."""
+    counts: dict[str, int] = {}
+    for tensor in stats.tensors:
+        if tensor.coder:
+            counts[tensor.coder] = counts.get(tensor.coder, 0) + 1
+    return ", ".join(f"{coder} {n}" for coder, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))) or "-"
+
+
 def version_row(record: Any) -> list[str]:
-    """One history table row: version, step, parent, artifacts, bytes, density, committed."""
+    """One history table row: version, step, parent, artifacts, bytes, density, coders, committed."""
     kinds = []
     patch_bytes = record.stats.patch_bytes
     anchor_bytes = record.stats.anchor_bytes
@@ -184,6 +193,7 @@ def version_row(record: Any) -> list[str]:
         human_bytes(anchor_bytes),
         density,
         f"{stats.changed_elements:,}" if stats.total_elements else "-",
+        coder_summary(stats),
         when(record.committed_at_ms, "%m-%d %H:%M:%S"),
     ]
 
@@ -192,7 +202,7 @@ def history_table(run: str, records: list[Any]) -> Table:
     table = _table(f"history of {run}", (
         ("version", "right"), ("step", "right"), ("parent", "right"), ("artifacts", "left"),
         ("patch", "right"), ("anchor", "right"), ("density", "right"), ("changed", "right"),
-        ("committed UTC", "left"),
+        ("coders", "left"), ("committed UTC", "left"),
     ))
     for record in records:
         table.add_row(*version_row(record))

@@ -92,7 +92,11 @@ async def upload_and_stage(version: int, data: bytes, *, run: str, client: Any, 
     return ref
 
 
-def version_stats(job: Job, layout: list[LayoutEntry], patch_bytes: int, anchor_bytes: int) -> pb.VersionStats:
+def version_stats(job: Job, layout: list[LayoutEntry], patch_bytes: int, anchor_bytes: int,
+                  streams: list[Any] = ()) -> pb.VersionStats:
+    """The record's statistics; each changed tensor says which coder carried it (``streams``:
+    the patch's ``EncodedTensor`` list, empty without a patch)."""
+    coders = {s.name: (s.mode, int(s.stream.size)) for s in streams}
     tensors = []
     changed_total = total = scale_changed = 0
     for name, _dtype, shape in layout:
@@ -103,7 +107,9 @@ def version_stats(job: Job, layout: list[LayoutEntry], patch_bytes: int, anchor_
         if is_scale_tensor(name):
             scale_changed += changed
         if changed:
-            tensors.append(pb.TensorStats(name=name, changed=changed, numel=numel))
+            coder, stream_bytes = coders.get(name, ("", 0))
+            tensors.append(pb.TensorStats(name=name, changed=changed, numel=numel, coder=coder,
+                                          stream_bytes=stream_bytes))
     return pb.VersionStats(
         changed_elements=changed_total,
         total_elements=total,
@@ -123,6 +129,7 @@ async def commit_job(job: Job, *, run: str, layout: list[LayoutEntry], client: A
     patch_refs: list[pb.BlobRef] = []
     uploads = []
     patch_bytes = 0
+    streams: list[Any] = []
     if job.has_patch:
         # 1. the streams and the staged parts
         t_wait = time.perf_counter()
@@ -170,7 +177,7 @@ async def commit_job(job: Job, *, run: str, layout: list[LayoutEntry], client: A
         tensor_digests=[pb.TensorDigest(name=n, digest=job.digests[n]) for n in names],
         root_digest=job.root,
         artifacts=artifacts,
-        stats=version_stats(job, layout, patch_bytes, anchor_bytes),
+        stats=version_stats(job, layout, patch_bytes, anchor_bytes, streams),
         step=job.step,
         labels=job.labels,
         created_at_ms=int(time.time() * 1000),

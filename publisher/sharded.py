@@ -44,7 +44,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,7 @@ class RankResult:
     digests: dict[str, str]
     changed: dict[str, int]
     part: tuple[str, str, int] | None = None  # (key, digest, size) of its staged patch part
+    coders: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (stream mode, stream bytes)
     anchor: tuple[str, str, str, int] | None = None  # (name, key, digest, size) of its anchor file
     error: str | None = None
 
@@ -381,6 +382,7 @@ class ShardedPublisher:
                 deltas = [(n, diff_tensor(prev[n], t)) for n, t in owned.items()]
                 result.changed = {n: d.changed for n, d in deltas}
                 streams = codec.encode_streams(deltas, encoding=self.encoding, targets=owned)
+                result.coders = {s.name: (s.mode, int(s.stream.size)) for s in streams}
                 data = codec.assemble_patch(streams, base_version=version - 1, target_version=version,
                                             target_root="", encoding=self.encoding).data
                 ref = self._call(upload_and_stage(version, data, run=self.run, client=self._client,
@@ -423,6 +425,7 @@ class ShardedPublisher:
         assert self.plan is not None
         digests = {n: d for r in results for n, d in r.digests.items()}
         changed = {n: c for r in results for n, c in r.changed.items()}
+        coders = {n: c for r in results for n, c in r.coders.items()}
         layout = [(t.name, t.dtype, list(t.shape)) for t in self.plan.tensors]
         artifacts = []
         parts = [pb.BlobRef(key=r.part[0], digest=r.part[1], size=r.part[2]) for r in results if r.part]
@@ -445,7 +448,9 @@ class ShardedPublisher:
                 changed_elements=total_changed, total_elements=total, density=total_changed / total if total else 0.0,
                 patch_bytes=patch_bytes, anchor_bytes=sum(f.size for f in files),
                 tensors=[pb.TensorStats(name=n, changed=changed.get(n, numels[n]) if parts else numels[n],
-                                        numel=numels[n]) for n, _, _ in layout]))
+                                        numel=numels[n], coder=coders.get(n, ("", 0))[0],
+                                        stream_bytes=coders.get(n, ("", 0))[1])
+                         for n, _, _ in layout if not parts or changed.get(n, numels[n])]))
         response = await with_retries(f"commit of version {version}", lambda: self._client.commit_version(record))
         self.committed.append(response.record)
         log.info("committed a sharded version", run=self.run, version=version, ranks=self.world,

@@ -63,6 +63,12 @@ async def test_publish_versions_anchors_and_patches_bitwise(board, local_store, 
             assert r.stats.patch_bytes > 0 and r.step == r.version and r.labels["note"] == "t"
             assert abs(r.stats.density - r.stats.changed_elements / r.stats.total_elements) < 1e-12
             assert sum(t.changed for t in r.stats.tensors) == r.stats.changed_elements
+            # each changed tensor names the coder that carried it, as the patch header says
+            patch = next(a for a in r.artifacts if a.kind == pb.ARTIFACT_KIND_PATCH)
+            written = {t.name: (t.mode, t.stream_bytes) for b in patch.blobs
+                       for t in read_patch_info(await local_store.get_bytes(b.key)).tensors if t.changed}
+            assert {t.name: (t.coder, t.stream_bytes) for t in r.stats.tensors} == written
+            assert all(t.coder and t.stream_bytes > 0 for t in r.stats.tensors)
         # Anchors are plain HF safetensors checkpoints.
         anchor = next(a for a in recs[3].artifacts if a.kind == pb.ARTIFACT_KIND_ANCHOR)
         assert [b.name for b in anchor.blobs] == ["model.safetensors"]

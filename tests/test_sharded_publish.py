@@ -25,6 +25,7 @@ from pubsubkit import WARM_KERNELS, TinyLM, follow_each
 
 from weftboard.board.blobs.localdir import LocalDirBlobStore
 from weftboard.board.client import BoardClient
+from weftboard.cuda.codec import read_patch_info
 from weftboard.cuda.formats import ServedFormatSpec
 from weftboard.proto import errors
 from weftboard.proto.errors import InvalidArgument
@@ -144,6 +145,9 @@ async def test_fsdp2_ranks_publish_and_an_island_follows_bitwise_across_world_si
         assert [r["versions"] for r in _reports(out, 2)] == [[6, 7]] * 2
         record = await client.get_version("sharded", 3)
         assert [a.kind for a in record.artifacts] and len(record.artifacts[0].blobs) == 2  # one part per rank
+        written = {t.name: (t.mode, t.stream_bytes) for b in record.artifacts[0].blobs
+                   for t in read_patch_info(await local_store.get_bytes(b.key)).tensors if t.changed}
+        assert written and {t.name: (t.coder, t.stream_bytes) for t in record.stats.tensors} == written
         views = {v: torch.load(out / f"view-{v}.pt") for v in range(1, 8)}
         await follow_each(client, "sharded", local_store, tmp_path, views)
         await client.collect_garbage("sharded")

@@ -231,14 +231,18 @@ class Artifact(_message.Message):
     def __init__(self, kind: _Optional[_Union[ArtifactKind, str]] = ..., base_version: _Optional[int] = ..., blobs: _Optional[_Iterable[_Union[BlobRef, _Mapping]]] = ...) -> None: ...
 
 class TensorStats(_message.Message):
-    __slots__ = ("name", "changed", "numel")
+    __slots__ = ("name", "changed", "numel", "coder", "stream_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CHANGED_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
+    CODER_FIELD_NUMBER: _ClassVar[int]
+    STREAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     changed: int
     numel: int
-    def __init__(self, name: _Optional[str] = ..., changed: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+    coder: str
+    stream_bytes: int
+    def __init__(self, name: _Optional[str] = ..., changed: _Optional[int] = ..., numel: _Optional[int] = ..., coder: _Optional[str] = ..., stream_bytes: _Optional[int] = ...) -> None: ...
 
 class VersionStats(_message.Message):
     __slots__ = ("changed_elements", "total_elements", "density", "patch_bytes", "anchor_bytes", "tensors", "scale_changed_elements")
