@@ -18,7 +18,7 @@
 - A key in ``keep`` (the run's model files) is never deleted, whatever names it.
 - Leftovers of a version that never committed (a publisher that died before its commit) are
   deleted once older than the grace period, unless a kept artifact names their key: staged
-  parts and noted anchor files (``staged``: their note in ``store.k_checked`` is for a
+  parts and noted anchor files (``staged``: their note (``RedisStore.staged_notes``) is for a
   version after the head and older than the grace; GC forgets the note), and blobs under
   the run's ``blobs/`` that nothing names or notes (``abandoned``: an anchor file a
   publisher uploaded, aged by the blob store's last write, or for a multipart upload by its
@@ -43,7 +43,7 @@ from typing import Any
 import structlog
 
 from weftboard.board import model_files
-from weftboard.board.store import CHECKED_TTL_S, k_checked
+from weftboard.board.store import CHECKED_TTL_S
 from weftboard.board.uploads import UploadLedger
 from weftboard.proto import convert
 from weftboard.proto.names import blobs_prefix
@@ -177,7 +177,7 @@ async def execute_gc(store, blobs, run: str, plan: GcPlan, *, dry_run: bool) -> 
         return plan
     oldest = await store.advance_oldest(run, plan.oldest_available)
     if plan.staged:  # first: a commit of their version now asks the blob store, which says gone
-        await store.redis.hdel(k_checked(run), *plan.staged)
+        await store.forget_staged_notes(run, list(plan.staged))
     if plan.delete:
         await blobs.delete([key for key, _ in plan.delete])
     await store.forget_orphans(run, plan.orphans)
@@ -190,15 +190,10 @@ async def find_leftovers(store, blobs, run: str, head: int, known: set[str], *, 
     module docstring); ``known``: keys that are no leftovers (named by a record, the run's
     model files, orphans)."""
     before_ms = now_ms - int(max(grace_s, CHECKED_TTL_S) * 1000)
-    notes = await store.redis.hgetall(k_checked(run))
-    staged: dict[str, int] = {}
-    noted: set[str] = set()
-    for raw_key, raw in notes.items():
-        key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
-        noted.add(key)
-        fields = (raw.decode() if isinstance(raw, bytes) else raw).split(":")
-        if len(fields) == 3 and int(fields[1]) > head and int(fields[2]) <= before_ms and key not in known:
-            staged[key] = int(fields[0])  # "<size>:<version>:<checked_ms>": older notes have no time
+    notes = await store.staged_notes(run)
+    noted = set(notes)
+    staged = {key: size for key, (size, version, checked_ms) in notes.items()  # notes without a time: kept
+              if version > head and 0 < checked_ms <= before_ms and key not in known}
     listed = await blobs.list_blobs(blobs_prefix(run))
     abandoned = {key: b.size for key, b in listed.items()
                  if key not in known and key not in noted and b.modified_s * 1000 <= before_ms}

@@ -360,6 +360,22 @@ class RedisStore:
                 sizes[key] = int(fields[0])
         return sizes
 
+    async def staged_notes(self, run: str) -> dict[str, tuple[int, int, int]]:
+        """Every noted staged blob of ``run``: key -> (size, version, checked_ms); a note written
+        before the check time was kept has checked_ms 0."""
+        notes: dict[str, tuple[int, int, int]] = {}
+        for raw_key, raw in (await self.redis.hgetall(k_checked(run))).items():
+            key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+            fields = (raw.decode() if isinstance(raw, bytes) else raw).split(":")
+            size, version = int(fields[0]), int(fields[1]) if len(fields) > 1 else 0
+            notes[key] = (size, version, int(fields[2]) if len(fields) == 3 else 0)
+        return notes
+
+    async def forget_staged_notes(self, run: str, keys: Sequence[str]) -> None:
+        """Drop these blob keys' staged notes (their blobs are about to be collected)."""
+        if keys:
+            await self.redis.hdel(k_checked(run), *keys)
+
     async def settle_staged(self, run: str, version: int, named: Sequence[str]) -> int:
         """After ``version`` was committed naming the blob keys ``named``: drop their checks
         (so the checked hash holds only parts still in flight) and move the parts staged for
