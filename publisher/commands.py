@@ -88,6 +88,6 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
         if duration <= 0 or islands < 1:
             raise typer.BadParameter("--duration and --islands must be positive")
         configure(json=True, level="WARNING")
-        params = chaos_bench.ChaosParams(duration_s=duration, seed=seed, islands=islands, appendfsync=appendfsync,
-                                         publish_interval_s=publish_interval_s, work_dir=work_dir, keep=keep)
+        shape = chaos_bench.SystemShape(islands=islands, appendfsync=appendfsync, publish_interval_s=publish_interval_s)
+        params = chaos_bench.ChaosParams(duration_s=duration, seed=seed, shape=shape, work_dir=work_dir, keep=keep)
         raise typer.Exit(chaos_bench.main_cli(params, json_out))

@@ -23,14 +23,19 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from weftboard.cuda.warmup import warm_up_kernels
 from weftboard.proto.errors import WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
-from weftboard.publisher.bench.chaos.cluster import RUN, Cluster, ClusterConfig
+from weftboard.publisher.bench.chaos.cluster import (
+    RUN,
+    Cluster,
+    ClusterConfig,
+    SystemShape,
+)
 from weftboard.publisher.bench.chaos.history import Ack, History, check, failure_report
 from weftboard.publisher.bench.chaos.injector import Injector, TrainerEvents
 from weftboard.publisher.bench.chaos.observer import (
@@ -56,11 +61,7 @@ RECOVERY_BOUNDS_S = {"redis": 30.0, "s3": 60.0, "board": 60.0, "publisher": 120.
 class ChaosParams:
     duration_s: float = 300.0
     seed: int | None = None
-    islands: int = 3
-    replicas: int = 2
-    appendfsync: str = "everysec"
-    publish_interval_s: float = 0.25
-    anchor_every: int = 8
+    shape: SystemShape = field(default_factory=SystemShape)
     request_workers: int = 2
     request_interval_s: float = 0.3
     mean_gap_s: float = 6.0
@@ -80,8 +81,7 @@ class _Run:
         self.t0 = time.monotonic()
         self.history = History(seed)
         self.trainer = TrainerEvents()
-        self.cluster = Cluster(ClusterConfig(root, seed, params.islands, params.replicas, params.appendfsync,
-                                             params.publish_interval_s, params.anchor_every, log=say),
+        self.cluster = Cluster(ClusterConfig(root, seed, params.shape, log=say),
                                "chaos-admin-" + os.urandom(12).hex(), self._trainer_line)
         self.tasks: list[asyncio.Task] = []
         self.crashes: Counter[str] = Counter()
@@ -269,7 +269,7 @@ async def run_chaos(params: ChaosParams, say: Callable[[str], None]) -> tuple[di
                       _progress(run, observer, states)):
             run.spawn(party)
         kinds, skipped = _available_kinds(c)
-        schedule = make_schedule(seed, params.duration_s, kinds=kinds, islands=c.island_ids, replicas=params.replicas,
+        schedule = make_schedule(seed, params.duration_s, kinds=kinds, islands=c.island_ids, replicas=params.shape.replicas,
                                  links=c.faultable_links(), mean_gap_s=params.mean_gap_s)
         say(f"system up (head v{observer.head}, islands ready); {len(schedule)} faults over {params.duration_s:.0f}s:")
         for fault in schedule:
@@ -375,7 +375,7 @@ def _result(run: _Run, verdict: Any, schedule: list, skipped: list[str], procs: 
         "rss_growth_mb": rss,
         "fd_growth": fds,
         "unexpected_exits": dict(run.crashes),
-        "appendfsync": run.params.appendfsync,
+        "appendfsync": run.params.shape.appendfsync,
         "ok": verdict.ok,
         "wall_s": round(run.clock(), 1),
         "cpus": os.cpu_count(),

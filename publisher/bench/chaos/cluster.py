@@ -60,16 +60,24 @@ MODEL = {"d_model": 96, "n_layers": 2, "n_heads": 4, "d_ff": 192, "max_seq": 64}
 LOOPBACK = "127.0.0.1"
 
 
-@dataclass
-class ClusterConfig:
-    root: Path
-    seed: int = 0
+@dataclass(frozen=True)
+class SystemShape:
+    """What the chaos system is made of: the bench's parameters carry one, the cluster is built
+    from it."""
+
     islands: int = 3
     replicas: int = 2
     appendfsync: str = "everysec"
     publish_interval_s: float = 0.25
     anchor_every: int = 8
     island_disk_mb: int = 48
+
+
+@dataclass
+class ClusterConfig:
+    root: Path
+    seed: int = 0
+    shape: SystemShape = field(default_factory=SystemShape)
     log: Callable[[str], None] = print
 
 
@@ -233,12 +241,12 @@ class Cluster:
         self.cfg = cfg
         self.token = admin_token
         root = cfg.root
-        self.redis = RedisServer(root / "redis", cfg.appendfsync)
+        self.redis = RedisServer(root / "redis", cfg.shape.appendfsync)
         self.s3 = S3Server(root / "s3")
         self.proxies: dict[str, FaultProxy] = {}
         self.boards: list[ChildProcess] = []
         self.board_addresses: list[str] = []  # each replica's own address (its current incarnation)
-        self.island_ids = [f"island-{i}" for i in range(cfg.islands)]
+        self.island_ids = [f"island-{i}" for i in range(cfg.shape.islands)]
         self.clients = ["publisher", "consumer", "observer", *self.island_ids]
         self.islands: list[Island] = []
         self.trainer_resume = "run"
@@ -262,7 +270,7 @@ class Cluster:
 
     def boards_for(self, client: str) -> str:
         """The board replicas' addresses as ``client`` dials them (through its proxies)."""
-        return ",".join(self.proxies[f"{client}>board-{j}"].address for j in range(self.cfg.replicas))
+        return ",".join(self.proxies[f"{client}>board-{j}"].address for j in range(self.cfg.shape.replicas))
 
     def s3_for(self, client: str) -> str:
         return self.proxies[f"{client}>s3"].address
@@ -287,8 +295,8 @@ class Cluster:
                 "--s3-endpoint", self.s3_for("publisher"), "--s3-access-key", self.s3.access_key,
                 "--s3-secret-key", self.s3.secret_key, "--s3-bucket", self.s3.bucket,
                 "--state-dir", str(self.cfg.root / "trainer"), "--model", json.dumps(MODEL),
-                "--seed", str(self.cfg.seed), "--anchor-every", str(self.cfg.anchor_every),
-                "--interval-s", str(self.cfg.publish_interval_s), "--resume", self.trainer_resume]
+                "--seed", str(self.cfg.seed), "--anchor-every", str(self.cfg.shape.anchor_every),
+                "--interval-s", str(self.cfg.shape.publish_interval_s), "--resume", self.trainer_resume]
 
     def _sidecar_argv(self, island: Island) -> Callable[[], list[str]]:
         def argv() -> list[str]:
@@ -307,21 +315,21 @@ class Cluster:
         say = self.cfg.log
         await self.redis.start()
         await self.s3.start()
-        say(f"redis-server (AOF, appendfsync {self.cfg.appendfsync}) on {self.redis.port}, "
+        say(f"redis-server (AOF, appendfsync {self.cfg.shape.appendfsync}) on {self.redis.port}, "
             f"SeaweedFS S3 on {self.s3.address[1]}")
-        for j in range(self.cfg.replicas):
+        for j in range(self.cfg.shape.replicas):
             await self._proxy(f"board-{j}>redis", self.redis.address)
             await self._proxy(f"board-{j}>s3", self.s3.address)
         for client in ("publisher", *self.island_ids):
             await self._proxy(f"{client}>s3", self.s3.address)
-        for j in range(self.cfg.replicas):
+        for j in range(self.cfg.shape.replicas):
             for client in self.clients:
                 await self._proxy(f"{client}>board-{j}", None)  # targeted once the board is up
             self.board_addresses.append("")
             self.boards.append(ChildProcess(f"board-{j}", self._board_argv(j), self.cfg.root / f"board-{j}.log",
                                             env=_python_env()))
-        await asyncio.gather(*(self.start_board(j) for j in range(self.cfg.replicas)))
-        say(f"{self.cfg.replicas} board replicas at {', '.join(self.board_addresses)}; "
+        await asyncio.gather(*(self.start_board(j) for j in range(self.cfg.shape.replicas)))
+        say(f"{self.cfg.shape.replicas} board replicas at {', '.join(self.board_addresses)}; "
             f"{len(self.proxies)} fault proxies")
         await self.trainer.start()
 
@@ -386,7 +394,7 @@ class Cluster:
         if os.geteuid() != 0:
             return False
         try:
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.cfg.island_disk_mb}m", "tmpfs", str(directory)],
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.cfg.shape.island_disk_mb}m", "tmpfs", str(directory)],
                            check=True, capture_output=True, timeout=10)
             return True
         except (OSError, subprocess.SubprocessError):
