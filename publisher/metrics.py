@@ -70,11 +70,17 @@ class PublisherMetrics:
 
     def record_commit(self, record: pb.VersionRecord, job: Job, latency_s: float) -> None:
         """One committed version: ``job`` is the publisher's, ``latency_s`` from publish to commit."""
-        self.published.labels(self.run, "anchor" if job.anchor else "patch").inc()
+        self.record_version(record, anchor=job.anchor, blocked_s=sum(h.blocked_s for h in job.handles),
+                            snapshot_s=job.timings.get("queued_s", 0.0), latency_s=latency_s)
+
+    def record_version(self, record: pb.VersionRecord, *, anchor: bool, blocked_s: float, snapshot_s: float,
+                       latency_s: float) -> None:
+        """One committed version, from its parts (the sharded publisher has no ``Job``)."""
+        self.published.labels(self.run, "anchor" if anchor else "patch").inc()
         self.version.labels(self.run).set(record.version)
         for artifact in record.artifacts:
             artifact_kind = "patch" if artifact.kind == pb.ARTIFACT_KIND_PATCH else "anchor"
             self.uploaded_bytes.labels(self.run, artifact_kind).inc(sum(b.size for b in artifact.blobs))
-        self.blocked_seconds.labels(self.run).observe(sum(h.blocked_s for h in job.handles))
-        self.snapshot_seconds.labels(self.run).observe(job.timings.get("queued_s", 0.0))
+        self.blocked_seconds.labels(self.run).observe(blocked_s)
+        self.snapshot_seconds.labels(self.run).observe(snapshot_s)
         self.commit_latency.labels(self.run).observe(latency_s)

@@ -33,6 +33,9 @@ Invariants:
 - Each rank stages its anchor file (``StagePart`` with the file's name) before the gather, so
   the file of a rank that dies mid-version is an orphan GC deletes too; the file's metadata
   names its version, so no other version's record can name its key.
+- Every rank records its committed versions in its own ``PublisherMetrics`` (the record is
+  broadcast to all); with ``metrics_port``, rank 0 serves them. Without ``blob_store``, a blob
+  over ``upload_part_bytes`` goes up as a presigned multipart upload, as for ``Publisher``.
 """
 
 from __future__ import annotations
@@ -54,7 +57,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
-from weftboard.board.blobs.transfer import FAST_RECONNECT, Uploader, with_retries
+from weftboard.board.blobs.transfer import (
+    DEFAULT_PART_BYTES,
+    FAST_RECONNECT,
+    Uploader,
+    check_part_bytes,
+    with_retries,
+)
 from weftboard.board.channel import TlsConfig, client_tls
 from weftboard.board.client import BoardClient
 from weftboard.cuda import codec
@@ -67,6 +76,7 @@ from weftboard.proto.errors import FailedPrecondition, InvalidArgument, Weftboar
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.commit import upload_and_stage
 from weftboard.publisher.job import RECENT_VERSIONS, PublishHandle
+from weftboard.publisher.metrics import PublisherMetrics
 from weftboard.publisher.model_files import collect_model_files, open_run
 from weftboard.publisher.sharded_exchange import exchange_slices
 from weftboard.publisher.sharded_layout import (
@@ -142,9 +152,12 @@ class ShardedPublisher:
                  collective_timeout_s: float = 300.0, model_files: Any = None, timeout_s: float = 30.0,
                  group: dist.ProcessGroup | None = None, tls: TlsConfig | bool | None = None,
                  tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
-                 tls_key: str | Path | None = None, server_name: str | None = None) -> None:
+                 tls_key: str | Path | None = None, server_name: str | None = None,
+                 upload_part_bytes: int = DEFAULT_PART_BYTES, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1") -> None:
         if encoding not in codec.ENCODINGS:
             raise InvalidArgument(f"unknown patch encoding {encoding!r}; expected one of {codec.ENCODINGS}")
+        check_part_bytes(upload_part_bytes)
         self.spec = served_format if served_format is not None else ServedFormatSpec("bf16")
         if not isinstance(self.spec, ServedFormatSpec) or self.spec.kind not in ELEMENTWISE_KINDS:
             raise InvalidArgument(f"sharded publishing needs an elementwise served format ({', '.join(ELEMENTWISE_KINDS)}), "
@@ -157,6 +170,7 @@ class ShardedPublisher:
         self._tls = client_tls(tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, server_name=server_name)
         self.projector = Projector(self.spec)
         self.blob_store = blob_store
+        self._upload_part_bytes = upload_part_bytes
         self.anchor_every = anchor_every
         self.encoding = encoding
         self.timeout_s = timeout_s
@@ -174,6 +188,10 @@ class ShardedPublisher:
         self._last_anchor = 0
         self._next_version = 0
         self._slots = threading.Semaphore(max_pending)
+        self._pending = 0  # versions published and not yet committed (or failed)
+        self.metrics = PublisherMetrics(self.run, lambda: self._pending)  # every rank records; rank 0 serves
+        if metrics_port is not None and self.rank == 0:
+            self.metrics.serve(metrics_port, metrics_host)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weftboard-sharded")
         self._failure: BaseException | None = None
         self._loop = asyncio.new_event_loop()
@@ -222,7 +240,8 @@ class ShardedPublisher:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
-        self._pool.submit(self._publish_version, version, step, snapshot, fut)
+        self._pending += 1
+        self._pool.submit(self._publish_version, version, step, snapshot, fut, t0, blocked)
         return PublishHandle(version, step, fut, coalesced=False, blocked_s=blocked)
 
     def flush(self) -> None:
@@ -243,6 +262,7 @@ class ShardedPublisher:
                     log.info("closing the board client failed", error=str(exc))
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+            self.metrics.stop()
 
     # -- setup: the plan, the run ---------------------------------------------------------
 
@@ -285,7 +305,7 @@ class ShardedPublisher:
         if self._client is None:
             self._client = BoardClient(self.address, self.token, tls=self._tls, timeout_s=self.timeout_s,
                                        options=FAST_RECONNECT)
-            self._uploader = Uploader(self.run, self._client, self.blob_store)
+            self._uploader = Uploader(self.run, self._client, self.blob_store, part_bytes=self._upload_part_bytes)
 
     async def _open(self, held: dict[str, tuple]) -> int:
         """Rank 0: create or open the run; returns its head."""
@@ -322,11 +342,14 @@ class ShardedPublisher:
     # -- stages 2-4 (the background thread, in version order) --------------------------------
 
     def _publish_version(self, version: int, step: int, snapshot: dict[str, torch.Tensor],
-                         fut: concurrent.futures.Future) -> None:
+                         fut: concurrent.futures.Future, t_publish: float, blocked_s: float) -> None:
         try:
             if self._failure is not None:
                 raise self._failure
             record = self._collective_version(version, step, snapshot)
+            anchor = any(a.kind == pb.ARTIFACT_KIND_ANCHOR for a in record.artifacts)
+            self.metrics.record_version(record, anchor=anchor, blocked_s=blocked_s, snapshot_s=blocked_s,
+                                        latency_s=time.perf_counter() - t_publish)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter and every later publish
             wrapped = exc if isinstance(exc, WeftboardError) else FailedPrecondition(
                 f"sharded publishing of version {version} failed: {type(exc).__name__}: {exc}")
@@ -338,6 +361,7 @@ class ShardedPublisher:
         else:
             fut.set_result(record)
         finally:
+            self._pending -= 1
             self._slots.release()
 
     def _collective_version(self, version: int, step: int, snapshot: dict[str, torch.Tensor]) -> Any:

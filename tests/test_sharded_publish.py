@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ def _job(rank: int, world: int, cfg: dict[str, Any]) -> None:
     gen = torch.Generator().manual_seed(cfg["seed"])
     pub = ShardedPublisher(cfg["board"], "sharded", token=cfg["token"], blob_store=LocalDirBlobStore(cfg["blobs"]),
                            collective_timeout_s=cfg.get("timeout_s", 60), work_dir=out / f"work-{rank}",
-                           anchor_every=cfg.get("anchor_every", 50))
+                           anchor_every=cfg.get("anchor_every", 50), metrics_port=0 if cfg.get("metrics") else None)
     if rank == cfg.get("kill_rank"):
         def die(version: int, result: Any) -> None:
             if version == cfg["kill_at"]:
@@ -87,6 +88,10 @@ def _job(rank: int, world: int, cfg: dict[str, Any]) -> None:
             report["versions"].append(handle.result(120).version)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         report["error"] = f"{type(exc).__name__}: {exc}"
+    if cfg.get("metrics"):  # what this rank's metrics say after its versions (rank 0 serves them)
+        scraped = (urllib.request.urlopen(f"http://127.0.0.1:{pub.metrics.port}/metrics", timeout=10).read().decode()
+                   if pub.metrics.port is not None else "")
+        (out / f"metrics-{rank}.txt").write_text(scraped)
     (out / f"report-{rank}.json").write_text(json.dumps(report))
     if report["error"] is None:
         pub.close()
@@ -121,8 +126,14 @@ async def test_fsdp2_ranks_publish_and_an_island_follows_bitwise_across_world_si
     out.mkdir()
     base = {"board": board.address, "token": board.admin_token, "blobs": str(local_store.root), "out": str(out)}
     # job 1: 2 ranks, versions 1 (anchor), 2, 3 (patches in two parts)
-    assert await asyncio.to_thread(_spawn, 2, dict(base, steps=3, seed=1)) == [0, 0]
+    assert await asyncio.to_thread(_spawn, 2, dict(base, steps=3, seed=1, metrics=True)) == [0, 0]
     assert [r["versions"] for r in _reports(out, 2)] == [[1, 2, 3]] * 2
+    scraped = (out / "metrics-0.txt").read_text()  # rank 0 serves its metrics; rank 1 serves none
+    assert 'weftboard_publisher_version{run="sharded"} 3.0' in scraped
+    assert 'weftboard_publisher_versions_total{kind="anchor",run="sharded"} 1.0' in scraped
+    assert 'weftboard_publisher_versions_total{kind="patch",run="sharded"} 2.0' in scraped
+    assert 'weftboard_publisher_pending{run="sharded"} 0.0' in scraped
+    assert (out / "metrics-1.txt").read_text() == ""
     # job 2: 4 ranks from job 1's weights: version 4 (an anchor), 5, then rank 3 dies in version 6
     # (due to anchor: a patch part and an anchor file per rank)
     torch.save(torch.load(out / "state.pt"), tmp_path / "state-job1.pt")
@@ -176,6 +187,11 @@ def test_plan_refuses_bad_layouts_with_clear_errors() -> None:
         plan_slices([_header(0, 2, 1, rows[0]), _header(1, 2, 2, rows[1])])
     assert Slice(torch.zeros(2, 6), (4, 6), (2, 0)).offset == (2, 0)
 
+
+
+def test_a_bad_upload_part_size_is_refused_when_the_publisher_is_made() -> None:
+    with pytest.raises(InvalidArgument, match="part_bytes 1024 is out of range"):
+        ShardedPublisher("127.0.0.1:1", "r", upload_part_bytes=1024)
 
 
 @pytest.mark.parametrize("kind", ["fp8_e4m3", "mxfp4", "nvfp4"])
