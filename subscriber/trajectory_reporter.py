@@ -11,7 +11,10 @@ Invariants:
   without the right, a bad record) cannot be cured by retrying: that batch is dropped and
   counted (``failed``). A batch resent after a lost answer may arrive twice: consumers
   deduplicate by ``request_id``.
-- ``stop`` flushes what is queued, bounded by a timeout.
+- ``stop`` flushes what is queued, bounded by a timeout. It cancels the sender until it has
+  ended: on Python < 3.12 ``asyncio.wait_for`` returns a result that arrived together with a
+  cancellation and drops the cancellation, which once left a stopping island waiting forever
+  on a sender that had gone back to waiting for records.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from weftboard.proto.errors import DeadlineExceeded, Unavailable, WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 
 log = structlog.get_logger(__name__)
+
+CANCEL_RETRY_S = 0.5  # how long stop waits for the sender to end before cancelling it again
 
 MAX_RECORDS_PER_CALL = 10_000
 
@@ -102,7 +107,9 @@ class TrajectoryReporter:
             self._task = asyncio.create_task(self._run(), name="trajectory-reporter")
 
     async def _next_batch(self) -> list[pb.TrajectoryRecord]:
-        batch = [await self._queue.get()]
+        """Collect the next batch into ``_pending`` (taken off the queue, so ``stop`` must find
+        them there if it cancels the collection half way)."""
+        batch = self._pending = [await self._queue.get()]
         deadline = time.monotonic() + self.flush_interval_s
         while len(batch) < self.batch_size:
             remaining = deadline - time.monotonic()
@@ -110,7 +117,7 @@ class TrajectoryReporter:
                 break
             try:
                 batch.append(await asyncio.wait_for(self._queue.get(), remaining))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (TimeoutError from 3.11 on)
                 break
         return batch
 
@@ -149,10 +156,12 @@ class TrajectoryReporter:
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         if self._task is not None:
-            self._task.cancel()
+            task, self._task = self._task, None
+            while not task.done():  # a cancellation wait_for swallowed leaves the sender running
+                task.cancel()
+                await asyncio.wait({task}, timeout=CANCEL_RETRY_S)
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
         try:
             if self._pending:
                 batch, self._pending = self._pending, []

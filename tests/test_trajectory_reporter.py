@@ -1,6 +1,7 @@
 """The island's trajectory reporter against a real board: an outage of the board (longer
 than any fixed retry budget) loses nothing, and a refusal no retry can cure (a token without
-the right) drops the batch and says so instead of retrying forever."""
+the right) drops the batch and says so instead of retrying forever; and stop ends even when a
+record arrives in the same instant (Python < 3.12's wait_for then drops the cancellation)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,27 @@ async def test_a_refused_batch_is_dropped_and_counted(board) -> None:
         await reporter.stop(timeout_s=1)
         await reader.close()
         await admin.close()
+
+
+class RecordingClient:
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def report_trajectories(self, batch) -> None:
+        self.sent += [r.request_id for r in batch]
+
+
+async def test_stop_ends_when_a_record_arrives_with_the_cancellation() -> None:
+    """The sender waits for more records of its batch (``wait_for`` on the queue); a record that
+    arrives just as ``stop`` cancels it made Python 3.11's ``wait_for`` return the record and drop
+    the cancellation, and the old ``stop`` then waited forever (a whole test run hung on it)."""
+    client = RecordingClient()
+    reporter = TrajectoryReporter(client, flush_interval_s=5.0, batch_size=100)
+    reporter.start()
+    reporter.submit(record("r", "a"))
+    await asyncio.sleep(0.05)  # the sender holds "a" and waits for more
+    reporter.submit(record("r", "b"))
+    start = time.monotonic()
+    await asyncio.wait_for(reporter.stop(timeout_s=1), 10)  # no await between: the same instant
+    assert time.monotonic() - start < 3  # (the old stop waited until this wait_for cancelled it too)
+    assert sorted(client.sent) == ["a", "b"]  # nothing lost either
