@@ -34,6 +34,7 @@ import structlog
 from weftboard.board.client import BoardClient, TlsConfig
 from weftboard.proto.errors import InvalidArgument, NotFound
 from weftboard.subscriber.admission import AdmissionGate, VersionState
+from weftboard.subscriber.cancel import cancel_and_wait
 from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
 from weftboard.subscriber.destination import Destination
 from weftboard.subscriber.engine_destination import EngineDestination
@@ -80,9 +81,7 @@ class RunningIsland:
         return task.exception() or RuntimeError(f"task {task.get_name()} returned")
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         await self.sidecar.stop()
         for close in reversed(self._closers):
             try:

@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -29,10 +28,9 @@ import structlog
 
 from weftboard.proto.errors import DeadlineExceeded, Unavailable, WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.subscriber.cancel import cancel_and_wait
 
 log = structlog.get_logger(__name__)
-
-CANCEL_RETRY_S = 0.5  # how long stop waits for the sender to end before cancelling it again
 
 MAX_RECORDS_PER_CALL = 10_000
 
@@ -157,11 +155,7 @@ class TrajectoryReporter:
     async def stop(self, timeout_s: float = 5.0) -> None:
         if self._task is not None:
             task, self._task = self._task, None
-            while not task.done():  # a cancellation wait_for swallowed leaves the sender running
-                task.cancel()
-                await asyncio.wait({task}, timeout=CANCEL_RETRY_S)
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait([task])  # (a cancellation wait_for dropped leaves it running)
         try:
             if self._pending:
                 batch, self._pending = self._pending, []
