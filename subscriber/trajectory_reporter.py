@@ -139,8 +139,7 @@ class TrajectoryReporter:
 
     async def _run(self) -> None:
         while True:
-            self._pending = await self._next_batch()
-            await self._send(self._pending)
+            await self._send(await self._next_batch())  # (the batch is _pending until sent)
             self._pending = []
 
     async def flush(self, timeout_s: float = 5.0) -> None:
