@@ -55,6 +55,7 @@ from aiohttp import web
 from weftboard.proto.domain import VersionConstraint
 from weftboard.proto.errors import DeadlineExceeded, InvalidArgument, WeftboardError
 from weftboard.subscriber.admission import AdmissionGate, Ticket, VersionState
+from weftboard.subscriber.engines.http import engine_session
 from weftboard.subscriber.metrics import IslandMetrics
 from weftboard.subscriber.trajectory_reporter import TrajectoryReporter, make_record
 
@@ -305,7 +306,7 @@ class Sidecar:
         return app
 
     async def start(self) -> str:
-        self._session = aiohttp.ClientSession()
+        self._session = engine_session()
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)

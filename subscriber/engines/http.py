@@ -5,6 +5,9 @@ Invariants:
   ``ApplyError`` naming the engine, the method, the path and what the engine said.
 - With an ``api_key`` every call carries ``Authorization: Bearer <key>`` (an engine started
   with ``--api-key`` answers 401 otherwise); the key never appears in an error message.
+- An idle connection is reused for at most ``ENGINE_KEEPALIVE_S``, below the 5 s after which
+  uvicorn (vLLM's and SGLang's server) closes it, so no request goes out on a connection the
+  engine has already closed (aiohttp keeps them 15 s: "Server disconnected").
 """
 
 from __future__ import annotations
@@ -16,6 +19,14 @@ import aiohttp
 
 from weftboard.proto.errors import ApplyError
 from weftboard.subscriber.engines.base import EngineAdapter
+
+#: seconds an idle connection to an engine stays in the pool; uvicorn closes its side at 5 s.
+ENGINE_KEEPALIVE_S = 2.0
+
+
+def engine_session(keepalive_s: float = ENGINE_KEEPALIVE_S) -> aiohttp.ClientSession:
+    """A client session for an engine's HTTP server, dropping idle connections before the engine does."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=keepalive_s))
 
 
 class HttpEngineAdapter(EngineAdapter):
@@ -31,8 +42,10 @@ class HttpEngineAdapter(EngineAdapter):
         timeout_s: float = 30.0,
         load_timeout_s: float = 600.0,
         api_key: str | None = None,
+        keepalive_s: float = ENGINE_KEEPALIVE_S,
     ) -> None:
         super().__init__()
+        self.keepalive_s = keepalive_s
         self.engine_url = engine_url.rstrip("/")
         self.timeout_s = timeout_s
         self.load_timeout_s = load_timeout_s
@@ -41,7 +54,7 @@ class HttpEngineAdapter(EngineAdapter):
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
+            self._session = engine_session(self.keepalive_s)
         return self._session
 
     async def call(
