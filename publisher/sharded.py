@@ -471,10 +471,7 @@ class ShardedPublisher:
             stats=pb.VersionStats(
                 changed_elements=total_changed, total_elements=total, density=total_changed / total if total else 0.0,
                 patch_bytes=patch_bytes, anchor_bytes=sum(f.size for f in files),
-                tensors=[pb.TensorStats(name=n, changed=changed.get(n, numels[n]) if parts else numels[n],
-                                        numel=numels[n], coder=coders.get(n, ("", 0))[0],
-                                        stream_bytes=coders.get(n, ("", 0))[1])
-                         for n, _, _ in layout if not parts or changed.get(n, numels[n])]))
+                tensors=_tensor_stats([n for n, _, _ in layout], numels, changed, coders, patched=bool(parts))))
         response = await with_retries(f"commit of version {version}", lambda: self._client.commit_version(record))
         self.committed.append(response.record)
         log.info("committed a sharded version", run=self.run, version=version, ranks=self.world,
@@ -485,3 +482,16 @@ class ShardedPublisher:
         if self._failure is not None:
             raise self._failure
 
+
+def _tensor_stats(names: list[str], numels: dict[str, int], changed: dict[str, int],
+                  coders: dict[str, tuple[str, int]], *, patched: bool) -> list[pb.TensorStats]:
+    """A version's per-tensor statistics: with a patch, the tensors it changed, each with its
+    coder and stream bytes; without one (an anchor), every tensor as wholly changed."""
+    stats = []
+    for n in names:
+        count = changed.get(n, numels[n]) if patched else numels[n]
+        if patched and not count:
+            continue
+        coder, stream_bytes = coders.get(n, ("", 0))
+        stats.append(pb.TensorStats(name=n, changed=count, numel=numels[n], coder=coder, stream_bytes=stream_bytes))
+    return stats
