@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_kernels"), pytest.
 
 KEYS = {
     "params", "islands", "versions", "delta_bytes_per_version", "full_bytes_per_version",
-    "delta_sync_p50_s", "delta_sync_p99_s", "full_sync_p50_s", "speedup_p50",
+    "delta_sync_p50_s", "delta_sync_p99_s", "full_sync_p50_s", "speedup_p50", "bytes_ratio",
     "trainer_blocked_s_per_version", "publisher_extra_memory_ratio", "bitwise_ok",
 }
 
@@ -50,6 +50,8 @@ def test_bench_sync_smoke(tmp_path: Path, encoding: str, part_bytes: int | None,
     assert result["islands"] == 2 and result["versions"] == 2
     assert result["params"] >= 1_000_000 * 0.8
     assert 0 < result["delta_bytes_per_version"] < result["full_bytes_per_version"]
+    assert result["bytes_ratio"] == pytest.approx(result["full_bytes_per_version"] / result["delta_bytes_per_version"],
+                                                  rel=1e-3)
     assert result["trainer_gc"].startswith("manual")
     assert result["trainer_gc_s_per_step"] >= 0
 

@@ -551,7 +551,7 @@ def test_bench_sync_wan_small_model_end_to_end(tmp_path) -> None:
     assert out["network"] == "wan"
     assert out["wan"] == {"rate_mbit": 200.0, "rtt_ms": 10.0, "tcp_slow_start": True}
     for key in ("params", "islands", "versions", "delta_bytes_per_version", "full_bytes_per_version",
-                "delta_sync_p50_s", "delta_sync_p99_s", "full_sync_p50_s", "speedup_p50",
+                "delta_sync_p50_s", "delta_sync_p99_s", "full_sync_p50_s", "speedup_p50", "bytes_ratio",
                 "trainer_blocked_s_per_version", "publisher_extra_memory_ratio"):
         assert key in out, key
     assert out["bitwise_ok"] is True

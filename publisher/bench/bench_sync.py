@@ -12,7 +12,8 @@ What it runs, all on this machine and one real S3 server (SeaweedFS started here
 
 Spans are from the trainer's publish call to the last island's "applied" (delta: verified
 against the version's root digest) or "loaded" (baseline), using wall clocks of the same
-machine. The first version of the delta run (the anchor every island starts from) is not a
+machine. ``bytes_ratio`` (full checkpoint bytes over patch bytes) is what ``speedup_p50`` would
+be if a sync cost only its bytes on the link. The first version of the delta run (the anchor every island starts from) is not a
 measured version: the measured ones are the steady state of patches.
 
 Memory: ``publisher_extra_memory_ratio`` is (peak RSS of this process while publishing -
@@ -423,6 +424,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "full_sync_p50_s": round(full_p50, 4),
         "full_upload_p50_s": round(upload_p50, 4),
         "speedup_p50": round(full_p50 / delta_p50, 2) if delta_p50 > 0 else None,
+        # the physical limit of the speedup on a link that only moves bytes: full bytes / patch bytes
+        "bytes_ratio": round(full_bytes / statistics.fmean(patch_bytes), 2) if patch_bytes else None,
         "warmup_sync_s": round(warmup_s, 4) if warmup_s is not None else None,
         "trainer_blocked_s_per_version": round(blocked_mean, 4),
         "blocked_over_full_upload": round(blocked_mean / upload_p50, 4) if upload_p50 > 0 else None,
