@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -64,7 +65,8 @@ def apply_patch_(tensors: Mapping[str, torch.Tensor], data: bytes | bytearray | 
     """Check the whole patch, then write it into ``tensors`` in place.
 
     Every header, checksum and directory is checked before the first write. Sparse streams
-    into CPU tensors are then decoded and applied in one pass (``tile_decode``); the rare
+    into CPU tensors are then decoded and applied in one pass (``tile_decode``), and huffman
+    streams into CUDA tensors on the device (``triton_huffman``); the rare
     damage only the entropy decoder can see (a stream that was written wrong yet hashes
     right) is found during that pass, and then every write of this call is undone before
     ``CorruptData`` is raised, so the tensors are never left half-patched.
@@ -201,11 +203,24 @@ def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any],
         raise CorruptData(f"patch stream for tensor {entry['name']!r} fails its xxh3-64 check: corrupted in storage or transit")
     if entry["mode"] in ("huffman", "sparse") and target.device.type == "cpu":
         return parse_tile_stream(entry, stream_array(stream), target.element_size())
+    if entry["mode"] == "huffman" and target.device.type == "cuda" and _triton_huffman() is not None:
+        return parse_tile_stream(entry, stream_array(stream), target.element_size())  # decoded on the device
     if entry["mode"] == "context" and target.device.type == "cpu":
         return parse_context_stream(entry, stream_array(stream))
     if entry["mode"] == "context":  # decoded against the target's bits, copied off the GPU
         return decode_stream(entry, stream, unsigned_np(bits_view(target.detach()).cpu()))
     return decode_stream(entry, stream)
+
+
+@functools.cache
+def _triton_huffman() -> ModuleType | None:
+    """The device decoder of huffman streams, or None where Triton does not import (a CUDA
+    destination then gets CPU-decoded positions and differences, ``_apply_decoded``)."""
+    try:
+        from weftboard.cuda import triton_huffman  # optional dependency (triton)
+    except ImportError:
+        return None
+    return triton_huffman
 
 
 def _applied_patch(header: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]) -> AppliedPatch:
@@ -221,8 +236,9 @@ def _write_step(applied: AppliedPatch, target: torch.Tensor, entry: Mapping[str,
                 step: TileStream | context_codec.ContextStream | DecodedTensor) -> None:
     """Write one tensor's step and record how to undo it."""
     if isinstance(step, TileStream):
-        apply_tile_stream_(target, entry, step, 1)
-        applied._undo.append(functools.partial(apply_tile_stream_, target, entry, step, -1))
+        apply = apply_tile_stream_ if target.device.type == "cpu" else _triton_huffman().apply_tile_stream_cuda_
+        apply(target, entry, step, 1)
+        applied._undo.append(functools.partial(apply, target, entry, step, -1))
     elif isinstance(step, context_codec.ContextStream):
         try:
             applied._undo.append(step.apply_(unsigned_np(bits_view(target))))

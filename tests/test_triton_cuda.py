@@ -82,3 +82,82 @@ def test_cuda_patch_round_trip(tk) -> None:
     assert all(torch.equal(bits_view(target[n]).cpu(), bits_view(new[n])) for n in old)
     applied.revert()
     assert all(torch.equal(bits_view(target[n]).cpu(), bits_view(old[n])) for n in old)
+
+
+def _huffman_pair(n: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mutate``'s changes plus sign flips (escapes); none in the second 64 Ki elements."""
+    old = random_bits(n, dtype, gen)
+    new = mutate(old, 0.03, gen)
+    b = bits_view(new)
+    flip = torch.rand(n, generator=gen) < 0.003
+    top = (torch.ones(1, dtype=torch.int64) << (8 * b.element_size() - 1)).to(b.dtype)  # the sign bit (wraps)
+    b[flip] ^= top
+    b[65536:131072] = bits_view(old)[65536:131072]
+    return old, new
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int32, torch.uint8, torch.int8, torch.float64],
+                         ids=str)
+@pytest.mark.parametrize("tile", [4096, 65536])
+def test_cuda_huffman_decode_matches_cpu_and_reverts(dtype, tile) -> None:
+    """The device decoder (``triton_huffman``) gives the CPU decoder's bytes on a tensor of a
+    few tiles of the codec's size, with escapes, empty tiles and a partial last tile, and takes
+    them back out; a damaged stream is refused with the CPU path's message and undone."""
+    from weftboard.cuda import decode, triton_huffman
+    from weftboard.cuda.encode import _encode_huffman
+    from weftboard.proto.errors import CorruptData
+
+    gen = torch.Generator().manual_seed(tile + dtype.itemsize)
+    old, new = _huffman_pair(300_001, dtype, gen)
+    a, b = bits_view(old), bits_view(new)
+    pos = torch.nonzero(a != b).flatten()
+    udt = {1: "uint8", 2: "uint16", 4: "uint32", 8: "uint64"}[a.element_size()]
+    stream = _encode_huffman(pos.numpy(), a[pos].numpy().view(udt), b[pos].numpy().view(udt), a.numel(), tile)
+    entry = {"name": "w", "mode": "huffman", "numel": a.numel(), "changed": pos.numel(), "tile": tile}
+    sp = decode.parse_tile_stream(entry, stream, a.element_size())
+    assert sp.esc.any() and (sp.ns == 0).any()
+    cpu = old.clone()
+    decode.apply_tile_stream_(cpu, entry, sp, 1)
+    target = old.cuda()
+    triton_huffman.apply_tile_stream_cuda_(target, entry, sp, 1)
+    assert torch.equal(bits_view(target).cpu(), bits_view(cpu)) and torch.equal(bits_view(cpu), b)
+    triton_huffman.apply_tile_stream_cuda_(target, entry, sp, -1)
+    assert torch.equal(bits_view(target).cpu(), a)
+    rice_at = int(sp.offs[sp.ns.size - 1])  # the last tile's Rice bits: every tile before it was written
+    for at in range(rice_at, rice_at + int(sp.rice[-1])):
+        raw = stream.copy()
+        raw[at] ^= 0x41
+        ref = old.clone()
+        try:
+            decode.apply_tile_stream_(ref, entry, decode.parse_tile_stream(entry, raw, a.element_size()), 1)
+        except CorruptData as exc:
+            msg = str(exc)
+            break
+    else:
+        pytest.fail("no flip in the last tile's Rice bits is refused")
+    with pytest.raises(CorruptData) as exc:
+        triton_huffman.apply_tile_stream_cuda_(target, entry, decode.parse_tile_stream(entry, raw, a.element_size()), 1)
+    assert str(exc.value) == msg and torch.equal(bits_view(target).cpu(), a)
+
+
+def test_cuda_patch_applies_huffman_streams_on_the_device(tk, monkeypatch) -> None:
+    """``apply_patch_`` into CUDA tensors takes the device decoder for each huffman stream, and
+    its revert too."""
+    from weftboard.cuda import triton_huffman
+    from weftboard.cuda.codec import apply_patch_, encode_patch
+
+    calls = []
+    real = triton_huffman.apply_tile_stream_cuda_
+    monkeypatch.setattr(triton_huffman, "apply_tile_stream_cuda_",
+                        lambda target, entry, sp, sign: calls.append((entry["name"], sign)) or real(target, entry, sp, sign))
+    gen = torch.Generator().manual_seed(5)
+    old = {"a": random_bits(200_000, torch.bfloat16, gen), "b": random_bits(70_000, torch.float32, gen)}
+    new = {name: mutate(t, 0.01, gen) for name, t in old.items()}
+    patch = encode_patch(((n, old[n], new[n]) for n in old), base_version=1, target_version=2,
+                         target_root="xxh3-128:" + "0" * 32)
+    target = {n: t.cuda() for n, t in old.items()}
+    applied = apply_patch_(target, patch.data)
+    assert all(torch.equal(bits_view(target[n]).cpu(), bits_view(new[n])) for n in old)
+    applied.revert()
+    assert all(torch.equal(bits_view(target[n]).cpu(), bits_view(old[n])) for n in old)
+    assert sorted(calls) == [("a", -1), ("a", 1), ("b", -1), ("b", 1)]
