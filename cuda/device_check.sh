@@ -12,10 +12,13 @@
 #   1. what the machine is (GPU, driver, package versions);
 #   2. gpu_bench --tiny on the GPU: a functional run that compiles the Triton kernels for real
 #      and the CPU coder's numba kernels (a cold cache compiles for a minute or more);
-#   3. the full gpu_bench: the 7B-size bf16 set, its table and its bitwise checks;
+#   3. the full gpu_bench: the 7B-size bf16 set, its table and its bitwise checks, among them the
+#      Triton decode+apply of the patch's huffman streams (triton_huffman) in GB/s beside copy_ of
+#      the same tensors, checked against the new set and the CPU decoder's bytes;
 #   4. the tests that run only with a CUDA device: served projections on the GPU give the CPU's
 #      bytes, and the compiled Triton kernels give the CPU path's on every element width and the
-#      adversarial pairs (test_triton_cuda.py; the interpreter tests cannot see warps or vector loads).
+#      adversarial pairs, the huffman decoder included (test_triton_cuda.py; the interpreter tests
+#      cannot see warps or vector loads).
 # Everything printed is also written to $OUT/device_check.log ($OUT: the device tool's folder
 # that comes back; /tmp/weftboard-device elsewhere). Exit status: 0 only if every step passed.
 #
@@ -67,7 +70,7 @@ machine() {
   echo "cpus: $(nproc)"
   "$PY" - <<'PYEOF'
 import platform, numba, numpy, torch, triton, xxhash
-import weftboard.cuda.bench.gpu_bench, weftboard.cuda.triton_kernels, weftboard.cuda
+import weftboard.cuda.bench.gpu_bench, weftboard.cuda.triton_kernels, weftboard.cuda.triton_huffman, weftboard.cuda
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "available", torch.cuda.is_available())
 print("triton", triton.__version__, "numba", numba.__version__, "numpy", numpy.__version__, "xxhash", xxhash.VERSION)

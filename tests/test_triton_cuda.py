@@ -96,9 +96,9 @@ def _huffman_pair(n: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[tor
     return old, new
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int32, torch.uint8, torch.int8, torch.float64],
-                         ids=str)
-@pytest.mark.parametrize("tile", [4096, 65536])
+@pytest.mark.parametrize(("dtype", "tile"), [(torch.bfloat16, 4096), (torch.bfloat16, 65536), (torch.float32, 65536),
+                                             (torch.int32, 4096), (torch.uint8, 65536), (torch.int8, 4096),
+                                             (torch.float64, 65536)], ids=str)
 def test_cuda_huffman_decode_matches_cpu_and_reverts(dtype, tile) -> None:
     """The device decoder (``triton_huffman``) gives the CPU decoder's bytes on a tensor of a
     few tiles of the codec's size, with escapes, empty tiles and a partial last tile, and takes

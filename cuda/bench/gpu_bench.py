@@ -12,8 +12,11 @@ One command that builds, checks and times everything on an NVIDIA GPU in a few m
    measures which is fastest), the torch-native diff baseline
    (``ne`` + ``nonzero`` + gather, one sync per tensor), the Triton in-place apply and the
    torch-native apply (``index_copy_``);
-3. encodes the deltas into a patch (entropy coding on CPU threads, documented in codec.py)
-   and decodes + applies it end to end with ``apply_patch_`` into a copy of the old set;
+3. encodes the deltas into a patch (entropy coding on CPU threads, documented in codec.py),
+   times the Triton decode+apply of its ``huffman`` streams on the device (``triton_huffman``:
+   streams already uploaded, one program per tile) and checks it against the CPU decoder's
+   bytes, then decodes + applies the patch end to end with ``apply_patch_`` into a copy of the
+   old set (on a GPU the huffman streams take the same device decoder);
 4. checks that every applied tensor equals the new set bit for bit (and the torch baseline's
    result too), and prints a short table with GB/s of served bytes and % of copy bandwidth,
    then each Triton kernel's registers and spills as the device loaded it (``kernel_resources``).
@@ -39,6 +42,8 @@ import torch
 
 from weftboard.cuda.bench.triton_compile import warps_list
 from weftboard.cuda.codec import apply_patch_, encode_deltas
+from weftboard.cuda.container import read_container
+from weftboard.cuda.decode import apply_tile_stream_, parse_tile_stream, stream_array
 from weftboard.cuda.tensor_bits import bits_view
 
 
@@ -130,6 +135,62 @@ def _same_as_torch(got: dict, ref: dict) -> bool:
     return all(torch.equal(d.positions, ref[n][0]) and torch.equal(d.new_bits, ref[n][1]) for n, d in got.items())
 
 
+def huffman_device_rows(patch_data: bytes, old: dict, new: dict, device: torch.device,
+                        cpu_check_bytes: float) -> tuple[Row, bool, Any, str]:
+    """Time the Triton decode+apply of the patch's ``huffman`` streams into a copy of ``old``
+    (streams, tile rows and tables uploaded first, untimed; one host sync per tensor for its
+    error codes, as ``triton_huffman.apply_tile_stream_cuda_`` has) and ``copy_`` of the same
+    tensors, then check the result bitwise: every tensor against ``new``, and those that fit
+    ``cpu_check_bytes`` in all also against the CPU decoder (``tile_decode``) applied to a host
+    copy of ``old``. Returns the row, the check's verdict, the kernel (for
+    ``kernel_resources``) and a line comparing the two on the decoded tensors' bytes."""
+    from weftboard.cuda import triton_huffman  # optional dependency: triton
+
+    c = read_container(patch_data)
+    entries = [e for e in c.entries if e["mode"] == "huffman"]
+    if device.type == "cpu":  # the interpreter takes milliseconds a change: a dry run decodes a few streams
+        entries = sorted(entries, key=lambda e: e["changed"])
+        entries = [e for i, e in enumerate(entries) if sum(x["changed"] for x in entries[:i + 1]) <= 600] or entries[:1]
+    steps = {e["name"]: parse_tile_stream(e, stream_array(c.streams[e["name"]]), old[e["name"]].element_size())
+             for e in entries}
+    tiles = {n: triton_huffman.DeviceTiles(sp, device) for n, sp in steps.items()}
+    target = {n: old[n].clone() for n in steps}
+    rounds = 2 if device.type == "cuda" else 1  # on a GPU the first round compiles the kernel
+    ok = True
+    for rnd in range(rounds):
+        if rnd:
+            for n in steps:
+                target[n].copy_(old[n])
+        with _Timer(device) as t_dec:
+            for n, dev in tiles.items():
+                errs, _ = dev.launch(bits_view(target[n]), 1, dev.ns)
+                ok &= not errs.any()
+    ok &= all(torch.equal(bits_view(target[n]), bits_view(new[n])) for n in steps)
+    checked = cpu_checked = 0
+    for e in entries:
+        n = e["name"]
+        size = old[n].numel() * old[n].element_size()
+        if checked + size > cpu_check_bytes:
+            continue
+        ref = old[n].to("cpu", copy=True)
+        apply_tile_stream_(ref, e, steps[n], 1)
+        ok &= torch.equal(bits_view(target[n]).cpu(), bits_view(ref))
+        checked += size
+        cpu_checked += 1
+    for _ in range(rounds):
+        with _Timer(device) as t_copy:
+            for n in steps:
+                target[n].copy_(new[n])
+    nbytes = sum(old[n].numel() * old[n].element_size() for n in steps)
+    dec, cp = _gbps(nbytes, t_dec.seconds), _gbps(nbytes, t_copy.seconds)
+    changed = sum(e["changed"] for e in entries)
+    row = Row("decode+apply, Triton huffman (device)", t_dec.seconds,
+              f"{len(steps)} streams, {changed} changes; {cpu_checked} checked vs the CPU decoder")
+    line = (f"triton huffman decode+apply on its {len(steps)} tensors ({nbytes / 1e9:.3f} GB): {dec:.1f} GB/s; "
+            f"copy_ of the same tensors {cp:.1f} GB/s; ratio {dec / cp:.3f}")
+    return row, ok, triton_huffman.huffman_apply_kernel, line
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
@@ -144,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--tiny", action="store_true", help="2 layers of 256/512, vocab 1000: a functional dry run")
     ap.add_argument("--skip-codec", action="store_true", help="time only the device kernels, not the CPU entropy coder")
+    ap.add_argument("--cpu-check-gb", type=float, default=2.0,
+                    help="check the Triton huffman decode against the CPU decoder on tensors of up to this many GB in all")
     ap.add_argument("--diff-warps", type=warps_list, default=(4, 8, 32),
                     help="also time the Triton diff at these warps per program (comma-separated; the launch's "
                          "own, triton_kernels.DIFF_WARPS, is always timed), each checked against the torch diff")
@@ -261,8 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     ref_ok = all(torch.equal(bits_view(target[n]), bits_view(new[n])) for n in names)
     del target, ref
 
-    codec_ok = True
+    codec_ok = device_ok = True
     patch_bytes = 0
+    huffman_kernel = None
+    huffman_line = ""
     if not args.skip_codec:
         t1 = time.perf_counter()
         patch = encode_deltas(((n, deltas[n]) for n in names), base_version=1, target_version=2,
@@ -270,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(Row("encode (D2H + CPU entropy coder)", time.perf_counter() - t1, f"{len(patch.data) / 1e6:.1f} MB patch"))
         patch_bytes = len(patch.data)
         del deltas
+        row, device_ok, huffman_kernel, huffman_line = huffman_device_rows(patch.data, old, new, device,
+                                                                           args.cpu_check_gb * 1e9)
+        rows.append(row)
         target = {n: t.clone() for n, t in old.items()}
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -277,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         applied = apply_patch_(target, patch.data)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        rows.append(Row("decode (CPU) + H2D + apply (Triton)", time.perf_counter() - t2))
+        rows.append(Row("apply_patch_ (parse, H2D, decode+apply)", time.perf_counter() - t2,
+                        "huffman on the device" if device.type == "cuda" else "CPU tensors: numba"))
         codec_ok = all(torch.equal(bits_view(target[n]), bits_view(new[n])) for n in names)
         applied.revert()
         codec_ok &= all(torch.equal(bits_view(target[n]), bits_view(old[n])) for n in names)
@@ -291,15 +360,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         g = _gbps(nbytes, r.seconds)
         print(f"{r.name:40s} {r.seconds * 1e3:10.2f} {g:9.1f} {100 * g / copy_gbps:6.0f}%  {r.note}")
+    if huffman_line:
+        print(huffman_line)
     checks = {"triton diff == torch diff": diff_ok, "triton apply bitwise": apply_ok,
-              "torch apply bitwise": ref_ok, "patch round trip + revert bitwise": codec_ok}
+              "torch apply bitwise": ref_ok, "patch round trip + revert bitwise": codec_ok,
+              "triton huffman decode+apply == new and CPU decoder": device_ok}
     print()
     for k, v in checks.items():
         print(f"check {k}: {'OK' if v else 'FAILED'}")
     if device.type == "cuda":
         print()
         print("kernels as this device loaded them:")
-        for fn in (tk.diff_stage_kernel, tk.diff_place_kernel, tk.apply_diff_kernel, tk.scatter_kernel):
+        for fn in (tk.diff_stage_kernel, tk.diff_place_kernel, tk.apply_diff_kernel, tk.scatter_kernel, huffman_kernel):
+            if fn is None:
+                continue
             for line in kernel_resources(fn):
                 print(f"  {line}")
     return 0 if all(checks.values()) else 1
