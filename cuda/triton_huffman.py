@@ -17,6 +17,7 @@ the kernel then runs in Triton's interpreter (the tests do this).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -184,8 +185,10 @@ class DeviceTiles:
         dev = target_bits.device
         out = torch.empty(2 * rows, dtype=torch.int64, device=dev)
         lim = torch.from_numpy(np.ascontiguousarray(limit, np.int64)).to(dev)
-        huffman_apply_kernel[(rows,)](target_bits, self.buf, self.meta, self.table, lim, out, rows, self.tile,
-                                      SIGN=1 if sign > 0 else -1, WIDTH=self.width, num_warps=WARPS)
+        # Triton launches on the current device: make it the tensor's (an engine may hold several GPUs)
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            huffman_apply_kernel[(rows,)](target_bits, self.buf, self.meta, self.table, lim, out, rows, self.tile,
+                                          SIGN=1 if sign > 0 else -1, WIDTH=self.width, num_warps=WARPS)
         res = out.cpu().numpy()
         errs[self.tiles] = res[:rows]
         done[self.tiles] = res[rows:]
