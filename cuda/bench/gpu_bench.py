@@ -186,7 +186,7 @@ def huffman_device_rows(patch_data: bytes, old: dict, new: dict, device: torch.d
     changed = sum(e["changed"] for e in entries)
     row = Row("decode+apply, Triton huffman (device)", t_dec.seconds,
               f"{len(steps)} streams, {changed} changes; {cpu_checked} checked vs the CPU decoder")
-    line = (f"triton huffman decode+apply on its {len(steps)} tensors ({nbytes / 1e9:.3f} GB): {dec:.1f} GB/s; "
+    line = (f"triton huffman decode+apply on its {len(steps)} tensors ({nbytes / 1e9:.3g} GB): {dec:.1f} GB/s; "
             f"copy_ of the same tensors {cp:.1f} GB/s; ratio {dec / cp:.3f}")
     return row, ok, triton_huffman.huffman_apply_kernel, line
 
