@@ -82,11 +82,17 @@ def huffman_apply_kernel(t_ptr, buf_ptr, meta_ptr, table_ptr, limit_ptr, out_ptr
     hp = rend_bits  # value reader: bit position
     e = vend  # next escape byte
     prev = tile_start - 1
-    applied = lim * 0
+    applied = lim * 0  # changes stored
+    # One change is held back: its old bits load as soon as its position is decoded and are
+    # used only after the next change is decoded, so the load's latency overlaps the decoding.
+    held = tl.zeros((), tl.int32)
+    held_at = prev
+    held_old = tl.zeros((), t_ptr.dtype.element_ty)
+    held_d = held_old
     err = tl.where((k > _MAX_K) & (lim > 0), 9, 0).to(tl.int32)
     ku = tl.minimum(k, _MAX_K).to(tl.uint64)
     lowmask = (tl.full((), 1, tl.uint64) << ku) - 1
-    while (applied < lim) & (err == 0):
+    while (applied + held < lim) & (err == 0):
         # the value code: one table load gives its symbol and length
         entry = tl.load(table_ptr + (_bits_at(buf_ptr, hp) & _CODE_MASK).to(tl.int32))
         hp += (entry & 15).to(tl.int64)
@@ -138,9 +144,17 @@ def huffman_apply_kernel(t_ptr, buf_ptr, meta_ptr, table_ptr, limit_ptr, out_ptr
                 err = 2
             else:
                 old = tl.load(t_ptr + cur)
-                tl.store(t_ptr + cur, old + d.to(old.dtype))  # integer add: wraps at the element width
+                if held == 1:
+                    tl.store(t_ptr + held_at, held_old + held_d)  # integer add: wraps at the element width
+                    applied += 1
+                held = 1
+                held_at = cur
+                held_old = old
+                held_d = d.to(old.dtype)
                 prev = cur
-                applied += 1
+    if held == 1:  # the change decoded last, before an error too (the CPU decoder wrote it)
+        tl.store(t_ptr + held_at, held_old + held_d)
+        applied += 1
     if (err == 0) & (lim == n) & (n > 0):
         rice_left = rend_bits - rp  # what is left must be the zero padding of the last byte
         rice_pad = tl.load(buf_ptr + (rp >> 3)).to(tl.int32) >> (rp & 7).to(tl.int32)
