@@ -3,11 +3,15 @@
 
 Invariants: every header, checksum and directory is checked before the first write; targets keep
 their storage (CUDA tensors are written by Triton kernels), so captured addresses stay valid.
+A huffman stream into a CUDA tensor is decoded on the device (``triton_huffman``) only where
+``WEFTBOARD_DEVICE_DECODE=1``: that kernel has not yet run on a GPU (``cuda/device_check.sh``
+measures both paths); otherwise it is decoded on CPU threads and scattered by Triton.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -203,7 +207,7 @@ def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any],
         raise CorruptData(f"patch stream for tensor {entry['name']!r} fails its xxh3-64 check: corrupted in storage or transit")
     if entry["mode"] in ("huffman", "sparse") and target.device.type == "cpu":
         return parse_tile_stream(entry, stream_array(stream), target.element_size())
-    if entry["mode"] == "huffman" and target.device.type == "cuda" and _triton_huffman() is not None:
+    if entry["mode"] == "huffman" and target.device.type == "cuda" and device_decoder() is not None:
         return parse_tile_stream(entry, stream_array(stream), target.element_size())  # decoded on the device
     if entry["mode"] == "context" and target.device.type == "cpu":
         return parse_context_stream(entry, stream_array(stream))
@@ -212,10 +216,21 @@ def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any],
     return decode_stream(entry, stream)
 
 
+#: set to 1 to decode huffman streams into CUDA tensors on the device
+DEVICE_DECODE_ENV = "WEFTBOARD_DEVICE_DECODE"
+
+
+def device_decoder() -> ModuleType | None:
+    """The device decoder of huffman streams where ``WEFTBOARD_DEVICE_DECODE=1`` and Triton
+    imports, else None (a CUDA destination then gets CPU-decoded positions and differences,
+    ``_apply_decoded``). Read at each call, so a host can switch it between patches."""
+    if os.environ.get(DEVICE_DECODE_ENV, "0") != "1":
+        return None
+    return _triton_huffman()
+
+
 @functools.cache
 def _triton_huffman() -> ModuleType | None:
-    """The device decoder of huffman streams, or None where Triton does not import (a CUDA
-    destination then gets CPU-decoded positions and differences, ``_apply_decoded``)."""
     try:
         from weftboard.cuda import triton_huffman  # optional dependency (triton)
     except ImportError:
@@ -236,6 +251,7 @@ def _write_step(applied: AppliedPatch, target: torch.Tensor, entry: Mapping[str,
                 step: TileStream | context_codec.ContextStream | DecodedTensor) -> None:
     """Write one tensor's step and record how to undo it."""
     if isinstance(step, TileStream):
+        # a TileStream for a CUDA tensor exists only where _parsed_step chose the device decoder
         apply = apply_tile_stream_ if target.device.type == "cpu" else _triton_huffman().apply_tile_stream_cuda_
         apply(target, entry, step, 1)
         applied._undo.append(functools.partial(apply, target, entry, step, -1))

@@ -82,14 +82,14 @@ export -f machine
 step "machine" 20 bash -c machine
 
 if step "gpu_bench --tiny" 180 "$PY" -m weftboard.cuda.bench.gpu_bench "${TINY[@]}"; then
-  step "gpu_bench, the full set (7B-size bf16 on a GPU)" 300 "$PY" -m weftboard.cuda.bench.gpu_bench ${FULL[@]+"${FULL[@]}"}
+  step "gpu_bench, the full set (7B-size bf16 on a GPU)" 270 "$PY" -m weftboard.cuda.bench.gpu_bench ${FULL[@]+"${FULL[@]}"}
 else
   echo "skipping the full gpu_bench: the tiny run failed" | tee -a "$LOG"
 fi
 
 # --noconftest: tests/conftest.py starts Redis and SeaweedFS fixtures and imports the board;
 # the tests named here need neither. -W: the ini's pytest-asyncio keys are unknown there.
-step "CUDA tests" 60 "$PY" -m pytest -q -p no:cacheprovider --noconftest -W ignore::pytest.PytestConfigWarning \
+step "CUDA tests" 90 "$PY" -m pytest -q -p no:cacheprovider --noconftest -W ignore::pytest.PytestConfigWarning \
   "$ROOT/tests/test_formats.py" "$ROOT/tests/test_triton_cuda.py" -k cuda
 
 if [ "${#failed[@]}" = 0 ]; then

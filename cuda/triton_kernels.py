@@ -17,9 +17,10 @@ results):
   for a whole batch of tensors.
 - Apply scatters in place (``tensor.data_ptr()`` never changes), so CUDA graphs stay valid;
   ``apply_diff_kernel`` adds the wrapping integer difference and keeps the old bits for revert.
-- Entropy coding runs on CPU threads (numba) for the GPU path too, and so does decoding of
-  all but ``huffman`` streams (those decode on the device, ``triton_huffman``): only the
-  compact streams or (position, bits) arrays cross PCIe, about 1% of the tensor.
+- Entropy coding and decoding run on CPU threads (numba) for the GPU path too: only the
+  compact (position, bits) arrays cross PCIe, about 1% of the tensor. With
+  ``WEFTBOARD_DEVICE_DECODE=1`` ``huffman`` streams decode on the device instead
+  (``triton_huffman``; opt-in until ``cuda/device_check.sh`` has measured it on a GPU).
 
 On a machine without a GPU, set ``TRITON_INTERPRET=1`` before importing this module and pass
 CPU tensors: the same kernels then run in Triton's interpreter (the tests do this).

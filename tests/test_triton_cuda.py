@@ -141,11 +141,12 @@ def test_cuda_huffman_decode_matches_cpu_and_reverts(dtype, tile) -> None:
 
 
 def test_cuda_patch_applies_huffman_streams_on_the_device(tk, monkeypatch) -> None:
-    """``apply_patch_`` into CUDA tensors takes the device decoder for each huffman stream, and
-    its revert too."""
+    """With ``WEFTBOARD_DEVICE_DECODE=1``, ``apply_patch_`` into CUDA tensors takes the device
+    decoder for each huffman stream, and its revert too."""
     from weftboard.cuda import triton_huffman
     from weftboard.cuda.codec import apply_patch_, encode_patch
 
+    monkeypatch.setenv("WEFTBOARD_DEVICE_DECODE", "1")
     calls = []
     real = triton_huffman.apply_tile_stream_cuda_
     monkeypatch.setattr(triton_huffman, "apply_tile_stream_cuda_",
@@ -161,3 +162,24 @@ def test_cuda_patch_applies_huffman_streams_on_the_device(tk, monkeypatch) -> No
     applied.revert()
     assert all(torch.equal(bits_view(target[n]).cpu(), bits_view(old[n])) for n in old)
     assert sorted(calls) == [("a", -1), ("a", 1), ("b", -1), ("b", 1)]
+
+
+def test_cuda_patch_decodes_on_cpu_threads_unless_asked(tk, monkeypatch) -> None:
+    """By default (the device decoder not yet measured on a GPU) a CUDA destination gets
+    CPU-decoded changes scattered by Triton, with the same bytes."""
+    from weftboard.cuda import triton_huffman
+    from weftboard.cuda.codec import apply_patch_, encode_patch
+
+    monkeypatch.delenv("WEFTBOARD_DEVICE_DECODE", raising=False)
+    monkeypatch.setattr(triton_huffman, "apply_tile_stream_cuda_",
+                        lambda *a: pytest.fail("the device decoder ran without WEFTBOARD_DEVICE_DECODE=1"))
+    gen = torch.Generator().manual_seed(6)
+    old = {"a": random_bits(100_000, torch.bfloat16, gen)}
+    new = {name: mutate(t, 0.01, gen) for name, t in old.items()}
+    patch = encode_patch(((n, old[n], new[n]) for n in old), base_version=1, target_version=2,
+                         target_root="xxh3-128:" + "0" * 32)
+    target = {n: t.cuda() for n, t in old.items()}
+    applied = apply_patch_(target, patch.data)
+    assert torch.equal(bits_view(target["a"]).cpu(), bits_view(new["a"]))
+    applied.revert()
+    assert torch.equal(bits_view(target["a"]).cpu(), bits_view(old["a"]))

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from weftboard.cuda.apply import DEVICE_DECODE_ENV
 from weftboard.cuda.bench.triton_compile import warps_list
 from weftboard.cuda.codec import apply_patch_, encode_deltas
 from weftboard.cuda.container import read_container
@@ -338,18 +339,27 @@ def main(argv: list[str] | None = None) -> int:
         row, device_ok, huffman_kernel, huffman_line = huffman_device_rows(patch.data, old, new, device,
                                                                            args.cpu_check_gb * 1e9)
         rows.append(row)
-        target = {n: t.clone() for n, t in old.items()}
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        applied = apply_patch_(target, patch.data)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        rows.append(Row("apply_patch_ (parse, H2D, decode+apply)", time.perf_counter() - t2,
-                        "huffman on the device" if device.type == "cuda" else "CPU tensors: numba"))
-        codec_ok = all(torch.equal(bits_view(target[n]), bits_view(new[n])) for n in names)
-        applied.revert()
-        codec_ok &= all(torch.equal(bits_view(target[n]), bits_view(old[n])) for n in names)
+        was = os.environ.get(DEVICE_DECODE_ENV)
+        for device_decode, how in (("0", "CPU decode, H2D, Triton scatter"), ("1", "huffman decoded on the device")):
+            if device.type != "cuda" and device_decode == "1":
+                continue  # CPU tensors always take the numba decoder
+            os.environ[DEVICE_DECODE_ENV] = device_decode
+            target = {n: t.clone() for n, t in old.items()}
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            applied = apply_patch_(target, patch.data)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            rows.append(Row(f"apply_patch_ ({how})" if device.type == "cuda" else "apply_patch_ (CPU tensors: numba)",
+                            time.perf_counter() - t2))
+            codec_ok &= all(torch.equal(bits_view(target[n]), bits_view(new[n])) for n in names)
+            applied.revert()
+            codec_ok &= all(torch.equal(bits_view(target[n]), bits_view(old[n])) for n in names)
+        if was is None:
+            del os.environ[DEVICE_DECODE_ENV]
+        else:
+            os.environ[DEVICE_DECODE_ENV] = was
         del target
 
     copy_gbps = _gbps(nbytes, t_copy.seconds)
