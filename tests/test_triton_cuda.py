@@ -183,3 +183,29 @@ def test_cuda_patch_decodes_on_cpu_threads_unless_asked(tk, monkeypatch) -> None
     assert torch.equal(bits_view(target["a"]).cpu(), bits_view(new["a"]))
     applied.revert()
     assert torch.equal(bits_view(target["a"]).cpu(), bits_view(old["a"]))
+
+
+@pytest.mark.parametrize(("dtype", "tile"), [(torch.bfloat16, 4096), (torch.bfloat16, 65536), (torch.float32, 65536),
+                                             (torch.int32, 4096), (torch.uint8, 65536), (torch.int8, 4096)], ids=str)
+def test_cuda_huffman_scan_gives_the_cpu_encoders_stream(dtype, tile) -> None:
+    """The device scan (``triton_huffman_scan``) plus the host finish give
+    ``tile_encode.encode_huffman``'s bytes on a tensor of a few tiles of the codec's size, with
+    escapes, empty tiles and a partial last tile; a tile of escapes past the CPU scan's scratch
+    gives None as there; the stream applies back to ``new`` with the device decoder."""
+    from weftboard.cuda import tile_encode, triton_huffman, triton_huffman_scan
+    from weftboard.cuda.tensor_bits import cpu_bits
+
+    gen = torch.Generator().manual_seed(tile + 3 * dtype.itemsize)
+    old, new = _huffman_pair(300_001, dtype, gen)
+    changed, stream = triton_huffman_scan.encode_huffman_cuda(old.cuda(), new.cuda(), tile)
+    ref_changed, ref = tile_encode.encode_huffman(cpu_bits(old), cpu_bits(new), tile)
+    assert changed == ref_changed > 0 and ref is not None and stream is not None
+    assert stream.tobytes() == ref.tobytes()
+    target = old.cuda()
+    triton_huffman.apply_huffman_cuda_(target, stream, changed=changed, tile=tile)
+    assert torch.equal(bits_view(target).cpu(), bits_view(new))
+    if dtype.itemsize > 1:  # far jumps in every element of the second tile: escapes past its scratch
+        b = bits_view(new)
+        b[tile:2 * tile] ^= 1 << (8 * dtype.itemsize - 2)
+        changed, stream = triton_huffman_scan.encode_huffman_cuda(old.cuda(), new.cuda(), tile)
+        assert (changed, stream) == (tile_encode.encode_huffman(cpu_bits(old), cpu_bits(new), tile)[0], None)
