@@ -14,7 +14,9 @@
 #      and the CPU coder's numba kernels (a cold cache compiles for a minute or more);
 #   3. the full gpu_bench: the 7B-size bf16 set, its table and its bitwise checks, among them the
 #      Triton decode+apply of the patch's huffman streams (triton_huffman) in GB/s beside copy_ of
-#      the same tensors, checked against the new set and the CPU decoder's bytes;
+#      the same tensors, checked against the new set and the CPU decoder's bytes, and the Triton
+#      scan of the huffman encoder plus its host finish (triton_huffman_scan) beside copy_, checked
+#      against the CPU encoder's bytes;
 #   4. the tests that run only with a CUDA device: served projections on the GPU give the CPU's
 #      bytes, and the compiled Triton kernels give the CPU path's on every element width and the
 #      adversarial pairs, the huffman decoder included (test_triton_cuda.py; the interpreter tests

@@ -191,7 +191,8 @@ def test_gpu_bench_dry_run_on_cpu(tk, capsys) -> None:
     # the launch's warps, then the sweep's others, each checked against the torch diff ("OK" below)
     assert [w for w in (4, 8, 16, 32) if f"diff, Triton (staged, {w} warps)" in out] == [4, 8, 16, 32]
     assert "decode+apply, Triton huffman (device)" in out and "copy_ of the same tensors" in out
-    assert out.count(": OK") == 5
+    assert "encode, Triton huffman scan + host finish" in out and "triton huffman scan + host finish on its" in out
+    assert out.count(": OK") == 6
 
 
 @pytest.mark.parametrize("warps", ["3", "64", "4,x", "0"])
@@ -229,7 +230,7 @@ def test_the_device_check_script_runs_every_step_from_the_checkout_alone(tmp_pat
     shim = re.search(r"weftboard.cuda from \['([^']+)'\]", log)
     assert shim and shim.group(1).endswith("/weftboard/cuda") and Path(shim.group(1)) != _REPO / "cuda"
     assert log.count("check patch round trip + revert bitwise: OK") == 2
-    assert log.count(": OK") == 10 and "FAILED" not in log
+    assert log.count(": OK") == 12 and "FAILED" not in log
     assert re.search(r"(\d+) skipped", log), log[-2000:]  # no GPU here: the CUDA tests skip, but they ran
     assert "device_check: every step passed" in log
 

@@ -16,7 +16,9 @@ One command that builds, checks and times everything on an NVIDIA GPU in a few m
    times the Triton decode+apply of its ``huffman`` streams on the device (``triton_huffman``:
    streams already uploaded, one program per tile) and checks it against the CPU decoder's
    bytes, then decodes + applies the patch end to end with ``apply_patch_`` into a copy of the
-   old set (on a GPU the huffman streams take the same device decoder);
+   old set (on a GPU the huffman streams take the same device decoder), and times the Triton
+   scan of the huffman encoder plus its host finish (``triton_huffman_scan``) on the same
+   pairs against ``copy_``, its streams checked against the CPU encoder's bytes;
 4. checks that every applied tensor equals the new set bit for bit (and the torch baseline's
    result too), and prints a short table with GB/s of served bytes and % of copy bandwidth,
    then each Triton kernel's registers and spills as the device loaded it (``kernel_resources``).
@@ -42,7 +44,7 @@ import torch
 
 from weftboard.cuda.apply import DEVICE_DECODE_ENV
 from weftboard.cuda.bench.triton_compile import warps_list
-from weftboard.cuda.codec import apply_patch_, encode_deltas
+from weftboard.cuda.codec import CODEC_TILE, apply_patch_, encode_deltas
 from weftboard.cuda.container import read_container
 from weftboard.cuda.decode import apply_tile_stream_, parse_tile_stream, stream_array
 from weftboard.cuda.tensor_bits import bits_view
@@ -192,6 +194,58 @@ def huffman_device_rows(patch_data: bytes, old: dict, new: dict, device: torch.d
     return row, ok, triton_huffman.huffman_apply_kernel, line
 
 
+def huffman_scan_device_rows(old: dict, new: dict, device: torch.device,
+                             cpu_check_bytes: float) -> tuple[Row, bool, tuple, str]:
+    """Time the Triton scan of the ``huffman`` encoder plus the host finish
+    (``triton_huffman_scan.encode_huffman_cuda``: three launches and two compact device-to-host
+    copies per tensor, the host's ``tile_encode`` code after them) on every (old, new) pair, and
+    ``copy_`` of the same tensors; then check the streams bytewise against the CPU encoder
+    (``tile_encode.encode_huffman`` on host copies) on those tensors that fit
+    ``cpu_check_bytes`` in all. Returns the row, the check's verdict, the kernels (for
+    ``kernel_resources``) and a line comparing the two on the scanned tensors' bytes."""
+    from weftboard.cuda import triton_huffman_scan as ths  # optional dependency: triton
+    from weftboard.cuda.tensor_bits import cpu_bits
+    from weftboard.cuda.tile_encode import encode_huffman
+
+    names = list(old)
+    if device.type == "cpu":  # the interpreter takes milliseconds a change: a dry run scans a few tensors
+        changes = {n: int((bits_view(old[n]) != bits_view(new[n])).sum()) for n in names}
+        names = sorted(names, key=changes.__getitem__)
+        names = [n for i, n in enumerate(names) if sum(changes[m] for m in names[:i + 1]) <= 600] or names[:1]
+    rounds = 2 if device.type == "cuda" else 1
+    if device.type == "cuda":  # compile the kernels first: one tensor of each form Triton specializes on
+        for n in {old[n].numel() % 16 == 0: n for n in names}.values():
+            ths.encode_huffman_cuda(old[n], new[n], CODEC_TILE)
+    with _Timer(device) as t_scan:
+        got = {n: ths.encode_huffman_cuda(old[n], new[n], CODEC_TILE) for n in names}
+    ok = True
+    checked = 0
+    cpu_checked = 0
+    for n in names:
+        size = old[n].numel() * old[n].element_size()
+        if checked + size > cpu_check_bytes:
+            continue
+        ref_changed, ref = encode_huffman(cpu_bits(old[n].cpu()), cpu_bits(new[n].cpu()), CODEC_TILE)
+        changed, stream = got[n]
+        ok &= changed == ref_changed and (stream is None) == (ref is None)
+        ok &= ref is None or stream is None or stream.tobytes() == ref.tobytes()
+        checked += size
+        cpu_checked += 1
+    dst = {n: torch.empty_like(old[n]) for n in names}
+    for _ in range(rounds):
+        with _Timer(device) as t_copy:
+            for n in names:
+                dst[n].copy_(new[n])
+    nbytes = sum(old[n].numel() * old[n].element_size() for n in names)
+    scan, cp = _gbps(nbytes, t_scan.seconds), _gbps(nbytes, t_copy.seconds)
+    changed = sum(c for c, _ in got.values())
+    row = Row("encode, Triton huffman scan + host finish", t_scan.seconds,
+              f"{len(names)} tensors, {changed} changes; {cpu_checked} checked vs the CPU encoder")
+    line = (f"triton huffman scan + host finish on its {len(names)} tensors ({nbytes / 1e9:.3g} GB): {scan:.1f} GB/s; "
+            f"copy_ of the same tensors {cp:.1f} GB/s; ratio {scan / cp:.3f}")
+    return row, ok, (ths._count_kernel, ths._place_kernel, ths._rice_kernel), line
+
+
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
@@ -325,10 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     ref_ok = all(torch.equal(bits_view(target[n]), bits_view(new[n])) for n in names)
     del target, ref
 
-    codec_ok = device_ok = True
+    codec_ok = device_ok = scan_ok = True
     patch_bytes = 0
     huffman_kernel = None
-    huffman_line = ""
+    huffman_line = scan_line = ""
+    scan_kernels: tuple = ()
     if not args.skip_codec:
         t1 = time.perf_counter()
         patch = encode_deltas(((n, deltas[n]) for n in names), base_version=1, target_version=2,
@@ -338,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         del deltas
         row, device_ok, huffman_kernel, huffman_line = huffman_device_rows(patch.data, old, new, device,
                                                                            args.cpu_check_gb * 1e9)
+        rows.append(row)
+        row, scan_ok, scan_kernels, scan_line = huffman_scan_device_rows(old, new, device, args.cpu_check_gb * 1e9)
         rows.append(row)
         was = os.environ.get(DEVICE_DECODE_ENV)
         for device_decode, how in (("0", "CPU decode, H2D, Triton scatter"), ("1", "huffman decoded on the device")):
@@ -370,18 +427,21 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         g = _gbps(nbytes, r.seconds)
         print(f"{r.name:40s} {r.seconds * 1e3:10.2f} {g:9.1f} {100 * g / copy_gbps:6.0f}%  {r.note}")
-    if huffman_line:
-        print(huffman_line)
+    for line in (huffman_line, scan_line):
+        if line:
+            print(line)
     checks = {"triton diff == torch diff": diff_ok, "triton apply bitwise": apply_ok,
               "torch apply bitwise": ref_ok, "patch round trip + revert bitwise": codec_ok,
-              "triton huffman decode+apply == new and CPU decoder": device_ok}
+              "triton huffman decode+apply == new and CPU decoder": device_ok,
+              "triton huffman scan + host finish == CPU encoder": scan_ok}
     print()
     for k, v in checks.items():
         print(f"check {k}: {'OK' if v else 'FAILED'}")
     if device.type == "cuda":
         print()
         print("kernels as this device loaded them:")
-        for fn in (tk.diff_stage_kernel, tk.diff_place_kernel, tk.apply_diff_kernel, tk.scatter_kernel, huffman_kernel):
+        for fn in (tk.diff_stage_kernel, tk.diff_place_kernel, tk.apply_diff_kernel, tk.scatter_kernel, huffman_kernel,
+                   *scan_kernels):
             if fn is None:
                 continue
             for line in kernel_resources(fn):
