@@ -104,8 +104,27 @@ def test_a_tile_of_escapes_past_its_scratch_gives_none_like_the_cpu_scan(dtype: 
     assert changed == TILE + 1 and stream is None
 
 
+@pytest.mark.parametrize(("dtype", "density"), [(torch.int32, 0.002), (torch.bfloat16, 0.3), (torch.uint8, 0.9)],
+                         ids=str)
+def test_every_density_gives_the_cpu_encoders_rice_parameters_and_bytes(dtype: torch.dtype, density: float) -> None:
+    """Very sparse tiles (a large Rice parameter) to nearly dense ones (k = 0), tiles of 1024."""
+    old, new = _pair(dtype, 9, numel=4 * 1024 + 77, density=density)
+    changed, stream = _same_as_cpu(old, new, tile=1024)
+    _round_trip(old, new, stream, changed, tile=1024)
+
+
+def test_a_tensor_shorter_than_a_tile_gives_the_cpu_encoders_bytes() -> None:
+    old, new = _pair(torch.bfloat16, 6, numel=37, density=0.2)
+    changed, stream = _same_as_cpu(old, new)
+    _round_trip(old, new, stream, changed)
+
+
 def test_a_larger_tile_scans_in_blocks_of_1024() -> None:
+    """Tile 3 holds one change, at its end: a gap of 2047 (Rice parameter 10)."""
     old, new = _pair(torch.float32, 4, numel=4 * 2048 + 5, density=0.01)
+    b = bits_view(new)
+    b[3 * 2048:] = bits_view(old)[3 * 2048:]
+    b[4 * 2048 - 1] += 1
     changed, stream = _same_as_cpu(old, new, tile=2048)
     _round_trip(old, new, stream, changed, tile=2048)
 
