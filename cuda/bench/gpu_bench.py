@@ -47,7 +47,8 @@ from weftboard.cuda.bench.triton_compile import warps_list
 from weftboard.cuda.codec import CODEC_TILE, apply_patch_, encode_deltas
 from weftboard.cuda.container import read_container
 from weftboard.cuda.decode import apply_tile_stream_, parse_tile_stream, stream_array
-from weftboard.cuda.tensor_bits import bits_view
+from weftboard.cuda.tensor_bits import bits_view, cpu_bits
+from weftboard.cuda.tile_encode import encode_huffman
 
 
 @dataclass
@@ -204,8 +205,6 @@ def huffman_scan_device_rows(old: dict, new: dict, device: torch.device,
     ``cpu_check_bytes`` in all. Returns the row, the check's verdict, the kernels (for
     ``kernel_resources``) and a line comparing the two on the scanned tensors' bytes."""
     from weftboard.cuda import triton_huffman_scan as ths  # optional dependency: triton
-    from weftboard.cuda.tensor_bits import cpu_bits
-    from weftboard.cuda.tile_encode import encode_huffman
 
     names = list(old)
     if device.type == "cpu":  # the interpreter takes milliseconds a change: a dry run scans a few tensors
