@@ -4,10 +4,10 @@ parameter, Rice bytes, symbols and escapes per tile); the host's ``tile_encode``
 the symbols and assembles the stream, so the bytes are ``tile_encode.encode_huffman``'s.
 
 Invariants:
-- Three launches, one program per tile: ``_count_kernel`` (changes, last position, escapes),
+- Three launches, one program per tile: ``huffman_count_kernel`` (changes, last position, escapes),
   then, after the host chose each tile's Rice parameter with the CPU's own ``rice_k`` and
-  refused what the CPU scan refuses (an overflowing tile: the stream is None), ``_place_kernel``
-  (symbols, escapes and positions at exclusive offsets) and ``_rice_kernel`` (each tile's Rice
+  refused what the CPU scan refuses (an overflowing tile: the stream is None), ``huffman_place_kernel``
+  (symbols, escapes and positions at exclusive offsets) and ``huffman_rice_kernel`` (each tile's Rice
   bits, serially, in a region of the CPU's bound). Tiles write disjoint regions.
 - Two device-to-host copies of compact arrays (per-tile counts; then one buffer of symbols,
   escapes, Rice bytes and Rice lengths), never the tensor.
@@ -54,7 +54,7 @@ def _symbols(o_ptr, n_ptr, idx, live, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def _count_kernel(o_ptr, n_ptr, out_ptr, numel, tile, n_tiles, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def huffman_count_kernel(o_ptr, n_ptr, out_ptr, numel, tile, n_tiles, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     """Program ``t``: tile ``t``'s changes, last changed position (-1: none) and escapes at
     ``out[t]``, ``out[n_tiles + t]`` and ``out[2 * n_tiles + t]``."""
     t = tl.program_id(0)
@@ -75,7 +75,8 @@ def _count_kernel(o_ptr, n_ptr, out_ptr, numel, tile, n_tiles, WIDTH: tl.constex
 
 
 @triton.jit
-def _place_kernel(o_ptr, n_ptr, meta_ptr, buf_ptr, pos_ptr, numel, tile, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def huffman_place_kernel(o_ptr, n_ptr, meta_ptr, buf_ptr, pos_ptr, numel, tile, WIDTH: tl.constexpr,
+                         BLOCK: tl.constexpr):
     """Program ``r``: the tile of ``meta``'s row ``r``, its symbols in position order at
     ``buf[sym_off:]``, its escapes (``WIDTH`` little-endian bytes each) at ``buf[esc_off:]``
     and its change positions within the tile (int32) at ``pos[sym_off:]``."""
@@ -109,7 +110,7 @@ def _flush(buf_ptr, q, acc, nbits):
 
 
 @triton.jit
-def _rice_kernel(pos_ptr, meta_ptr, buf_ptr, len_ptr):
+def huffman_rice_kernel(pos_ptr, meta_ptr, buf_ptr, len_ptr):
     """Program ``r``: the Rice(k) bits (FORMAT.md 2.3, LSB-first, zero-padded to a byte) of
     the gaps between the tile's positions at ``pos[sym_off:]``, written at ``buf[rice_off:]``
     (``entropy.rice_bytes_put``'s bits); its byte length at ``len[r]``."""
@@ -185,7 +186,8 @@ def encode_huffman_cuda(old: torch.Tensor, new: torch.Tensor, tile: int) -> tupl
     block = _block(tile)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         counts_dev = torch.empty(3 * ntiles, dtype=torch.int64, device=dev)
-        _count_kernel[(ntiles,)](a, b, counts_dev, numel, tile, ntiles, WIDTH=width, BLOCK=block, num_warps=SCAN_WARPS)
+        huffman_count_kernel[(ntiles,)](a, b, counts_dev, numel, tile, ntiles, WIDTH=width, BLOCK=block,
+                                        num_warps=SCAN_WARPS)
         ns, lastpos, n_esc = counts_dev.cpu().numpy().reshape(3, ntiles)
         total = int(ns.sum())
         if total == 0:
@@ -208,8 +210,9 @@ def encode_huffman_cuda(old: torch.Tensor, new: torch.Tensor, tile: int) -> tupl
         buf = torch.zeros(len_at + 4 * tiles.size, dtype=torch.uint8, device=dev)
         pos = torch.empty(total, dtype=torch.int32, device=dev)
         rows = (tiles.size,)
-        _place_kernel[rows](a, b, meta_dev, buf, pos, numel, tile, WIDTH=width, BLOCK=block, num_warps=SCAN_WARPS)
-        _rice_kernel[rows](pos, meta_dev, buf, buf[len_at:].view(torch.int32), num_warps=RICE_WARPS)
+        huffman_place_kernel[rows](a, b, meta_dev, buf, pos, numel, tile, WIDTH=width, BLOCK=block,
+                                   num_warps=SCAN_WARPS)
+        huffman_rice_kernel[rows](pos, meta_dev, buf, buf[len_at:].view(torch.int32), num_warps=RICE_WARPS)
         host = buf.cpu().numpy()
     rice_len = np.zeros(ntiles, np.int64)
     rice_len[tiles] = host[len_at:].view(np.int32)

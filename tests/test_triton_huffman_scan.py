@@ -151,20 +151,22 @@ for arch in (80, 90):
     for elem, width in (("u8", 1), ("i16", 2), ("i32", 4)):
         e = "*" + elem
         kernels = (
-            (ts._count_kernel, {"o_ptr": e, "n_ptr": e, "out_ptr": "*i64", "numel": "i64", "tile": "i32",
-                                "n_tiles": "i32", "WIDTH": "constexpr", "BLOCK": "constexpr"}, ts.SCAN_WARPS),
-            (ts._place_kernel, {"o_ptr": e, "n_ptr": e, "meta_ptr": "*i64", "buf_ptr": "*u8", "pos_ptr": "*i32",
-                                "numel": "i64", "tile": "i32", "WIDTH": "constexpr", "BLOCK": "constexpr"},
+            (ts.huffman_count_kernel, {"o_ptr": e, "n_ptr": e, "out_ptr": "*i64", "numel": "i32", "tile": "i32",
+                                       "n_tiles": "i32", "WIDTH": "constexpr", "BLOCK": "constexpr"}, ts.SCAN_WARPS),
+            (ts.huffman_place_kernel, {"o_ptr": e, "n_ptr": e, "meta_ptr": "*i64", "buf_ptr": "*u8", "pos_ptr": "*i32",
+                                       "numel": "i32", "tile": "i32", "WIDTH": "constexpr", "BLOCK": "constexpr"},
              ts.SCAN_WARPS),
         )
         for fn, sig, warps in kernels:
             src = ASTSource(fn=fn, signature=sig, constexprs={"WIDTH": width, "BLOCK": 1024})
-            compiled = triton.compile(src, target=target, options=backend.parse_options({"num_warps": warps}).__dict__)
+            options = backend.parse_options({"num_warps": warps}).__dict__
+            compiled = triton.compile(src, target=target, options=options)
             print(json.dumps({"arch": arch, "kernel": fn.__name__, "elem": elem, **cubin_resources(compiled.asm["cubin"])}))
     sig = {"pos_ptr": "*i32", "meta_ptr": "*i64", "buf_ptr": "*u8", "len_ptr": "*i32"}
-    src = ASTSource(fn=ts._rice_kernel, signature=sig, constexprs={})
+    src = ASTSource(fn=ts.huffman_rice_kernel, signature=sig, constexprs={})
     compiled = triton.compile(src, target=target, options=backend.parse_options({"num_warps": ts.RICE_WARPS}).__dict__)
-    print(json.dumps({"arch": arch, "kernel": "_rice_kernel", "elem": "-", **cubin_resources(compiled.asm["cubin"])}))
+    print(json.dumps({"arch": arch, "kernel": "huffman_rice_kernel", "elem": "-",
+                      **cubin_resources(compiled.asm["cubin"])}))
 """
 
 

@@ -242,7 +242,7 @@ def huffman_scan_device_rows(old: dict, new: dict, device: torch.device,
               f"{len(names)} tensors, {changed} changes; {cpu_checked} checked vs the CPU encoder")
     line = (f"triton huffman scan + host finish on its {len(names)} tensors ({nbytes / 1e9:.3g} GB): {scan:.1f} GB/s; "
             f"copy_ of the same tensors {cp:.1f} GB/s; ratio {scan / cp:.3f}")
-    return row, ok, (ths._count_kernel, ths._place_kernel, ths._rice_kernel), line
+    return row, ok, (ths.huffman_count_kernel, ths.huffman_place_kernel, ths.huffman_rice_kernel), line
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
