@@ -68,13 +68,19 @@ def test_cuda_apply_and_scatter_match_cpu(tk, case) -> None:
 def test_cuda_patch_round_trip(tk) -> None:
     """A patch encoded on the CPU applies to device tensors (decode on CPU threads, the Triton
     apply on the device) bitwise, and reverts."""
-    from weftboard.cuda.codec import apply_patch_, encode_patch
-
     gen = torch.Generator().manual_seed(3)
     old = {f"t{i}": random_bits(n, dtype, gen)
            for i, (n, dtype) in enumerate([(70_000, torch.bfloat16), (5, torch.bfloat16), (9_001, torch.float8_e4m3fn),
                                            (4_096, torch.float32)])}
     new = {name: mutate(t, 0.02, gen) for name, t in old.items()}
+    _round_trip_on_device(old, new)
+
+
+def _round_trip_on_device(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> None:
+    """A patch encoded on the CPU from ``old`` to ``new`` applies to device copies of ``old``
+    bitwise (``apply_patch_``), and its revert gives ``old`` back."""
+    from weftboard.cuda.codec import apply_patch_, encode_patch
+
     patch = encode_patch(((n, old[n], new[n]) for n in old), base_version=1, target_version=2,
                          target_root="xxh3-128:" + "0" * 32)
     target = {n: t.cuda() for n, t in old.items()}
@@ -144,7 +150,6 @@ def test_cuda_patch_applies_huffman_streams_on_the_device(tk, monkeypatch) -> No
     """With ``WEFTBOARD_DEVICE_DECODE=1``, ``apply_patch_`` into CUDA tensors takes the device
     decoder for each huffman stream, and its revert too."""
     from weftboard.cuda import triton_huffman
-    from weftboard.cuda.codec import apply_patch_, encode_patch
 
     monkeypatch.setenv("WEFTBOARD_DEVICE_DECODE", "1")
     calls = []
@@ -154,13 +159,7 @@ def test_cuda_patch_applies_huffman_streams_on_the_device(tk, monkeypatch) -> No
     gen = torch.Generator().manual_seed(5)
     old = {"a": random_bits(200_000, torch.bfloat16, gen), "b": random_bits(70_000, torch.float32, gen)}
     new = {name: mutate(t, 0.01, gen) for name, t in old.items()}
-    patch = encode_patch(((n, old[n], new[n]) for n in old), base_version=1, target_version=2,
-                         target_root="xxh3-128:" + "0" * 32)
-    target = {n: t.cuda() for n, t in old.items()}
-    applied = apply_patch_(target, patch.data)
-    assert all(torch.equal(bits_view(target[n]).cpu(), bits_view(new[n])) for n in old)
-    applied.revert()
-    assert all(torch.equal(bits_view(target[n]).cpu(), bits_view(old[n])) for n in old)
+    _round_trip_on_device(old, new)
     assert sorted(calls) == [("a", -1), ("a", 1), ("b", -1), ("b", 1)]
 
 
@@ -168,7 +167,6 @@ def test_cuda_patch_decodes_on_cpu_threads_unless_asked(tk, monkeypatch) -> None
     """By default (the device decoder not yet measured on a GPU) a CUDA destination gets
     CPU-decoded changes scattered by Triton, with the same bytes."""
     from weftboard.cuda import triton_huffman
-    from weftboard.cuda.codec import apply_patch_, encode_patch
 
     monkeypatch.delenv("WEFTBOARD_DEVICE_DECODE", raising=False)
     monkeypatch.setattr(triton_huffman, "apply_tile_stream_cuda_",
@@ -176,13 +174,7 @@ def test_cuda_patch_decodes_on_cpu_threads_unless_asked(tk, monkeypatch) -> None
     gen = torch.Generator().manual_seed(6)
     old = {"a": random_bits(100_000, torch.bfloat16, gen)}
     new = {name: mutate(t, 0.01, gen) for name, t in old.items()}
-    patch = encode_patch(((n, old[n], new[n]) for n in old), base_version=1, target_version=2,
-                         target_root="xxh3-128:" + "0" * 32)
-    target = {n: t.cuda() for n, t in old.items()}
-    applied = apply_patch_(target, patch.data)
-    assert torch.equal(bits_view(target["a"]).cpu(), bits_view(new["a"]))
-    applied.revert()
-    assert torch.equal(bits_view(target["a"]).cpu(), bits_view(old["a"]))
+    _round_trip_on_device(old, new)
 
 
 @pytest.mark.parametrize(("dtype", "tile"), [(torch.bfloat16, 4096), (torch.bfloat16, 65536), (torch.float32, 65536),

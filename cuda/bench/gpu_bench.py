@@ -181,12 +181,8 @@ def huffman_device_rows(patch_data: bytes, old: dict, new: dict, device: torch.d
         ok &= torch.equal(bits_view(target[n]).cpu(), bits_view(ref))
         checked += size
         cpu_checked += 1
-    for _ in range(rounds):
-        with _Timer(device) as t_copy:
-            for n in steps:
-                target[n].copy_(new[n])
     nbytes = sum(old[n].numel() * old[n].element_size() for n in steps)
-    dec, cp = _gbps(nbytes, t_dec.seconds), _gbps(nbytes, t_copy.seconds)
+    dec, cp = _gbps(nbytes, t_dec.seconds), _gbps(nbytes, _copy_seconds({n: target[n] for n in steps}, new, device, rounds))
     changed = sum(e["changed"] for e in entries)
     row = Row("decode+apply, Triton huffman (device)", t_dec.seconds,
               f"{len(steps)} streams, {changed} changes; {cpu_checked} checked vs the CPU decoder")
@@ -230,19 +226,24 @@ def huffman_scan_device_rows(old: dict, new: dict, device: torch.device,
         ok &= ref is None or stream is None or stream.tobytes() == ref.tobytes()
         checked += size
         cpu_checked += 1
-    dst = {n: torch.empty_like(old[n]) for n in names}
-    for _ in range(rounds):
-        with _Timer(device) as t_copy:
-            for n in names:
-                dst[n].copy_(new[n])
     nbytes = sum(old[n].numel() * old[n].element_size() for n in names)
-    scan, cp = _gbps(nbytes, t_scan.seconds), _gbps(nbytes, t_copy.seconds)
+    dst = {n: torch.empty_like(old[n]) for n in names}
+    scan, cp = _gbps(nbytes, t_scan.seconds), _gbps(nbytes, _copy_seconds(dst, new, device, rounds))
     changed = sum(c for c, _ in got.values())
     row = Row("encode, Triton huffman scan + host finish", t_scan.seconds,
               f"{len(names)} tensors, {changed} changes; {cpu_checked} checked vs the CPU encoder")
     line = (f"triton huffman scan + host finish on its {len(names)} tensors ({nbytes / 1e9:.3g} GB): {scan:.1f} GB/s; "
             f"copy_ of the same tensors {cp:.1f} GB/s; ratio {scan / cp:.3f}")
     return row, ok, (ths.huffman_count_kernel, ths.huffman_place_kernel, ths.huffman_rice_kernel), line
+
+
+def _copy_seconds(dst: dict, src: dict, device: torch.device, rounds: int) -> float:
+    """Seconds of the last of ``rounds`` rounds of ``copy_`` from ``src`` into each tensor of ``dst``."""
+    for _ in range(rounds):
+        with _Timer(device) as t_copy:
+            for n, t in dst.items():
+                t.copy_(src[n])
+    return t_copy.seconds
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
