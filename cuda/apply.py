@@ -70,7 +70,8 @@ def apply_patch_(tensors: Mapping[str, torch.Tensor], data: bytes | bytearray | 
 
     Every header, checksum and directory is checked before the first write. Sparse streams
     into CPU tensors are then decoded and applied in one pass (``tile_decode``), and huffman
-    streams into CUDA tensors on the device (``triton_huffman``); the rare
+    streams into CUDA tensors on the device where ``WEFTBOARD_DEVICE_DECODE=1``
+    (``triton_huffman``); the rare
     damage only the entropy decoder can see (a stream that was written wrong yet hashes
     right) is found during that pass, and then every write of this call is undone before
     ``CorruptData`` is raised, so the tensors are never left half-patched.

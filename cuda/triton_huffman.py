@@ -18,7 +18,7 @@ the kernel then runs in Triton's interpreter (the tests do this).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -169,6 +169,17 @@ def huffman_apply_kernel(t_ptr, buf_ptr, meta_ptr, table_ptr, limit_ptr, out_ptr
     tl.store(out_ptr + n_tiles + pid, applied)
 
 
+@contextlib.contextmanager
+def launching_on(device: torch.device) -> Iterator[None]:
+    """Triton launches on the current CUDA device: make it ``device`` for the block (an engine
+    may hold several GPUs); nothing to do for CPU tensors under the interpreter."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
 class DeviceTiles:
     """A parsed ``huffman`` stream on the target's device: the stream bytes (zero-padded), one
     row per tile with changes (``_tile_meta``) and the 4096-entry decoder table. Built once per
@@ -199,8 +210,7 @@ class DeviceTiles:
         dev = target_bits.device
         out = torch.empty(2 * rows, dtype=torch.int64, device=dev)
         lim = torch.from_numpy(np.ascontiguousarray(limit, np.int64)).to(dev)
-        # Triton launches on the current device: make it the tensor's (an engine may hold several GPUs)
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        with launching_on(dev):
             huffman_apply_kernel[(rows,)](target_bits, self.buf, self.meta, self.table, lim, out, rows, self.tile,
                                           SIGN=1 if sign > 0 else -1, WIDTH=self.width, num_warps=WARPS)
         res = out.cpu().numpy()

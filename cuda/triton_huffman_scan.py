@@ -17,8 +17,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
-
 import numba as nb
 import numpy as np
 import torch
@@ -27,8 +25,10 @@ import triton.language as tl
 
 from weftboard.cuda import entropy
 from weftboard.cuda.tensor_bits import bits_view
+from weftboard.cuda.tile_assembly import packed_offsets
 from weftboard.cuda.tile_blocks import RICE_SLACK, rice_k
 from weftboard.cuda.tile_encode import finish_scanned_tiles
+from weftboard.cuda.triton_huffman import launching_on
 
 _MAX_DELTA = tl.constexpr(entropy.ESC // 2)
 _ESC = tl.constexpr(entropy.ESC)
@@ -154,12 +154,6 @@ def _rice_ks(ns: np.ndarray, lastpos: np.ndarray) -> np.ndarray:
     return ks
 
 
-def _exclusive(x: np.ndarray) -> np.ndarray:
-    out = np.zeros(x.size, np.int64)
-    np.cumsum(x[:-1], out=out[1:])
-    return out
-
-
 def _block(tile: int) -> int:
     """The largest power of two up to 1024 that divides ``tile`` (a multiple of 64)."""
     return min(tile & -tile, 1024)
@@ -184,7 +178,7 @@ def encode_huffman_cuda(old: torch.Tensor, new: torch.Tensor, tile: int) -> tupl
         return 0, None
     dev = a.device
     block = _block(tile)
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+    with launching_on(dev):
         counts_dev = torch.empty(3 * ntiles, dtype=torch.int64, device=dev)
         huffman_count_kernel[(ntiles,)](a, b, counts_dev, numel, tile, ntiles, WIDTH=width, BLOCK=block,
                                         num_warps=SCAN_WARPS)
@@ -200,10 +194,10 @@ def encode_huffman_cuda(old: torch.Tensor, new: torch.Tensor, tile: int) -> tupl
         if (n_esc * width > tile).any() or ((rice_bits >> 3) + 8 > tile + RICE_SLACK - 16).any():
             return total, None
         tiles = np.flatnonzero(ns)
-        sym_off = _exclusive(ns)
-        esc_off = total + _exclusive(n_esc * width)
+        sym_off = packed_offsets(ns)
+        esc_off = total + packed_offsets(n_esc * width)
         esc_end = total + int(n_esc.sum()) * width
-        rice_off = esc_end + _exclusive((rice_bits + 7) >> 3)
+        rice_off = esc_end + packed_offsets((rice_bits + 7) >> 3)
         len_at = (int(rice_off[-1] + ((rice_bits[-1] + 7) >> 3)) + 3) // 4 * 4
         meta = np.stack([tiles, sym_off[tiles], esc_off[tiles], rice_off[tiles], ns[tiles], ks[tiles]], axis=1)
         meta_dev = torch.from_numpy(np.ascontiguousarray(meta, np.int64)).to(dev)

@@ -13,8 +13,9 @@ What it runs, all on this machine and one real S3 server (SeaweedFS started here
 Spans are from the trainer's publish call to the last island's "applied" (delta: verified
 against the version's root digest) or "loaded" (baseline), using wall clocks of the same
 machine. ``bytes_ratio`` (full checkpoint bytes over patch bytes) is what ``speedup_p50`` would
-be if a sync cost only its bytes on the link. The first version of the delta run (the anchor every island starts from) is not a
-measured version: the measured ones are the steady state of patches.
+be if a sync cost only its bytes on the link. The first version of the delta run (the anchor
+every island starts from) is not a measured version: the measured ones are the steady state of
+patches.
 
 Memory: ``publisher_extra_memory_ratio`` is (peak RSS of this process while publishing -
 RSS just before the publisher is created, with the model, its gradients and AdamW state
