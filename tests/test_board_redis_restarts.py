@@ -15,7 +15,7 @@ from weftboard.board.process import BoardConfig, start_board
 from weftboard.proto import errors
 
 TOKEN = "r" * 32
-CYCLES = 6
+CYCLES = 8
 PER_CYCLE = 3
 
 
@@ -75,8 +75,10 @@ async def test_watchers_miss_nothing_and_fds_stay_flat_across_redis_restarts(tmp
                     break
                 await asyncio.sleep(0.1)
             assert all(s == list(range(1, version + 1)) for s in seen), [s[-3:] for s in seen]
-            # a leak of one descriptor per restart would add CYCLES - 1 after the first cycle
-            assert counts[-1] <= counts[0] + 2, counts
+            # The pool and the feeds may open a connection or two more while the board warms up
+            # (CI saw 33, 35, 35, 36, 36, 36); a leak of one descriptor per restart would add
+            # CYCLES // 2 - 1 more after the first half's highest count.
+            assert counts[-1] <= max(counts[: CYCLES // 2]) + 1, counts
     finally:
         for task in watchers:
             task.cancel()
