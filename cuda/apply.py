@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import xxhash
 
-from weftboard.cuda import context_codec, entropy
+from weftboard.cuda import entropy
 from weftboard.cuda.container import (
     check_same_transition,
     header_length,
@@ -27,6 +27,7 @@ from weftboard.cuda.container import (
     torch_dtype,
 )
 from weftboard.cuda.decode import (
+    ContextStreams,
     DecodedTensor,
     TileStream,
     apply_tile_stream_,
@@ -189,7 +190,7 @@ def _checked_target(tensors: Mapping[str, torch.Tensor], entry: Mapping[str, Any
 
 
 def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any],
-                 stream: memoryview) -> TileStream | context_codec.ContextStream | DecodedTensor:
+                 stream: memoryview) -> TileStream | ContextStreams | DecodedTensor:
     """A checked stream, parsed (huffman or sparse into a CPU tensor: decoded while applied) or decoded.
 
     A stream in a buffer that can change (a part still arriving, whose range a retried
@@ -201,9 +202,9 @@ def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any],
         raise CorruptData(f"patch stream for tensor {entry['name']!r} fails its xxh3-64 check: corrupted in storage or transit")
     if entry["mode"] in ("huffman", "sparse") and target.device.type == "cpu":
         return parse_tile_stream(entry, stream_array(stream), target.element_size())
-    if entry["mode"] == "context" and target.device.type == "cpu":
+    if entry["mode"] in ("context", "context_huffman") and target.device.type == "cpu":
         return parse_context_stream(entry, stream_array(stream))
-    if entry["mode"] == "context":  # decoded against the target's bits, copied off the GPU
+    if entry["mode"] in ("context", "context_huffman"):  # decoded against the target's bits, copied off the GPU
         return decode_stream(entry, stream, unsigned_np(bits_view(target.detach()).cpu()))
     return decode_stream(entry, stream)
 
@@ -218,12 +219,12 @@ def _applied_patch(header: Mapping[str, Any], entries: Sequence[Mapping[str, Any
 
 
 def _write_step(applied: AppliedPatch, target: torch.Tensor, entry: Mapping[str, Any],
-                step: TileStream | context_codec.ContextStream | DecodedTensor) -> None:
+                step: TileStream | ContextStreams | DecodedTensor) -> None:
     """Write one tensor's step and record how to undo it."""
     if isinstance(step, TileStream):
         apply_tile_stream_(target, entry, step, 1)
         applied._undo.append(functools.partial(apply_tile_stream_, target, entry, step, -1))
-    elif isinstance(step, context_codec.ContextStream):
+    elif isinstance(step, ContextStreams):
         try:
             applied._undo.append(step.apply_(unsigned_np(bits_view(target))))
         except ValueError as exc:

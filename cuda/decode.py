@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from weftboard.cuda import context_codec, entropy, huffman
+from weftboard.cuda import context_codec, context_huffman, entropy, huffman
 from weftboard.cuda.container import NP_UNSIGNED, torch_dtype
 from weftboard.cuda.tensor_bits import cpu_bits
 from weftboard.cuda.tile_decode import apply_tiles, decode_tiles
@@ -76,7 +76,7 @@ def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes, base: np
         if pos.size and (pos[0] < 0 or pos[-1] >= numel or not bool(np.all(pos[1:] > pos[:-1]))):
             raise bad("positions are not strictly ascending indices below numel")
         return DecodedTensor(name, pos, buf[changed * ib :].view(np.dtype(udt).newbyteorder("<")).astype(udt), False)
-    if mode == "context":
+    if mode in ("context", "context_huffman"):
         if base is None:
             raise InvalidArgument(f"the context stream of {name!r} decodes only against the bits it applies to")
         try:
@@ -132,9 +132,15 @@ def parse_tile_stream(entry: Mapping[str, Any], buf: np.ndarray, width: int) -> 
     return TileStream(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, table)
 
 
-def parse_context_stream(entry: Mapping[str, Any], buf: np.ndarray) -> context_codec.ContextStream:
+ContextStreams = context_codec.ContextStream | context_huffman.ContextHuffmanStream
+
+
+def parse_context_stream(entry: Mapping[str, Any], buf: np.ndarray) -> ContextStreams:
+    """A ``context`` or ``context_huffman`` stream, parsed and checked (it decodes against the
+    bits it applies to)."""
+    kind = context_huffman.ContextHuffmanStream if entry["mode"] == "context_huffman" else context_codec.ContextStream
     try:
-        return context_codec.ContextStream(buf, entry["numel"], entry["tile"], entry["changed"])
+        return kind(buf, entry["numel"], entry["tile"], entry["changed"])
     except ValueError as exc:
         raise tile_stream_error(entry, str(exc)) from None
 

@@ -1,6 +1,9 @@
 """Encoding: version transitions (tensor pairs, deltas or tile scans) into per-tensor streams
-and patch containers. Per tensor the default encoding writes the smaller of ``huffman`` and
-``bitmap`` (``all`` when every element changed); ``context`` and ``baseline`` as their encodings say.
+and patch containers. Per tensor the default encoding writes, for a 16-bit float pair (or a
+delta with its target), ``context_huffman`` or ``huffman``, whichever measured smaller, else
+``huffman``; ``bitmap`` where smaller still, ``all`` when every element changed. Tile scans
+(the publisher's piece-by-piece read) give ``huffman`` or ``context`` streams as scanned.
+``context`` and ``baseline`` as their encodings say.
 
 Invariants: a tensor's stream depends only on its (old, new) bits, not on batching, piece
 boundaries, thread count or scratch reuse.
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 import xxhash
 
-from weftboard.cuda import context_codec, entropy
+from weftboard.cuda import context_codec, context_huffman, entropy
 from weftboard.cuda.container import (
     CODEC_TILE,
     ENCODINGS,
@@ -144,9 +147,11 @@ class EncodedTensor:
 
 
 def _encode_delta(name: str, delta: TensorDelta, encoding: str, target: torch.Tensor | None = None) -> EncodedTensor:
-    if encoding == "context" and target is not None and delta.positions.numel() and context_codec.supports(delta.dtype):
+    if (encoding in ("default", "context") and target is not None and delta.positions.numel()
+            and context_codec.supports(delta.dtype)):
         old_t, new_t = _old_and_target(delta, target)
-        fused = _encode_pair_context(name, old_t, new_t)
+        pair = _encode_pair_context if encoding == "context" else _encode_pair_context_huffman
+        fused = pair(name, old_t, new_t)
         if fused is not None:
             return fused
     pos, old, new = _delta_arrays(delta)
@@ -184,6 +189,32 @@ def _encode_pair_context(name: str, old: torch.Tensor, new: torch.Tensor) -> Enc
     if stream is None or changed == a.size or stream.size > _bitmap_bytes(a.size, changed, 2):
         return None
     return EncodedTensor(name, old.dtype, a.size, changed, "context", stream)
+
+
+def _encode_pair_context_huffman(name: str, old: torch.Tensor, new: torch.Tensor,
+                                 scratch: dict | None = None) -> EncodedTensor | None:
+    """The default encoding's choice for a CPU pair of a 16-bit float tensor: its
+    ``context_huffman`` stream, or its ``huffman`` stream where that measured smaller (encoded
+    only when the context scan's estimate of it says it may be), or None when neither applies
+    or a bitmap is smaller (the caller takes the other default modes)."""
+    if not context_codec.supports(old.dtype):
+        return None
+    check_pair(old, new)
+    a = cpu_bits(old)
+    b = cpu_bits(new)
+    thresholds = context_codec.choose_thresholds(a, old.dtype)
+    if thresholds.size == 0:
+        return None
+    changed, stream, huffman_guess = context_huffman.encode_context_huffman(a, b, thresholds, CODEC_TILE, scratch)
+    if changed == 0:
+        return EncodedTensor(name, old.dtype, a.size, 0, "empty", np.empty(0, np.uint8))
+    if stream is None or changed == a.size or stream.size > _bitmap_bytes(a.size, changed, 2):
+        return None
+    if huffman_guess < stream.size * 1.15:  # the estimate's error, with room to spare
+        _, other = encode_huffman(a, b, CODEC_TILE, scratch)
+        if other is not None and other.size < stream.size:
+            return EncodedTensor(name, old.dtype, a.size, changed, "huffman", other)
+    return EncodedTensor(name, old.dtype, a.size, changed, "context_huffman", stream)
 
 
 def _fused_result(name: str, dtype: torch.dtype, b: np.ndarray, changed: int, stream: np.ndarray | None) -> EncodedTensor | None:
@@ -380,9 +411,10 @@ def encode_patch(
     def encoded() -> Iterable[EncodedTensor]:
         for name, old, new in pairs:
             on_cpu = old.is_cpu and new.is_cpu
-            if encoding == "context" and on_cpu:
+            if encoding in ("default", "context") and on_cpu and context_codec.supports(old.dtype):
                 yield from batch.flush()
-                fused = _encode_pair_context(name, old, new)
+                fused = (_encode_pair_context(name, old, new) if encoding == "context"
+                         else _encode_pair_context_huffman(name, old, new, scratch))
                 if fused is not None:
                     yield fused
                     continue

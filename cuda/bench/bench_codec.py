@@ -7,12 +7,17 @@ learning rate), then the served projection of both versions (``weftboard.cuda.fo
 
 What it measures, all in the same run so the ratios are meaningful on any machine:
 - ``bytes_per_change``: the measured encoding's whole patch (container included) per changed
-  stored element (``--encoding``: ``default``, or ``context``, which codes 16-bit floats by the
-  old value's magnitude and so can beat the i.i.d. bound below); ``baseline_bytes_per_change`` the same for int32 positions + raw values.
+  stored element (``--encoding``: ``default``, whose ``context_huffman`` streams code 16-bit floats
+  by the old value's magnitude and so can beat the i.i.d. bound below, or ``context``, the same
+  classes with rANS-coded values); ``baseline_bytes_per_change`` the same for int32 positions + raw values.
 - ``entropy_bound_bytes_per_change``: positions as i.i.d. bits at the measured density
   (``H(p)/p`` bits per change) plus the empirical (order-0) entropy of the value differences
   ``new_bits - old_bits`` over all changes; a code that beats it must exploit structure beyond
   both.
+- ``context_bound_bytes_per_change``: a context-conditional bound estimated on the same patch:
+  whether each element changed given its old value's magnitude class and whether its left
+  neighbour changed, plus each difference given its class (empirical conditional entropies,
+  also given apart as ``context_bound_position_bits_per_change`` and ``..._value_bits_...``).
 - ``diff_encode_gbps`` / ``decode_apply_gbps``: served bytes per second of ``encode_patch``
   (diff + encode, tensor by tensor) and ``apply_patch_`` (decode, validate, write in place),
   best of ``--repeat`` rounds (5: on a shared two-core host one operation in three rounds
@@ -34,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from weftboard.cuda import formats
+from weftboard.cuda import context_codec, formats
 from weftboard.cuda.codec import apply_patch_, encode_patch, read_patch_info
 from weftboard.cuda.diff import diff_tensor
 from weftboard.cuda.digest import dtype_name, root_digest, tensor_digest
@@ -90,6 +95,46 @@ def entropy_bound_bits(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.
     q = c / changes
     h_val = float(-(c * np.log2(q)).sum())
     return h_pos + h_val, changes, elements
+
+
+def _cond_entropy_bits(keys: np.ndarray, given: np.ndarray) -> float:
+    """Empirical ``H(keys | given)`` in bits, summed over the samples (both int64 arrays)."""
+    if keys.size == 0:
+        return 0.0
+    _, joint = np.unique(np.stack([given, keys]), axis=1, return_counts=True)
+    _, marg = np.unique(given, return_counts=True)
+    j = joint.astype(np.float64)
+    m = marg.astype(np.float64)
+    return float(-(j * np.log2(j)).sum() + (m * np.log2(m)).sum())
+
+
+def context_bound_bits(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+    """(position bits, value bits) of a context-conditional bound on the same patch: whether an
+    element changed given its old value's class (``context_codec``'s thresholds, for 16-bit
+    floats; one class otherwise) and whether its left neighbour changed; each change's
+    difference given its class. Empirical conditional entropies, per tensor."""
+    pos_bits = val_bits = 0.0
+    for name in new:
+        a = unsigned_np(bits_view(old[name]).reshape(-1)).astype(np.int64)
+        b = unsigned_np(bits_view(new[name]).reshape(-1)).astype(np.int64)
+        changed = a != b
+        if not changed.any():
+            continue
+        cls = np.zeros(a.size, np.int64)
+        if context_codec.supports(old[name].dtype):
+            thr = context_codec.choose_thresholds(unsigned_np(bits_view(old[name]).reshape(-1)), old[name].dtype)
+            cls = np.searchsorted(thr, a & 0x7FFF, side="right").astype(np.int64)
+        left = np.concatenate([[False], changed[:-1]])
+        ctx = cls * 2 + left
+        counts = np.bincount(ctx * 2 + changed, minlength=2 * int(ctx.max() + 1) + 2).reshape(-1, 2).astype(np.float64)
+        rows = counts.sum(axis=1)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = np.where(counts > 0, counts * np.log2(counts / rows[:, None]), 0.0)
+        pos_bits -= float(terms.sum())
+        width = old[name].element_size()
+        d = (b[changed] - a[changed]) & ((1 << (8 * width)) - 1) if width < 8 else b[changed] - a[changed]
+        val_bits += _cond_entropy_bits(d, cls[changed])
+    return pos_bits, val_bits
 
 
 def _root_of(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -209,6 +254,7 @@ def run(
     t_enc, t_apply, t_clone, t_copy = times["enc"], times["apply"], times["clone"], times["copy"]
 
     bound_bits, _, _ = entropy_bound_bits(old, new)
+    ctx_pos_bits, ctx_val_bits = context_bound_bits(old, new)
     info = read_patch_info(patch.data)
     modes: dict[str, int] = {}
     for ti in info.tensors:
@@ -225,6 +271,9 @@ def run(
         "baseline_patch_bytes": len(baseline.data),
         "bytes_per_change": len(patch.data) / changes if changes else 0.0,
         "entropy_bound_bytes_per_change": bound_bits / 8 / changes if changes else 0.0,
+        "context_bound_bytes_per_change": (ctx_pos_bits + ctx_val_bits) / 8 / changes if changes else 0.0,
+        "context_bound_position_bits_per_change": ctx_pos_bits / changes if changes else 0.0,
+        "context_bound_value_bits_per_change": ctx_val_bits / changes if changes else 0.0,
         "baseline_bytes_per_change": len(baseline.data) / changes if changes else 0.0,
         "ratio_vs_baseline": len(baseline.data) / len(patch.data),
         "diff_encode_gbps": gb / t_enc,
@@ -240,7 +289,10 @@ def run(
     if changes:
         result["bound_ratio"] = result["bytes_per_change"] / result["entropy_bound_bytes_per_change"]
     log(f"patch: {len(patch.data)} bytes, {result['bytes_per_change']:.4f} B/change "
-        f"(entropy bound {result['entropy_bound_bytes_per_change']:.4f}, x{result.get('bound_ratio', 0):.3f}); "
+        f"(i.i.d. entropy bound {result['entropy_bound_bytes_per_change']:.4f}, x{result.get('bound_ratio', 0):.3f}; "
+        f"context bound {result['context_bound_bytes_per_change']:.4f}: "
+        f"{result['context_bound_position_bits_per_change']:.2f} position + "
+        f"{result['context_bound_value_bits_per_change']:.2f} value bits); "
         f"baseline {len(baseline.data)} bytes, {result['baseline_bytes_per_change']:.3f} B/change; "
         f"ratio {result['ratio_vs_baseline']:.2f}x; stream modes {modes}")
     log(f"speed (served GB/s, best of {repeat}): diff+encode {result['diff_encode_gbps']:.2f}, "
