@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import xxhash
 
-from weftboard.cuda import entropy
+from weftboard.cuda import context_huffman, entropy
 from weftboard.cuda.container import (
     check_same_transition,
     header_length,
@@ -74,9 +74,12 @@ def apply_patch_(tensors: Mapping[str, torch.Tensor], data: bytes | bytearray | 
     targets = [(_checked_target(tensors, e), e) for e in c.entries]
     steps = [(t, e, _parsed_step(t, e, c.streams[e["name"]])) for t, e in targets if e["mode"] != "empty"]
     applied = _applied_patch(c.header, c.entries)
+    batched = [(t, e, s) for t, e, s in steps if isinstance(s, context_huffman.ContextHuffmanStream)]
     try:
+        _write_context_batch(applied, batched)  # one parallel loop over all their tiles
         for target, entry, step in steps:
-            _write_step(applied, target, entry, step)
+            if not isinstance(step, context_huffman.ContextHuffmanStream):
+                _write_step(applied, target, entry, step)
     except BaseException:
         applied.revert()
         raise
@@ -232,6 +235,19 @@ def _write_step(applied: AppliedPatch, target: torch.Tensor, entry: Mapping[str,
     else:
         target_, pos, old = _apply_decoded(target, step)
         applied._undo.append(functools.partial(scatter_bits_, target_, pos, old))
+
+
+def _write_context_batch(applied: AppliedPatch, steps: Sequence[tuple[torch.Tensor, Mapping[str, Any],
+                                                                    context_huffman.ContextHuffmanStream]]) -> None:
+    """Write several tensors' ``context_huffman`` streams in one call and record how to undo
+    each; on a damaged stream the call's writes are undone and ``CorruptData`` names it."""
+    if not steps:
+        return
+    try:
+        undos = context_huffman.apply_batch_([s for *_, s in steps], [unsigned_np(bits_view(t)) for t, *_ in steps])
+    except context_huffman.BadStream as exc:
+        raise tile_stream_error(steps[exc.index][1], str(exc)) from None
+    applied._undo.extend(undos)
 
 
 def _apply_decoded(target: torch.Tensor, dec: DecodedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -54,7 +54,15 @@ def choose_thresholds(old: np.ndarray, dtype: torch.dtype, classes: int = CLASSE
     sample = old[:: max(1, old.size // 4096)]
     if sample.size == 0:
         return np.empty(0, np.int64)
-    med = int(np.median((sample.astype(np.int64) >> shift) & emask))
+    # np.median of the exponents, from their counts (a partition and a widening copy of the
+    # sample took about 80 us a tensor, 5 ms of the codec bench's encode): the mean of the two
+    # middle order statistics (one when the sample is odd), truncated.
+    counts = np.bincount((sample >> shift) & emask, minlength=emask + 1)
+    below = np.cumsum(counts)
+    n = sample.size
+    lo = int(np.searchsorted(below, (n - 1) // 2, side="right"))
+    hi = int(np.searchsorted(below, n // 2, side="right"))
+    med = (lo + hi) // 2
     exps = [e for e in range(med - classes + 1, med) if e >= 1]
     return np.array([e << shift for e in exps], np.int64)
 

@@ -24,29 +24,26 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-from weftboard.cuda import entropy, huffman, tile_decode
-from weftboard.cuda.bit_deposit import pdep64, pext64
-from weftboard.cuda.bitops import ctpop64, cttz64, load_u64le, mag_ge_mask64
+from weftboard.cuda import entropy, huffman
+from weftboard.cuda.bit_deposit import pext64
+from weftboard.cuda.bitops import array_at, ctpop64, cttz64
+from weftboard.cuda.context_apply import FAST_BITS, decode_batch, value_tables
 from weftboard.cuda.context_codec import (
     MAX_THRESHOLDS,
     ContextUndo,
     check_thresholds,
     class_masks,
-    class_of,
     class_prefix,
-    ge_elems,
     unapply,
 )
-from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM
+from weftboard.cuda.entropy import ESC, MAX_DELTA, NSYM
 from weftboard.cuda.huffman import MAX_BITS
 from weftboard.cuda.jit import parallel_kernel, serial_kernels
 from weftboard.cuda.scratch import pooled
 from weftboard.cuda.tile_assembly import assemble_tiles
-from weftboard.cuda.tile_blocks import block_mask, rice_k
+from weftboard.cuda.tile_blocks import block_mask, rice_k, rice_tile_grouped
 
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
-FAST_BITS = 9  # the decoder's first lookup: 2**9 entries a class, all classes' tables in L1
-_LONG = np.uint16(15)  # a first-lookup entry of a code longer than FAST_BITS (no code has length 15)
 
 
 def rice_stride(tile: int, nclasses: int) -> int:
@@ -54,127 +51,144 @@ def rice_stride(tile: int, nclasses: int) -> int:
     return tile // 2 + 64 * nclasses
 
 
+MAX_CLASSES = MAX_THRESHOLDS + 1
+
+
 @parallel_kernel
-def _scan_encode(a, b, thr, tile, rice_buf, rstride, sym_buf, esc_buf):
-    """Per tile: change and class masks, each class's changes packed into its member bitmap
-    and Rice-coded at ``rice_buf[t * rstride:]``, then the changes in position order: symbol
-    ``class * NSYM + symbol`` (uint16) at ``sym_buf[t * tile:]``, escapes at
-    ``esc_buf[2 * t * tile:]``. A tile whose Rice pieces might not fit is set in ``over``."""
-    numel = a.size
-    nthr = thr.size
-    ncls = nthr + 1
-    ntiles = (numel + tile - 1) // tile
-    ns = np.zeros((ntiles, ncls), np.int64)
-    ks = np.zeros((ntiles, ncls), np.int64)
-    rice_off = np.zeros((ntiles, ncls), np.int64)
-    rice_len = np.zeros((ntiles, ncls), np.int64)
-    n_esc = np.zeros(ntiles, np.int64)
-    over = np.zeros(ntiles, np.int64)
-    hist = np.zeros((ntiles, ncls * NSYM), np.int32)
+def _scan_batch(addr_a, addr_b, numels, like, first, thr, nthr, tile, rice_buf, rstride, sym_buf, esc_buf, pos_rows,
+                code_rows, len_rows):
+    """Per tile of every tensor (tensor ``i``: the ``numels[i]`` uint16 at ``addr_a[i]`` (old)
+    and ``addr_b[i]`` (new), its thresholds ``thr[i, :nthr[i]]``, global tiles
+    ``first[i]:first[i + 1]``), in one parallel loop: change and class masks, each class's
+    changes packed into its member bitmap and Rice-coded at ``rice_buf[g * rstride:]``, then the
+    changes in position order: symbol ``class * NSYM + symbol`` (uint16) at
+    ``sym_buf[g * tile:]``, escapes at ``esc_buf[2 * g * tile:]``. A tile whose Rice pieces
+    might not fit is set in ``over``. ``pos_rows``, ``code_rows``, ``len_rows``: a row of
+    ``tile`` of scratch per thread for the Rice coder (``tile_blocks.rice_tile_grouped``,
+    which makes the same bits as ``entropy.rice_put``, a group of codes per append). Per global tile and class (``MAX_CLASSES`` columns):
+    ns, ks, rice_off, rice_len; per tile n_esc, over and the histogram."""
+    ntensors = numels.size
+    ntiles_all = first[ntensors]
+    owner = np.empty(ntiles_all, np.int64)
+    for i in range(ntensors):
+        owner[first[i]:first[i + 1]] = i
+    ns = np.zeros((ntiles_all, MAX_CLASSES), np.int64)
+    ks = np.zeros((ntiles_all, MAX_CLASSES), np.int64)
+    rice_off = np.zeros((ntiles_all, MAX_CLASSES), np.int64)
+    rice_len = np.zeros((ntiles_all, MAX_CLASSES), np.int64)
+    n_esc = np.zeros(ntiles_all, np.int64)
+    over = np.zeros(ntiles_all, np.int64)
+    hist = np.zeros((ntiles_all, MAX_CLASSES * NSYM), np.int32)
     mask = np.uint64(0xFFFF)
     wbits = np.uint64(15)
-    for t in nb.prange(ntiles):
+    for g in nb.prange(ntiles_all):
+        i = owner[g]
+        t = g - first[i]
+        numel = numels[i]
+        a = array_at(addr_a[i], numel, like)
+        b = array_at(addr_b[i], numel, like)
+        th = thr[i, :nthr[i]]
+        ncls = nthr[i] + 1
         s = t * tile
         e = min(s + tile, numel)
         nblocks = (e - s + 63) // 64
         stride = nblocks + 1
         masks = np.empty(nblocks, np.uint64)
-        mb = np.empty(ncls * stride, np.uint64)
-        cur = np.zeros(ncls, np.uint64)
-        members = np.zeros(ncls, np.int64)
-        nchg = np.zeros(ncls, np.int64)
+        cls = np.empty((ncls, nblocks), np.uint64)
+        total = 0
         for bi in range(nblocks):
             bs = s + 64 * bi
             m = block_mask(a, b, bs, e)
             masks[bi] = m
-            full = bs + 64 <= e
-            upper = _ALL if full else (np.uint64(1) << np.uint64(e - bs)) - np.uint64(1)
-            for c in range(ncls):
-                if c < nthr:
-                    ge = mag_ge_mask64(a, bs, thr[c]) if full else ge_elems(a, bs, e, thr[c])
-                    cm = upper & ~ge
-                    upper = ge
-                else:
-                    cm = upper
-                x = pext64(m, cm)
-                cnt = np.int64(ctpop64(cm))
-                nchg[c] += np.int64(ctpop64(x))
-                sh = members[c] & 63
-                acc = cur[c] | (x << np.uint64(sh))
-                if sh + cnt >= 64:
-                    mb[c * stride + (members[c] >> 6)] = acc
-                    acc = (x >> np.uint64(1)) >> np.uint64(63 - sh)
-                cur[c] = acc
-                members[c] += cnt
-        total = 0
-        need = 0
-        for c in range(ncls):
-            if members[c] & 63:
-                mb[c * stride + (members[c] >> 6)] = cur[c]
-            n = nchg[c]
-            total += n
-            if n:
-                k = rice_k(members[c] - n, n)
-                ks[t, c] = k
-                need += ((((members[c] - n) >> k) + n * (k + 1)) >> 3) + 16  # + rice_put's slack
+            total += np.int64(ctpop64(m))
+            class_masks(a, bs, e, th, cls, bi)
         if total == 0:
             continue
-        if need > rstride:
-            over[t] = 1
-            continue
-        p = t * rstride
+        mb = np.empty(ncls * stride, np.uint64)
+        members = np.zeros(ncls, np.int64)
+        nchg = np.zeros(ncls, np.int64)
+        for c in range(ncls):  # class by class: the packing state stays in registers
+            acc = np.uint64(0)
+            cnt_all = 0
+            n = 0
+            row = c * stride
+            for bi in range(nblocks):
+                cm = cls[c, bi]
+                x = pext64(masks[bi], cm)
+                cnt = np.int64(ctpop64(cm))
+                n += np.int64(ctpop64(x))
+                sh = cnt_all & 63
+                acc |= x << np.uint64(sh)
+                if sh + cnt >= 64:
+                    mb[np.uint64(row + (cnt_all >> 6))] = acc
+                    acc = (x >> np.uint64(1)) >> np.uint64(63 - sh)
+                cnt_all += cnt
+            if cnt_all & 63:
+                mb[np.uint64(row + (cnt_all >> 6))] = acc
+            members[c] = cnt_all
+            nchg[c] = n
+        need = 0
         for c in range(ncls):
             n = nchg[c]
-            ns[t, c] = n
-            rice_off[t, c] = p
+            if n:
+                k = rice_k(members[c] - n, n)
+                ks[g, c] = k
+                need += ((((members[c] - n) >> k) + n * (k + 1)) >> 3) + 16  # + rice_put's slack
+        if need > rstride:
+            over[g] = 1
+            continue
+        p = g * rstride
+        me = nb.get_thread_id()
+        pos, codes, lens = pos_rows[me], code_rows[me], len_rows[me]
+        for c in range(ncls):
+            n = nchg[c]
+            ns[g, c] = n
+            rice_off[g, c] = p
             if n == 0:
                 continue
-            k = ks[t, c]
-            lowmask = (1 << k) - 1
-            acc = 0
-            nbits = 0
-            last = -1
-            for w in range((members[c] + 63) >> 6):
-                x = mb[c * stride + w]
+            j = 0
+            for w in range((members[c] + 63) >> 6):  # the changed members' numbers, then their codes
+                x = mb[np.uint64(c * stride + w)]
                 while x:
-                    idx = 64 * w + np.int64(cttz64(x))
+                    pos[np.uint64(j)] = 64 * w + np.int64(cttz64(x))
                     x &= x - np.uint64(1)
-                    p, acc, nbits = entropy.rice_put(rice_buf, p, acc, nbits, idx - last - 1, k, lowmask)
-                    last = idx
-            p = entropy.rice_flush(rice_buf, p, acc, nbits)
-            rice_len[t, c] = p - rice_off[t, c]
-        q = t * tile
-        qe = 2 * t * tile
+                    j += 1
+            p = rice_tile_grouped(pos, n, ks[g, c], rice_buf, p, codes, lens)
+            rice_len[g, c] = p - rice_off[g, c]
+        lut = np.zeros(256, np.int64)  # class * NSYM by the old bits' (x & 0x7FFF) >> 7
+        for j in range(th.size):
+            for v in range(th[j] >> 7, 256):
+                lut[v] += NSYM
+        h = np.zeros(ncls * NSYM, np.int32)
+        q = g * tile
+        qe = 2 * g * tile
         for bi in range(nblocks):
             m = masks[bi]
             while m:
-                i = s + 64 * bi + np.int64(cttz64(m))
+                at = np.uint64(s + 64 * bi + np.int64(cttz64(m)))  # unsigned: no negative-index fix-ups
                 m &= m - np.uint64(1)
-                ov = np.uint64(a[i])
-                d = (np.uint64(b[i]) - ov) & mask
+                ov = a[at]
+                d = (np.uint64(b[at]) - np.uint64(ov)) & mask
                 sym = entropy.symbol(d, mask, wbits)
-                v = class_of(ov, thr) * NSYM + sym
-                sym_buf[q] = v
+                v = lut[np.uint64(ov >> np.uint16(7)) & np.uint64(0xFF)] + sym
+                sym_buf[np.uint64(q)] = v
                 q += 1
-                hist[t, v] += 1
+                h[np.uint64(v)] += 1
                 if sym == ESC:
-                    esc_buf[qe] = np.uint8(d & np.uint64(0xFF))
-                    esc_buf[qe + 1] = np.uint8(d >> np.uint64(8))
+                    esc_buf[np.uint64(qe)] = np.uint8(d & np.uint64(0xFF))
+                    esc_buf[np.uint64(qe + 1)] = np.uint8(d >> np.uint64(8))
                     qe += 2
-        n_esc[t] = (qe - 2 * t * tile) >> 1
-    counts = np.zeros(ncls * NSYM, np.int64)
-    for t in range(ntiles):
-        for v in range(ncls * NSYM):
-            counts[v] += hist[t, v]
-    return ns, ks, rice_off, rice_len, n_esc, counts, over
+        hist[g, :ncls * NSYM] = h
+        n_esc[g] = (qe - 2 * g * tile) >> 1
+    return ns, ks, rice_off, rice_len, n_esc, over, hist
 
 
 @nb.njit(cache=True, nogil=True)
-def _finish(prefix, ns, ks, rice_off, rice_len, n_esc, counts, tile, rice_buf, sym_buf, esc_buf, value_buf):
-    """The stream from a scan: each class's code from its histogram (tables after ``prefix``),
-    each tile's symbols coded at ``huffman.tile_bound`` strides in ``value_buf``, then the
-    assembly (``tile_assembly.assemble_tiles``: directory, then per tile Rice pieces | values |
-    escapes)."""
+def _finish(prefix, ns, ks, rice_off, rice_len, n_esc, counts, tile, g0, rice_buf, sym_buf, esc_buf, value_buf):
+    """The stream of one tensor from its tiles' scan (global tiles from ``g0``): each class's
+    code from its histogram (tables after ``prefix``), each tile's symbols coded at
+    ``huffman.tile_bound`` strides in ``value_buf``, then the assembly
+    (``tile_assembly.assemble_tiles``: directory, then per tile Rice pieces | values | escapes)."""
     ntiles, ncls = ns.shape
     head = np.empty(prefix.size + ncls * huffman.TABLE_BYTES, np.uint8)
     head[: prefix.size] = prefix
@@ -197,7 +211,7 @@ def _finish(prefix, ns, ks, rice_off, rice_len, n_esc, counts, tile, rice_buf, s
             q += huffman.tile_bound(tot[t])
     if q > value_buf.size:
         raise IndexError("context_huffman: the value scratch is too small")
-    lens = huffman.encode_tiles(sym_buf, np.arange(ntiles) * tile, tot, codes, value_buf, starts)
+    lens = huffman.encode_tiles(sym_buf, (g0 + np.arange(ntiles)) * tile, tot, codes, value_buf, starts)
     ends = np.zeros(ntiles + 1, np.int64)
     for t in range(ntiles):
         ends[t + 1] = starts[t] + lens[t]
@@ -205,7 +219,7 @@ def _finish(prefix, ns, ks, rice_off, rice_len, n_esc, counts, tile, rice_buf, s
     esc_off = np.zeros((ntiles, ncls), np.int64)
     for t in range(ntiles):
         esc2[t, 0] = n_esc[t]
-        esc_off[t, :] = 2 * t * tile
+        esc_off[t, :] = 2 * (g0 + t) * tile
     return assemble_tiles(head[:p], np.zeros((0, NSYM), np.int64), ns, ks, rice_len, starts, ends, esc2, 2,
                           rice_buf, rice_off, esc_buf, esc_off, value_buf)
 
@@ -218,12 +232,19 @@ def huffman_estimate(tot: np.ndarray, counts: np.ndarray, numel: int, tile: int)
     marginal = np.ascontiguousarray(counts.reshape(-1, NSYM).sum(axis=0), dtype=np.int64)
     value_bits = int((huffman.code_lengths(marginal) * marginal).sum())
     sizes = np.minimum(tile, numel - np.arange(tot.size, dtype=np.int64) * tile)
-    rice_bits = 0
-    for n, span in zip(tot.tolist(), sizes.tolist(), strict=True):
-        if n:
-            k = rice_k(span - n, n)
-            rice_bits += n * (k + 1) + ((span - n) >> k) + 7
+    span = sizes - tot
+    k = _rice_ks(span, tot)
+    rice_bits = int(np.where(tot > 0, tot * (k + 1) + (span >> k) + 7, 0).sum())
     return (value_bits + rice_bits) // 8 + 2 * int(marginal[ESC]) + 6 * tot.size + 1 + 2 * int((marginal > 0).sum())
+
+
+@nb.njit(cache=True, nogil=True)
+def _rice_ks(span, tot):
+    k = np.zeros(tot.size, np.int64)
+    for t in range(tot.size):
+        if tot[t]:
+            k[t] = rice_k(span[t], tot[t])
+    return k
 
 
 def encode_context_huffman(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, tile: int,
@@ -232,37 +253,82 @@ def encode_context_huffman(old: np.ndarray, new: np.ndarray, thresholds: np.ndar
     two uint16 views of one 16-bit float tensor, in one read of both. The stream is None when
     nothing changed or a tile's positions did not fit their scratch: the caller picks another
     mode."""
-    thr = np.ascontiguousarray(thresholds, dtype=np.int64)
-    check_thresholds(thr)
-    if old.dtype != np.uint16 or new.dtype != np.uint16 or old.shape != new.shape or old.ndim != 1:
-        raise ValueError(f"context_huffman coding needs two flat uint16 arrays, got {old.dtype}/{new.dtype}")
-    if not old.flags.c_contiguous or not new.flags.c_contiguous or tile > 1 << 16 or tile < 64 or tile % 64:
-        raise ValueError("context_huffman coding needs contiguous arrays and tiles of 64 to 65536 elements")
-    ntiles = (old.size + tile - 1) // tile
-    rstride = rice_stride(tile, thr.size + 1)
+    return encode_context_huffman_batch([(old, new, thresholds)], tile, scratch)[0]
+
+
+def encode_context_huffman_batch(items: list[tuple[np.ndarray, np.ndarray, np.ndarray]], tile: int,
+                                 scratch: dict | None = None) -> list[tuple[int, np.ndarray | None, int]]:
+    """``encode_context_huffman`` of each (old, new, thresholds), the scans of all in one
+    compiled call with one parallel loop over every tile (one parallel region for the batch,
+    not one per tensor); the streams are those of one call each."""
+    if not items:
+        return []
+    thrs = []
+    for old, new, thresholds in items:
+        thr = np.ascontiguousarray(thresholds, dtype=np.int64)
+        check_thresholds(thr)
+        if old.dtype != np.uint16 or new.dtype != np.uint16 or old.shape != new.shape or old.ndim != 1:
+            raise ValueError(f"context_huffman coding needs two flat uint16 arrays, got {old.dtype}/{new.dtype}")
+        if not old.flags.c_contiguous or not new.flags.c_contiguous or tile > 1 << 16 or tile < 64 or tile % 64:
+            raise ValueError("context_huffman coding needs contiguous arrays and tiles of 64 to 65536 elements")
+        thrs.append(thr)
+    n = len(items)
+    numels = np.array([old.size for old, _, _ in items], np.int64)
+    first = np.zeros(n + 1, np.int64)
+    np.cumsum((numels + tile - 1) // tile, out=first[1:])
+    ntiles = int(first[-1])
+    thr_rows = np.zeros((n, MAX_THRESHOLDS), np.int64)
+    nthr = np.array([t.size for t in thrs], np.int64)
+    for i, t in enumerate(thrs):
+        thr_rows[i, :t.size] = t
+    rstride = rice_stride(tile, MAX_CLASSES)
     rice_buf = pooled(scratch, "context_huffman_rice", ntiles * rstride)
     sym_buf = pooled(scratch, "context_huffman_syms", 2 * ntiles * tile).view(np.uint16)
     esc_buf = pooled(scratch, "context_huffman_escapes", 2 * ntiles * tile)
-    ns, ks, rice_off, rice_len, n_esc, counts, over = _scan_encode(old, new, thr, tile, rice_buf, rstride, sym_buf,
-                                                                   esc_buf)
-    if over.any():
+    addr_a = np.array([old.__array_interface__["data"][0] for old, _, _ in items], np.int64)
+    addr_b = np.array([new.__array_interface__["data"][0] for _, new, _ in items], np.int64)
+    nthreads = nb.config.NUMBA_NUM_THREADS
+    rows = pooled(scratch, "context_huffman_rows", 10 * nthreads * tile)
+    pos_rows = rows[:2 * nthreads * tile].view(np.uint16).reshape(nthreads, tile)
+    code_rows = rows[2 * nthreads * tile:6 * nthreads * tile].view(np.uint32).reshape(nthreads, tile)
+    len_rows = rows[6 * nthreads * tile:10 * nthreads * tile].view(np.uint32).reshape(nthreads, tile)
+    ns_all, ks_all, roff_all, rlen_all, esc_all, over_all, hist_all = _scan_batch(
+        addr_a, addr_b, numels, _LIKE_OLD, first, thr_rows, nthr, tile, rice_buf, rstride, sym_buf, esc_buf, pos_rows,
+        code_rows, len_rows)
+    out: list[tuple[int, np.ndarray | None, int]] = []
+    with serial_kernels():  # a few ms of work a batch: not worth a parallel region (a barrier) per tensor
+        for i, (old, new, _) in enumerate(items):
+            out.append(_finish_one(old, new, thrs[i], int(first[i]), int(first[i + 1]), int(nthr[i]) + 1, tile,
+                                   ns_all, ks_all, roff_all, rlen_all, esc_all, over_all, hist_all, rice_buf,
+                                   sym_buf, esc_buf, scratch))
+    return out
+
+
+def _finish_one(old: np.ndarray, new: np.ndarray, thr: np.ndarray, g0: int, g1: int, ncls: int, tile: int,
+                ns_all: np.ndarray, ks_all: np.ndarray, roff_all: np.ndarray, rlen_all: np.ndarray,
+                esc_all: np.ndarray, over_all: np.ndarray, hist_all: np.ndarray, rice_buf: np.ndarray,
+                sym_buf: np.ndarray, esc_buf: np.ndarray, scratch: dict | None) -> tuple[int, np.ndarray | None, int]:
+    """One tensor's (changes, stream, estimate) from the batch scan's rows ``g0:g1``."""
+    if over_all[g0:g1].any():
         return int(np.count_nonzero(old != new)), None, 0
+    ns = ns_all[g0:g1, :ncls]
     total = int(ns.sum())
     if total == 0:
         return 0, None, 0
     tot = ns.sum(axis=1)
-    value_buf = pooled(scratch, "context_huffman_values", int(sum(huffman.tile_bound(int(n)) for n in tot[tot > 0])))
-    with serial_kernels():  # a few ms of work: not worth two more parallel regions (their barriers)
-        stream = _finish(class_prefix(thr), ns, ks, rice_off, rice_len, n_esc, counts, tile, rice_buf, sym_buf,
-                         esc_buf, value_buf)
+    counts = hist_all[g0:g1, :ncls * NSYM].sum(axis=0, dtype=np.int64)
+    value_buf = pooled(scratch, "context_huffman_values", int(huffman.tile_bound(1) * tot.size + 2 * total))
+    stream = _finish(class_prefix(thr), np.ascontiguousarray(ns), np.ascontiguousarray(ks_all[g0:g1, :ncls]),
+                     np.ascontiguousarray(roff_all[g0:g1, :ncls]), np.ascontiguousarray(rlen_all[g0:g1, :ncls]),
+                     esc_all[g0:g1], counts, tile, g0, rice_buf, sym_buf, esc_buf, value_buf)
     return total, stream, huffman_estimate(tot, counts, old.size, tile)
 
 
 @nb.njit(cache=True, nogil=True)
 def _parse(buf, numel, tile, changed):
-    """(err, thresholds, ns, ks, rice, value bytes, escapes, offsets, decoder tables (classes,
-    2**MAX_BITS), their first 2**FAST_BITS entries with ``_LONG`` where the code is longer);
-    ``err`` as ``entropy.DIR_ERRORS``, 10 for bad thresholds."""
+    """(err, thresholds, the directory flat (``decode_batch``'s layout), its ns, the value
+    tables (``context_apply.value_tables`` of each class, flat: the full ones, then the first
+    lookups)); ``err`` as ``entropy.DIR_ERRORS``, 10 for bad thresholds."""
     end = buf.size
     nthr, p = entropy.read_varint(buf, 0, end)
     bad = nthr < 1 or nthr > MAX_THRESHOLDS
@@ -277,8 +343,8 @@ def _parse(buf, numel, tile, changed):
     lengths = np.zeros((ncls, NSYM), np.int64)
     present = np.zeros((ncls, NSYM), np.bool_)
     nsyms = np.ones(ncls, np.int64)
-    tables = np.zeros((ncls, 1 << MAX_BITS), np.uint16)
-    fast = np.zeros((ncls, 1 << FAST_BITS), np.uint16)
+    full = np.zeros(ncls << MAX_BITS, np.uint32)
+    fast = np.zeros(ncls << FAST_BITS, np.uint32)
     err = 10 if bad else 0
     for c in range(ncls):
         if err:
@@ -292,145 +358,19 @@ def _parse(buf, numel, tile, changed):
     if err == 0:
         for c in range(ncls):
             if nsyms[c]:
-                tables[c] = huffman.decoder_table(lengths[c], present[c])
-                for j in range(1 << FAST_BITS):  # codes longer than FAST_BITS: look in the whole table
-                    fast[c, j] = tables[c, j] if (tables[c, j] & 15) <= FAST_BITS else _LONG
-    return err, thr, ns, ks, rice, vals, esc, offs, tables, fast
-
-
-@nb.njit(inline="always", cache=True)
-def _symbol(buf, hp, tables, fast, c):
-    """(symbol, next bit) of the code at bit ``hp``, looked up in class ``c``'s small table
-    (in L1 for every class), or its whole table for the rare long code."""
-    at = hp >> 3
-    if at + 8 <= buf.size:
-        word = load_u64le(buf, at)
-    else:
-        word = np.uint64(0)
-        for j in range(min(8, buf.size - at)):
-            word |= np.uint64(buf[at + j]) << np.uint64(8 * j)
-    bits = word >> np.uint64(hp & 7)
-    entry = fast[c, bits & np.uint64((1 << FAST_BITS) - 1)]
-    if entry == _LONG:
-        entry = tables[c, bits & np.uint64((1 << MAX_BITS) - 1)]
-    return np.int64(entry >> np.uint16(4)), hp + np.int64(entry & np.uint16(15))
-
-
-@parallel_kernel
-def _decode(buf, old, numel, tile, thr, ns, ks, rice, vals, esc, offs, tables, fast, out_off, out_diff, write):
-    """Each tile's changes in position order into ``out_off`` (offset in the tile) and
-    ``out_diff`` at the prefix sums of its change counts; ``write`` also adds them to ``old``
-    in place. Returns (an ``entropy.ERRORS`` code per tile, changes written per tile)."""
-    ntiles, ncls = ns.shape
-    nthr = ncls - 1
-    errs = np.zeros(ntiles, np.int64)
-    done = np.zeros(ntiles, np.int64)
-    totals = ns.sum(axis=1)
-    starts = np.zeros(ntiles + 1, np.int64)
-    for t in range(ntiles):
-        starts[t + 1] = starts[t] + totals[t]
-    sym2diff = np.zeros(NSYM, np.uint16)
-    for s in range(ESC):
-        mag = s // 2 + 1
-        sym2diff[s] = (65536 - mag) if s & 1 else mag
-    for t in nb.prange(ntiles):
-        if totals[t] == 0:
-            continue
-        err = 0
-        for c in range(ncls):
-            if ns[t, c] and ks[t, c] > MAX_K:
-                err = 9
-        if err:
-            errs[t] = err
-            continue
-        ts = t * tile
-        te = min(ts + tile, numel)
-        nblocks = (te - ts + 63) // 64
-        cls = np.empty((ncls, nblocks), np.uint64)
-        members = np.zeros(ncls, np.int64)
-        for bi in range(nblocks):
-            class_masks(old, ts + 64 * bi, te, thr, cls, bi)
-            for c in range(ncls):
-                members[c] += np.int64(ctpop64(cls[c, bi]))
-        base = np.zeros(ncls + 1, np.int64)
-        for c in range(ncls):
-            base[c + 1] = base[c] + (members[c] >> 6) + 2
-        mb = np.zeros(base[ncls], np.uint64)
-        p = offs[t]
-        for c in range(ncls):
-            rend = p + rice[t, c]
-            acc = 0
-            nbits = 0
-            k = ks[t, c]
-            lowmask = (1 << k) - 1
-            j = -1
-            for _ in range(ns[t, c]):
-                g, p, acc, nbits, err = tile_decode.rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile)
-                if err:
-                    break
-                j += g + 1
-                if j >= members[c]:
-                    err = 2
-                    break
-                mb[base[c] + (j >> 6)] |= np.uint64(1) << np.uint64(j & 63)
-            if err == 0 and (p != rend or nbits >= 8 or acc != 0):
-                err = 3
-            if err:
-                break
-            p = rend
-        if err:
-            errs[t] = err
-            continue
-        hp = 8 * p
-        hend = 8 * (p + vals[t])
-        e = p + vals[t]
-        eend = e + 2 * esc[t]
-        o = starts[t]
-        offc = np.zeros(ncls, np.int64)
-        for bi in range(nblocks):
-            m = np.uint64(0)
-            for c in range(ncls):
-                cm = cls[c, bi]
-                w = base[c] + (offc[c] >> 6)
-                sh = np.uint64(offc[c] & 63)
-                bits = (mb[w] >> sh) | ((mb[w + 1] << np.uint64(1)) << (np.uint64(63) - sh))
-                m |= pdep64(bits, cm)
-                offc[c] += np.int64(ctpop64(cm))
-            while m:
-                bit = np.int64(cttz64(m))
-                m &= m - np.uint64(1)
-                i = ts + 64 * bi + bit
-                ov = old[i]
-                c = 0
-                for jj in range(nthr):
-                    c += np.int64((np.int64(ov) & 0x7FFF) >= thr[jj])
-                s, hp = _symbol(buf, hp, tables, fast, c)
-                if hp > hend:
-                    err = 6
-                    break
-                if s == ESC:
-                    if e + 2 > eend:
-                        err = 8
-                        break
-                    d = np.uint16(np.int64(buf[e]) | (np.int64(buf[e + 1]) << 8))
-                    e += 2
-                else:
-                    d = sym2diff[s]
-                out_off[o] = i - ts
-                out_diff[o] = d
-                if write:
-                    old[i] = ov + d
-                o += 1
-            if err:
-                break
-        if err == 0:
-            if not huffman.ends_cleanly(buf, hp, hend):
-                err = 7
-            elif e != eend:
-                err = 8
-        errs[t] = err
-        done[t] = o - starts[t]
-    return errs, done
+                f, q = value_tables(huffman.decoder_table(lengths[c], present[c]))
+                full[c << MAX_BITS:(c + 1) << MAX_BITS] = f
+                fast[c << FAST_BITS:(c + 1) << FAST_BITS] = q
+    ntiles = ns.shape[0]
+    flat = np.empty(ntiles * (3 * ncls + 3) + 1, np.int64)
+    flat[:ntiles * ncls] = ns.reshape(-1)
+    flat[ntiles * ncls:2 * ntiles * ncls] = ks.reshape(-1)
+    flat[2 * ntiles * ncls:3 * ntiles * ncls] = rice.reshape(-1)
+    v = 3 * ntiles * ncls
+    flat[v:v + ntiles] = vals
+    flat[v + ntiles:v + 2 * ntiles] = esc
+    flat[v + 2 * ntiles:] = offs[:ntiles + 1]
+    return err, thr, flat, ns, full, fast
 
 
 class ContextHuffmanStream:
@@ -441,42 +381,99 @@ class ContextHuffmanStream:
             raise ValueError(f"context_huffman streams need tiles of at most 65536 elements, not {tile}")
         if (numel + tile - 1) // tile > buf.size:  # every tile has at least one directory byte
             raise ValueError(f"{buf.size} bytes cannot hold the directory of {numel} elements in tiles of {tile}")
-        err, thr, ns, ks, rice, vals, esc, offs, tables, fast = _parse(buf, numel, tile, changed)
+        err, thr, flat, ns, full, fast = _parse(buf, numel, tile, changed)
         if err == 10:
             raise ValueError("the class thresholds are truncated or malformed")
         if err:
             raise ValueError(entropy.DIR_ERRORS.get(int(err), f"directory error {err}"))
+        if buf.size < 8:  # the decoder's value reader loads 8 bytes at a time (zeros past the end)
+            buf = np.concatenate([buf, np.zeros(8 - buf.size, np.uint8)])
         self.buf, self.numel, self.tile, self.changed, self.thr = buf, numel, tile, changed, thr
-        self.ns, self.ks, self.rice, self.vals, self.esc, self.offs = ns, ks, rice, vals, esc, offs
-        self.tables, self.fast = tables, fast
+        self.ns, self.flat, self.full, self.fast = ns, flat, full, fast
 
     def decode(self, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(ascending positions, differences as uint16) against ``old``, the uint16 bits the
         stream applies to; raises ValueError naming the first bad tile."""
-        off, diff = self._run(old, False)
+        (off, diff), = run_batch([self], [old], False)
         tile_starts = np.repeat(np.arange(self.ns.shape[0], dtype=np.int64) * self.tile, self.ns.sum(axis=1))
         return tile_starts + off, diff
 
     def apply_(self, target: np.ndarray) -> ContextUndo:
         """Patch the uint16 bits ``target`` in place; what it takes to undo it (4 bytes per
         change). On a bad tile every write is undone before ValueError is raised."""
-        return ContextUndo(target, *self._run(target, True), self.ns, self.tile)
+        return apply_batch_([self], [target])[0]
 
-    def _run(self, old: np.ndarray, write: bool) -> tuple[np.ndarray, np.ndarray]:
-        if old.dtype != np.uint16 or old.size != self.numel or not old.flags.c_contiguous:
-            raise ValueError(f"context_huffman streams decode against the {self.numel} old uint16 bits they apply "
+
+def apply_batch_(streams: list[ContextHuffmanStream], targets: list[np.ndarray]) -> list[ContextUndo]:
+    """``apply_`` of each stream to its target (distinct arrays) in one compiled call with one
+    parallel loop over all their tiles. On a bad tile every write of the call is undone before
+    ValueError (naming the first bad stream's index and tile) is raised."""
+    outs = run_batch(streams, targets, True)
+    return [ContextUndo(tg, off, diff, s.ns, s.tile) for s, tg, (off, diff) in zip(streams, targets, outs, strict=True)]
+
+
+class BadStream(ValueError):
+    """A ``run_batch`` stream found damaged: ``index`` is its place in the batch."""
+
+    def __init__(self, index: int, msg: str) -> None:
+        super().__init__(msg)
+        self.index = index
+
+
+def run_batch(streams: list[ContextHuffmanStream], olds: list[np.ndarray],
+              write: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each stream's (offsets in tile, differences) in tile order against its ``olds`` array
+    (uint16, the bits it applies to; ``write`` patches them in place). On a bad tile the
+    call's writes are undone and ``BadStream`` raised for the first bad stream."""
+    if not streams:
+        return []
+    tile = streams[0].tile
+    for s, old in zip(streams, olds, strict=True):
+        if old.dtype != np.uint16 or old.size != s.numel or not old.flags.c_contiguous or s.tile != tile:
+            raise ValueError(f"context_huffman streams decode against the {s.numel} old uint16 bits they apply "
                              f"to, got {old.dtype}/{old.size}")
-        off = np.empty(self.changed, np.uint16)
-        diff = np.empty(self.changed, np.uint16)
-        errs, done = _decode(self.buf, old, self.numel, self.tile, self.thr, self.ns, self.ks, self.rice, self.vals,
-                             self.esc, self.offs, self.tables, self.fast, off, diff, write)
-        bad = np.flatnonzero(errs)
-        if bad.size:
-            if write:
-                unapply(old, off, diff, self.ns, done, self.tile)
-            t = int(bad[0])
-            raise ValueError(f"tile {t} ({bad.size} bad tiles): {entropy.ERRORS.get(int(errs[t]), 'unknown error')}")
-        return off, diff
+    def addr(a: np.ndarray) -> int:
+        return a.__array_interface__["data"][0]
+    n = len(streams)
+    ntiles = np.array([s.ns.shape[0] for s in streams], np.int64)
+    first = np.zeros(n + 1, np.int64)
+    np.cumsum(ntiles, out=first[1:])
+    totals = np.concatenate([s.ns.sum(axis=1) for s in streams])
+    starts = np.zeros(totals.size + 1, np.int64)
+    np.cumsum(totals, out=starts[1:])
+    thr = np.zeros((n, MAX_THRESHOLDS), np.int64)
+    nthr = np.array([s.thr.size for s in streams], np.int64)
+    for i, s in enumerate(streams):
+        thr[i, :s.thr.size] = s.thr
+    off = np.empty(int(starts[-1]), np.uint16)
+    diff = np.empty(int(starts[-1]), np.uint16)
+    bufs = [s.buf for s in streams]
+    errs, done = decode_batch(
+        np.array([addr(b) for b in bufs], np.int64), np.array([b.size for b in bufs], np.int64), _LIKE_BUF,
+        np.array([addr(o) for o in olds], np.int64), np.array([s.numel for s in streams], np.int64), _LIKE_OLD,
+        first, thr, nthr, tile, np.array([addr(s.flat) for s in streams], np.int64), _LIKE_DIR,
+        np.array([addr(s.full) for s in streams], np.int64), np.array([addr(s.fast) for s in streams], np.int64),
+        _LIKE_TAB, starts, off, diff, write)
+    bad = np.flatnonzero(errs)
+    outs = [(off[starts[first[i]]:starts[first[i + 1]]], diff[starts[first[i]]:starts[first[i + 1]]])
+            for i in range(n)]
+    if bad.size:
+        if write:
+            for i, s in enumerate(streams):
+                g0, g1 = first[i], first[i + 1]
+                unapply(olds[i], outs[i][0], outs[i][1], s.ns, done[g0:g1], tile)
+        g = int(bad[0])
+        i = int(np.searchsorted(first, g, side="right") - 1)
+        t = g - int(first[i])
+        nbad = int(np.count_nonzero(errs[first[i]:first[i + 1]]))
+        raise BadStream(i, f"tile {t} ({nbad} bad tiles): {entropy.ERRORS.get(int(errs[g]), 'unknown error')}")
+    return outs
+
+
+_LIKE_BUF = np.frombuffer(b"", np.uint8)  # read-only, as the streams are (``decode.stream_array``)
+_LIKE_OLD = np.empty(0, np.uint16)
+_LIKE_DIR = np.empty(0, np.int64)
+_LIKE_TAB = np.empty(0, np.uint32)
 
 
 assert MAX_DELTA < 0x8000  # sym2diff above writes magnitudes as uint16 two's complement

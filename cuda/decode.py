@@ -8,6 +8,7 @@ undone before ``CorruptData`` is raised.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from weftboard.cuda import context_codec, context_huffman, entropy, huffman
 from weftboard.cuda.container import NP_UNSIGNED, torch_dtype
+from weftboard.cuda.jit import serial_kernels
 from weftboard.cuda.tensor_bits import cpu_bits
 from weftboard.cuda.tile_decode import apply_tiles, decode_tiles
 from weftboard.proto.errors import CorruptData, InvalidArgument
@@ -159,7 +161,11 @@ def apply_tile_stream_(target: torch.Tensor, entry: Mapping[str, Any], sp: TileS
     """
     tu = cpu_bits(target)  # contiguous (``_checked_target``), so a view of its memory, not a copy
     args = (sp.buf, tu, sp.numel, sp.tile, sp.width, sp.ns, sp.ks, sp.rice, sp.rans, sp.esc, sp.offs, sp.freq, sp.cum, sp.slot2sym)
-    errs, done = apply_tiles(*args, sign, sp.ns)
+    # One tile gives a second thread nothing to do, and waking it (on a busy host, waiting for a
+    # core) cost 4-5 ms a call: a norm vector's apply took longer than an embedding's.
+    with serial_kernels() if sp.ns.size == 1 else contextlib.nullcontext():
+        errs, done = apply_tiles(*args, sign, sp.ns)
+        if errs.any():
+            apply_tiles(*args, -sign, done)
     if errs.any():
-        apply_tiles(*args, -sign, done)
         _raise_tile_errors(entry, errs)

@@ -146,3 +146,100 @@ def test_a_damaged_tile_undoes_every_write_of_the_apply() -> None:
     for cut in (1, 10, stream.size // 2):
         with pytest.raises(ValueError):
             ch.ContextHuffmanStream(stream[:-cut].copy(), a.size, CODEC_TILE, changed).apply_(a.copy())
+
+
+def _pairs_for_batches() -> list[tuple[np.ndarray, np.ndarray]]:
+    """Edges for the batched coder: tiny and odd sizes, tiles without changes between changed
+    ones, one symbol per class (codes of length 0), long codes (past the decoder's first
+    lookup), escapes, every element changed."""
+    rng = np.random.default_rng(45)
+    out = []
+    for n in (1, 63, 64, 65, 1000, 2 * CODEC_TILE + 129):
+        old, new = _step(n, torch.bfloat16, seed=n)
+        out.append((_u16(old).copy(), _u16(new).copy()))
+    a = _u16((torch.randn(4 * CODEC_TILE + 3) * 0.02).to(torch.bfloat16)).copy()
+    b = a.copy()
+    b[5] += 1  # tile 0 and tile 3 change; tiles 1, 2 and 4 do not
+    b[3 * CODEC_TILE + 17:3 * CODEC_TILE + 900:7] += 1  # one symbol in every class
+    out.append((a, b))
+    a = _u16((torch.randn(CODEC_TILE + 11) * 0.02).to(torch.bfloat16)).copy()
+    b = a.copy()
+    hit = rng.random(a.size) < 0.4
+    steps = np.minimum(rng.geometric(0.08, a.size), 64).astype(np.uint16)  # a long tail of rare symbols
+    b[hit] += steps[hit]
+    b[::301] ^= 0x8000  # escapes
+    out.append((a, b))
+    a = _u16((torch.randn(700) * 0.02).to(torch.bfloat16)).copy()
+    out.append((a, a + 1))  # every element changed
+    return out
+
+
+def test_a_batch_gives_each_stream_and_applies_like_one_call_each() -> None:
+    pairs = _pairs_for_batches()
+    items = [(a, b, cc.choose_thresholds(a, torch.bfloat16)) for a, b in pairs]
+    items = [it for it in items if it[2].size]
+    batch = ch.encode_context_huffman_batch(items, CODEC_TILE, {})
+    streams, targets = [], []
+    for (a, b, thr), (changed, stream, guess) in zip(items, batch, strict=True):
+        one = ch.encode_context_huffman(a, b, thr, CODEC_TILE)
+        assert changed == one[0] == int((a != b).sum()) and guess == one[2]
+        assert stream is not None and np.array_equal(stream, one[1])
+        parsed = ch.ContextHuffmanStream(stream, a.size, CODEC_TILE, changed)
+        pos, diff = parsed.decode(a)
+        assert np.array_equal(pos, np.flatnonzero(a != b)) and np.array_equal(a[pos] + diff, b[pos])
+        streams.append(parsed)
+        targets.append(a.copy())
+    undos = ch.apply_batch_(streams, targets)
+    for (a, b, _), target in zip(items, targets, strict=True):
+        assert np.array_equal(target, b)
+    for undo in undos:
+        undo()
+    for (a, _, _), target in zip(items, targets, strict=True):
+        assert np.array_equal(target, a)
+
+
+def test_a_damaged_stream_in_a_batch_undoes_the_whole_batch() -> None:
+    pairs = _pairs_for_batches()[4:7]
+    items = [(a, b, cc.choose_thresholds(a, torch.bfloat16)) for a, b in pairs]
+    batch = ch.encode_context_huffman_batch(items, CODEC_TILE)
+    refused = 0
+    for at in np.linspace(0.05, 0.95, 12):
+        streams, targets = [], []
+        for i, ((a, _, _), (changed, stream, _)) in enumerate(zip(items, batch, strict=True)):
+            assert stream is not None
+            if i == 1:
+                stream = stream.copy()
+                stream[int(at * stream.size)] ^= 0x5A
+            try:
+                streams.append(ch.ContextHuffmanStream(stream, a.size, CODEC_TILE, changed))
+            except ValueError:
+                break
+            targets.append(a.copy())
+        if len(streams) < len(items):
+            continue
+        try:
+            ch.apply_batch_(streams, targets)
+        except ch.BadStream as exc:
+            refused += 1
+            assert exc.index == 1
+            for (a, _, _), target in zip(items, targets, strict=True):
+                assert np.array_equal(target, a)
+    assert refused >= 3
+
+
+def test_encode_patch_batches_keep_the_tensors_order_and_round_trip() -> None:
+    pairs = []
+    for i, n in enumerate((5000, 3 * CODEC_TILE, 77, 2 * CODEC_TILE + 5)):
+        old, new = _step(n, torch.bfloat16, seed=100 + i, steps=1)
+        pairs.append((f"bf{i}", old, new))
+        if i == 1:  # another dtype between them closes the batch
+            pairs.append(("f32", torch.randn(999), torch.randn(999)))
+    pairs.append(("same", pairs[0][1], pairs[0][1].clone()))
+    patch = encode_patch(pairs, base_version=1, target_version=2, target_root=ROOT)
+    info = read_patch_info(patch.data)
+    assert [t.name for t in info.tensors] == [n for n, _, _ in pairs]
+    target = {n: o.clone() for n, o, _ in pairs}
+    applied = apply_patch_(target, patch.data)
+    assert all(torch.equal(bits_view(target[n]), bits_view(w)) for n, _, w in pairs)
+    applied.revert()
+    assert all(torch.equal(bits_view(target[n]), bits_view(o)) for n, o, _ in pairs)
