@@ -38,9 +38,9 @@ from weftboard.cuda.context_codec import (
 )
 from weftboard.cuda.entropy import ESC, MAX_DELTA, NSYM
 from weftboard.cuda.huffman import MAX_BITS
-from weftboard.cuda.jit import parallel_kernel, serial_kernels
+from weftboard.cuda.jit import parallel_kernel
 from weftboard.cuda.scratch import pooled
-from weftboard.cuda.tile_assembly import assemble_tiles
+from weftboard.cuda.tile_assembly import assembly_bound, assembly_head, move_pieces
 from weftboard.cuda.tile_blocks import block_mask, rice_k, rice_tile_grouped
 
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -184,67 +184,130 @@ def _scan_batch(addr_a, addr_b, numels, like, first, thr, nthr, tile, rice_buf, 
 
 
 @nb.njit(cache=True, nogil=True)
-def _finish(prefix, ns, ks, rice_off, rice_len, n_esc, counts, tile, g0, rice_buf, sym_buf, esc_buf, value_buf):
-    """The stream of one tensor from its tiles' scan (global tiles from ``g0``): each class's
-    code from its histogram (tables after ``prefix``), each tile's symbols coded at
-    ``huffman.tile_bound`` strides in ``value_buf``, then the assembly
-    (``tile_assembly.assemble_tiles``: directory, then per tile Rice pieces | values | escapes)."""
-    ntiles, ncls = ns.shape
-    head = np.empty(prefix.size + ncls * huffman.TABLE_BYTES, np.uint8)
-    head[: prefix.size] = prefix
-    p = prefix.size
-    codes = np.zeros(ncls * NSYM, np.uint64)
-    for c in range(ncls):
-        cnt = counts[c * NSYM:(c + 1) * NSYM]
-        if cnt.sum() == 0:
-            p = entropy.write_varint(head, p, 0)
+def _finish_batch(prefixes, prefix_at, first, nthr, numels, ns_all, ks_all, roff_all, rlen_all, esc_all, over_all,
+                  hist_all, tile, rice_buf, sym_buf, esc_buf, value_buf):
+    """The streams of a batch from its scan (``_scan_batch``), in one compiled call: each
+    tensor's class codes from its histograms (serial; tables after its prefix, ``prefixes``
+    from ``prefix_at[i]``), every tile's symbols coded in one parallel loop
+    (``huffman.encode_tiles_by_row``), each tensor's directory (serial, ``assembly_head``) and
+    every tile's pieces moved in one parallel loop (``move_pieces``): the bytes
+    ``tile_assembly.assemble_tiles`` gives one tensor. Returns (changes per tensor, -1 where a
+    tile overflowed; the ``huffman_estimate`` per tensor; (start, length) of each stream in
+    the returned buffer, length 0 where there is none; the buffer)."""
+    n = numels.size
+    G = first[n]
+    changes = np.zeros(n, np.int64)
+    estimate = np.zeros(n, np.int64)
+    codes = np.zeros((n, MAX_CLASSES * NSYM), np.int64)
+    heads = np.zeros((n, 64 + MAX_CLASSES * huffman.TABLE_BYTES), np.uint8)
+    head_len = np.zeros(n, np.int64)
+    coded = np.zeros(G, np.int64)  # changes per tile of the tensors that get a stream
+    row = np.zeros(G, np.int64)
+    for i in range(n):
+        g0, g1 = first[i], first[i + 1]
+        ncls = nthr[i] + 1
+        row[g0:g1] = i
+        total = 0
+        overflow = False
+        for g in range(g0, g1):
+            overflow |= over_all[g] != 0
+            for c in range(ncls):
+                total += ns_all[g, c]
+        if overflow:
+            changes[i] = -1
             continue
-        lengths = huffman.code_lengths(cnt)
-        p = huffman.write_table(head, p, lengths, cnt > 0)
-        codes[c * NSYM:(c + 1) * NSYM] = huffman.encoder_codes(lengths)
-    tot = ns.sum(axis=1)
-    starts = np.zeros(ntiles, np.int64)
+        changes[i] = total
+        if total == 0:
+            continue
+        for g in range(g0, g1):
+            for c in range(ncls):
+                coded[g] += ns_all[g, c]
+        counts = np.zeros(ncls * NSYM, np.int64)
+        for g in range(g0, g1):
+            for v in range(ncls * NSYM):
+                counts[v] += hist_all[g, v]
+        plen = prefix_at[i + 1] - prefix_at[i]
+        heads[i, :plen] = prefixes[prefix_at[i]:prefix_at[i + 1]]
+        p = plen
+        for c in range(ncls):
+            cnt = counts[c * NSYM:(c + 1) * NSYM]
+            if cnt.sum() == 0:
+                p = entropy.write_varint(heads[i], p, 0)
+                continue
+            lengths = huffman.code_lengths(cnt)
+            p = huffman.write_table(heads[i], p, lengths, cnt > 0)
+            codes[i, c * NSYM:(c + 1) * NSYM] = huffman.encoder_codes(lengths)
+        head_len[i] = p
+        estimate[i] = _huffman_estimate(coded[g0:g1], counts, numels[i], tile)
+    starts = np.zeros(G, np.int64)
     q = 0
-    for t in range(ntiles):
-        starts[t] = q
-        if tot[t]:
-            q += huffman.tile_bound(tot[t])
+    for g in range(G):
+        starts[g] = q
+        if coded[g]:
+            q += huffman.tile_bound(coded[g])
     if q > value_buf.size:
         raise IndexError("context_huffman: the value scratch is too small")
-    lens = huffman.encode_tiles(sym_buf, (g0 + np.arange(ntiles)) * tile, tot, codes, value_buf, starts)
-    ends = np.zeros(ntiles + 1, np.int64)
-    for t in range(ntiles):
-        ends[t + 1] = starts[t] + lens[t]
-    esc2 = np.zeros((ntiles, ncls), np.int64)
-    esc_off = np.zeros((ntiles, ncls), np.int64)
-    for t in range(ntiles):
-        esc2[t, 0] = n_esc[t]
-        esc_off[t, :] = 2 * (g0 + t) * tile
-    return assemble_tiles(head[:p], np.zeros((0, NSYM), np.int64), ns, ks, rice_len, starts, ends, esc2, 2,
-                          rice_buf, rice_off, esc_buf, esc_off, value_buf)
+    lens = huffman.encode_tiles_by_row(sym_buf, np.arange(G) * tile, coded, codes, row, value_buf, starts)
+    ends = np.zeros(G + n, np.int64)  # tensor i's value ends (``assemble_tiles``' rans_off) at first[i] + i
+    esc_cnt = np.zeros((G, MAX_CLASSES), np.int64)  # a tile's escapes are one run (class 0's column)
+    esc_len = np.zeros((G, MAX_CLASSES), np.int64)
+    esc_off = np.zeros((G, MAX_CLASSES), np.int64)
+    for g in range(G):
+        esc_cnt[g, 0] = esc_all[g]
+        esc_len[g, 0] = 2 * esc_all[g]
+        esc_off[g, :] = 2 * g * tile
+    bound = 0
+    for i in range(n):
+        g0, g1 = first[i], first[i + 1]
+        if changes[i] > 0:
+            for g in range(g0, g1):
+                ends[g + i + 1] = starts[g] + lens[g]
+            ncls = nthr[i] + 1
+            bound += assembly_bound(heads[i, :head_len[i]], ns_all[g0:g1, :ncls], rlen_all[g0:g1, :ncls],
+                                    starts[g0:g1], ends[g0 + i:g1 + i + 1], esc_cnt[g0:g1, :ncls], 2,
+                                    rice_buf, roff_all[g0:g1, :ncls], esc_buf, esc_off[g0:g1, :ncls], value_buf)
+    out = np.empty(bound, np.uint8)
+    spans = np.zeros((n, 2), np.int64)
+    dest = np.zeros(G, np.int64)
+    tot = np.zeros(G, np.int64)
+    p = 0
+    no_freq = np.zeros((0, NSYM), np.int64)
+    for i in range(n):
+        g0, g1 = first[i], first[i + 1]
+        if changes[i] > 0:
+            ncls = nthr[i] + 1
+            dest[g0:g1], tot[g0:g1], end = assembly_head(
+                out, p, heads[i, :head_len[i]], no_freq, ns_all[g0:g1, :ncls], ks_all[g0:g1, :ncls],
+                rlen_all[g0:g1, :ncls], starts[g0:g1], ends[g0 + i:g1 + i + 1], esc_cnt[g0:g1, :ncls], 2,
+                rice_buf, roff_all[g0:g1, :ncls], esc_buf, esc_off[g0:g1, :ncls], value_buf)
+            spans[i, 0] = p
+            spans[i, 1] = end - p
+            p = end
+    move_pieces(out, dest, tot, rice_buf, roff_all, rlen_all, value_buf, starts, lens, esc_buf, esc_off, esc_len)
+    return changes, estimate, spans, out
 
 
-def huffman_estimate(tot: np.ndarray, counts: np.ndarray, numel: int, tile: int) -> int:
+@nb.njit(cache=True, nogil=True)
+def _huffman_estimate(tot, counts, numel, tile):
     """About the bytes of the ``huffman`` stream of the same changes, from what a context scan
     counted (changes per tile, symbols per class): Huffman-coded symbols of the whole tensor's
     histogram, Rice-coded positions as geometric gaps at each tile's density, escapes and a
     directory entry per tile. For choosing between the coders, not a bound."""
-    marginal = np.ascontiguousarray(counts.reshape(-1, NSYM).sum(axis=0), dtype=np.int64)
-    value_bits = int((huffman.code_lengths(marginal) * marginal).sum())
-    sizes = np.minimum(tile, numel - np.arange(tot.size, dtype=np.int64) * tile)
-    span = sizes - tot
-    k = _rice_ks(span, tot)
-    rice_bits = int(np.where(tot > 0, tot * (k + 1) + (span >> k) + 7, 0).sum())
-    return (value_bits + rice_bits) // 8 + 2 * int(marginal[ESC]) + 6 * tot.size + 1 + 2 * int((marginal > 0).sum())
-
-
-@nb.njit(cache=True, nogil=True)
-def _rice_ks(span, tot):
-    k = np.zeros(tot.size, np.int64)
+    marginal = np.zeros(NSYM, np.int64)
+    for v in range(counts.size):
+        marginal[v % NSYM] += counts[v]
+    lengths = huffman.code_lengths(marginal)
+    bits = 0
+    present = 0
+    for s in range(NSYM):
+        bits += lengths[s] * marginal[s]
+        present += marginal[s] > 0
     for t in range(tot.size):
         if tot[t]:
-            k[t] = rice_k(span[t], tot[t])
-    return k
+            span = min(tile, numel - t * tile) - tot[t]
+            k = rice_k(span, tot[t])
+            bits += tot[t] * (k + 1) + (span >> k) + 7
+    return bits // 8 + 2 * marginal[ESC] + 6 * tot.size + 1 + 2 * present
 
 
 def encode_context_huffman(old: np.ndarray, new: np.ndarray, thresholds: np.ndarray, tile: int,
@@ -295,33 +358,20 @@ def encode_context_huffman_batch(items: list[tuple[np.ndarray, np.ndarray, np.nd
     ns_all, ks_all, roff_all, rlen_all, esc_all, over_all, hist_all = _scan_batch(
         addr_a, addr_b, numels, _LIKE_OLD, first, thr_rows, nthr, tile, rice_buf, rstride, sym_buf, esc_buf, pos_rows,
         code_rows, len_rows)
-    out: list[tuple[int, np.ndarray | None, int]] = []
-    with serial_kernels():  # a few ms of work a batch: not worth a parallel region (a barrier) per tensor
-        for i, (old, new, _) in enumerate(items):
-            out.append(_finish_one(old, new, thrs[i], int(first[i]), int(first[i + 1]), int(nthr[i]) + 1, tile,
-                                   ns_all, ks_all, roff_all, rlen_all, esc_all, over_all, hist_all, rice_buf,
-                                   sym_buf, esc_buf, scratch))
-    return out
-
-
-def _finish_one(old: np.ndarray, new: np.ndarray, thr: np.ndarray, g0: int, g1: int, ncls: int, tile: int,
-                ns_all: np.ndarray, ks_all: np.ndarray, roff_all: np.ndarray, rlen_all: np.ndarray,
-                esc_all: np.ndarray, over_all: np.ndarray, hist_all: np.ndarray, rice_buf: np.ndarray,
-                sym_buf: np.ndarray, esc_buf: np.ndarray, scratch: dict | None) -> tuple[int, np.ndarray | None, int]:
-    """One tensor's (changes, stream, estimate) from the batch scan's rows ``g0:g1``."""
-    if over_all[g0:g1].any():
-        return int(np.count_nonzero(old != new)), None, 0
-    ns = ns_all[g0:g1, :ncls]
-    total = int(ns.sum())
-    if total == 0:
-        return 0, None, 0
-    tot = ns.sum(axis=1)
-    counts = hist_all[g0:g1, :ncls * NSYM].sum(axis=0, dtype=np.int64)
-    value_buf = pooled(scratch, "context_huffman_values", int(huffman.tile_bound(1) * tot.size + 2 * total))
-    stream = _finish(class_prefix(thr), np.ascontiguousarray(ns), np.ascontiguousarray(ks_all[g0:g1, :ncls]),
-                     np.ascontiguousarray(roff_all[g0:g1, :ncls]), np.ascontiguousarray(rlen_all[g0:g1, :ncls]),
-                     esc_all[g0:g1], counts, tile, g0, rice_buf, sym_buf, esc_buf, value_buf)
-    return total, stream, huffman_estimate(tot, counts, old.size, tile)
+    prefixes = [class_prefix(t) for t in thrs]
+    prefix_at = np.zeros(n + 1, np.int64)
+    np.cumsum([pr.size for pr in prefixes], out=prefix_at[1:])
+    value_buf = pooled(scratch, "context_huffman_values", huffman.tile_bound(1) * ntiles + 2 * int(ns_all.sum()))
+    changes, estimate, spans, out = _finish_batch(np.concatenate(prefixes), prefix_at, first, nthr, numels, ns_all,
+                                                  ks_all, roff_all, rlen_all, esc_all, over_all, hist_all, tile,
+                                                  rice_buf, sym_buf, esc_buf, value_buf)
+    results: list[tuple[int, np.ndarray | None, int]] = []
+    for (old, new, _), c, est, (s, m) in zip(items, changes.tolist(), estimate.tolist(), spans.tolist(), strict=True):
+        if c < 0:  # a tile's positions did not fit their scratch
+            results.append((int(np.count_nonzero(old != new)), None, 0))
+        else:
+            results.append((c, out[s:s + m] if m else None, est if m else 0))
+    return results
 
 
 @nb.njit(cache=True, nogil=True)
