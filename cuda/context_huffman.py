@@ -7,8 +7,9 @@ threshold the class masks; ``pext`` packs each class's change bits into that cla
 bitmap (``pdep`` puts them back when decoding), so no change needs a rank or a select. The
 Rice gaps are walked off those bitmaps, and the values are coded and decoded in one pass in
 position order with a table lookup per symbol (the class's table, ``huffman``), never a
-branch per bit. Tiles are independent: ``prange`` over tiles gives the same bytes for any
-number of threads.
+branch per bit. Tiles are independent: one ``prange`` over the tiles of a whole batch of
+tensors (``encode_context_huffman_batch``; ``context_apply.decode_batch`` to decode) gives the
+same bytes for any number of threads and any batching.
 
 Invariants:
 - A class is a function of the old bits alone; a tile's class masks are computed before any
@@ -16,7 +17,10 @@ Invariants:
   order). Taking a patch out needs the (offset, difference) pairs the apply kept
   (``context_codec.ContextUndo``).
 - Decoded positions ascend. Every read is bounds-checked; errors are ``entropy.ERRORS`` codes
-  per tile, and a tile found damaged has its writes so far listed so they can be undone.
+  per tile, and a tile found damaged has its writes so far listed so they can be undone; a
+  batch with a damaged stream undoes every write of the batch before ``BadStream`` is raised.
+- A stream is a function of its tensor's (old, new) bits and thresholds alone, not of the
+  batch it was coded in (tests hold batched and one-by-one streams to the same bytes).
 """
 
 from __future__ import annotations
