@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from weftboard.cuda import context_codec, entropy
+from weftboard.cuda import context_huffman, entropy
 from weftboard.cuda.container import (
     check_same_transition,
     header_length,
@@ -32,6 +32,7 @@ from weftboard.cuda.container import (
     torch_dtype,
 )
 from weftboard.cuda.decode import (
+    ContextStreams,
     DecodedTensor,
     TileStream,
     apply_tile_stream_,
@@ -80,9 +81,12 @@ def apply_patch_(tensors: Mapping[str, torch.Tensor], data: bytes | bytearray | 
     targets = [(_checked_target(tensors, e), e) for e in c.entries]
     steps = [(t, e, _parsed_step(t, e, c.streams[e["name"]])) for t, e in targets if e["mode"] != "empty"]
     applied = _applied_patch(c.header, c.entries)
+    batched = [(t, e, s) for t, e, s in steps if isinstance(s, context_huffman.ContextHuffmanStream)]
     try:
+        _write_context_batch(applied, batched)  # one parallel loop over all their tiles
         for target, entry, step in steps:
-            _write_step(applied, target, entry, step)
+            if not isinstance(step, context_huffman.ContextHuffmanStream):
+                _write_step(applied, target, entry, step)
     except BaseException:
         applied.revert()
         raise
@@ -196,7 +200,7 @@ def _checked_target(tensors: Mapping[str, torch.Tensor], entry: Mapping[str, Any
 
 
 def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any],
-                 stream: memoryview) -> TileStream | context_codec.ContextStream | DecodedTensor:
+                 stream: memoryview) -> TileStream | ContextStreams | DecodedTensor:
     """A checked stream, parsed (huffman or sparse into a CPU tensor: decoded while applied) or decoded.
 
     A stream in a buffer that can change (a part still arriving, whose range a retried
@@ -210,9 +214,9 @@ def _parsed_step(target: torch.Tensor, entry: Mapping[str, Any],
         return parse_tile_stream(entry, stream_array(stream), target.element_size())
     if entry["mode"] == "huffman" and target.device.type == "cuda" and device_decoder() is not None:
         return parse_tile_stream(entry, stream_array(stream), target.element_size())  # decoded on the device
-    if entry["mode"] == "context" and target.device.type == "cpu":
+    if entry["mode"] in ("context", "context_huffman") and target.device.type == "cpu":
         return parse_context_stream(entry, stream_array(stream))
-    if entry["mode"] == "context":  # decoded against the target's bits, copied off the GPU
+    if entry["mode"] in ("context", "context_huffman"):  # decoded against the target's bits, copied off the GPU
         return decode_stream(entry, stream, unsigned_np(bits_view(target.detach()).cpu()))
     return decode_stream(entry, stream)
 
@@ -249,14 +253,14 @@ def _applied_patch(header: Mapping[str, Any], entries: Sequence[Mapping[str, Any
 
 
 def _write_step(applied: AppliedPatch, target: torch.Tensor, entry: Mapping[str, Any],
-                step: TileStream | context_codec.ContextStream | DecodedTensor) -> None:
+                step: TileStream | ContextStreams | DecodedTensor) -> None:
     """Write one tensor's step and record how to undo it."""
     if isinstance(step, TileStream):
         # a TileStream for a CUDA tensor exists only where _parsed_step chose the device decoder
         apply = apply_tile_stream_ if target.device.type == "cpu" else _triton_huffman().apply_tile_stream_cuda_
         apply(target, entry, step, 1)
         applied._undo.append(functools.partial(apply, target, entry, step, -1))
-    elif isinstance(step, context_codec.ContextStream):
+    elif isinstance(step, ContextStreams):
         try:
             applied._undo.append(step.apply_(unsigned_np(bits_view(target))))
         except ValueError as exc:
@@ -264,6 +268,19 @@ def _write_step(applied: AppliedPatch, target: torch.Tensor, entry: Mapping[str,
     else:
         target_, pos, old = _apply_decoded(target, step)
         applied._undo.append(functools.partial(scatter_bits_, target_, pos, old))
+
+
+def _write_context_batch(applied: AppliedPatch, steps: Sequence[tuple[torch.Tensor, Mapping[str, Any],
+                                                                    context_huffman.ContextHuffmanStream]]) -> None:
+    """Write several tensors' ``context_huffman`` streams in one call and record how to undo
+    each; on a damaged stream the call's writes are undone and ``CorruptData`` names it."""
+    if not steps:
+        return
+    try:
+        undos = context_huffman.apply_batch_([s for *_, s in steps], [unsigned_np(bits_view(t)) for t, *_ in steps])
+    except context_huffman.BadStream as exc:
+        raise tile_stream_error(steps[exc.index][1], str(exc)) from None
+    applied._undo.extend(undos)
 
 
 def _apply_decoded(target: torch.Tensor, dec: DecodedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

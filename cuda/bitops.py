@@ -537,3 +537,4 @@ def cast_sym_lanes64(_typingctx, a, a_start, src, _src_start, m, lanes):  # type
     _check_flat(lanes, types.uint8, "cast_sym_lanes64 (lanes)")
     sig = _SYM_COMPRESS_RESULT(a, types.int64, src, types.int64, types.uint64, lanes)
     return sig, _sym_lanes_codegen(_cast_new_bits)
+

@@ -21,13 +21,13 @@ from weftboard.cuda import context_codec
 from weftboard.proto.errors import CorruptData, InvalidArgument
 
 FORMAT = "weftboard-patch"
-FORMAT_VERSION = 2  # 2 added the ``huffman`` mode, the default encoding's since
-READ_VERSIONS = (1, 2)  # a version 1 patch is a version 2 patch without ``huffman`` streams
+FORMAT_VERSION = 3  # 2 added the ``huffman`` mode, 3 the ``context_huffman`` mode
+READ_VERSIONS = (1, 2, 3)  # each version's patches are valid patches of the next
 ENCODINGS = ("default", "baseline", "context")
 CODEC_TILE = 1 << 16  # elements per independent stream: ~650 changes per tile at 1% density,
 # so per-tile overhead (directory, rANS flush, Rice padding: ~12 bytes) stays near 1%, while a
 # 7B model still has ~100k tiles to spread over CPU threads or GPU blocks.
-_MODES = ("empty", "huffman", "sparse", "bitmap", "all", "baseline", "context")
+_MODES = ("empty", "huffman", "sparse", "bitmap", "all", "baseline", "context", "context_huffman")
 _MAX_HEADER = 256 << 20
 NP_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
@@ -185,13 +185,17 @@ def parse_container_header(header_bytes: bytes | memoryview, total: int) -> tupl
         if numel < 0 or not 0 <= changed <= numel:
             raise CorruptData(f"patch header: {where} has {changed} changes of {numel} elements")
         if (mode not in _MODES or (mode == "baseline") != (encoding == "baseline" and changed > 0)
-                or (mode == "huffman" and version < 2)):
+                or (mode == "huffman" and version < 2) or (mode == "context_huffman" and version < 3)):
             raise CorruptData(f"patch header: {where} has mode {mode!r}, not valid for encoding {encoding!r}")
         if (mode == "empty") != (changed == 0):
             raise CorruptData(f"patch header: {where} has mode {mode!r} with {changed} changes")
         if mode == "context" and (encoding != "context" or not context_codec.supports(torch_dtype(entry["dtype"], where))):
             raise CorruptData(f"patch header: {where} has mode 'context', not valid for encoding {encoding!r} "
                               f"and dtype {entry['dtype']}")
+        if mode == "context_huffman" and (encoding == "baseline"
+                                          or not context_codec.supports(torch_dtype(entry["dtype"], where))):
+            raise CorruptData(f"patch header: {where} has mode 'context_huffman', not valid for encoding "
+                              f"{encoding!r} and dtype {entry['dtype']}")
         if not (256 <= tile <= 1 << 24 and tile & (tile - 1) == 0) or index_bytes not in (4, 8):
             raise CorruptData(f"patch header: {where} has tile {tile} / index_bytes {index_bytes} out of range")
         if mode == "empty":

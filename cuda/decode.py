@@ -8,6 +8,7 @@ undone before ``CorruptData`` is raised.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from weftboard.cuda import context_codec, entropy, huffman
+from weftboard.cuda import context_codec, context_huffman, entropy, huffman
 from weftboard.cuda.container import NP_UNSIGNED, torch_dtype
+from weftboard.cuda.jit import serial_kernels
 from weftboard.cuda.tensor_bits import cpu_bits
 from weftboard.cuda.tile_decode import apply_tiles, decode_tiles
 from weftboard.proto.errors import CorruptData, InvalidArgument
@@ -76,7 +78,7 @@ def decode_stream(entry: Mapping[str, Any], stream: memoryview | bytes, base: np
         if pos.size and (pos[0] < 0 or pos[-1] >= numel or not bool(np.all(pos[1:] > pos[:-1]))):
             raise bad("positions are not strictly ascending indices below numel")
         return DecodedTensor(name, pos, buf[changed * ib :].view(np.dtype(udt).newbyteorder("<")).astype(udt), False)
-    if mode == "context":
+    if mode in ("context", "context_huffman"):
         if base is None:
             raise InvalidArgument(f"the context stream of {name!r} decodes only against the bits it applies to")
         try:
@@ -132,9 +134,15 @@ def parse_tile_stream(entry: Mapping[str, Any], buf: np.ndarray, width: int) -> 
     return TileStream(buf, numel, tile, width, ns, ks, rice, rans, esc, offs, freq, cum, table)
 
 
-def parse_context_stream(entry: Mapping[str, Any], buf: np.ndarray) -> context_codec.ContextStream:
+ContextStreams = context_codec.ContextStream | context_huffman.ContextHuffmanStream
+
+
+def parse_context_stream(entry: Mapping[str, Any], buf: np.ndarray) -> ContextStreams:
+    """A ``context`` or ``context_huffman`` stream, parsed and checked (it decodes against the
+    bits it applies to)."""
+    kind = context_huffman.ContextHuffmanStream if entry["mode"] == "context_huffman" else context_codec.ContextStream
     try:
-        return context_codec.ContextStream(buf, entry["numel"], entry["tile"], entry["changed"])
+        return kind(buf, entry["numel"], entry["tile"], entry["changed"])
     except ValueError as exc:
         raise tile_stream_error(entry, str(exc)) from None
 
@@ -153,7 +161,11 @@ def apply_tile_stream_(target: torch.Tensor, entry: Mapping[str, Any], sp: TileS
     """
     tu = cpu_bits(target)  # contiguous (``_checked_target``), so a view of its memory, not a copy
     args = (sp.buf, tu, sp.numel, sp.tile, sp.width, sp.ns, sp.ks, sp.rice, sp.rans, sp.esc, sp.offs, sp.freq, sp.cum, sp.slot2sym)
-    errs, done = apply_tiles(*args, sign, sp.ns)
+    # One tile gives a second thread nothing to do, and waking it (on a busy host, waiting for a
+    # core) cost 4-5 ms a call: a norm vector's apply took longer than an embedding's.
+    with serial_kernels() if sp.ns.size == 1 else contextlib.nullcontext():
+        errs, done = apply_tiles(*args, sign, sp.ns)
+        if errs.any():
+            apply_tiles(*args, -sign, done)
     if errs.any():
-        apply_tiles(*args, -sign, done)
         _raise_tile_errors(entry, errs)

@@ -1,6 +1,9 @@
 """Encoding: version transitions (tensor pairs, deltas or tile scans) into per-tensor streams
-and patch containers. Per tensor the default encoding writes the smaller of ``huffman`` and
-``bitmap`` (``all`` when every element changed); ``context`` and ``baseline`` as their encodings say.
+and patch containers. Per tensor the default encoding writes, for a 16-bit float pair (or a
+delta with its target), ``context_huffman`` or ``huffman``, whichever measured smaller, else
+``huffman``; ``bitmap`` where smaller still, ``all`` when every element changed. Tile scans
+(the publisher's piece-by-piece read) give ``huffman`` or ``context`` streams as scanned.
+``context`` and ``baseline`` as their encodings say.
 
 Invariants: a tensor's stream depends only on its (old, new) bits, not on batching, piece
 boundaries, thread count or scratch reuse.
@@ -8,6 +11,7 @@ boundaries, thread count or scratch reuse.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +21,7 @@ import numpy as np
 import torch
 import xxhash
 
-from weftboard.cuda import context_codec, entropy
+from weftboard.cuda import context_codec, context_huffman, entropy
 from weftboard.cuda.container import (
     CODEC_TILE,
     ENCODINGS,
@@ -28,6 +32,7 @@ from weftboard.cuda.container import (
 from weftboard.cuda.decode import DecodedTensor, decode_stream, parse_context_stream
 from weftboard.cuda.diff import check_pair, diff_tensor
 from weftboard.cuda.digest import dtype_name
+from weftboard.cuda.jit import serial_kernels
 from weftboard.cuda.scratch import kept_scratch, trim_scratch
 from weftboard.cuda.tensor_bits import (
     TensorDelta,
@@ -144,9 +149,11 @@ class EncodedTensor:
 
 
 def _encode_delta(name: str, delta: TensorDelta, encoding: str, target: torch.Tensor | None = None) -> EncodedTensor:
-    if encoding == "context" and target is not None and delta.positions.numel() and context_codec.supports(delta.dtype):
+    if (encoding in ("default", "context") and target is not None and delta.positions.numel()
+            and context_codec.supports(delta.dtype)):
         old_t, new_t = _old_and_target(delta, target)
-        fused = _encode_pair_context(name, old_t, new_t)
+        pair = _encode_pair_context if encoding == "context" else _encode_pair_context_huffman
+        fused = pair(name, old_t, new_t)
         if fused is not None:
             return fused
     pos, old, new = _delta_arrays(delta)
@@ -184,6 +191,24 @@ def _encode_pair_context(name: str, old: torch.Tensor, new: torch.Tensor) -> Enc
     if stream is None or changed == a.size or stream.size > _bitmap_bytes(a.size, changed, 2):
         return None
     return EncodedTensor(name, old.dtype, a.size, changed, "context", stream)
+
+
+def _encode_pair_context_huffman(name: str, old: torch.Tensor, new: torch.Tensor,
+                                 scratch: dict | None = None) -> EncodedTensor | None:
+    """The default encoding's choice for a CPU pair of a 16-bit float tensor: its
+    ``context_huffman`` stream, or its ``huffman`` stream where that measured smaller (encoded
+    only when the context scan's estimate of it says it may be), or None when neither applies
+    or a bitmap is smaller (the caller takes the other default modes)."""
+    if not context_codec.supports(old.dtype):
+        return None
+    check_pair(old, new)
+    a = cpu_bits(old)
+    b = cpu_bits(new)
+    thresholds = context_codec.choose_thresholds(a, old.dtype)
+    if thresholds.size == 0:
+        return None
+    changed, stream, huffman_guess = context_huffman.encode_context_huffman(a, b, thresholds, CODEC_TILE, scratch)
+    return _context_huffman_entry(name, old, a, b, changed, stream, huffman_guess, scratch)
 
 
 def _fused_result(name: str, dtype: torch.dtype, b: np.ndarray, changed: int, stream: np.ndarray | None) -> EncodedTensor | None:
@@ -376,11 +401,17 @@ def encode_patch(
     _check_encoding(encoding)
     scratch = kept_scratch()  # one pool for all pairs, and for the next patch
     batch = _FusedBatch(scratch, encoding)
+    ctx = _ContextBatch(scratch)
 
     def encoded() -> Iterable[EncodedTensor]:
         for name, old, new in pairs:
             on_cpu = old.is_cpu and new.is_cpu
-            if encoding == "context" and on_cpu:
+            if encoding == "default" and on_cpu and context_codec.supports(old.dtype):
+                yield from batch.flush()
+                yield from ctx.add(name, old, new)
+                continue
+            yield from ctx.flush()
+            if encoding == "context" and on_cpu and context_codec.supports(old.dtype):
                 yield from batch.flush()
                 fused = _encode_pair_context(name, old, new)
                 if fused is not None:
@@ -391,6 +422,7 @@ def encode_patch(
                 continue
             yield from batch.flush()
             yield _encode_delta(name, diff_tensor(old, new), encoding)
+        yield from ctx.flush()
         yield from batch.flush()
 
     try:
@@ -409,6 +441,58 @@ def encode_patch(
 # the bench's encode ran 8% slower), and the pairs it holds (the caller's tensors, not copies)
 # stay a small part of a large model.
 BATCH_TILES = 256
+
+
+class _ContextBatch:
+    """CPU pairs of 16-bit floats waiting for one ``context_huffman.encode_context_huffman_batch``
+    call (``encode_patch``, default encoding: one parallel region for the batch's scans, not
+    one per tensor). ``add`` and ``flush`` yield finished entries in the pairs' order; a pair
+    the context coder leaves (no spread for classes, a tile too dense, a bitmap smaller) takes
+    the fused ``huffman`` encoder, then the two-step path."""
+
+    def __init__(self, scratch: dict) -> None:
+        self.scratch = scratch
+        self._items: list[tuple[str, torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._tiles = 0
+
+    def add(self, name: str, old: torch.Tensor, new: torch.Tensor) -> Iterator[EncodedTensor]:
+        check_pair(old, new)
+        a = cpu_bits(old)
+        b = cpu_bits(new)
+        tiles = -(-a.size // CODEC_TILE)
+        if self._items and self._tiles + tiles > BATCH_TILES:
+            yield from self.flush()
+        self._items.append((name, old, new, a, b, context_codec.choose_thresholds(a, old.dtype)))
+        self._tiles += tiles
+
+    def flush(self) -> Iterator[EncodedTensor]:
+        items, self._items, self._tiles = self._items, [], 0
+        coded = [it for it in items if it[5].size]
+        results = iter(context_huffman.encode_context_huffman_batch([(a, b, thr) for *_, a, b, thr in coded],
+                                                                    CODEC_TILE, self.scratch))
+        for name, old, new, a, b, thr in items:
+            entry = _context_huffman_entry(name, old, a, b, *next(results), self.scratch) if thr.size else None
+            if entry is None:
+                fused = _fused_result(name, old.dtype, b, *encode_huffman(a, b, CODEC_TILE, self.scratch))
+                entry = fused if fused is not None else _encode_delta(name, diff_tensor(old, new), "default")
+            yield entry
+
+
+def _context_huffman_entry(name: str, old: torch.Tensor, a: np.ndarray, b: np.ndarray, changed: int,
+                           stream: np.ndarray | None, huffman_guess: int, scratch: dict | None) -> EncodedTensor | None:
+    """The default encoding's choice from a pair's ``context_huffman`` result: that stream, or
+    the ``huffman`` stream where it measured smaller (encoded only when the estimate says it
+    may be), or None when neither applies or a bitmap is smaller."""
+    if changed == 0:
+        return EncodedTensor(name, old.dtype, a.size, 0, "empty", np.empty(0, np.uint8))
+    if stream is None or changed == a.size or stream.size > _bitmap_bytes(a.size, changed, 2):
+        return None
+    if huffman_guess < stream.size * 1.15:  # the estimate's error, with room to spare
+        with serial_kernels() if a.size <= CODEC_TILE else contextlib.nullcontext():  # one tile: no second thread
+            _, other = encode_huffman(a, b, CODEC_TILE, scratch)
+        if other is not None and other.size < stream.size:
+            return EncodedTensor(name, old.dtype, a.size, changed, "huffman", other)
+    return EncodedTensor(name, old.dtype, a.size, changed, "context_huffman", stream)
 
 
 class _FusedBatch:

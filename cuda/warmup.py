@@ -208,3 +208,7 @@ def _fused_encoder(gen: torch.Generator, dtype: torch.dtype, encodings: Sequence
         apply_patch_(live, data)
         if not torch.equal(bits_view(live["w"]), bits_view(new)):
             raise RuntimeError(f"kernel warm-up: encode_patch ({encoding}) of {dtype} did not apply bitwise")
+        read = read_container(data)
+        for entry in read.entries:  # a context stream decoded into arrays, as for a GPU destination
+            if entry["mode"] in ("context", "context_huffman"):
+                decode_stream(entry, read.streams[entry["name"]], unsigned_np(bits_view(old)))

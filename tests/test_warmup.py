@@ -139,11 +139,15 @@ old = torch.randn(3 * CODEC_TILE + 5, generator=g).to(torch.bfloat16)
 bits = old.clone().view(torch.int16)
 bits[::37] += 1
 new = bits.view(torch.bfloat16)
-data = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root="").data
+zeros = torch.zeros(3 * CODEC_TILE + 5, dtype=torch.bfloat16)  # no spread for classes: a huffman stream
+tiny = zeros.clone().view(torch.int16)
+tiny[::41] = 1
+data = encode_patch([("w", old, new), ("z", zeros, tiny.view(torch.bfloat16))], base_version=1, target_version=2,
+                    target_root="").data
 a = old.clone().view(torch.int16).numpy().view(np.uint16)
 tile_encode.scan_tiles(a, new.view(torch.int16).numpy().view(np.uint16), CODEC_TILE, {}, update=True)
 for container in (data, bytearray(data), memoryview(bytearray(data))):
-    live = {"w": old.clone()}
+    live = {"w": old.clone(), "z": zeros.clone()}
     apply_patch_(live, container).revert()
 count = {}
 for name, _ in kernel_signatures():
@@ -162,4 +166,5 @@ def test_the_encoder_and_the_publishers_scan_share_one_compile_and_so_do_every_b
     count = json.loads(out.stdout.strip().splitlines()[-1])
     assert count["scan_encode_tiles_packed"] == 1, count
     assert count["_decode_tiles"] == 1, count
+    assert count["decode_batch"] == 1 and count["_scan_batch"] == 1, count
     assert count["parse_stream"] == 1, count

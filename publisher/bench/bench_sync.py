@@ -425,8 +425,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "full_sync_p50_s": round(full_p50, 4),
         "full_upload_p50_s": round(upload_p50, 4),
         "speedup_p50": round(full_p50 / delta_p50, 2) if delta_p50 > 0 else None,
-        # the physical limit of the speedup on a link that only moves bytes: full bytes / patch bytes
-        "bytes_ratio": round(full_bytes / statistics.fmean(patch_bytes), 2) if patch_bytes else None,
+        # The physical limit of the speedup over a link that only moves bytes: full over patch bytes.
+        "bytes_ratio": round(full_bytes / statistics.fmean(patch_bytes), 2) if patch_bytes and full_bytes else None,
         "warmup_sync_s": round(warmup_s, 4) if warmup_s is not None else None,
         "trainer_blocked_s_per_version": round(blocked_mean, 4),
         "blocked_over_full_upload": round(blocked_mean / upload_p50, 4) if upload_p50 > 0 else None,

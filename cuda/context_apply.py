@@ -1,0 +1,230 @@
+"""The decoder of ``context_huffman`` streams (``cuda/FORMAT.md`` 2.7): any number of tensors'
+streams in one compiled call, one parallel loop over all their tiles (``decode_batch``).
+
+How it is fast: a tile's classes come from vector compares of its old bits, each class's Rice
+gaps are read from a 64-bit register topped up with one 8-byte load when it runs low (a byte
+at a time only near the end of the piece, or for a code longer than the register holds), and
+the values likewise from a register, one load of the class's 512-entry table giving the
+code's length and difference (the full 4096-entry table only for a code longer than
+``FAST_BITS``). One parallel region for a whole patch: a region per tensor ended at a barrier
+that waited, on a shared host, for a descheduled thread (``jit.serial_kernels``).
+
+Invariants: every tile's changes are decoded in ascending position order and written to
+``out_off``/``out_diff`` at the prefix sums of the tiles' change counts before (or as) they are
+added to the old bits, so a tile found damaged part way lists exactly the writes it made;
+errors are ``entropy.ERRORS`` codes, the same per tile as the bit-position decoder gave. The
+streams, tables and targets are passed by address: the caller keeps them alive for the call.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+
+from weftboard.cuda import huffman, tile_decode
+from weftboard.cuda.bit_deposit import pdep64
+from weftboard.cuda.bitops import array_at, ctpop64, cttz64, load_u64le
+from weftboard.cuda.context_codec import class_masks
+from weftboard.cuda.entropy import ESC, MAX_K
+from weftboard.cuda.jit import parallel_kernel
+
+FAST_BITS = 9  # the first lookup: 2**9 entries a class (2 KiB), every class's table in L1
+LONG = np.uint32(15)  # a first-lookup entry of a code longer than FAST_BITS (no code has length 15)
+_FAST_MASK = np.int64((1 << FAST_BITS) - 1)
+_FULL_MASK = np.int64((1 << huffman.MAX_BITS) - 1)
+
+
+@nb.njit(cache=True, nogil=True)
+def value_tables(table):
+    """(the ``2**MAX_BITS`` entries, the first ``2**FAST_BITS``) of one class's decoder table
+    (``huffman.decoder_table``) as ``diff << 16 | escape << 4 | length`` (uint32), ``LONG``
+    in the first where the code is longer than FAST_BITS."""
+    full = np.empty(table.size, np.uint32)
+    for j in range(table.size):
+        s = np.int64(table[j] >> np.uint16(4))
+        ln = np.uint32(table[j] & np.uint16(15))
+        if s == ESC:
+            full[j] = ln | np.uint32(16)
+        else:
+            mag = s // 2 + 1
+            d = (65536 - mag) if s & 1 else mag
+            full[j] = ln | (np.uint32(d) << np.uint32(16))
+    fast = np.empty(1 << FAST_BITS, np.uint32)
+    for j in range(1 << FAST_BITS):
+        fast[j] = full[j] if (full[j] & np.uint32(15)) <= FAST_BITS else LONG
+    return full, fast
+
+
+@nb.njit(inline="always", cache=True)
+def _rice_piece(buf, p, rend, k, n, members, mb, base, tile):
+    """Read ``n`` Rice(k) gaps of one class from ``buf[p:rend]`` and set the members they name
+    in ``mb[base:]``; returns the error code (0, or ``entropy.ERRORS``' 1, 2 or 3)."""
+    lowmask = (1 << k) - 1
+    acc = 0
+    nbits = 0
+    j = -1
+    for _ in range(n):
+        if nbits < 32 and p + 8 <= rend:
+            take, acc, nbits = tile_decode._top_up(acc, nbits, np.int64(load_u64le(buf, p)))
+            p += take
+        g, used = tile_decode._rice_gap_unchecked(acc, k, lowmask)
+        if used <= nbits:
+            acc >>= used
+            nbits -= used
+        else:  # near the end of the piece, or a code longer than the register holds
+            g, p, acc, nbits, err = tile_decode.rice_gap(buf, p, rend, acc, nbits, k, lowmask, tile)
+            if err:
+                return err
+        j += g + 1
+        if j >= members:
+            return 2
+        mb[np.uint64(base + (j >> 6))] |= np.uint64(1) << np.uint64(j & 63)
+    while nbits <= 55 and p < rend:  # the bytes the lazy top-up left: all padding in a valid piece
+        acc |= np.int64(buf[p]) << nbits
+        p += 1
+        nbits += 8
+    if p != rend or nbits >= 8 or acc != 0:
+        return 3
+    return 0
+
+
+@parallel_kernel
+def decode_batch(buf_addr, buf_size, like_buf, old_addr, numels, like_old, first, thr, nthr, tile, dir_addr,
+                 like_dir, full_addr, fast_addr, like_tab, starts, out_off, out_diff, write):
+    """Decode the tiles of several ``context_huffman`` streams: stream ``i`` is the
+    ``buf_size[i]`` bytes at ``buf_addr[i]`` (at least 8), its old bits the ``numels[i]``
+    uint16 at ``old_addr[i]``, its tiles the global tiles ``first[i]:first[i + 1]``, its
+    thresholds ``thr[i, :nthr[i]]``, its directory at ``dir_addr[i]`` (``ncls`` = nthr + 1;
+    int64: ns, ks and Rice lengths per (tile, class), then value bytes, escapes and payload
+    offsets per tile: ``Directory.flat``), its value tables at ``full_addr[i]`` and
+    ``fast_addr[i]`` (``value_tables`` per class, one after the other). Each global tile's
+    changes go to ``out_off``/``out_diff`` from ``starts[g]``; ``write`` also adds them to the
+    old bits. Returns (an ``entropy.ERRORS`` code per global tile, changes written per tile)."""
+    ntensors = numels.size
+    ntiles_all = first[ntensors]
+    owner = np.empty(ntiles_all, np.int64)
+    for i in range(ntensors):
+        owner[first[i]:first[i + 1]] = i
+    errs = np.zeros(ntiles_all, np.int64)
+    done = np.zeros(ntiles_all, np.int64)
+    for g in nb.prange(ntiles_all):
+        i = owner[g]
+        t = g - first[i]
+        ntiles = first[i + 1] - first[i]
+        ncls = nthr[i] + 1
+        total = starts[g + 1] - starts[g]
+        if total == 0:
+            continue
+        numel = numels[i]
+        d = array_at(dir_addr[i], ntiles * (3 * ncls + 3) + 1, like_dir)
+        row = t * ncls
+        dk = ntiles * ncls
+        dr = 2 * ntiles * ncls
+        dv = 3 * ntiles * ncls
+        err = 0
+        for c in range(ncls):
+            if d[row + c] and d[dk + row + c] > MAX_K:
+                err = 9
+        if err:
+            errs[g] = err
+            continue
+        buf = array_at(buf_addr[i], buf_size[i], like_buf)
+        old = array_at(old_addr[i], numel, like_old)
+        full = array_at(full_addr[i], ncls << huffman.MAX_BITS, like_tab)
+        fast = array_at(fast_addr[i], ncls << FAST_BITS, like_tab)
+        th = thr[i, :nthr[i]]
+        ts = t * tile
+        te = min(ts + tile, numel)
+        nblocks = (te - ts + 63) // 64
+        cls = np.empty((ncls, nblocks), np.uint64)
+        members = np.zeros(ncls, np.int64)
+        for bi in range(nblocks):
+            class_masks(old, ts + 64 * bi, te, th, cls, bi)
+        for c in range(ncls):
+            mc = 0
+            for bi in range(nblocks):
+                mc += np.int64(ctpop64(cls[c, bi]))
+            members[c] = mc
+        base = np.zeros(ncls + 1, np.int64)
+        for c in range(ncls):
+            base[c + 1] = base[c] + (members[c] >> 6) + 2
+        mb = np.zeros(base[ncls], np.uint64)
+        p = d[dv + ntiles + ntiles + t]  # the tile's payload offset
+        for c in range(ncls):
+            rend = p + d[dr + row + c]
+            n = d[row + c]
+            if n:
+                err = _rice_piece(buf, p, rend, d[dk + row + c], n, members[c], mb, base[c], tile)
+                if err:
+                    break
+            p = rend
+        if err:
+            errs[g] = err
+            continue
+        chg = np.zeros(nblocks, np.uint64)  # the tile's changes, block by block
+        for c in range(ncls):  # class by class: the member offset stays in a register
+            if d[row + c] == 0:
+                continue
+            off = 0
+            b0 = base[c]
+            for bi in range(nblocks):
+                cm = cls[c, bi]
+                w = b0 + (off >> 6)
+                sh = np.uint64(off & 63)
+                bits = (mb[np.uint64(w)] >> sh) | ((mb[np.uint64(w + 1)] << np.uint64(1)) << (np.uint64(63) - sh))
+                chg[bi] |= pdep64(bits, cm)
+                off += np.int64(ctpop64(cm))
+        lut = np.zeros(256, np.int64)  # class << FAST_BITS by the old bits' (x & 0x7FFF) >> 7
+        for j in range(th.size):
+            for v in range(th[j] >> 7, 256):
+                lut[v] += 1 << FAST_BITS
+        vlen = d[dv + t]
+        hend = 8 * (p + vlen)
+        e = p + vlen
+        eend = e + 2 * d[dv + ntiles + t]
+        hq = p
+        hacc = 0
+        hbits = 0
+        o = starts[g]
+        for bi in range(nblocks):
+            m = chg[bi]
+            while m:
+                bit = np.int64(cttz64(m))
+                m &= m - np.uint64(1)
+                at = ts + 64 * bi + bit
+                ov = old[np.uint64(at)]  # unsigned indices: no negative-index fix-ups in the loop
+                cb = lut[np.uint64(ov >> np.uint16(7)) & np.uint64(0xFF)]
+                if hbits < huffman.MAX_BITS:
+                    hq, hacc, hbits = tile_decode._value_bits(buf, hq, hacc, hbits)
+                entry = fast[np.uint64(cb + (hacc & _FAST_MASK))]
+                if entry == LONG:
+                    entry = full[np.uint64((cb << (huffman.MAX_BITS - FAST_BITS)) + (hacc & _FULL_MASK))]
+                ln = np.int64(entry & np.uint32(15))
+                hacc >>= ln
+                hbits -= ln
+                if (hq << 3) - hbits > hend:
+                    err = 6
+                    break
+                if entry & np.uint32(16):
+                    if e + 2 > eend:
+                        err = 8
+                        break
+                    dv16 = np.uint16(np.int64(buf[e]) | (np.int64(buf[e + 1]) << 8))
+                    e += 2
+                else:
+                    dv16 = np.uint16(entry >> np.uint32(16))
+                out_off[np.uint64(o)] = at - ts
+                out_diff[np.uint64(o)] = dv16
+                if write:
+                    old[np.uint64(at)] = ov + dv16
+                o += 1
+            if err:
+                break
+        if err == 0:
+            if not huffman.ends_cleanly(buf, (hq << 3) - hbits, hend):
+                err = 7
+            elif e != eend:
+                err = 8
+        errs[g] = err
+        done[g] = o - starts[g]
+    return errs, done

@@ -1,0 +1,245 @@
+"""The context-Huffman stream (``weftboard.cuda.context_huffman``), the default encoding's mode for
+16-bit floats: positions by class of old magnitude, values Huffman-coded per class.
+
+What must hold: every pair round-trips bit for bit (in place, undone, and through arrays with
+ascending positions) for bf16 and fp16 with escapes, NaNs, sign flips, dense tiles and partial
+blocks; ``pext``/``pdep`` and their portable loops agree; on a realistic optimizer step the stream
+is smaller than the ``huffman`` stream and the default encoding writes it; the container accepts
+the mode only from format_version 3 and outside the baseline encoding; a damaged stream never
+leaves a tensor half-patched.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+import torch
+from patchkit import with_header
+
+from weftboard.cuda import container, tile_encode
+from weftboard.cuda import context_codec as cc
+from weftboard.cuda import context_huffman as ch
+from weftboard.cuda.bit_deposit import pdep64, pdep_portable, pext64, pext_portable
+from weftboard.cuda.codec import (
+    CODEC_TILE,
+    apply_patch_,
+    decode_stream,
+    encode_patch,
+    read_patch_info,
+)
+from weftboard.cuda.diff import bits_view
+from weftboard.proto.errors import CorruptData
+
+ROOT = "xxh3-128:" + "00" * 16
+
+
+def _step(n: int, dtype: torch.dtype, seed: int, lr: float = 3e-6, steps: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen) * 0.02
+    moved = master + lr * steps * torch.sign(torch.randn(n, generator=gen))
+    return master.to(dtype), moved.to(dtype)
+
+
+def _u16(t: torch.Tensor) -> np.ndarray:
+    return bits_view(t).numpy().view(np.uint16)
+
+
+def test_pext_and_pdep_match_their_portable_loops() -> None:
+    @numba.njit
+    def both(x, m):
+        return pext64(x, m), pdep64(x, m), pext_portable(x, m), pdep_portable(x, m)
+
+    rng = np.random.default_rng(0)
+    words = [0, 1, 2**64 - 1, 2**63, *rng.integers(0, 2**63, 200, dtype=np.uint64).tolist()]
+    for x, m in zip(words, words[::-1], strict=True):
+        a, b, c, d = both(np.uint64(x), np.uint64(m))
+        assert (a, b) == (c, d)
+
+
+def _round_trip(a: np.ndarray, b: np.ndarray, dtype: torch.dtype, tile: int = CODEC_TILE) -> np.ndarray:
+    thr = cc.choose_thresholds(a, dtype)
+    assert thr.size
+    changed, stream, guess = ch.encode_context_huffman(a, b, thr, tile)
+    assert changed == int((a != b).sum()) and stream is not None and guess > 0
+    parsed = ch.ContextHuffmanStream(stream, a.size, tile, changed)
+    pos, diff = parsed.decode(a)
+    assert np.array_equal(pos, np.flatnonzero(a != b))
+    assert np.array_equal(a[pos] + diff, b[pos])
+    target = a.copy()
+    undo = parsed.apply_(target)
+    assert np.array_equal(target, b)
+    undo()
+    assert np.array_equal(target, a)
+    return stream
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [1, 63, 65, 130, CODEC_TILE + 700, 3 * CODEC_TILE])
+def test_streams_round_trip_in_place_and_through_arrays(dtype: torch.dtype, n: int) -> None:
+    old, new = _step(n, dtype, seed=n)
+    b = bits_view(new)
+    b[: max(1, n // 97)] ^= 0x8000  # sign flips: escapes
+    b[n // 2] = 0x7FC0 if dtype == torch.bfloat16 else 0x7E00  # a NaN
+    b[-1] += 3000  # a far jump
+    _round_trip(_u16(old), _u16(new), dtype)
+
+
+@pytest.mark.parametrize("density", [0.001, 0.3, 0.9, 1.0])
+@pytest.mark.parametrize("tile", [256, 4096, CODEC_TILE])
+def test_any_density_and_tile_round_trips(density: float, tile: int) -> None:
+    rng = np.random.default_rng(int(density * 1000) + tile)
+    a = _u16((torch.randn(3 * tile + 77) * 0.02).to(torch.bfloat16))
+    b = a.copy()
+    hit = rng.random(a.size) < density
+    hit[0] = True
+    b[hit] = rng.integers(0, 2**16, int(hit.sum()), dtype=np.uint16)
+    b[hit & (b == a)] += 1
+    _round_trip(a, b, torch.bfloat16, tile)
+
+
+def test_a_realistic_step_is_smaller_than_the_huffman_stream_and_the_default() -> None:
+    old, new = _step(400_000, torch.bfloat16, seed=1, steps=1)
+    a, b = _u16(old), _u16(new)
+    changed, huff = tile_encode.encode_huffman(a, b, CODEC_TILE)
+    stream = _round_trip(a, b, torch.bfloat16)
+    assert 0.005 < changed / a.size < 0.2
+    assert stream.size < 0.9 * huff.size, (stream.size, huff.size)
+    patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT)
+    info = read_patch_info(patch.data)
+    assert (info.format_version, info.encoding, info.tensors[0].mode) == (3, "default", "context_huffman")
+    target = {"w": old.clone()}
+    applied = apply_patch_(target, patch.data)
+    assert torch.equal(bits_view(target["w"]), bits_view(new))
+    applied.revert()
+    assert torch.equal(bits_view(target["w"]), bits_view(old))
+    c = container.read_container(patch.data)
+    dec = decode_stream(c.entries[0], c.streams["w"], a)
+    assert np.array_equal(dec.positions, np.flatnonzero(a != b))
+
+
+def test_the_mode_is_refused_before_format_version_3_and_in_baseline() -> None:
+    old, new = _step(20_000, torch.bfloat16, seed=6, steps=1)
+    patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT)
+    assert read_patch_info(patch.data).tensors[0].mode == "context_huffman"
+    for change in ({"format_version": 2}, {"encoding": "baseline"}):
+        with pytest.raises(CorruptData, match="not valid"):
+            read_patch_info(with_header(patch.data, lambda h, change=change: h.update(change)))
+
+
+def test_a_damaged_tile_undoes_every_write_of_the_apply() -> None:
+    old, new = _step(3 * CODEC_TILE, torch.bfloat16, seed=7)
+    a, b = _u16(old), _u16(new)
+    changed, stream, _ = ch.encode_context_huffman(a, b, cc.choose_thresholds(a, torch.bfloat16), CODEC_TILE)
+    assert stream is not None
+    refused = 0
+    for at in np.linspace(0.02, 0.99, 40):
+        bad = stream.copy()
+        bad[int(at * bad.size)] ^= 0x5A
+        target = a.copy()
+        try:
+            ch.ContextHuffmanStream(bad, a.size, CODEC_TILE, changed).apply_(target)
+        except ValueError:
+            refused += 1
+            assert np.array_equal(target, a)
+    assert refused >= 10  # a flipped value byte may still decode (the checksum guards those)
+    for cut in (1, 10, stream.size // 2):
+        with pytest.raises(ValueError):
+            ch.ContextHuffmanStream(stream[:-cut].copy(), a.size, CODEC_TILE, changed).apply_(a.copy())
+
+
+def _pairs_for_batches() -> list[tuple[np.ndarray, np.ndarray]]:
+    """Edges for the batched coder: tiny and odd sizes, tiles without changes between changed
+    ones, one symbol per class (codes of length 0), long codes (past the decoder's first
+    lookup), escapes, every element changed."""
+    rng = np.random.default_rng(45)
+    out = []
+    for n in (1, 63, 64, 65, 1000, 2 * CODEC_TILE + 129):
+        old, new = _step(n, torch.bfloat16, seed=n)
+        out.append((_u16(old).copy(), _u16(new).copy()))
+    a = _u16((torch.randn(4 * CODEC_TILE + 3) * 0.02).to(torch.bfloat16)).copy()
+    b = a.copy()
+    b[5] += 1  # tile 0 and tile 3 change; tiles 1, 2 and 4 do not
+    b[3 * CODEC_TILE + 17:3 * CODEC_TILE + 900:7] += 1  # one symbol in every class
+    out.append((a, b))
+    a = _u16((torch.randn(CODEC_TILE + 11) * 0.02).to(torch.bfloat16)).copy()
+    b = a.copy()
+    hit = rng.random(a.size) < 0.4
+    steps = np.minimum(rng.geometric(0.08, a.size), 64).astype(np.uint16)  # a long tail of rare symbols
+    b[hit] += steps[hit]
+    b[::301] ^= 0x8000  # escapes
+    out.append((a, b))
+    a = _u16((torch.randn(700) * 0.02).to(torch.bfloat16)).copy()
+    out.append((a, a + 1))  # every element changed
+    return out
+
+
+def test_a_batch_gives_each_stream_and_applies_like_one_call_each() -> None:
+    pairs = _pairs_for_batches()
+    items = [(a, b, cc.choose_thresholds(a, torch.bfloat16)) for a, b in pairs]
+    items = [it for it in items if it[2].size]
+    batch = ch.encode_context_huffman_batch(items, CODEC_TILE, {})
+    streams, targets = [], []
+    for (a, b, thr), (changed, stream, guess) in zip(items, batch, strict=True):
+        one = ch.encode_context_huffman(a, b, thr, CODEC_TILE)
+        assert changed == one[0] == int((a != b).sum()) and guess == one[2]
+        assert stream is not None and np.array_equal(stream, one[1])
+        parsed = ch.ContextHuffmanStream(stream, a.size, CODEC_TILE, changed)
+        pos, diff = parsed.decode(a)
+        assert np.array_equal(pos, np.flatnonzero(a != b)) and np.array_equal(a[pos] + diff, b[pos])
+        streams.append(parsed)
+        targets.append(a.copy())
+    undos = ch.apply_batch_(streams, targets)
+    for (a, b, _), target in zip(items, targets, strict=True):
+        assert np.array_equal(target, b)
+    for undo in undos:
+        undo()
+    for (a, _, _), target in zip(items, targets, strict=True):
+        assert np.array_equal(target, a)
+
+
+def test_a_damaged_stream_in_a_batch_undoes_the_whole_batch() -> None:
+    pairs = _pairs_for_batches()[4:7]
+    items = [(a, b, cc.choose_thresholds(a, torch.bfloat16)) for a, b in pairs]
+    batch = ch.encode_context_huffman_batch(items, CODEC_TILE)
+    refused = 0
+    for at in np.linspace(0.05, 0.95, 12):
+        streams, targets = [], []
+        for i, ((a, _, _), (changed, stream, _)) in enumerate(zip(items, batch, strict=True)):
+            assert stream is not None
+            if i == 1:
+                stream = stream.copy()
+                stream[int(at * stream.size)] ^= 0x5A
+            try:
+                streams.append(ch.ContextHuffmanStream(stream, a.size, CODEC_TILE, changed))
+            except ValueError:
+                break
+            targets.append(a.copy())
+        if len(streams) < len(items):
+            continue
+        try:
+            ch.apply_batch_(streams, targets)
+        except ch.BadStream as exc:
+            refused += 1
+            assert exc.index == 1
+            for (a, _, _), target in zip(items, targets, strict=True):
+                assert np.array_equal(target, a)
+    assert refused >= 3
+
+
+def test_encode_patch_batches_keep_the_tensors_order_and_round_trip() -> None:
+    pairs = []
+    for i, n in enumerate((5000, 3 * CODEC_TILE, 77, 2 * CODEC_TILE + 5)):
+        old, new = _step(n, torch.bfloat16, seed=100 + i, steps=1)
+        pairs.append((f"bf{i}", old, new))
+        if i == 1:  # another dtype between them closes the batch
+            pairs.append(("f32", torch.randn(999), torch.randn(999)))
+    pairs.append(("same", pairs[0][1], pairs[0][1].clone()))
+    patch = encode_patch(pairs, base_version=1, target_version=2, target_root=ROOT)
+    info = read_patch_info(patch.data)
+    assert [t.name for t in info.tensors] == [n for n, _, _ in pairs]
+    target = {n: o.clone() for n, o, _ in pairs}
+    applied = apply_patch_(target, patch.data)
+    assert all(torch.equal(bits_view(target[n]), bits_view(w)) for n, _, w in pairs)
+    applied.revert()
+    assert all(torch.equal(bits_view(target[n]), bits_view(o)) for n, o, _ in pairs)
