@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,9 @@ from weftboard.proto.errors import CorruptData, InvalidArgument
 FORMAT = "weftboard-patch"
 FORMAT_VERSION = 3  # 2 added the ``huffman`` mode, 3 the ``context_huffman`` mode
 READ_VERSIONS = (1, 2, 3)  # each version's patches are valid patches of the next
-ENCODINGS = ("default", "baseline", "context")
+# A writer stamps the lowest version that holds its modes (``format_version_for``), so a patch
+# without ``context_huffman`` streams stays readable by a version 2 island.
+ENCODINGS = ("default", "baseline", "context", "compact")
 CODEC_TILE = 1 << 16  # elements per independent stream: ~650 changes per tile at 1% density,
 # so per-tile overhead (directory, rANS flush, Rice padding: ~12 bytes) stays near 1%, while a
 # 7B model still has ~100k tiles to spread over CPU threads or GPU blocks.
@@ -192,7 +194,7 @@ def parse_container_header(header_bytes: bytes | memoryview, total: int) -> tupl
         if mode == "context" and (encoding != "context" or not context_codec.supports(torch_dtype(entry["dtype"], where))):
             raise CorruptData(f"patch header: {where} has mode 'context', not valid for encoding {encoding!r} "
                               f"and dtype {entry['dtype']}")
-        if mode == "context_huffman" and (encoding == "baseline"
+        if mode == "context_huffman" and (encoding != "compact"
                                           or not context_codec.supports(torch_dtype(entry["dtype"], where))):
             raise CorruptData(f"patch header: {where} has mode 'context_huffman', not valid for encoding "
                               f"{encoding!r} and dtype {entry['dtype']}")
@@ -260,6 +262,11 @@ def read_patch_info(data: bytes | bytearray | memoryview) -> PatchInfo:
     )
 
 
+def format_version_for(modes: Iterable[str]) -> int:
+    """The lowest format version whose readers know every one of ``modes``."""
+    return FORMAT_VERSION if "context_huffman" in set(modes) else 2
+
+
 def check_same_transition(base_version: int, target_version: int, header: Mapping[str, Any]) -> None:
     if (header["base_version"], header["target_version"]) != (base_version, target_version):
         raise CorruptData(
@@ -276,6 +283,7 @@ def join_patches(parts: Sequence[bytes | bytearray | memoryview]) -> bytes:
     containers = [read_container(p) for p in parts]
     first = containers[0].header
     header = {k: first[k] for k in ("format", "format_version", "encoding", "base_version", "target_version")}
+    header["format_version"] = max(c.header["format_version"] for c in containers)
     header["target_root"] = next((c.header["target_root"] for c in containers if c.header["target_root"]), "")
     seen: set[str] = set()
     entries: list[dict[str, Any]] = []

@@ -1,9 +1,10 @@
 """Encoding: version transitions (tensor pairs, deltas or tile scans) into per-tensor streams
-and patch containers. Per tensor the default encoding writes, for a 16-bit float pair (or a
-delta with its target), ``context_huffman`` or ``huffman``, whichever measured smaller, else
-``huffman``; ``bitmap`` where smaller still, ``all`` when every element changed. Tile scans
-(the publisher's piece-by-piece read) give ``huffman`` or ``context`` streams as scanned.
-``context`` and ``baseline`` as their encodings say.
+and patch containers. Per tensor the default encoding writes the smaller of ``huffman`` and
+``bitmap`` (``all`` when every element changed). The compact encoding writes, for a 16-bit
+float pair (or a delta with its target), ``context_huffman`` or ``huffman``, whichever measured
+smaller, and otherwise the default's modes. Tile scans (the publisher's piece-by-piece read)
+give ``huffman`` or ``context`` streams as scanned. ``context`` and ``baseline`` as their
+encodings say.
 
 Invariants: a tensor's stream depends only on its (old, new) bits, not on batching, piece
 boundaries, thread count or scratch reuse.
@@ -26,7 +27,7 @@ from weftboard.cuda.container import (
     CODEC_TILE,
     ENCODINGS,
     FORMAT,
-    FORMAT_VERSION,
+    format_version_for,
     write_container,
 )
 from weftboard.cuda.decode import DecodedTensor, decode_stream, parse_context_stream
@@ -149,7 +150,7 @@ class EncodedTensor:
 
 
 def _encode_delta(name: str, delta: TensorDelta, encoding: str, target: torch.Tensor | None = None) -> EncodedTensor:
-    if (encoding in ("default", "context") and target is not None and delta.positions.numel()
+    if (encoding in ("compact", "context") and target is not None and delta.positions.numel()
             and context_codec.supports(delta.dtype)):
         old_t, new_t = _old_and_target(delta, target)
         pair = _encode_pair_context if encoding == "context" else _encode_pair_context_huffman
@@ -195,7 +196,7 @@ def _encode_pair_context(name: str, old: torch.Tensor, new: torch.Tensor) -> Enc
 
 def _encode_pair_context_huffman(name: str, old: torch.Tensor, new: torch.Tensor,
                                  scratch: dict | None = None) -> EncodedTensor | None:
-    """The default encoding's choice for a CPU pair of a 16-bit float tensor: its
+    """The compact encoding's choice for a CPU pair of a 16-bit float tensor: its
     ``context_huffman`` stream, or its ``huffman`` stream where that measured smaller (encoded
     only when the context scan's estimate of it says it may be), or None when neither applies
     or a bitmap is smaller (the caller takes the other default modes)."""
@@ -337,7 +338,7 @@ def assemble_patch(
         numel[t.name] = t.numel
     header = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": format_version_for(e["mode"] for e in entries),
         "encoding": encoding,
         "base_version": int(base_version),
         "target_version": int(target_version),
@@ -406,7 +407,7 @@ def encode_patch(
     def encoded() -> Iterable[EncodedTensor]:
         for name, old, new in pairs:
             on_cpu = old.is_cpu and new.is_cpu
-            if encoding == "default" and on_cpu and context_codec.supports(old.dtype):
+            if encoding == "compact" and on_cpu and context_codec.supports(old.dtype):
                 yield from batch.flush()
                 yield from ctx.add(name, old, new)
                 continue
@@ -445,7 +446,7 @@ BATCH_TILES = 256
 
 class _ContextBatch:
     """CPU pairs of 16-bit floats waiting for one ``context_huffman.encode_context_huffman_batch``
-    call (``encode_patch``, default encoding: one parallel region for the batch's scans, not
+    call (``encode_patch``, compact encoding: one parallel region for the batch's scans, not
     one per tensor). ``add`` and ``flush`` yield finished entries in the pairs' order; a pair
     the context coder leaves (no spread for classes, a tile too dense, a bitmap smaller) takes
     the fused ``huffman`` encoder, then the two-step path."""
@@ -480,7 +481,7 @@ class _ContextBatch:
 
 def _context_huffman_entry(name: str, old: torch.Tensor, a: np.ndarray, b: np.ndarray, changed: int,
                            stream: np.ndarray | None, huffman_guess: int, scratch: dict | None) -> EncodedTensor | None:
-    """The default encoding's choice from a pair's ``context_huffman`` result: that stream, or
+    """The compact encoding's choice from a pair's ``context_huffman`` result: that stream, or
     the ``huffman`` stream where it measured smaller (encoded only when the estimate says it
     may be), or None when neither applies or a bitmap is smaller."""
     if changed == 0:

@@ -123,20 +123,14 @@ def test_modes_fall_back_to_the_smallest_stream() -> None:
     pairs = {"sparse": (old, sparse), "dense": (old, dense_random), "clustered": (old, clustered), "all": (old, every), "same": (old, old)}
     patch = _roundtrip(pairs)
     info = {t.name: t for t in read_patch_info(patch.data).tensors}
-    modes = {n: t.mode for n, t in info.items()}
-    assert modes.pop("sparse") in ("huffman", "context_huffman") and modes.pop("clustered") in ("huffman", "context_huffman")
-    assert modes == {"dense": "bitmap", "all": "all", "same": "empty"}
+    assert {n: t.mode for n, t in info.items()} == {
+        "sparse": "huffman", "dense": "bitmap", "clustered": "huffman", "all": "all", "same": "empty"
+    }
     assert info["all"].stream_bytes == n * 2  # 100% dense costs exactly the raw bytes
     for name, t in info.items():  # the chosen stream is never larger than the alternative
         bitmap_bytes = (n + 7) // 8 + t.changed * 2
-        if t.mode in ("huffman", "context_huffman"):
+        if t.mode == "huffman":
             assert t.stream_bytes <= bitmap_bytes
-        if t.mode == "context_huffman":
-            d = diff_tensor(*pairs[name])
-            huffman_bytes = encode._encode_huffman(
-                d.positions.numpy(), unsigned_np(d.old_bits), unsigned_np(d.new_bits), n, CODEC_TILE
-            ).size
-            assert t.stream_bytes <= huffman_bytes
         if t.mode == "bitmap":
             d = diff_tensor(*pairs[name])
             huffman_bytes = encode._encode_huffman(
@@ -170,18 +164,17 @@ def test_container_is_a_safetensors_file_with_the_documented_header(tmp_path) ->
         assert list(f.keys()) == ["layer.0.w"]  # unchanged tensors carry no stream
         stream = f.get_tensor("layer.0.w")
     header = json.loads(meta["weftboard"])
-    assert header["format"] == "weftboard-patch" and header["format_version"] == 3
+    assert header["format"] == "weftboard-patch" and header["format_version"] == 2
     assert header["encoding"] == "default" and header["base_version"] == 1 and header["target_version"] == 2
     assert header["target_root"] == ROOT
     entry = header["tensors"][0]
     assert entry["name"] == "layer.0.w" and entry["dtype"] == "bfloat16" and entry["numel"] == 10_000
-    assert entry["changed"] == 200 and entry["mode"] in ("huffman", "context_huffman")
-    assert entry["stream_bytes"] == stream.size
+    assert entry["changed"] == 200 and entry["mode"] == "huffman" and entry["stream_bytes"] == stream.size
     assert header["tensors"][1]["mode"] == "empty"
     assert stream.dtype == np.uint8
     assert set(st_load(patch.data)) == {"layer.0.w"}
     info = read_patch_info(patch.data)
-    assert (info.format_version, info.encoding, info.total_changed) == (3, "default", 200)
+    assert (info.format_version, info.encoding, info.total_changed) == (2, "default", 200)
 
 
 def test_encode_deltas_equals_encode_patch() -> None:

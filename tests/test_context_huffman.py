@@ -1,12 +1,12 @@
-"""The context-Huffman stream (``weftboard.cuda.context_huffman``), the default encoding's mode for
+"""The context-Huffman stream (``weftboard.cuda.context_huffman``), the compact encoding's mode for
 16-bit floats: positions by class of old magnitude, values Huffman-coded per class.
 
 What must hold: every pair round-trips bit for bit (in place, undone, and through arrays with
 ascending positions) for bf16 and fp16 with escapes, NaNs, sign flips, dense tiles and partial
 blocks; ``pext``/``pdep`` and their portable loops agree; on a realistic optimizer step the stream
-is smaller than the ``huffman`` stream and the default encoding writes it; the container accepts
-the mode only from format_version 3 and outside the baseline encoding; a damaged stream never
-leaves a tensor half-patched.
+is smaller than the ``huffman`` stream and the compact encoding writes it (the default encoding
+does not, and stamps format_version 2); the container accepts the mode only from format_version 3
+and only in the compact encoding; a damaged stream never leaves a tensor half-patched.
 """
 
 from __future__ import annotations
@@ -98,16 +98,19 @@ def test_any_density_and_tile_round_trips(density: float, tile: int) -> None:
     _round_trip(a, b, torch.bfloat16, tile)
 
 
-def test_a_realistic_step_is_smaller_than_the_huffman_stream_and_the_default() -> None:
+def test_a_realistic_step_is_smaller_than_the_huffman_stream_and_the_compact_encoding_writes_it() -> None:
     old, new = _step(400_000, torch.bfloat16, seed=1, steps=1)
     a, b = _u16(old), _u16(new)
     changed, huff = tile_encode.encode_huffman(a, b, CODEC_TILE)
     stream = _round_trip(a, b, torch.bfloat16)
     assert 0.005 < changed / a.size < 0.2
     assert stream.size < 0.9 * huff.size, (stream.size, huff.size)
-    patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT)
+    default = read_patch_info(encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT).data)
+    assert (default.format_version, default.tensors[0].mode) == (2, "huffman")  # readable by format 2 islands
+    patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding="compact")
     info = read_patch_info(patch.data)
-    assert (info.format_version, info.encoding, info.tensors[0].mode) == (3, "default", "context_huffman")
+    assert (info.format_version, info.encoding, info.tensors[0].mode) == (3, "compact", "context_huffman")
+    assert info.tensors[0].stream_bytes == stream.size < default.tensors[0].stream_bytes
     target = {"w": old.clone()}
     applied = apply_patch_(target, patch.data)
     assert torch.equal(bits_view(target["w"]), bits_view(new))
@@ -118,11 +121,11 @@ def test_a_realistic_step_is_smaller_than_the_huffman_stream_and_the_default() -
     assert np.array_equal(dec.positions, np.flatnonzero(a != b))
 
 
-def test_the_mode_is_refused_before_format_version_3_and_in_baseline() -> None:
+def test_the_mode_is_refused_before_format_version_3_and_outside_the_compact_encoding() -> None:
     old, new = _step(20_000, torch.bfloat16, seed=6, steps=1)
-    patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT)
+    patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding="compact")
     assert read_patch_info(patch.data).tensors[0].mode == "context_huffman"
-    for change in ({"format_version": 2}, {"encoding": "baseline"}):
+    for change in ({"format_version": 2}, {"encoding": "baseline"}, {"encoding": "default"}, {"encoding": "context"}):
         with pytest.raises(CorruptData, match="not valid"):
             read_patch_info(with_header(patch.data, lambda h, change=change: h.update(change)))
 
@@ -235,7 +238,7 @@ def test_encode_patch_batches_keep_the_tensors_order_and_round_trip() -> None:
         if i == 1:  # another dtype between them closes the batch
             pairs.append(("f32", torch.randn(999), torch.randn(999)))
     pairs.append(("same", pairs[0][1], pairs[0][1].clone()))
-    patch = encode_patch(pairs, base_version=1, target_version=2, target_root=ROOT)
+    patch = encode_patch(pairs, base_version=1, target_version=2, target_root=ROOT, encoding="compact")
     info = read_patch_info(patch.data)
     assert [t.name for t in info.tensors] == [n for n, _, _ in pairs]
     target = {n: o.clone() for n, o, _ in pairs}

@@ -142,13 +142,15 @@ new = bits.view(torch.bfloat16)
 zeros = torch.zeros(3 * CODEC_TILE + 5, dtype=torch.bfloat16)  # no spread for classes: a huffman stream
 tiny = zeros.clone().view(torch.int16)
 tiny[::41] = 1
-data = encode_patch([("w", old, new), ("z", zeros, tiny.view(torch.bfloat16))], base_version=1, target_version=2,
-                    target_root="").data
+pairs = [("w", old, new), ("z", zeros, tiny.view(torch.bfloat16))]
+patches = [encode_patch(pairs, base_version=1, target_version=2, target_root="", encoding=e).data
+           for e in ("default", "compact")]
 a = old.clone().view(torch.int16).numpy().view(np.uint16)
 tile_encode.scan_tiles(a, new.view(torch.int16).numpy().view(np.uint16), CODEC_TILE, {}, update=True)
-for container in (data, bytearray(data), memoryview(bytearray(data))):
-    live = {"w": old.clone(), "z": zeros.clone()}
-    apply_patch_(live, container).revert()
+for data in patches:
+    for container in (data, bytearray(data), memoryview(bytearray(data))):
+        live = {"w": old.clone(), "z": zeros.clone()}
+        apply_patch_(live, container).revert()
 count = {}
 for name, _ in kernel_signatures():
     count[name.rsplit(".", 1)[1]] = count.get(name.rsplit(".", 1)[1], 0) + 1
