@@ -42,14 +42,15 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         repeat: int = typer.Option(5, "--repeat", min=1, help="timed rounds (each times every operation once); the best of each is reported"),
         adam_steps: int = typer.Option(1, "--adam-steps", min=1, help="measure the transition of this AdamW step (1: the first)"),
         encoding: str = typer.Option("default", "--encoding",
-                                     help="encoding measured: default, or context (16-bit floats coded by old magnitude)"),
+                                     help="encoding measured: default, compact (16-bit floats coded by old magnitude, "
+                                          "per tensor the smaller stream) or context (the same classes, rANS values)"),
         as_json: bool = typer.Option(False, "--json", help="print the result as one JSON object on the last line"),
     ) -> None:
         """Patch size against the entropy bound and the int32+raw baseline, and CPU speed against a copy."""
         if format not in bc.FORMAT_KINDS:
             raise typer.BadParameter(f"choose one of {', '.join(bc.FORMAT_KINDS)}", param_hint="--format")
-        if encoding not in ("default", "context"):
-            raise typer.BadParameter("choose default or context", param_hint="--encoding")
+        if encoding not in ("default", "compact", "context"):
+            raise typer.BadParameter("choose default, compact or context", param_hint="--encoding")
         bc.main(format, params, repeat, as_json, adam_steps, encoding)
 
     register_formats_bench(bench)

@@ -33,7 +33,7 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
                                             help="--wan: TCP slow start over the simulated round trip (restarts after idle)."),
         trainer_gc: str = typer.Option("manual", help="The trainer's garbage collection: manual (off, gc.collect(1) every 10 "
                                                       "steps, as large trainers run) or auto (Python's default)."),
-        encoding: str = typer.Option("default", help="The publisher's patch encoding: default, context or baseline."),
+        encoding: str = typer.Option("default", help="The publisher's patch encoding: default, compact (fewer bytes, slower), context or baseline."),
         part_bytes: int | None = typer.Option(None, help="Streams per staged patch part (0: one patch blob, "
                                                             "nothing staged before the commit; default: "
                                                             f"{SUGGESTED_PART_BYTES} while an island asks for parts "

@@ -3,7 +3,8 @@
 The view is one tensor per served name (the run's layout), on the model's device. A read
 projects each master tensor to its served form and folds it into the view (``fold``), which
 also records the transition: per tensor a delta or, on a CPU view in the default or context
-encoding, the tile scans that ``finish`` turns into the patch's streams. The snapshot then
+encoding, the tile scans that ``finish`` turns into the patch's streams (in the compact
+encoding ``finish`` encodes the 16-bit float tensors' deltas against the view). The snapshot then
 hashes what changed and, for an anchor, writes the view as a safetensors checkpoint.
 
 Invariants:
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 
-from weftboard.cuda import codec
+from weftboard.cuda import codec, context_codec
 from weftboard.cuda.anchors import write_checkpoint
 from weftboard.cuda.diff import TensorDelta
 from weftboard.cuda.digest import root_digest, tensor_digest
@@ -161,17 +162,25 @@ class ServedView:
 
     # -- after the read, while the view holds this version --------------------------------
 
-    def finish(self, folded: dict[str, Any], cutter: PartCutter | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    def finish(self, folded: dict[str, Any], cutter: PartCutter | None = None,
+               compact: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
         """(deltas, streams) from a fold: scanned tensors get their streams here (a tensor whose
         scans cannot make a stream gets its delta back from the view). Each stream goes to
         ``cutter`` as soon as it is finished, the tensors with the most changes first, so the
-        bulk of the bytes ships early and the last part, cut just before the commit, is small."""
+        bulk of the bytes ships early and the last part, cut just before the commit, is small.
+
+        ``compact`` (the compact encoding, a fold without scans): the changed 16-bit float
+        tensors of a CPU view are encoded here against the view (their new bits); they keep
+        their deltas too, which a merge into a later version takes instead of the streams."""
         assert self.tensors is not None
         view = self.tensors
         scanned = [(n, item) for n, item in folded.items() if not isinstance(item, TensorDelta)]
         if cutter is not None:
             scanned.sort(key=lambda entry: -codec.scans_changed(entry[1]))
         deltas = {n: d for n, d in folded.items() if isinstance(d, TensorDelta)}
+        coded = [(n, d) for n, d in deltas.items() if compact and d.positions.numel()
+                 and view[n].device.type == "cpu" and context_codec.supports(view[n].dtype)]
+        coded.sort(key=lambda entry: -entry[1].positions.numel())
         fused: dict[str, Any] = {}
         # One thread with serial kernels: this runs while the trainer's next step keeps the
         # cores busy, where parallel regions wait at barriers for threads parked behind it.
@@ -184,6 +193,11 @@ class ServedView:
                     fused[name] = enc
                     if cutter is not None:
                         cutter.add(enc)
+            for name, delta in coded:
+                (enc,) = codec.encode_streams([(name, delta)], encoding="compact", targets={name: view[name]})
+                fused[name] = enc
+                if cutter is not None:
+                    cutter.add(enc)
         if cutter is not None:
             cutter.flush()
         return deltas, fused

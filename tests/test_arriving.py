@@ -121,7 +121,7 @@ def test_arriving_apply_equals_the_whole_patch_apply_in_any_arrival_order(seed: 
     assert _equal(live, old)
 
 
-@pytest.mark.parametrize("encoding", ["default", "context"])
+@pytest.mark.parametrize("encoding", ["default", "context", "compact"])
 def test_arriving_apply_undoes_everything_on_a_damaged_stream_or_a_failed_download(encoding: str) -> None:
     old = _view(5)
     new = _step(old, 6, frac=0.2)
@@ -157,7 +157,7 @@ def _groups(names: list[str], k: int) -> list[list[str]]:
     return [names[i::k] for i in range(k)]
 
 
-@pytest.mark.parametrize("seed,encoding", [(0, "default"), (1, "context")])
+@pytest.mark.parametrize("seed,encoding", [(0, "default"), (1, "context"), (2, "compact")])
 def test_a_patch_in_parts_applies_as_its_parts_arrive_and_joins_into_one_container(seed: int, encoding: str) -> None:
     from weftboard.cuda.codec import join_patches
 

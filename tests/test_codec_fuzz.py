@@ -69,7 +69,7 @@ def tensor_pairs(draw):
 
 
 @FUZZ
-@given(pair=tensor_pairs(), encoding=st.sampled_from(["default", "baseline", "context"]))
+@given(pair=tensor_pairs(), encoding=st.sampled_from(["default", "baseline", "context", "compact"]))
 def test_any_pair_round_trips(pair, encoding) -> None:
     old, new = pair
     patch = encode_patch([("t", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding=encoding)
@@ -83,11 +83,16 @@ def test_any_pair_round_trips(pair, encoding) -> None:
 
 def _sample_patch(encoding: str):
     rng = np.random.default_rng(1)
-    old = torch.from_numpy(rng.integers(0, 2**16, 70_000, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
-    new = old.clone()
-    b = bits_view(new)
-    idx = torch.from_numpy(np.sort(rng.choice(70_000, 900, replace=False)))
-    b[idx] += torch.from_numpy(rng.choice(np.array([1, -1, 2, 300], dtype=np.int16), 900))
+    if encoding == "compact":  # an optimizer-like step, which the context_huffman stream pays off on
+        master = torch.from_numpy(rng.standard_normal(70_000, dtype=np.float32)) * 0.02
+        old = master.to(torch.bfloat16)
+        new = (master + 1e-5 * torch.from_numpy(np.sign(rng.standard_normal(70_000, dtype=np.float32)))).to(torch.bfloat16)
+    else:
+        old = torch.from_numpy(rng.integers(0, 2**16, 70_000, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+        new = old.clone()
+        b = bits_view(new)
+        idx = torch.from_numpy(np.sort(rng.choice(70_000, 900, replace=False)))
+        b[idx] += torch.from_numpy(rng.choice(np.array([1, -1, 2, 300], dtype=np.int16), 900))
     small_old = torch.arange(40, dtype=torch.uint8)
     small_new = small_old.flip(0).contiguous()
     pairs = [("w", old, new), ("s", small_old, small_new)]
@@ -95,7 +100,12 @@ def _sample_patch(encoding: str):
     return patch, {n: o for n, o, _ in pairs}, {n: w for n, _, w in pairs}
 
 
-PATCHES = {enc: _sample_patch(enc) for enc in ("default", "baseline", "context")}
+PATCHES = {enc: _sample_patch(enc) for enc in ("default", "baseline", "context", "compact")}
+
+
+def test_the_compact_sample_holds_a_context_huffman_stream() -> None:
+    """So the fuzzers below reach the ``context_huffman`` decoder."""
+    assert read_patch_info(PATCHES["compact"][0].data).tensors[0].mode == "context_huffman"
 
 
 @st.composite
@@ -118,7 +128,7 @@ def _mutate(data: bytes, m) -> bytes:
 
 
 @FUZZ
-@given(encoding=st.sampled_from(["default", "baseline", "context"]), m=st.data())
+@given(encoding=st.sampled_from(["default", "baseline", "context", "compact"]), m=st.data())
 def test_mutated_patch_is_rejected_or_harmless(encoding, m) -> None:
     patch, olds, news = PATCHES[encoding]
     mutation = m.draw(mutations(len(patch.data)))
@@ -144,11 +154,11 @@ def _parts_of(encoding: str) -> tuple[list[bytes], dict, dict]:
     return parts, olds, news
 
 
-PARTS = {enc: _parts_of(enc) for enc in ("default", "context")}
+PARTS = {enc: _parts_of(enc) for enc in ("default", "context", "compact")}
 
 
 @FUZZ
-@given(encoding=st.sampled_from(["default", "context"]), which=st.integers(0, 1), m=st.data())
+@given(encoding=st.sampled_from(["default", "context", "compact"]), which=st.integers(0, 1), m=st.data())
 def test_a_mutated_part_is_rejected_or_harmless_joined_or_arriving(encoding, which, m) -> None:
     """Both readers of a patch in parts (the arriving apply and ``join_patches``) refuse a damaged
     part without writing anything, or give the exact result."""

@@ -116,10 +116,10 @@ class SlowStore(LocalDirBlobStore):
 
 
 @pytest.mark.parametrize("mode,encoding", [("wait", "default"), ("skip", "default"), ("wait", "context"),
-                                           ("skip", "context")])
+                                           ("skip", "context"), ("wait", "compact"), ("skip", "compact")])
 async def test_backpressure(board_factory, tmp_path: Path, mode: str, encoding: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under "skip", merges recover the queued version's delta from its streams: for context
-    streams, through the classes its fold changed."""
+    streams, through the classes its fold changed; compact streams kept their deltas."""
     store = SlowStore(tmp_path / "blobs", delay_s=0.4)
     board = await board_factory(blobs=store)
     trainer = Trainer(lr=1e-4 if encoding == "default" else 1e-6)  # context streams pay off on sparse steps
@@ -151,7 +151,10 @@ async def test_backpressure(board_factory, tmp_path: Path, mode: str, encoding: 
         assert versions[-1] < 6  # some publishes were coalesced into a spanning patch
         assert versions == sorted(versions) and set(versions) == set(range(1, versions[-1] + 1))
         assert any(records[i].step != handles[i].step for i in range(len(handles)))
-        assert recovered and all(n > 0 for n in recovered)  # merges started from encoded streams
+        if encoding == "compact":  # merges started from the deltas the streams kept
+            assert recovered and not any(recovered)
+        else:
+            assert recovered and all(n > 0 for n in recovered)  # merges started from encoded streams
     async with BoardClient(board.address, board.admin_token) as client:
         await follow_each(client, f"bp-{mode}", store, tmp_path, views)
         modes = set()
@@ -163,6 +166,7 @@ async def test_backpressure(board_factory, tmp_path: Path, mode: str, encoding: 
                     modes |= {t.mode for t in info.tensors}
         if mode == "wait":  # (merged versions are encoded from deltas, in the default modes)
             assert ("context" in modes) == (encoding == "context"), modes
+            assert ("context_huffman" in modes) == (encoding == "compact"), modes
 
 
 async def test_restart_resumes_from_head(board, local_store, tmp_path: Path) -> None:

@@ -7,9 +7,10 @@ learning rate), then the served projection of both versions (``weftboard.cuda.fo
 
 What it measures, all in the same run so the ratios are meaningful on any machine:
 - ``bytes_per_change``: the measured encoding's whole patch (container included) per changed
-  stored element (``--encoding``: ``default``, whose ``context_huffman`` streams code 16-bit floats
-  by the old value's magnitude and so can beat the i.i.d. bound below, or ``context``, the same
-  classes with rANS-coded values); ``baseline_bytes_per_change`` the same for int32 positions + raw values.
+  stored element (``--encoding``: ``default`` (``huffman`` streams); ``compact``, whose
+  ``context_huffman`` streams code 16-bit floats by the old value's magnitude and so can beat the
+  i.i.d. bound below; or ``context``, the same classes with rANS-coded values);
+  ``baseline_bytes_per_change`` the same for int32 positions + raw values.
 - ``entropy_bound_bytes_per_change``: positions as i.i.d. bits at the measured density
   (``H(p)/p`` bits per change) plus the empirical (order-0) entropy of the value differences
   ``new_bits - old_bits`` over all changes; a code that beats it must exploit structure beyond
