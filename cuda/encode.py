@@ -147,6 +147,9 @@ class EncodedTensor:
     # ``context`` streams made while folding (the publisher's scan): the changes whose class
     # the fold changed, as (positions, old bits), which decoding against the folded view needs.
     fixups: tuple[np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    # A publisher's compact stream: the fold's tile scans of the same transition, from which a
+    # merge recovers the delta (a ``context_huffman`` stream decodes only against its old bits).
+    scans: Any = field(default=None, repr=False)
 
 
 def _encode_delta(name: str, delta: TensorDelta, encoding: str, target: torch.Tensor | None = None) -> EncodedTensor:
@@ -267,7 +270,9 @@ def delta_from_encoded(encoded: EncodedTensor, target: torch.Tensor) -> TensorDe
     """The delta of an ``empty``, ``huffman``, ``sparse`` or folded ``context`` stream (one that carries its
     ``fixups``), given the tensor it leads to (its old bits are the target's minus the stream's
     differences): what a publisher that kept streams instead of deltas needs to merge a version
-    into the next one."""
+    into the next one. A stream that carries its fold's ``scans`` is recovered from them."""
+    if encoded.scans is not None:
+        return delta_from_scans(encoded.scans, target)
     if encoded.mode not in ("empty", "huffman", "sparse", "context") or (encoded.mode == "context" and encoded.fixups is None):
         raise InvalidArgument(f"only empty, huffman, sparse and folded context streams carry their old bits, not {encoded.mode!r}")
     bits = bits_view(target.detach())
@@ -400,11 +405,20 @@ def encode_patch(
     iterator must not reuse one pair's memory for the next.
     """
     _check_encoding(encoding)
+    return assemble_patch(
+        encode_pairs(pairs, encoding), base_version=base_version, target_version=target_version,
+        target_root=target_root, encoding=encoding
+    )
+
+
+def encode_pairs(pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], encoding: str = "default") -> Iterator[EncodedTensor]:
+    """Each (name, old, new) pair's stream, in the pairs' order, as ``encode_patch`` encodes
+    them (batched where it batches: a stream comes out once its batch closes)."""
+    _check_encoding(encoding)
     scratch = kept_scratch()  # one pool for all pairs, and for the next patch
     batch = _FusedBatch(scratch, encoding)
     ctx = _ContextBatch(scratch)
-
-    def encoded() -> Iterable[EncodedTensor]:
+    try:
         for name, old, new in pairs:
             on_cpu = old.is_cpu and new.is_cpu
             if encoding == "compact" and on_cpu and context_codec.supports(old.dtype):
@@ -425,12 +439,6 @@ def encode_patch(
             yield _encode_delta(name, diff_tensor(old, new), encoding)
         yield from ctx.flush()
         yield from batch.flush()
-
-    try:
-        return assemble_patch(
-            encoded(), base_version=base_version, target_version=target_version, target_root=target_root,
-            encoding=encoding
-        )
     finally:
         trim_scratch(scratch)
 

@@ -427,13 +427,13 @@ class Publisher:
             if target is not None and target.fused:
                 # Merging works on deltas: recover the target's from its streams while the view
                 # still holds the target's version.
-                known = target.deltas or {}  # a compact stream's tensor keeps its delta
+                known = target.deltas or {}  # a compact stream's tensor may keep its delta
                 target.deltas = dict(known, **self.view.deltas_of({n: e for n, e in target.fused.items() if n not in known}))
                 target.fused = {}
             # Encode in the read itself (one pass over old and new bits), unless this read is
             # merged into a queued version or the patch uses another encoding.
-            scan = target is None and self.encoding in ("default", "context")
-            compact = target is None and self.encoding == "compact"  # encoded in the finish below
+            scan = target is None and self.encoding in ("default", "context", "compact")
+            compact = scan and self.encoding == "compact"  # encoded in the finish below
             folded = self.view.fold(master, anchor=bool(reason), scan=scan)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters
             read_done.set()
@@ -446,7 +446,7 @@ class Publisher:
         try:  # streams of the tensors the read scanned; the view still holds this version
             part_bytes = self._part_bytes()
             cutter = (PartCutter(version, self.encoding, part_bytes, self._ship_part(version))
-                      if (scan or compact) and part_bytes and version > 1 and folded is not None else None)
+                      if scan and part_bytes and version > 1 and folded is not None else None)
             # The changed tensors are hashed on two threads: beside the finish, or after it when
             # it ships parts (far islands wait for the parts; only the commit needs the hashes).
             hashing = self.view.hash_changed(folded) if folded is not None and cutter is None else {}

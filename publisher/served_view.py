@@ -3,8 +3,9 @@
 The view is one tensor per served name (the run's layout), on the model's device. A read
 projects each master tensor to its served form and folds it into the view (``fold``), which
 also records the transition: per tensor a delta or, on a CPU view in the default or context
-encoding, the tile scans that ``finish`` turns into the patch's streams (in the compact
-encoding ``finish`` encodes the 16-bit float tensors' deltas against the view). The snapshot then
+encoding, the tile scans that ``finish`` turns into the patch's streams (the compact encoding
+folds with the default's scans, and ``finish`` encodes its 16-bit float tensors from a copy of
+the previous version's bits, ``previous``, and the view). The snapshot then
 hashes what changed and, for an anchor, writes the view as a safetensors checkpoint.
 
 Invariants:
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import dataclasses
 import math
 import time
 from collections.abc import Mapping
@@ -82,6 +84,10 @@ class ServedView:
         self.tensors: dict[str, torch.Tensor] | None = None
         self.digests: dict[str, str] = {}
         self.has_base = False  # the view holds a version islands hold (a patch can be made from it)
+        # The compact encoding codes a tensor against its old bits, which the fold overwrites in
+        # the view: a copy of the view's 16-bit float CPU tensors, one version behind until a
+        # finish catches it up (``keep_previous``).
+        self.previous: dict[str, torch.Tensor] | None = None
         self._scratch: dict = {}
 
     def names(self) -> list[str]:
@@ -94,8 +100,16 @@ class ServedView:
     def reset(self, tensors: dict[str, torch.Tensor] | None, digests: dict[str, str]) -> None:
         """Take ``tensors`` (a resumed head, or None: no base) as the view."""
         self.tensors, self.digests, self.has_base = tensors, digests, tensors is not None
+        self.keep_previous()
         if tensors is not None:
             self.projector.resume_from(tensors)
+
+    def keep_previous(self) -> None:
+        """For the compact encoding, copy the view's 16-bit float CPU tensors into ``previous``."""
+        self.previous = None
+        if self.encoding == "compact" and self.tensors is not None:
+            self.previous = {n: t.clone() for n, t in self.tensors.items()
+                             if t.device.type == "cpu" and context_codec.supports(t.dtype)}
 
     def check_layout(self, layout: list[LayoutEntry]) -> None:
         ours = [(n, d, tuple(s)) for n, d, s in layout]
@@ -126,6 +140,7 @@ class ServedView:
                     view[sname] = st.contiguous()
             self.check_layout([(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in view.items()])
             self.tensors, self.digests = view, {}
+            self.keep_previous()
             return None
         folded: dict[str, Any] = {}
         for name, t in master.items():
@@ -169,22 +184,26 @@ class ServedView:
         ``cutter`` as soon as it is finished, the tensors with the most changes first, so the
         bulk of the bytes ships early and the last part, cut just before the commit, is small.
 
-        ``compact`` (the compact encoding, a fold without scans): the changed 16-bit float
-        tensors of a CPU view are encoded here against the view (their new bits); they keep
-        their deltas too, which a merge into a later version takes instead of the streams."""
+        ``compact`` (the compact encoding's read): the changed tensors kept in ``previous`` are
+        encoded from (``previous``, view) instead, each stream carrying its fold's scans (or
+        keeping its delta) for a merge. ``previous`` then takes the view's bits."""
         assert self.tensors is not None
         view = self.tensors
-        scanned = [(n, item) for n, item in folded.items() if not isinstance(item, TensorDelta)]
-        if cutter is not None:
-            scanned.sort(key=lambda entry: -codec.scans_changed(entry[1]))
+        previous = self.previous or {}
+        by_changes = sorted(folded.items(), key=lambda entry: -changed_elements(entry[1]))
+        pairs = [(n, previous[n], view[n]) for n, item in by_changes if compact and n in previous and changed_elements(item)]
+        paired = {n for n, _, _ in pairs}
+        scanned = [(n, item) for n, item in by_changes if not isinstance(item, TensorDelta) and n not in paired]
         deltas = {n: d for n, d in folded.items() if isinstance(d, TensorDelta)}
-        coded = [(n, d) for n, d in deltas.items() if compact and d.positions.numel()
-                 and view[n].device.type == "cpu" and context_codec.supports(view[n].dtype)]
-        coded.sort(key=lambda entry: -entry[1].positions.numel())
         fused: dict[str, Any] = {}
         # One thread with serial kernels: this runs while the trainer's next step keeps the
         # cores busy, where parallel regions wait at barriers for threads parked behind it.
         with serial_kernels():
+            for enc in codec.encode_pairs(pairs, encoding="compact"):
+                item = folded[enc.name]
+                fused[enc.name] = enc if isinstance(item, TensorDelta) else dataclasses.replace(enc, scans=item)
+                if cutter is not None:
+                    cutter.add(enc)
             for name, scans in scanned:
                 enc = codec.encoded_from_scans(name, view[name].dtype, view[name].numel(), scans)
                 if enc is None:
@@ -193,13 +212,11 @@ class ServedView:
                     fused[name] = enc
                     if cutter is not None:
                         cutter.add(enc)
-            for name, delta in coded:
-                (enc,) = codec.encode_streams([(name, delta)], encoding="compact", targets={name: view[name]})
-                fused[name] = enc
-                if cutter is not None:
-                    cutter.add(enc)
         if cutter is not None:
             cutter.flush()
+        for name, item in folded.items():
+            if name in previous and changed_elements(item):
+                previous[name].copy_(view[name])
         return deltas, fused
 
     def hash_changed(self, folded: dict[str, Any]) -> dict[str, concurrent.futures.Future]:
@@ -210,7 +227,8 @@ class ServedView:
                 if changed_elements(item) or n not in self.digests}
 
     def deltas_of(self, fused: dict[str, Any]) -> dict[str, Any]:
-        """The deltas of streams encoded during a read, while the view holds their version."""
+        """The deltas of streams encoded during a read (or a compact finish, from the scans they
+        carry), while the view holds their version."""
         assert self.tensors is not None
         return {n: codec.delta_from_encoded(e, self.tensors[n]) for n, e in fused.items()}
 
