@@ -484,6 +484,7 @@ class Publisher:
         log.debug("read", run=self.run, version=version, anchor=job.anchor, coalesced=target is not None,
                   read_s=round(time.perf_counter() - t0, 4))
         self._snapshot(job)
+        self.view.catch_up_previous(folded or {})  # on this thread: before the next read
 
     def _decide(self, version: int, target: Job | None) -> AnchorReason:
         if target is not None and target.anchor:

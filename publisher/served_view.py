@@ -85,8 +85,8 @@ class ServedView:
         self.digests: dict[str, str] = {}
         self.has_base = False  # the view holds a version islands hold (a patch can be made from it)
         # The compact encoding codes a tensor against its old bits, which the fold overwrites in
-        # the view: a copy of the view's 16-bit float CPU tensors, one version behind until a
-        # finish catches it up (``keep_previous``).
+        # the view: a copy of the view's 16-bit float CPU tensors (``keep_previous``), one
+        # version behind from a fold until ``catch_up_previous``.
         self.previous: dict[str, torch.Tensor] | None = None
         self._scratch: dict = {}
 
@@ -186,7 +186,7 @@ class ServedView:
 
         ``compact`` (the compact encoding's read): the changed tensors kept in ``previous`` are
         encoded from (``previous``, view) instead, each stream carrying its fold's scans (or
-        keeping its delta) for a merge. ``previous`` then takes the view's bits."""
+        keeping its delta) for a merge. ``catch_up_previous`` then gives it the view's bits."""
         assert self.tensors is not None
         view = self.tensors
         previous = self.previous or {}
@@ -214,10 +214,14 @@ class ServedView:
                         cutter.add(enc)
         if cutter is not None:
             cutter.flush()
-        for name, item in folded.items():
-            if name in previous and changed_elements(item):
-                previous[name].copy_(view[name])
         return deltas, fused
+
+    def catch_up_previous(self, folded: dict[str, Any]) -> None:
+        """Copy what a fold changed into ``previous`` (the compact encoding), once its finish
+        is done and its job queued: the commit need not wait for it, the next read does."""
+        for name, item in folded.items():
+            if self.previous is not None and name in self.previous and changed_elements(item):
+                self.previous[name].copy_(self.tensors[name])
 
     def hash_changed(self, folded: dict[str, Any]) -> dict[str, concurrent.futures.Future]:
         """Start hashing every view tensor the fold changed or that was never hashed."""

@@ -246,3 +246,24 @@ def test_encode_patch_batches_keep_the_tensors_order_and_round_trip() -> None:
     assert all(torch.equal(bits_view(target[n]), bits_view(w)) for n, _, w in pairs)
     applied.revert()
     assert all(torch.equal(bits_view(target[n]), bits_view(o)) for n, o, _ in pairs)
+
+
+def test_compact_parts_stamp_the_version_their_modes_need_and_join_into_the_highest() -> None:
+    """A part without a ``context_huffman`` stream stays format 2; the join of the parts is
+    format 3 and applies bit for bit."""
+    from weftboard.cuda.codec import join_patches
+
+    old, new = _step(50_000, torch.bfloat16, seed=11, steps=1)
+    flat = torch.zeros(50_000, dtype=torch.bfloat16)  # no spread for classes: a huffman stream
+    bumped = flat.clone()
+    bits_view(bumped)[::97] += 1
+    groups = [[("w", old, new)], [("z", flat, bumped)]]
+    parts = [encode_patch(g, base_version=1, target_version=2, target_root=ROOT if i else "", encoding="compact").data
+             for i, g in enumerate(groups)]
+    infos = [read_patch_info(p) for p in parts]
+    assert [(i.format_version, i.tensors[0].mode) for i in infos] == [(3, "context_huffman"), (2, "huffman")]
+    joined = join_patches(parts)
+    assert read_patch_info(joined).format_version == 3
+    live = {"w": old.clone(), "z": flat.clone()}
+    apply_patch_(live, joined)
+    assert torch.equal(bits_view(live["w"]), bits_view(new)) and torch.equal(bits_view(live["z"]), bits_view(bumped))

@@ -166,13 +166,17 @@ async def test_backpressure(board_factory, tmp_path: Path, mode: str, encoding: 
             assert ("context_huffman" in modes) == (encoding == "compact"), modes
 
 
-async def test_restart_resumes_from_head(board, local_store, tmp_path: Path) -> None:
-    trainer = Trainer(lr=1e-4)
+@pytest.mark.parametrize("encoding", ["default", "compact"])
+async def test_restart_resumes_from_head(board, local_store, tmp_path: Path, encoding: str) -> None:
+    """A new publisher process rebuilds its view from the board (and, compact, its copy of the
+    previous bits: the next patch is coded against them)."""
+    trainer = Trainer(lr=1e-4 if encoding == "default" else 1e-6)
     views: dict[int, dict] = {}
+    run = f"rs-{encoding}"
 
     def session(n: int, **kw: Any) -> None:
-        with Publisher(board.address, "rs", token=board.admin_token, blob_store=local_store, anchor_every=1000,
-                       anchor_patch_fraction=100.0, **kw) as pub:
+        with Publisher(board.address, run, token=board.admin_token, blob_store=local_store, anchor_every=1000,
+                       anchor_patch_fraction=100.0, encoding=encoding, **kw) as pub:
             for _ in range(n):
                 trainer.step()
                 views[pub.publish(trainer.model, step=trainer.step_no).version] = trainer.served()
@@ -183,9 +187,14 @@ async def test_restart_resumes_from_head(board, local_store, tmp_path: Path) -> 
     await asyncio.to_thread(session, 1, resume_state=snapshot)  # vouches for the head: verified, no anchor
     await asyncio.to_thread(session, 1, resume_state={k: v + 1.0 for k, v in snapshot.items()})  # wrong: anchors
     async with BoardClient(board.address, board.admin_token) as client:
-        recs = await _records(client, "rs")
+        recs = await _records(client, run)
         assert [sorted(_kinds(r)) for r in recs] == [["anchor"], ["patch"], ["patch"], ["patch"], ["patch"], ["patch"], ["anchor"]]
-        await follow_each(client, "rs", local_store, tmp_path, views)
+        await follow_each(client, run, local_store, tmp_path, views)
+        if encoding == "compact":  # every patch, the ones right after a restart too, coded against the kept bits
+            for rec in recs[1:6]:
+                (key,) = [a.blobs[0].key for a in rec.artifacts if a.kind == pb.ARTIFACT_KIND_PATCH]
+                modes = {t.mode for t in read_patch_info(await local_store.get_bytes(key)).tensors}
+                assert "context_huffman" in modes, (rec.version, modes)
 
 
 async def test_presigned_mode_without_credentials(board_factory, s3_store, tmp_path: Path) -> None:
