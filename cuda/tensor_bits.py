@@ -9,6 +9,8 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,17 @@ def int_view_dtype(dtype: torch.dtype) -> torch.dtype:
         return _INT_VIEW[width]
     except KeyError:
         raise InvalidArgument(f"dtype {dtype} has element width {width}; supported widths are 1, 2, 4, 8") from None
+
+
+@contextlib.contextmanager
+def launching_on(device: torch.device) -> Iterator[None]:
+    """Triton launches on the current CUDA device: make it ``device`` for the block (an engine
+    may hold several GPUs); nothing to do for CPU tensors under the interpreter."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
 
 
 def bits_view(t: torch.Tensor) -> torch.Tensor:

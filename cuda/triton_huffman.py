@@ -17,8 +17,7 @@ the kernel then runs in Triton's interpreter (the tests do this).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ from weftboard.cuda.decode import (
     parse_tile_stream,
     stream_array,
 )
-from weftboard.cuda.tensor_bits import bits_view
+from weftboard.cuda.tensor_bits import bits_view, launching_on
 
 _ESC = tl.constexpr(entropy.ESC)
 _MAX_K = tl.constexpr(entropy.MAX_K)
@@ -167,17 +166,6 @@ def huffman_apply_kernel(t_ptr, buf_ptr, meta_ptr, table_ptr, limit_ptr, out_ptr
             err = 8
     tl.store(out_ptr + pid, err.to(tl.int64))
     tl.store(out_ptr + n_tiles + pid, applied)
-
-
-@contextlib.contextmanager
-def launching_on(device: torch.device) -> Iterator[None]:
-    """Triton launches on the current CUDA device: make it ``device`` for the block (an engine
-    may hold several GPUs); nothing to do for CPU tensors under the interpreter."""
-    if device.type != "cuda":
-        yield
-        return
-    with torch.cuda.device(device):
-        yield
 
 
 class DeviceTiles:

@@ -24,11 +24,10 @@ import triton
 import triton.language as tl
 
 from weftboard.cuda import entropy
-from weftboard.cuda.tensor_bits import bits_view
+from weftboard.cuda.tensor_bits import bits_view, launching_on
 from weftboard.cuda.tile_assembly import packed_offsets
 from weftboard.cuda.tile_blocks import RICE_SLACK, rice_k
 from weftboard.cuda.tile_encode import finish_scanned_tiles
-from weftboard.cuda.triton_huffman import launching_on
 
 _MAX_DELTA = tl.constexpr(entropy.ESC // 2)
 _ESC = tl.constexpr(entropy.ESC)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weftboard.cuda.tensor_bits import TensorDelta, bits_view
+from weftboard.cuda.tensor_bits import TensorDelta, bits_view, launching_on
 
 BLOCK = 4096  # elements per program: one coalesced pass, the in-block scan stays in registers
 STAGE = 512  # staged changes per block (12.5%); denser blocks are compacted in the second pass
@@ -127,10 +127,11 @@ class _Pending:
         self.st_old = torch.empty(self.nblocks * STAGE, dtype=self.a.dtype, device=dev)
         self.st_new = torch.empty(self.nblocks * STAGE, dtype=self.a.dtype, device=dev)
         if self.nblocks:
-            diff_stage_kernel[(self.nblocks,)](
-                self.a, self.b, self.counts, self.st_pos, self.st_old, self.st_new, self.n,
-                UPDATE=update, BLOCK=BLOCK, STAGE=STAGE, num_warps=warps,
-            )
+            with launching_on(dev):
+                diff_stage_kernel[(self.nblocks,)](
+                    self.a, self.b, self.counts, self.st_pos, self.st_old, self.st_new, self.n,
+                    UPDATE=update, BLOCK=BLOCK, STAGE=STAGE, num_warps=warps,
+                )
         ends = torch.cumsum(self.counts, 0)
         self.starts = ends - self.counts
         self.total = ends[-1:] if self.nblocks else torch.zeros(1, dtype=torch.int64, device=dev)
@@ -141,11 +142,12 @@ class _Pending:
         olds = torch.empty(total, dtype=self.a.dtype, device=dev)
         news = torch.empty(total, dtype=self.a.dtype, device=dev)
         if self.nblocks:
-            diff_place_kernel[(self.nblocks,)](
-                self.a, self.b, self.counts, self.starts, self.st_pos, self.st_old, self.st_new,
-                pos, olds, news, self.n, UPDATE=self.update, BLOCK=BLOCK, STAGE=STAGE,
-                num_warps=self.warps,
-            )
+            with launching_on(dev):
+                diff_place_kernel[(self.nblocks,)](
+                    self.a, self.b, self.counts, self.starts, self.st_pos, self.st_old, self.st_new,
+                    pos, olds, news, self.n, UPDATE=self.update, BLOCK=BLOCK, STAGE=STAGE,
+                    num_warps=self.warps,
+                )
         return TensorDelta(positions=pos, old_bits=olds, new_bits=news, numel=self.n, dtype=self.old.dtype)
 
 
@@ -170,13 +172,15 @@ def apply_diff_cuda_(target_bits: torch.Tensor, positions: torch.Tensor, diffs: 
     """target_bits[positions] += diffs (wrapping), old bits saved into old_out; in place."""
     n = positions.numel()
     if n:
-        apply_diff_kernel[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, diffs, old_out, n, BLOCK=APPLY_BLOCK,
-                                                        num_warps=APPLY_WARPS)
+        with launching_on(target_bits.device):
+            apply_diff_kernel[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, diffs, old_out, n,
+                                                            BLOCK=APPLY_BLOCK, num_warps=APPLY_WARPS)
 
 
 def scatter_cuda_(target_bits: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
     """target_bits[positions] = values, in place."""
     n = positions.numel()
     if n:
-        scatter_kernel[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, values, n, BLOCK=APPLY_BLOCK,
-                                                     num_warps=APPLY_WARPS)
+        with launching_on(target_bits.device):
+            scatter_kernel[(triton.cdiv(n, APPLY_BLOCK),)](target_bits, positions, values, n, BLOCK=APPLY_BLOCK,
+                                                         num_warps=APPLY_WARPS)

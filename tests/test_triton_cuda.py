@@ -60,6 +60,22 @@ def test_cuda_diff_gives_the_same_result_at_every_warps(tk, warps, density) -> N
         assert torch.equal(d.positions.cpu(), ref.positions) and torch.equal(d.new_bits.cpu(), ref.new_bits)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second CUDA device")
+def test_kernels_launch_on_their_tensors_device_not_the_current_one(tk) -> None:
+    """Triton launches on the current device: each launch is made on its tensors' device (an
+    engine may hold several GPUs and leave device 0 current)."""
+    gen = torch.Generator().manual_seed(5)
+    old = random_bits(50_000, torch.bfloat16, gen)
+    new = mutate(old, 0.05, gen)
+    ref = diff_tensor(old, new)
+    with torch.cuda.device(0):
+        d = tk.diff_cuda(old.to("cuda:1"), new.to("cuda:1"))
+        target = bits_view(old.to("cuda:1"))
+        diffs = (bits_view(new.to("cuda:1"))[d.positions] - target[d.positions])
+        tk.apply_diff_cuda_(target, d.positions, diffs, torch.empty_like(diffs))
+    assert torch.equal(d.positions.cpu(), ref.positions) and torch.equal(target.cpu(), bits_view(new))
+
+
 @pytest.mark.parametrize("case", triton_cases()[-6:], ids=lambda c: c[0])
 def test_cuda_apply_and_scatter_match_cpu(tk, case) -> None:
     check_triton_apply(tk, case[1], case[2], "cuda")
