@@ -427,8 +427,7 @@ class Publisher:
             if target is not None and target.fused:
                 # Merging works on deltas: recover the target's from its streams while the view
                 # still holds the target's version.
-                known = target.deltas or {}  # a compact stream's tensor may keep its delta
-                target.deltas = dict(known, **self.view.deltas_of({n: e for n, e in target.fused.items() if n not in known}))
+                target.deltas = self.view.deltas_of(target.fused, target.deltas or {})
                 target.fused = {}
             # Encode in the read itself (one pass over old and new bits), unless this read is
             # merged into a queued version or the patch uses another encoding.

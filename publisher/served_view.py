@@ -230,11 +230,12 @@ class ServedView:
         return {n: self.hash_pool.submit(tensor_digest, view[n]) for n, item in folded.items()
                 if changed_elements(item) or n not in self.digests}
 
-    def deltas_of(self, fused: dict[str, Any]) -> dict[str, Any]:
-        """The deltas of streams encoded during a read (or a compact finish, from the scans they
-        carry), while the view holds their version."""
+    def deltas_of(self, fused: dict[str, Any], known: dict[str, Any]) -> dict[str, Any]:
+        """``known`` deltas, with those of the streams encoded during a read (or a compact
+        finish, from the scans they carry) whose tensors have none, while the view holds
+        their version."""
         assert self.tensors is not None
-        return {n: codec.delta_from_encoded(e, self.tensors[n]) for n, e in fused.items()}
+        return dict(known, **{n: codec.delta_from_encoded(e, self.tensors[n]) for n, e in fused.items() if n not in known})
 
     def snapshot(self, job: Job, work_dir: Path, shard_bytes: int) -> None:
         """The job's tensor digests and root digest, and for an anchor its checkpoint files.

@@ -127,7 +127,8 @@ async def test_backpressure(board_factory, tmp_path: Path, mode: str, encoding: 
     handles = []
     recovered: list[int] = []  # streams turned back into deltas to merge a queued version
     deltas_of = ServedView.deltas_of
-    monkeypatch.setattr(ServedView, "deltas_of", lambda self, fused: recovered.append(len(fused)) or deltas_of(self, fused))
+    monkeypatch.setattr(ServedView, "deltas_of", lambda self, fused, known: recovered.append(len(set(fused) - set(known)))
+                        or deltas_of(self, fused, known))
 
     def train() -> None:
         with Publisher(board.address, f"bp-{mode}", token=board.admin_token, blob_store=store, encoding=encoding,
