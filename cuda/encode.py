@@ -178,17 +178,24 @@ def _old_and_target(delta: TensorDelta, target: torch.Tensor) -> tuple[torch.Ten
     return old, new
 
 
-def _encode_pair_context(name: str, old: torch.Tensor, new: torch.Tensor) -> EncodedTensor | None:
-    """The ``context`` stream of a CPU pair of a 16-bit float tensor, or None when that mode
-    does not apply or is not smaller than a bitmap (the caller takes the default modes)."""
+def _classed_pair(old: torch.Tensor, new: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(old bits, new bits, class thresholds) of a CPU pair of a 16-bit float tensor, or None
+    when the context modes do not apply (another dtype, or old values without a spread)."""
     if not context_codec.supports(old.dtype):
         return None
     check_pair(old, new)
     a = cpu_bits(old)
-    b = cpu_bits(new)
     thresholds = context_codec.choose_thresholds(a, old.dtype)
-    if thresholds.size == 0:
+    return (a, cpu_bits(new), thresholds) if thresholds.size else None
+
+
+def _encode_pair_context(name: str, old: torch.Tensor, new: torch.Tensor) -> EncodedTensor | None:
+    """The ``context`` stream of a CPU pair of a 16-bit float tensor, or None when that mode
+    does not apply or is not smaller than a bitmap (the caller takes the default modes)."""
+    classed = _classed_pair(old, new)
+    if classed is None:
         return None
+    a, b, thresholds = classed
     changed, stream = context_codec.encode_context(a, b, thresholds, CODEC_TILE)
     if changed == 0:
         return EncodedTensor(name, old.dtype, a.size, 0, "empty", np.empty(0, np.uint8))
@@ -203,14 +210,10 @@ def _encode_pair_context_huffman(name: str, old: torch.Tensor, new: torch.Tensor
     ``context_huffman`` stream, or its ``huffman`` stream where that measured smaller (encoded
     only when the context scan's estimate of it says it may be), or None when neither applies
     or a bitmap is smaller (the caller takes the other default modes)."""
-    if not context_codec.supports(old.dtype):
+    classed = _classed_pair(old, new)
+    if classed is None:
         return None
-    check_pair(old, new)
-    a = cpu_bits(old)
-    b = cpu_bits(new)
-    thresholds = context_codec.choose_thresholds(a, old.dtype)
-    if thresholds.size == 0:
-        return None
+    a, b, thresholds = classed
     changed, stream, huffman_guess = context_huffman.encode_context_huffman(a, b, thresholds, CODEC_TILE, scratch)
     return _context_huffman_entry(name, old, a, b, changed, stream, huffman_guess, scratch)
 

@@ -80,3 +80,16 @@ def load_patch_fixture(path: Path | str) -> PatchFixture:
         base[name] = arrays[f"base/{name}"].view(u).reshape(-1)
         expected[name] = arrays[f"expected/{name}"].view(u).reshape(-1)
     return PatchFixture(path, data, entries, base, expected)
+
+
+def optimizer_step(n: int, dtype: torch.dtype, seed: int, lr: float = 3e-6, steps: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
+    """(old, new) served views of weights with std 0.02 moved by ``steps`` sign-like steps."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=gen) * 0.02
+    moved = master + lr * steps * torch.sign(torch.randn(n, generator=gen))
+    return master.to(dtype), moved.to(dtype)
+
+
+def u16(t: torch.Tensor) -> np.ndarray:
+    """The 16-bit float tensor's bits as a uint16 array (no copy)."""
+    return t.reshape(-1).view(torch.int16).numpy().view(np.uint16)

@@ -12,7 +12,7 @@ import numba
 import numpy as np
 import pytest
 import torch
-from patchkit import with_header
+from patchkit import optimizer_step, u16, with_header
 
 from weftboard.cuda import apply, codec, container, tile_encode
 from weftboard.cuda import context_codec as cc
@@ -30,16 +30,6 @@ from weftboard.proto.errors import CorruptData, InvalidArgument
 ROOT = "xxh3-128:" + "00" * 16
 
 
-def _step(n: int, dtype: torch.dtype, seed: int, lr: float = 3e-6, steps: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
-    """(old, new) served views of weights with std 0.02 moved by ``steps`` sign-like steps."""
-    gen = torch.Generator().manual_seed(seed)
-    master = torch.randn(n, generator=gen) * 0.02
-    moved = master + lr * steps * torch.sign(torch.randn(n, generator=gen))
-    return master.to(dtype), moved.to(dtype)
-
-
-def _u16(t: torch.Tensor) -> np.ndarray:
-    return bits_view(t).numpy().view(np.uint16)
 
 
 def test_magnitude_masks_match_an_element_by_element_compare() -> None:
@@ -58,12 +48,12 @@ def test_magnitude_masks_match_an_element_by_element_compare() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 63, 65, CODEC_TILE + 700, 3 * CODEC_TILE])
 def test_streams_round_trip_in_place_and_through_arrays(dtype: torch.dtype, n: int) -> None:
-    old, new = _step(n, dtype, seed=n)
+    old, new = optimizer_step(n, dtype, seed=n)
     b = bits_view(new)
     b[: max(1, n // 97)] ^= 0x8000  # sign flips: escapes
     b[n // 2] = 0x7FC0 if dtype == torch.bfloat16 else 0x7E00  # a NaN
     b[-1] += 3000  # a far jump
-    a, bu = _u16(old), _u16(new)
+    a, bu = u16(old), u16(new)
     thr = cc.choose_thresholds(a, dtype)
     assert thr.size
     changed, stream = cc.encode_context(a, bu, thr, CODEC_TILE)
@@ -82,8 +72,8 @@ def test_streams_round_trip_in_place_and_through_arrays(dtype: torch.dtype, n: i
 
 
 def test_a_realistic_step_is_smaller_than_the_huffman_stream() -> None:
-    old, new = _step(400_000, torch.bfloat16, seed=1, steps=1)
-    a, b = _u16(old), _u16(new)
+    old, new = optimizer_step(400_000, torch.bfloat16, seed=1, steps=1)
+    a, b = u16(old), u16(new)
     changed, huff = tile_encode.encode_huffman(a, b, CODEC_TILE)
     _, context = cc.encode_context(a, b, cc.choose_thresholds(a, torch.bfloat16), CODEC_TILE)
     assert 0.005 < changed / a.size < 0.2
@@ -91,7 +81,7 @@ def test_a_realistic_step_is_smaller_than_the_huffman_stream() -> None:
 
 
 def test_thresholds_are_checked_and_chosen_below_the_median_binade() -> None:
-    a = _u16(torch.full((5000,), 0.02, dtype=torch.bfloat16))
+    a = u16(torch.full((5000,), 0.02, dtype=torch.bfloat16))
     thr = cc.choose_thresholds(a, torch.bfloat16)
     exponent = (int(a[0]) >> 7) & 0xFF
     assert list(thr) == [(exponent - cc.CLASSES + 1 + j) << 7 for j in range(cc.CLASSES - 1)]
@@ -102,7 +92,7 @@ def test_thresholds_are_checked_and_chosen_below_the_median_binade() -> None:
 
 
 def test_context_patches_mix_modes_apply_and_revert() -> None:
-    old16, new16 = _step(200_000, torch.bfloat16, seed=2, steps=3)
+    old16, new16 = optimizer_step(200_000, torch.bfloat16, seed=2, steps=3)
     zeros = torch.zeros(5000, dtype=torch.bfloat16)  # no spread to classify: default modes
     zeros_new = zeros.clone()
     zeros_new[7] = 1.0
@@ -124,13 +114,13 @@ def test_context_patches_mix_modes_apply_and_revert() -> None:
 
 
 def test_decoding_needs_the_old_bits_and_gives_differences() -> None:
-    old, new = _step(90_000, torch.bfloat16, seed=4)
+    old, new = optimizer_step(90_000, torch.bfloat16, seed=4)
     patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding="context")
     c = container.read_container(patch.data)
     entry = c.entries[0]
     with pytest.raises(InvalidArgument, match="bits it applies to"):
         decode_stream(entry, c.streams["w"])
-    dec = decode_stream(entry, c.streams["w"], _u16(old))
+    dec = decode_stream(entry, c.streams["w"], u16(old))
     assert dec.is_difference
     target = old.clone()
     apply._apply_decoded(target, dec)  # the path CUDA destinations take, here on the CPU
@@ -140,7 +130,7 @@ def test_decoding_needs_the_old_bits_and_gives_differences() -> None:
 def test_deltas_with_their_targets_encode_as_context_streams() -> None:
     from weftboard.cuda.diff import diff_tensor
 
-    old, new = _step(70_000, torch.float16, seed=5, steps=1)
+    old, new = optimizer_step(70_000, torch.float16, seed=5, steps=1)
     delta = diff_tensor(old, new)
     with_target, = codec.encode_streams([("w", delta)], encoding="context", targets={"w": new})
     without, = codec.encode_streams([("w", delta)], encoding="context")
@@ -152,7 +142,7 @@ def test_deltas_with_their_targets_encode_as_context_streams() -> None:
 
 
 def test_the_mode_is_refused_outside_the_context_encoding() -> None:
-    old, new = _step(10_000, torch.bfloat16, seed=6)
+    old, new = optimizer_step(10_000, torch.bfloat16, seed=6)
     patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding="context")
 
     def to_default(header: dict) -> None:
@@ -165,8 +155,8 @@ def test_the_mode_is_refused_outside_the_context_encoding() -> None:
 
 
 def test_a_damaged_tile_undoes_every_write_of_the_apply() -> None:
-    old, new = _step(3 * CODEC_TILE, torch.bfloat16, seed=7)
-    a, b = _u16(old), _u16(new)
+    old, new = optimizer_step(3 * CODEC_TILE, torch.bfloat16, seed=7)
+    a, b = u16(old), u16(new)
     changed, stream = cc.encode_context(a, b, cc.choose_thresholds(a, torch.bfloat16), CODEC_TILE)
     refused = 0
     for at in np.linspace(0.3, 0.99, 20):
@@ -194,7 +184,7 @@ def test_scanning_piece_by_piece_folds_and_gives_the_whole_stream_and_delta(cast
     old = master.to(torch.bfloat16)
     new_master = master + 1e-4 * torch.sign(torch.randn(n, generator=gen))
     new = new_master.to(torch.bfloat16)
-    a, b = _u16(old), _u16(new)
+    a, b = u16(old), u16(new)
     thr = cc.choose_thresholds(a, torch.bfloat16)
     view = a.copy()
     src = new_master.view(torch.int32).numpy().view(np.uint32) if cast else b
@@ -219,9 +209,9 @@ def test_a_cast_scan_leaves_nan_tiles_to_the_caller_untouched() -> None:
     old = master.to(torch.bfloat16)
     moved = master + 1e-4
     moved[CODEC_TILE + 5] = float("nan")
-    view = _u16(old).copy()
+    view = u16(old).copy()
     scan = cc.scan_tiles(view, moved.view(torch.int32).numpy().view(np.uint32), cc.choose_thresholds(view, torch.bfloat16),
                          CODEC_TILE, update=True, cast=True)
     assert scan.overflowed.tolist() == [1] and scan.ns[1].sum() == 0
-    assert np.array_equal(view[CODEC_TILE:], _u16(old)[CODEC_TILE:])  # left as it was
-    assert np.array_equal(view[:CODEC_TILE], _u16(moved.to(torch.bfloat16))[:CODEC_TILE])
+    assert np.array_equal(view[CODEC_TILE:], u16(old)[CODEC_TILE:])  # left as it was
+    assert np.array_equal(view[:CODEC_TILE], u16(moved.to(torch.bfloat16))[:CODEC_TILE])

@@ -15,7 +15,7 @@ import numba
 import numpy as np
 import pytest
 import torch
-from patchkit import with_header
+from patchkit import optimizer_step, u16, with_header
 
 from weftboard.cuda import container, tile_encode
 from weftboard.cuda import context_codec as cc
@@ -34,15 +34,6 @@ from weftboard.proto.errors import CorruptData
 ROOT = "xxh3-128:" + "00" * 16
 
 
-def _step(n: int, dtype: torch.dtype, seed: int, lr: float = 3e-6, steps: int = 30) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    master = torch.randn(n, generator=gen) * 0.02
-    moved = master + lr * steps * torch.sign(torch.randn(n, generator=gen))
-    return master.to(dtype), moved.to(dtype)
-
-
-def _u16(t: torch.Tensor) -> np.ndarray:
-    return bits_view(t).numpy().view(np.uint16)
 
 
 def test_pext_and_pdep_match_their_portable_loops() -> None:
@@ -77,19 +68,19 @@ def _round_trip(a: np.ndarray, b: np.ndarray, dtype: torch.dtype, tile: int = CO
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n", [1, 63, 65, 130, CODEC_TILE + 700, 3 * CODEC_TILE])
 def test_streams_round_trip_in_place_and_through_arrays(dtype: torch.dtype, n: int) -> None:
-    old, new = _step(n, dtype, seed=n)
+    old, new = optimizer_step(n, dtype, seed=n)
     b = bits_view(new)
     b[: max(1, n // 97)] ^= 0x8000  # sign flips: escapes
     b[n // 2] = 0x7FC0 if dtype == torch.bfloat16 else 0x7E00  # a NaN
     b[-1] += 3000  # a far jump
-    _round_trip(_u16(old), _u16(new), dtype)
+    _round_trip(u16(old), u16(new), dtype)
 
 
 @pytest.mark.parametrize("density", [0.001, 0.3, 0.9, 1.0])
 @pytest.mark.parametrize("tile", [256, 4096, CODEC_TILE])
 def test_any_density_and_tile_round_trips(density: float, tile: int) -> None:
     rng = np.random.default_rng(int(density * 1000) + tile)
-    a = _u16((torch.randn(3 * tile + 77) * 0.02).to(torch.bfloat16))
+    a = u16((torch.randn(3 * tile + 77) * 0.02).to(torch.bfloat16))
     b = a.copy()
     hit = rng.random(a.size) < density
     hit[0] = True
@@ -99,8 +90,8 @@ def test_any_density_and_tile_round_trips(density: float, tile: int) -> None:
 
 
 def test_a_realistic_step_is_smaller_than_the_huffman_stream_and_the_compact_encoding_writes_it() -> None:
-    old, new = _step(400_000, torch.bfloat16, seed=1, steps=1)
-    a, b = _u16(old), _u16(new)
+    old, new = optimizer_step(400_000, torch.bfloat16, seed=1, steps=1)
+    a, b = u16(old), u16(new)
     changed, huff = tile_encode.encode_huffman(a, b, CODEC_TILE)
     stream = _round_trip(a, b, torch.bfloat16)
     assert 0.005 < changed / a.size < 0.2
@@ -122,7 +113,7 @@ def test_a_realistic_step_is_smaller_than_the_huffman_stream_and_the_compact_enc
 
 
 def test_the_mode_is_refused_before_format_version_3_and_outside_the_compact_encoding() -> None:
-    old, new = _step(20_000, torch.bfloat16, seed=6, steps=1)
+    old, new = optimizer_step(20_000, torch.bfloat16, seed=6, steps=1)
     patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding="compact")
     assert read_patch_info(patch.data).tensors[0].mode == "context_huffman"
     for change in ({"format_version": 2}, {"encoding": "baseline"}, {"encoding": "default"}, {"encoding": "context"}):
@@ -131,8 +122,8 @@ def test_the_mode_is_refused_before_format_version_3_and_outside_the_compact_enc
 
 
 def test_a_damaged_tile_undoes_every_write_of_the_apply() -> None:
-    old, new = _step(3 * CODEC_TILE, torch.bfloat16, seed=7)
-    a, b = _u16(old), _u16(new)
+    old, new = optimizer_step(3 * CODEC_TILE, torch.bfloat16, seed=7)
+    a, b = u16(old), u16(new)
     changed, stream, _ = ch.encode_context_huffman(a, b, cc.choose_thresholds(a, torch.bfloat16), CODEC_TILE)
     assert stream is not None
     refused = 0
@@ -158,21 +149,21 @@ def _pairs_for_batches() -> list[tuple[np.ndarray, np.ndarray]]:
     rng = np.random.default_rng(45)
     out = []
     for n in (1, 63, 64, 65, 1000, 2 * CODEC_TILE + 129):
-        old, new = _step(n, torch.bfloat16, seed=n)
-        out.append((_u16(old).copy(), _u16(new).copy()))
-    a = _u16((torch.randn(4 * CODEC_TILE + 3) * 0.02).to(torch.bfloat16)).copy()
+        old, new = optimizer_step(n, torch.bfloat16, seed=n)
+        out.append((u16(old).copy(), u16(new).copy()))
+    a = u16((torch.randn(4 * CODEC_TILE + 3) * 0.02).to(torch.bfloat16)).copy()
     b = a.copy()
     b[5] += 1  # tile 0 and tile 3 change; tiles 1, 2 and 4 do not
     b[3 * CODEC_TILE + 17:3 * CODEC_TILE + 900:7] += 1  # one symbol in every class
     out.append((a, b))
-    a = _u16((torch.randn(CODEC_TILE + 11) * 0.02).to(torch.bfloat16)).copy()
+    a = u16((torch.randn(CODEC_TILE + 11) * 0.02).to(torch.bfloat16)).copy()
     b = a.copy()
     hit = rng.random(a.size) < 0.4
     steps = np.minimum(rng.geometric(0.08, a.size), 64).astype(np.uint16)  # a long tail of rare symbols
     b[hit] += steps[hit]
     b[::301] ^= 0x8000  # escapes
     out.append((a, b))
-    a = _u16((torch.randn(700) * 0.02).to(torch.bfloat16)).copy()
+    a = u16((torch.randn(700) * 0.02).to(torch.bfloat16)).copy()
     out.append((a, a + 1))  # every element changed
     return out
 
@@ -233,7 +224,7 @@ def test_a_damaged_stream_in_a_batch_undoes_the_whole_batch() -> None:
 def test_encode_patch_batches_keep_the_tensors_order_and_round_trip() -> None:
     pairs = []
     for i, n in enumerate((5000, 3 * CODEC_TILE, 77, 2 * CODEC_TILE + 5)):
-        old, new = _step(n, torch.bfloat16, seed=100 + i, steps=1)
+        old, new = optimizer_step(n, torch.bfloat16, seed=100 + i, steps=1)
         pairs.append((f"bf{i}", old, new))
         if i == 1:  # another dtype between them closes the batch
             pairs.append(("f32", torch.randn(999), torch.randn(999)))
@@ -253,7 +244,7 @@ def test_compact_parts_stamp_the_version_their_modes_need_and_join_into_the_high
     format 3 and applies bit for bit."""
     from weftboard.cuda.codec import join_patches
 
-    old, new = _step(50_000, torch.bfloat16, seed=11, steps=1)
+    old, new = optimizer_step(50_000, torch.bfloat16, seed=11, steps=1)
     flat = torch.zeros(50_000, dtype=torch.bfloat16)  # no spread for classes: a huffman stream
     bumped = flat.clone()
     bits_view(bumped)[::97] += 1
