@@ -25,7 +25,7 @@ from weftboard.cuda import huffman, tile_decode
 from weftboard.cuda.bit_deposit import pdep64
 from weftboard.cuda.bitops import array_at, ctpop64, cttz64, load_u64le
 from weftboard.cuda.context_codec import class_masks
-from weftboard.cuda.entropy import ESC, MAX_K
+from weftboard.cuda.entropy import ESC, MAX_K, NSYM
 from weftboard.cuda.jit import parallel_kernel
 
 FAST_BITS = 9  # the first lookup: 2**9 entries a class (2 KiB), every class's table in L1
@@ -39,16 +39,11 @@ def value_tables(table):
     """(the ``2**MAX_BITS`` entries, the first ``2**FAST_BITS``) of one class's decoder table
     (``huffman.decoder_table``) as ``diff << 16 | escape << 4 | length`` (uint32), ``LONG``
     in the first where the code is longer than FAST_BITS."""
-    full = np.empty(table.size, np.uint32)
-    for j in range(table.size):
-        s = np.int64(table[j] >> np.uint16(4))
-        ln = np.uint32(table[j] & np.uint16(15))
-        if s == ESC:
-            full[j] = ln | np.uint32(16)
-        else:
-            mag = s // 2 + 1
-            d = (65536 - mag) if s & 1 else mag
-            full[j] = ln | (np.uint32(d) << np.uint32(16))
+    sym2diff = np.zeros(NSYM, np.uint64)
+    for s in range(ESC):
+        mag = s // 2 + 1
+        sym2diff[s] = (65536 - mag) if s & 1 else mag
+    full = tile_decode.value_table(table, sym2diff)
     fast = np.empty(1 << FAST_BITS, np.uint32)
     for j in range(1 << FAST_BITS):
         fast[j] = full[j] if (full[j] & np.uint32(15)) <= FAST_BITS else LONG

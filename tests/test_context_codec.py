@@ -30,8 +30,6 @@ from weftboard.proto.errors import CorruptData, InvalidArgument
 ROOT = "xxh3-128:" + "00" * 16
 
 
-
-
 def test_magnitude_masks_match_an_element_by_element_compare() -> None:
     @numba.njit
     def mask(a, start, t):

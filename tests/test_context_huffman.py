@@ -34,8 +34,6 @@ from weftboard.proto.errors import CorruptData
 ROOT = "xxh3-128:" + "00" * 16
 
 
-
-
 def test_pext_and_pdep_match_their_portable_loops() -> None:
     @numba.njit
     def both(x, m):
