@@ -256,3 +256,22 @@ def test_compact_parts_stamp_the_version_their_modes_need_and_join_into_the_high
     live = {"w": old.clone(), "z": flat.clone()}
     apply_patch_(live, joined)
     assert torch.equal(bits_view(live["w"]), bits_view(new)) and torch.equal(bits_view(live["z"]), bits_view(bumped))
+
+
+def test_encode_streams_from_deltas_and_their_targets_write_context_huffman() -> None:
+    """The path of a publisher that holds deltas and the tensors they lead to (the sharded
+    publisher, a compact finish of a delta-folded tensor): the same stream as the pair's."""
+    from weftboard.cuda.codec import assemble_patch, encode_streams
+    from weftboard.cuda.diff import diff_tensor
+
+    old, new = optimizer_step(40_000, torch.bfloat16, seed=12, steps=1)
+    (enc,) = encode_streams([("w", diff_tensor(old, new))], encoding="compact", targets={"w": new})
+    (pair,) = encode_streams([("w", diff_tensor(old, new))], encoding="compact")  # no target: the default's modes
+    assert (enc.mode, pair.mode) == ("context_huffman", "huffman") and enc.stream.size < pair.stream.size
+    direct = read_patch_info(encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT,
+                                          encoding="compact").data).tensors[0]
+    assert direct.stream_bytes == enc.stream.size
+    data = assemble_patch([enc], base_version=1, target_version=2, target_root=ROOT, encoding="compact").data
+    live = {"w": old.clone()}
+    apply_patch_(live, data)
+    assert torch.equal(bits_view(live["w"]), bits_view(new))
