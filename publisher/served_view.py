@@ -219,8 +219,10 @@ class ServedView:
     def catch_up_previous(self, folded: dict[str, Any]) -> None:
         """Copy what a fold changed into ``previous`` (the compact encoding), once its finish
         is done and its job queued: the commit need not wait for it, the next read does."""
+        if self.previous is None:
+            return
         for name, item in folded.items():
-            if self.previous is not None and name in self.previous and changed_elements(item):
+            if name in self.previous and changed_elements(item):
                 self.previous[name].copy_(self.tensors[name])
 
     def hash_changed(self, folded: dict[str, Any]) -> dict[str, concurrent.futures.Future]:
