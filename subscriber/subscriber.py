@@ -141,6 +141,7 @@ class Subscriber:
         self._cond = asyncio.Condition()
         self._layout: list[TensorEntry] | None = None
         self._sync_lock = asyncio.Lock()
+        self._report_lock = asyncio.Lock()  # one status report in flight: the last sent is the newest
         self.applied_at: dict[int, float] = {}  # version -> time.time() when verified and held
         self._records: dict[int, pb.VersionRecord] = {}  # records already received (watch events)
         self._prefetched: dict[str, _Download] = {}  # digest -> a staged part's download
@@ -201,15 +202,19 @@ class Subscriber:
         return done
 
     async def heartbeat(self) -> None:
-        status = pb.IslandStatus(
-            island_id=self.island_id, run=self.run_name, region=self.region,
-            version=self.held_version, state=self.state, message=self.message[:1000],
-        )
-        try:
-            resp = await self.client.heartbeat(status, lease_s=self.lease_s)
-            self.head = max(self.head, resp.head)
-        except WeftboardError as exc:
-            log.warning("heartbeat failed", island=self.island_id, error=str(exc))
+        """Report the held version and state. Reports go one at a time and each is built once
+        its turn comes, so the board never ends on an older report that overtook a newer one
+        (the periodic report and a state change racing)."""
+        async with self._report_lock:
+            status = pb.IslandStatus(
+                island_id=self.island_id, run=self.run_name, region=self.region,
+                version=self.held_version, state=self.state, message=self.message[:1000],
+            )
+            try:
+                resp = await self.client.heartbeat(status, lease_s=self.lease_s)
+                self.head = max(self.head, resp.head)
+            except WeftboardError as exc:
+                log.warning("heartbeat failed", island=self.island_id, error=str(exc))
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -1,6 +1,9 @@
 """A board whose Redis is killed and restarted again and again: watchers miss nothing and the
 board's Redis connections do not pile up (each restart drops every Redis connection, and the
-feeds, the pool and the health check reconnect)."""
+feeds, the pool and the health check reconnect). The board's two pools (short commands and
+blocking reads; Pub/Sub takes its connection from a pool too) hold at most
+``redis_max_connections`` each, so every socket to Redis must be one of theirs: a connection
+dropped without closing, or a client made anew per restart, shows as a socket over that bound."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from weftboard.proto import errors
 
 TOKEN = "r" * 32
 CYCLES = 8
+POOL = 3  # redis_max_connections: small, so that the bound is tight
 PER_CYCLE = 3
 
 
@@ -56,7 +60,8 @@ async def test_watchers_miss_nothing_and_redis_connections_stay_flat_across_redi
     running = None
     watchers: list[asyncio.Task] = []
     try:
-        config = BoardConfig(redis_url=f"redis://127.0.0.1:{port}/0", admin_token=TOKEN, health_check_s=0.2)
+        config = BoardConfig(redis_url=f"redis://127.0.0.1:{port}/0", admin_token=TOKEN, health_check_s=0.2,
+                             redis_max_connections=POOL)
         running = await start_board(config, blobs=local_store)
         async with BoardClient(running.address, TOKEN) as client:
             await client.create_run(make_run("r"))
@@ -91,10 +96,9 @@ async def test_watchers_miss_nothing_and_redis_connections_stay_flat_across_redi
                     break
                 await asyncio.sleep(0.1)
             assert all(s == list(range(1, version + 1)) for s in seen), [s[-3:] for s in seen]
-            # The pool and the feeds may open a connection or two more while the board warms up;
-            # a leak of one connection per restart would add CYCLES // 2 - 1 more after the
-            # first half's highest count.
-            assert counts[0] > 0 and counts[-1] <= max(counts[: CYCLES // 2]) + 1, counts
+            # How many the pools hold at a moment depends on how many requests overlapped (a
+            # busy machine makes more overlap), so the count is checked against the bound only.
+            assert counts[0] > 0 and max(counts) <= 2 * POOL, counts
     finally:
         for task in watchers:
             task.cancel()

@@ -145,9 +145,15 @@ async def test_three_islands_follow_bitwise_with_crash_and_late_joiner(board_fac
             assert records[v].root_digest == _root_of(views[v])  # what B verified is the trainer's view
         assert bits_equal(_checkpoint(spec_b.dir), views[8]), first_difference(_checkpoint(spec_b.dir), views[8])
 
+        # An island holds a version a moment before its READY report lands (the report is sent
+        # after the swap), so the fleet view is read until it settles.
         async with BoardClient(board.address, board.admin_token) as reader:
-            fleet = await reader.list_islands(run)
-        states = {i.status.island_id: (i.status.version, i.status.state) for i in fleet.islands}
+            for _ in range(100):
+                fleet = await reader.list_islands(run)
+                states = {i.status.island_id: (i.status.version, i.status.state) for i in fleet.islands}
+                if all(states.get(i) == (8, pb.ISLAND_STATE_READY) for i in ("island-a", "island-c")):
+                    break
+                await asyncio.sleep(0.1)
         assert states["island-a"] == (8, pb.ISLAND_STATE_READY)
         assert states["island-c"] == (8, pb.ISLAND_STATE_READY)
         await b2.stop()

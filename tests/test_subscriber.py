@@ -369,3 +369,33 @@ async def test_subscribe_with_a_token_the_board_refuses_exits_1_with_the_reason(
     code, err = await run_cli("subscribe", "--board", board.address, "--run", "r", "--dir", str(tmp_path / "island"),
                               "--token", "not-a-token", "--no-progress")
     assert code == 1 and "subscribe stopped: Unauthenticated" in err and "Traceback" not in err, err[-2000:]
+
+
+class SlowFirstReport:
+    """A real board client whose first heartbeat reaches the board ``delay_s`` late."""
+
+    def __init__(self, client: BoardClient, delay_s: float) -> None:
+        self._client, self.delay_s = client, delay_s
+
+    def __getattr__(self, name: str):
+        return getattr(self._client, name)
+
+    async def heartbeat(self, status: pb.IslandStatus, **kw) -> pb.HeartbeatResponse:
+        delay, self.delay_s = self.delay_s, 0.0
+        await asyncio.sleep(delay)
+        return await self._client.heartbeat(status, **kw)
+
+
+async def test_a_late_report_never_overwrites_a_newer_state_on_the_board(board, local_store, tmp_path: Path) -> None:
+    """The CATCHING_UP report travels in the background; when it is slow and READY follows, the
+    board must end on READY (the reports go one at a time, each built when its turn comes)."""
+    views = await _publish(board, local_store, "hb", 1)
+    async with BoardClient(board.address, board.admin_token) as client:
+        sub = Subscriber(SlowFirstReport(client, 0.5), "hb", LiveTensorsDestination(zeros_like_layout(views[1])),
+                         island_id="h", blob_store=local_store, cache_dir=tmp_path / "c", heartbeat_s=60)
+        catching_up = sub._set_state_soon(pb.ISLAND_STATE_CATCHING_UP, "to version 1")
+        await asyncio.sleep(0.05)  # the slow report is on its way
+        await sub._set_state(pb.ISLAND_STATE_READY)
+        await catching_up
+        fleet = await client.list_islands("hb")
+        assert [(i.status.island_id, i.status.state) for i in fleet.islands] == [("h", pb.ISLAND_STATE_READY)]
