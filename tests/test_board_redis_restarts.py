@@ -24,10 +24,11 @@ POOL = 3  # redis_max_connections: small, so that the bound is tight
 PER_CYCLE = 3
 
 
-def redis_sockets(port: int) -> int:
-    """This process's open sockets whose far end is ``port`` (any TCP state): a connection the
-    board dropped without closing stays here, in CLOSE_WAIT. Other tests' leftovers in the
-    process (a pytest run is one process) do not count, as they did in a count of every fd."""
+def redis_sockets(port: int) -> set[str]:
+    """The inodes of this process's open sockets whose far end is ``port`` (any TCP state): a
+    connection the board dropped without closing stays here, in CLOSE_WAIT. Other tests'
+    leftovers in the process (a pytest run is one process) are told apart by inode: the test
+    counts only sockets that were not there before its board started."""
     inodes = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         with open(table) as f:
@@ -35,12 +36,13 @@ def redis_sockets(port: int) -> int:
                 fields = line.split()
                 if int(fields[2].rsplit(":", 1)[1], 16) == port:
                     inodes.add(fields[9])
-    count = 0
+    found = set()
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
             link = os.readlink(f"/proc/self/fd/{fd}")
-            count += link.startswith("socket:[") and link[8:-1] in inodes
-    return count
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                found.add(link[8:-1])
+    return found
 
 
 async def commit(client: BoardClient, record) -> None:
@@ -59,6 +61,7 @@ async def test_watchers_miss_nothing_and_redis_connections_stay_flat_across_redi
     port = redis.port
     running = None
     watchers: list[asyncio.Task] = []
+    before = redis_sockets(port)  # an earlier test's leftover to a Redis that had this port
     try:
         config = BoardConfig(redis_url=f"redis://127.0.0.1:{port}/0", admin_token=TOKEN, health_check_s=0.2,
                              redis_max_connections=POOL)
@@ -90,7 +93,7 @@ async def test_watchers_miss_nothing_and_redis_connections_stay_flat_across_redi
                     async with BoardClient(running.address, TOKEN) as brief:
                         await brief.get_head("r")
                 await asyncio.sleep(0.3)
-                counts.append(redis_sockets(port))
+                counts.append(len(redis_sockets(port) - before))
             for _ in range(100):
                 if all(s and s[-1] == version for s in seen):
                     break
