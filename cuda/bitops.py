@@ -391,6 +391,21 @@ def _fold_codegen(new_vector: Callable[[Any, Any, Any, Any, int], Any]) -> Calla
 
 
 @intrinsic
+def lanes_compress64(_typingctx, pos, pos_at, base, m):  # type: ignore[no-untyped-def]
+    """``base + j`` (uint16) for each set bit ``j`` of ``m``, packed in order at ``pos[pos_at:]``,
+    which needs room for 64 lanes (``_compress_store``): a bitmap word's set lanes as numbers."""
+    _check_flat(pos, types.uint16, "lanes_compress64")
+
+    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+        lanes = ir.Constant(ir.VectorType(ir.IntType(16), 64), list(range(64)))
+        vec = builder.add(lanes, _vsplat(builder, builder.trunc(args[2], ir.IntType(16)), 16))
+        _compress_store(builder, vec, _array_ptr(context, builder, sig.args[0], args[0], args[1]), args[3])
+        return context.get_dummy_value()
+
+    return types.none(pos, types.int64, types.int64, types.uint64), codegen
+
+
+@intrinsic
 def fold64(_typingctx, a, a_start, b, _b_start, m):  # type: ignore[no-untyped-def]
     """``a[a_start + j] = b[b_start + j]`` for the lanes j set in ``m``, in one masked store."""
     _check_elements(a, "fold64")

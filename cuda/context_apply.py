@@ -2,12 +2,14 @@
 streams in one compiled call, one parallel loop over all their tiles (``decode_batch``).
 
 How it is fast: a tile's classes come from vector compares of its old bits, each class's Rice
-gaps are read from a 64-bit register topped up with one 8-byte load when it runs low (a byte
-at a time only near the end of the piece, or for a code longer than the register holds), and
-the values likewise from a register, one load of the class's 512-entry table giving the
-code's length and difference (the full 4096-entry table only for a code longer than
-``FAST_BITS``). One parallel region for a whole patch: a region per tensor ended at a barrier
-that waited, on a shared host, for a descheduled thread (``jit.serial_kernels``).
+gaps are read from a 64-bit register topped up with one 8-byte load, four gaps a round with
+no check between them (a byte at a time only near the end of the piece, or for a code longer
+than the register holds), the tile's changed offsets are packed in order a block at a time
+(compress-stores), and the values are read from a register four at a time, one load of the
+class's 512-entry table giving each code's length and difference (one change at a time, with
+the full 4096-entry table, for a code longer than ``FAST_BITS`` or an escape). One parallel
+region for a whole patch: a region per tensor ended at a barrier that waited, on a shared
+host, for a descheduled thread (``jit.serial_kernels``).
 
 Invariants: every tile's changes are decoded in ascending position order and written to
 ``out_off``/``out_diff`` at the prefix sums of the tiles' change counts before (or as) they are
@@ -23,7 +25,13 @@ import numpy as np
 
 from weftboard.cuda import huffman, tile_decode
 from weftboard.cuda.bit_deposit import pdep64
-from weftboard.cuda.bitops import array_at, ctpop64, cttz64, load_u64le
+from weftboard.cuda.bitops import (
+    array_at,
+    ctpop64,
+    cttz64,
+    lanes_compress64,
+    load_u64le,
+)
 from weftboard.cuda.context_codec import class_masks
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM
 from weftboard.cuda.jit import parallel_kernel
@@ -53,12 +61,44 @@ def value_tables(table):
 @nb.njit(inline="always", cache=True)
 def _rice_piece(buf, p, rend, k, n, members, mb, base, tile):
     """Read ``n`` Rice(k) gaps of one class from ``buf[p:rend]`` and set the members they name
-    in ``mb[base:]``; returns the error code (0, or ``entropy.ERRORS``' 1, 2 or 3)."""
+    in ``mb[base:]``; returns the error code (0, or ``entropy.ERRORS``' 1, 2 or 3). Four gaps
+    a round, unchecked between them, when the register holds all four and the last names a
+    member (as ``tile_decode._apply_huffman_tile``); otherwise one gap with every check, so
+    the bits set and the verdicts are those of the one-gap loop."""
     lowmask = (1 << k) - 1
     acc = 0
     nbits = 0
     j = -1
-    for _ in range(n):
+    i = 0
+    while i < n:
+        if i + 4 <= n:  # four gaps from one top-up, when all four are in the register and the class
+            if p + 8 <= rend:
+                take, acc, nbits = tile_decode._top_up(acc, nbits, np.int64(load_u64le(buf, p)))
+                p += take
+            g1, u1 = tile_decode._rice_gap_unchecked(acc, k, lowmask)
+            x = acc >> (u1 & 63)
+            g2, u2 = tile_decode._rice_gap_unchecked(x, k, lowmask)
+            x >>= u2 & 63
+            g3, u3 = tile_decode._rice_gap_unchecked(x, k, lowmask)
+            x >>= u3 & 63
+            g4, u4 = tile_decode._rice_gap_unchecked(x, k, lowmask)
+            x >>= u4 & 63
+            used = u1 + u2 + u3 + u4  # each >= 1: a sum within nbits (<= 63) had no shift wrap
+            j1 = j + 1 + g1
+            j2 = j1 + 1 + g2
+            j3 = j2 + 1 + g3
+            j4 = j3 + 1 + g4  # gaps are >= 0: j4 inside the class puts all four there
+            if used <= nbits and j4 < members:
+                mb[np.uint64(base + (j1 >> 6))] |= np.uint64(1) << np.uint64(j1 & 63)
+                mb[np.uint64(base + (j2 >> 6))] |= np.uint64(1) << np.uint64(j2 & 63)
+                mb[np.uint64(base + (j3 >> 6))] |= np.uint64(1) << np.uint64(j3 & 63)
+                mb[np.uint64(base + (j4 >> 6))] |= np.uint64(1) << np.uint64(j4 & 63)
+                acc = x
+                nbits -= used
+                j = j4
+                i += 4
+                continue
+        # one gap with every check: the last few, a long code, the piece's end or an error
         if nbits < 32 and p + 8 <= rend:
             take, acc, nbits = tile_decode._top_up(acc, nbits, np.int64(load_u64le(buf, p)))
             p += take
@@ -74,6 +114,7 @@ def _rice_piece(buf, p, rend, k, n, members, mb, base, tile):
         if j >= members:
             return 2
         mb[np.uint64(base + (j >> 6))] |= np.uint64(1) << np.uint64(j & 63)
+        i += 1
     while nbits <= 55 and p < rend:  # the bytes the lazy top-up left: all padding in a valid piece
         acc |= np.int64(buf[p]) << nbits
         p += 1
@@ -85,7 +126,7 @@ def _rice_piece(buf, p, rend, k, n, members, mb, base, tile):
 
 @parallel_kernel
 def decode_batch(buf_addr, buf_size, like_buf, old_addr, numels, like_old, first, thr, nthr, tile, dir_addr,
-                 like_dir, full_addr, fast_addr, like_tab, starts, out_off, out_diff, write):
+                 like_dir, full_addr, fast_addr, like_tab, starts, out_off, out_diff, write, pos_rows, lanes_like):
     """Decode the tiles of several ``context_huffman`` streams: stream ``i`` is the
     ``buf_size[i]`` bytes at ``buf_addr[i]`` (at least 8), its old bits the ``numels[i]``
     uint16 at ``old_addr[i]``, its tiles the global tiles ``first[i]:first[i + 1]``, its
@@ -94,7 +135,9 @@ def decode_batch(buf_addr, buf_size, like_buf, old_addr, numels, like_old, first
     offsets per tile: ``Directory.flat``), its value tables at ``full_addr[i]`` and
     ``fast_addr[i]`` (``value_tables`` per class, one after the other). Each global tile's
     changes go to ``out_off``/``out_diff`` from ``starts[g]``; ``write`` also adds them to the
-    old bits. Returns (an ``entropy.ERRORS`` code per global tile, changes written per tile)."""
+    old bits. ``pos_rows``: a row of ``tile + 64`` uint16 of scratch per thread (a tile's change
+    offsets, packed with compress-stores when ``lanes_like`` is None, else walked). Returns (an
+    ``entropy.ERRORS`` code per global tile, changes written per tile)."""
     ntensors = numels.size
     ntiles_all = first[ntensors]
     owner = np.empty(ntiles_all, np.int64)
@@ -169,6 +212,18 @@ def decode_batch(buf_addr, buf_size, like_buf, old_addr, numels, like_old, first
                 bits = (mb[np.uint64(w)] >> sh) | ((mb[np.uint64(w + 1)] << np.uint64(1)) << (np.uint64(63) - sh))
                 chg[bi] |= pdep64(bits, cm)
                 off += np.int64(ctpop64(cm))
+        prow = pos_rows[nb.get_thread_id()]  # the tile's change offsets in order
+        cnt = 0
+        for bi in range(nblocks):
+            x = chg[bi]
+            if lanes_like is None:
+                lanes_compress64(prow, cnt, 64 * bi, x)
+                cnt += np.int64(ctpop64(x))
+                continue
+            while x:
+                prow[np.uint64(cnt)] = 64 * bi + np.int64(cttz64(x))
+                x &= x - np.uint64(1)
+                cnt += 1
         lut = np.zeros(256, np.int64)  # class << FAST_BITS by the old bits' (x & 0x7FFF) >> 7
         for j in range(th.size):
             for v in range(th[j] >> 7, 256):
@@ -181,40 +236,78 @@ def decode_batch(buf_addr, buf_size, like_buf, old_addr, numels, like_old, first
         hacc = 0
         hbits = 0
         o = starts[g]
-        for bi in range(nblocks):
-            m = chg[bi]
-            while m:
-                bit = np.int64(cttz64(m))
-                m &= m - np.uint64(1)
-                at = ts + 64 * bi + bit
-                ov = old[np.uint64(at)]  # unsigned indices: no negative-index fix-ups in the loop
-                cb = lut[np.uint64(ov >> np.uint16(7)) & np.uint64(0xFF)]
-                if hbits < huffman.MAX_BITS:
-                    hq, hacc, hbits = tile_decode._value_bits(buf, hq, hacc, hbits)
-                entry = fast[np.uint64(cb + (hacc & _FAST_MASK))]
-                if entry == LONG:
-                    entry = full[np.uint64((cb << (huffman.MAX_BITS - FAST_BITS)) + (hacc & _FULL_MASK))]
-                ln = np.int64(entry & np.uint32(15))
-                hacc >>= ln
-                hbits -= ln
-                if (hq << 3) - hbits > hend:
-                    err = 6
-                    break
-                if entry & np.uint32(16):
-                    if e + 2 > eend:
-                        err = 8
-                        break
-                    dv16 = np.uint16(np.int64(buf[e]) | (np.int64(buf[e + 1]) << 8))
-                    e += 2
-                else:
-                    dv16 = np.uint16(entry >> np.uint32(16))
-                out_off[np.uint64(o)] = at - ts
-                out_diff[np.uint64(o)] = dv16
-                if write:
-                    old[np.uint64(at)] = ov + dv16
-                o += 1
-            if err:
+        idx = 0
+        while idx < cnt:
+            if cnt - idx >= 4:  # four changes from one top-up when none is long or escaped
+                hq, hacc, hbits = tile_decode._value_bits(buf, hq, hacc, hbits)
+                at1 = np.uint64(ts + np.int64(prow[np.uint64(idx)]))
+                at2 = np.uint64(ts + np.int64(prow[np.uint64(idx + 1)]))
+                at3 = np.uint64(ts + np.int64(prow[np.uint64(idx + 2)]))
+                at4 = np.uint64(ts + np.int64(prow[np.uint64(idx + 3)]))
+                ov1, ov2, ov3, ov4 = old[at1], old[at2], old[at3], old[at4]
+                e1 = fast[np.uint64(lut[np.uint64(ov1 >> np.uint16(7)) & np.uint64(0xFF)] + (hacc & _FAST_MASK))]
+                h = hacc >> np.int64(e1 & np.uint32(15))
+                e2 = fast[np.uint64(lut[np.uint64(ov2 >> np.uint16(7)) & np.uint64(0xFF)] + (h & _FAST_MASK))]
+                h >>= np.int64(e2 & np.uint32(15))
+                e3 = fast[np.uint64(lut[np.uint64(ov3 >> np.uint16(7)) & np.uint64(0xFF)] + (h & _FAST_MASK))]
+                h >>= np.int64(e3 & np.uint32(15))
+                e4 = fast[np.uint64(lut[np.uint64(ov4 >> np.uint16(7)) & np.uint64(0xFF)] + (h & _FAST_MASK))]
+                h >>= np.int64(e4 & np.uint32(15))
+                ln = np.int64((e1 & np.uint32(15)) + (e2 & np.uint32(15)) + (e3 & np.uint32(15)) + (e4 & np.uint32(15)))
+                plain = ((e1 | e2 | e3 | e4) & np.uint32(16)) == 0
+                short = (e1 != LONG) & (e2 != LONG) & (e3 != LONG) & (e4 != LONG)
+                if plain and short and (hq << 3) - hbits + ln <= hend:
+                    d1 = np.uint16(e1 >> np.uint32(16))
+                    d2 = np.uint16(e2 >> np.uint32(16))
+                    d3 = np.uint16(e3 >> np.uint32(16))
+                    d4 = np.uint16(e4 >> np.uint32(16))
+                    out_off[np.uint64(o)] = prow[np.uint64(idx)]
+                    out_off[np.uint64(o + 1)] = prow[np.uint64(idx + 1)]
+                    out_off[np.uint64(o + 2)] = prow[np.uint64(idx + 2)]
+                    out_off[np.uint64(o + 3)] = prow[np.uint64(idx + 3)]
+                    out_diff[np.uint64(o)] = d1
+                    out_diff[np.uint64(o + 1)] = d2
+                    out_diff[np.uint64(o + 2)] = d3
+                    out_diff[np.uint64(o + 3)] = d4
+                    if write:
+                        old[at1] = ov1 + d1
+                        old[at2] = ov2 + d2
+                        old[at3] = ov3 + d3
+                        old[at4] = ov4 + d4
+                    hacc = h
+                    hbits -= ln
+                    o += 4
+                    idx += 4
+                    continue
+            # one change with every check: the last few, a long code, an escape or an error
+            at = ts + np.int64(prow[np.uint64(idx)])
+            idx += 1
+            ov = old[np.uint64(at)]  # unsigned indices: no negative-index fix-ups in the loop
+            cb = lut[np.uint64(ov >> np.uint16(7)) & np.uint64(0xFF)]
+            if hbits < huffman.MAX_BITS:
+                hq, hacc, hbits = tile_decode._value_bits(buf, hq, hacc, hbits)
+            entry = fast[np.uint64(cb + (hacc & _FAST_MASK))]
+            if entry == LONG:
+                entry = full[np.uint64((cb << (huffman.MAX_BITS - FAST_BITS)) + (hacc & _FULL_MASK))]
+            ln = np.int64(entry & np.uint32(15))
+            hacc >>= ln
+            hbits -= ln
+            if (hq << 3) - hbits > hend:
+                err = 6
                 break
+            if entry & np.uint32(16):
+                if e + 2 > eend:
+                    err = 8
+                    break
+                dv16 = np.uint16(np.int64(buf[e]) | (np.int64(buf[e + 1]) << 8))
+                e += 2
+            else:
+                dv16 = np.uint16(entry >> np.uint32(16))
+            out_off[np.uint64(o)] = at - ts
+            out_diff[np.uint64(o)] = dv16
+            if write:
+                old[np.uint64(at)] = ov + dv16
+            o += 1
         if err == 0:
             if not huffman.ends_cleanly(buf, (hq << 3) - hbits, hend):
                 err = 7

@@ -30,7 +30,7 @@ import numpy as np
 
 from weftboard.cuda import entropy, huffman
 from weftboard.cuda.bit_deposit import pext64
-from weftboard.cuda.bitops import array_at, ctpop64, cttz64
+from weftboard.cuda.bitops import array_at, ctpop64, cttz64, lanes_compress64
 from weftboard.cuda.context_apply import FAST_BITS, decode_batch, value_tables
 from weftboard.cuda.context_codec import (
     MAX_THRESHOLDS,
@@ -45,7 +45,12 @@ from weftboard.cuda.huffman import MAX_BITS
 from weftboard.cuda.jit import parallel_kernel, serial_kernels
 from weftboard.cuda.scratch import pooled
 from weftboard.cuda.tile_assembly import assembly_bound, assembly_head, move_pieces
-from weftboard.cuda.tile_blocks import block_mask, rice_k, rice_tile_grouped
+from weftboard.cuda.tile_blocks import (
+    VECTOR_COMPRESS,
+    block_mask,
+    rice_k,
+    rice_tile_grouped,
+)
 
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 
@@ -60,17 +65,20 @@ MAX_CLASSES = MAX_THRESHOLDS + 1
 
 @parallel_kernel
 def _scan_batch(addr_a, addr_b, numels, like, first, thr, nthr, tile, rice_buf, rstride, sym_buf, esc_buf, pos_rows,
-                code_rows, len_rows):
+                code_rows, len_rows, lanes_like):
     """Per tile of every tensor (tensor ``i``: the ``numels[i]`` uint16 at ``addr_a[i]`` (old)
     and ``addr_b[i]`` (new), its thresholds ``thr[i, :nthr[i]]``, global tiles
     ``first[i]:first[i + 1]``), in one parallel loop: change and class masks, each class's
     changes packed into its member bitmap and Rice-coded at ``rice_buf[g * rstride:]``, then the
     changes in position order: symbol ``class * NSYM + symbol`` (uint16) at
     ``sym_buf[g * tile:]``, escapes at ``esc_buf[2 * g * tile:]``. A tile whose Rice pieces
-    might not fit is set in ``over``. ``pos_rows``, ``code_rows``, ``len_rows``: a row of
-    ``tile`` of scratch per thread for the Rice coder (``tile_blocks.rice_tile_grouped``,
-    which makes the same bits as ``entropy.rice_put``, a group of codes per append). Per global tile and class (``MAX_CLASSES`` columns):
-    ns, ks, rice_off, rice_len; per tile n_esc, over and the histogram."""
+    might not fit is set in ``over``. ``pos_rows`` (``tile + 64`` per thread), ``code_rows``,
+    ``len_rows`` (``tile``): scratch per thread for the Rice coder
+    (``tile_blocks.rice_tile_grouped``, which makes the same bits as ``entropy.rice_put``, a
+    group of codes per append); a class's changed members go to ``pos_rows`` a bitmap word at
+    a time with compress-stores when ``lanes_like`` is None, else walked bit by bit (the
+    same numbers). Per global tile and class (``MAX_CLASSES`` columns): ns, ks, rice_off,
+    rice_len; per tile n_esc, over and the histogram."""
     ntensors = numels.size
     ntiles_all = first[ntensors]
     owner = np.empty(ntiles_all, np.int64)
@@ -153,6 +161,10 @@ def _scan_batch(addr_a, addr_b, numels, like, first, thr, nthr, tile, rice_buf, 
             j = 0
             for w in range((members[c] + 63) >> 6):  # the changed members' numbers, then their codes
                 x = mb[np.uint64(c * stride + w)]
+                if lanes_like is None:
+                    lanes_compress64(pos, j, 64 * w, x)
+                    j += np.int64(ctpop64(x))
+                    continue
                 while x:
                     pos[np.uint64(j)] = 64 * w + np.int64(cttz64(x))
                     x &= x - np.uint64(1)
@@ -324,10 +336,12 @@ def encode_context_huffman(old: np.ndarray, new: np.ndarray, thresholds: np.ndar
 
 
 def encode_context_huffman_batch(items: list[tuple[np.ndarray, np.ndarray, np.ndarray]], tile: int,
-                                 scratch: dict | None = None) -> list[tuple[int, np.ndarray | None, int]]:
+                                 scratch: dict | None = None, *,
+                                 vector_compress: bool = VECTOR_COMPRESS) -> list[tuple[int, np.ndarray | None, int]]:
     """``encode_context_huffman`` of each (old, new, thresholds), the scans of all in one
     compiled call with one parallel loop over every tile (one parallel region for the batch,
-    not one per tensor); the streams are those of one call each."""
+    not one per tensor); the streams are those of one call each, with compress-stores
+    (``vector_compress``) or without."""
     if not items:
         return []
     thrs = []
@@ -355,13 +369,14 @@ def encode_context_huffman_batch(items: list[tuple[np.ndarray, np.ndarray, np.nd
     addr_a = np.array([old.__array_interface__["data"][0] for old, _, _ in items], np.int64)
     addr_b = np.array([new.__array_interface__["data"][0] for _, new, _ in items], np.int64)
     nthreads = nb.config.NUMBA_NUM_THREADS
-    rows = pooled(scratch, "context_huffman_rows", 10 * nthreads * tile)
-    pos_rows = rows[:2 * nthreads * tile].view(np.uint16).reshape(nthreads, tile)
-    code_rows = rows[2 * nthreads * tile:6 * nthreads * tile].view(np.uint32).reshape(nthreads, tile)
-    len_rows = rows[6 * nthreads * tile:10 * nthreads * tile].view(np.uint32).reshape(nthreads, tile)
+    rows = pooled(scratch, "context_huffman_rows", 10 * nthreads * tile + 128 * nthreads)
+    pos_at = 2 * nthreads * (tile + 64)
+    pos_rows = rows[:pos_at].view(np.uint16).reshape(nthreads, tile + 64)
+    code_rows = rows[pos_at:pos_at + 4 * nthreads * tile].view(np.uint32).reshape(nthreads, tile)
+    len_rows = rows[pos_at + 4 * nthreads * tile:pos_at + 8 * nthreads * tile].view(np.uint32).reshape(nthreads, tile)
     ns_all, ks_all, roff_all, rlen_all, esc_all, over_all, hist_all = _scan_batch(
         addr_a, addr_b, numels, _LIKE_OLD, first, thr_rows, nthr, tile, rice_buf, rstride, sym_buf, esc_buf, pos_rows,
-        code_rows, len_rows)
+        code_rows, len_rows, None if vector_compress else _LIKE_OLD)
     prefixes = [class_prefix(t) for t in thrs]
     prefix_at = np.zeros(n + 1, np.int64)
     np.cumsum([pr.size for pr in prefixes], out=prefix_at[1:])
@@ -478,11 +493,12 @@ class BadStream(ValueError):
         self.index = index
 
 
-def run_batch(streams: list[ContextHuffmanStream], olds: list[np.ndarray],
-              write: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+def run_batch(streams: list[ContextHuffmanStream], olds: list[np.ndarray], write: bool, *,
+              vector_compress: bool = VECTOR_COMPRESS) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each stream's (offsets in tile, differences) in tile order against its ``olds`` array
-    (uint16, the bits it applies to; ``write`` patches them in place). On a bad tile the
-    call's writes are undone and ``BadStream`` raised for the first bad stream."""
+    (uint16, the bits it applies to; ``write`` patches them in place), the change offsets
+    packed with compress-stores (``vector_compress``) or walked: the same results. On a bad
+    tile the call's writes are undone and ``BadStream`` raised for the first bad stream."""
     if not streams:
         return []
     tile = streams[0].tile
@@ -511,7 +527,7 @@ def run_batch(streams: list[ContextHuffmanStream], olds: list[np.ndarray],
         np.array([addr(o) for o in olds], np.int64), np.array([s.numel for s in streams], np.int64), _LIKE_OLD,
         first, thr, nthr, tile, np.array([addr(s.flat) for s in streams], np.int64), _LIKE_DIR,
         np.array([addr(s.full) for s in streams], np.int64), np.array([addr(s.fast) for s in streams], np.int64),
-        _LIKE_TAB, starts, off, diff, write)
+        _LIKE_TAB, starts, off, diff, write, _thread_rows(tile), None if vector_compress else _LIKE_OLD)
     bad = np.flatnonzero(errs)
     outs = [(off[starts[first[i]]:starts[first[i + 1]]], diff[starts[first[i]]:starts[first[i + 1]]])
             for i in range(n)]
@@ -526,6 +542,11 @@ def run_batch(streams: list[ContextHuffmanStream], olds: list[np.ndarray],
         nbad = int(np.count_nonzero(errs[first[i]:first[i + 1]]))
         raise BadStream(i, f"tile {t} ({nbad} bad tiles): {entropy.ERRORS.get(int(errs[g]), 'unknown error')}")
     return outs
+
+
+def _thread_rows(tile: int) -> np.ndarray:
+    """A row of ``tile + 64`` uint16 per numba thread, for ``decode_batch``."""
+    return np.empty((nb.config.NUMBA_NUM_THREADS, tile + 64), np.uint16)
 
 
 _LIKE_BUF = np.frombuffer(b"", np.uint8)  # read-only, as the streams are (``decode.stream_array``)

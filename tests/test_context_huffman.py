@@ -275,3 +275,43 @@ def test_encode_streams_from_deltas_and_their_targets_write_context_huffman() ->
     live = {"w": old.clone()}
     apply_patch_(live, data)
     assert torch.equal(bits_view(live["w"]), bits_view(new))
+
+
+def test_the_packed_and_the_walked_paths_write_and_read_the_same() -> None:
+    """Change numbers packed with compress-stores (where the CPU has them) or walked bit by bit:
+    the same streams from the encoder, the same changes from the decoder, and the same verdict
+    on a damaged stream (with every write undone)."""
+    items = [(a, b, cc.choose_thresholds(a, torch.bfloat16)) for a, b in _pairs_for_batches()]
+    items = [it for it in items if it[2].size]
+    packed = ch.encode_context_huffman_batch(items, CODEC_TILE, {}, vector_compress=True)
+    walked = ch.encode_context_huffman_batch(items, CODEC_TILE, {}, vector_compress=False)
+    streams = []
+    for (a, b, _), (c1, s1, g1), (c2, s2, g2) in zip(items, packed, walked, strict=True):
+        assert (c1, g1) == (c2, g2) and s1 is not None and np.array_equal(s1, s2)
+        streams.append(ch.ContextHuffmanStream(s1, a.size, CODEC_TILE, c1))
+    olds = [a for a, _, _ in items]
+    for (o1, d1), (o2, d2) in zip(ch.run_batch(streams, olds, False, vector_compress=True),
+                                  ch.run_batch(streams, olds, False, vector_compress=False), strict=True):
+        assert np.array_equal(o1, o2) and np.array_equal(d1, d2)
+    a, b, _ = items[1]
+    verdicts = set()
+    for at in np.linspace(0.05, 0.95, 9):
+        damaged = streams[1].buf[:streams[1].buf.size].copy()
+        damaged[int(at * damaged.size)] ^= 0x21
+        try:
+            stream = ch.ContextHuffmanStream(damaged, a.size, CODEC_TILE, streams[1].changed)
+        except ValueError as exc:
+            verdicts.add(str(exc))
+            continue
+        seen = []
+        for vector_compress in (True, False):
+            target = a.copy()
+            try:
+                ch.run_batch([stream], [target], True, vector_compress=vector_compress)
+                seen.append(("applied", target.tobytes()))
+            except ch.BadStream as exc:
+                assert np.array_equal(target, a)
+                seen.append(("refused", str(exc)))
+        assert seen[0] == seen[1]
+        verdicts.add(seen[0][0])
+    assert "refused" in verdicts
