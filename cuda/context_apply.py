@@ -28,13 +28,12 @@ from weftboard.cuda.bit_deposit import pdep64
 from weftboard.cuda.bitops import (
     array_at,
     ctpop64,
-    cttz64,
-    lanes_compress64,
     load_u64le,
 )
 from weftboard.cuda.context_codec import class_masks
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM
 from weftboard.cuda.jit import parallel_kernel
+from weftboard.cuda.tile_blocks import pack_word
 
 FAST_BITS = 9  # the first lookup: 2**9 entries a class (2 KiB), every class's table in L1
 LONG = np.uint32(15)  # a first-lookup entry of a code longer than FAST_BITS (no code has length 15)
@@ -215,15 +214,7 @@ def decode_batch(buf_addr, buf_size, like_buf, old_addr, numels, like_old, first
         prow = pos_rows[nb.get_thread_id()]  # the tile's change offsets in order
         cnt = 0
         for bi in range(nblocks):
-            x = chg[bi]
-            if lanes_like is None:
-                lanes_compress64(prow, cnt, 64 * bi, x)
-                cnt += np.int64(ctpop64(x))
-                continue
-            while x:
-                prow[np.uint64(cnt)] = 64 * bi + np.int64(cttz64(x))
-                x &= x - np.uint64(1)
-                cnt += 1
+            cnt = pack_word(prow, cnt, 64 * bi, chg[bi], lanes_like)
         lut = np.zeros(256, np.int64)  # class << FAST_BITS by the old bits' (x & 0x7FFF) >> 7
         for j in range(th.size):
             for v in range(th[j] >> 7, 256):

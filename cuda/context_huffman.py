@@ -30,7 +30,7 @@ import numpy as np
 
 from weftboard.cuda import entropy, huffman
 from weftboard.cuda.bit_deposit import pext64
-from weftboard.cuda.bitops import array_at, ctpop64, cttz64, lanes_compress64
+from weftboard.cuda.bitops import array_at, ctpop64, cttz64
 from weftboard.cuda.context_apply import FAST_BITS, decode_batch, value_tables
 from weftboard.cuda.context_codec import (
     MAX_THRESHOLDS,
@@ -48,6 +48,7 @@ from weftboard.cuda.tile_assembly import assembly_bound, assembly_head, move_pie
 from weftboard.cuda.tile_blocks import (
     VECTOR_COMPRESS,
     block_mask,
+    pack_word,
     rice_k,
     rice_tile_grouped,
 )
@@ -160,15 +161,7 @@ def _scan_batch(addr_a, addr_b, numels, like, first, thr, nthr, tile, rice_buf, 
                 continue
             j = 0
             for w in range((members[c] + 63) >> 6):  # the changed members' numbers, then their codes
-                x = mb[np.uint64(c * stride + w)]
-                if lanes_like is None:
-                    lanes_compress64(pos, j, 64 * w, x)
-                    j += np.int64(ctpop64(x))
-                    continue
-                while x:
-                    pos[np.uint64(j)] = 64 * w + np.int64(cttz64(x))
-                    x &= x - np.uint64(1)
-                    j += 1
+                j = pack_word(pos, j, 64 * w, mb[np.uint64(c * stride + w)], lanes_like)
             p = rice_tile_grouped(pos, n, ks[g, c], rice_buf, p, codes, lens)
             rice_len[g, c] = p - rice_off[g, c]
         lut = np.zeros(256, np.int64)  # class * NSYM by the old bits' (x & 0x7FFF) >> 7

@@ -24,6 +24,7 @@ from weftboard.cuda.bitops import (
     ctpop64,
     cttz64,
     cttz64z,
+    lanes_compress64,
     ne_mask64,
 )
 from weftboard.cuda.block_ops import block_sym_compress64, block_sym_lanes64
@@ -300,3 +301,18 @@ def rice_tile_grouped(pos, cnt, k, rice_buf, p0, codes, lens):
         q, acc, nbits = _rice_one(pos, j, k, codes, lens, rice_buf, q, acc, nbits)
         j += 1
     return entropy.rice_flush(rice_buf, q, np.int64(acc), np.int64(nbits))
+
+
+@nb.njit(inline="always", cache=True)
+def pack_word(out, at, base, x, lanes_like):
+    """``base + j`` for each set bit ``j`` of the bitmap word ``x``, in order at ``out[at:]``
+    (uint16): one compress-store when ``lanes_like`` is None (``out`` then needs room for 64
+    lanes past ``at``), else a walk of the bits. Returns ``at`` past the packed numbers."""
+    if lanes_like is None:
+        lanes_compress64(out, at, base, x)
+        return at + np.int64(ctpop64(x))
+    while x:
+        out[np.uint64(at)] = base + np.int64(cttz64(x))
+        x &= x - np.uint64(1)
+        at += 1
+    return at
