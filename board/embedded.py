@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import importlib.util
 import os
 import secrets
@@ -137,13 +136,17 @@ def _kill_all_at_exit() -> None:
 atexit.register(_kill_all_at_exit)
 
 
-def _die_with_parent() -> None:
-    """In the child: ask Linux to SIGTERM us when the parent dies (no orphans)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+# ``setpriv --pdeathsig TERM -- cmd`` (util-linux): PR_SET_PDEATHSIG, kept across the exec of cmd.
+_SETPRIV = shutil.which("setpriv")
+
+
+def with_parent_death_signal(argv: list[str], signame: str = "TERM") -> list[str]:
+    """``argv`` run so that Linux sends it ``SIG<signame>`` when the thread that started it
+    dies (no orphans), where util-linux's ``setpriv`` is installed; ``argv`` unchanged
+    elsewhere. Not a ``preexec_fn``: Python code between fork and exec in a process with gRPC
+    (or numba) threads runs their after-fork handlers in the child, which then crashes now
+    and then before it execs (a SIGSEGV seen in a full test run)."""
+    return [_SETPRIV, "--pdeathsig", signame, "--", *argv] if _SETPRIV else list(argv)
 
 
 @dataclass(eq=False)
@@ -215,7 +218,7 @@ def _spawn(name: str, argv: list[str], workdir: Path, log_path: Path, env: dict[
         full_env.update(env)
     in_main_thread = threading.current_thread() is threading.main_thread()
     process = subprocess.Popen(
-        argv,
+        with_parent_death_signal(argv) if in_main_thread else argv,
         cwd=workdir,
         stdin=subprocess.DEVNULL,
         stdout=log,
@@ -225,7 +228,6 @@ def _spawn(name: str, argv: list[str], workdir: Path, log_path: Path, env: dict[
         # in order (board first, then its Redis). PDEATHSIG is tied to the forking
         # *thread*, so only use it when forking from the main thread.
         start_new_session=True,
-        preexec_fn=_die_with_parent if in_main_thread else None,
     )
     process._weftboard_log = log  # type: ignore[attr-defined]
     return process

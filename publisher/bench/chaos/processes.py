@@ -19,19 +19,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-# ``setpriv --pdeathsig KILL -- cmd``: PR_SET_PDEATHSIG, kept across the exec of ``cmd``
-_SETPRIV = shutil.which("setpriv")
-
-
-def _with_pdeathsig(argv: Sequence[str]) -> list[str]:
-    return [_SETPRIV, "--pdeathsig", "KILL", "--", *argv] if _SETPRIV else list(argv)
+from weftboard.board.embedded import with_parent_death_signal
 
 
 @dataclass(frozen=True)
@@ -99,7 +93,7 @@ class ChildProcess:
                 log.write(f"\n==== {self.name} incarnation {self.incarnation} at {time.time():.3f} ====\n".encode())
                 log.flush()
                 self.proc = await asyncio.create_subprocess_exec(
-                    *_with_pdeathsig(self._argv()), stdin=asyncio.subprocess.DEVNULL,
+                    *with_parent_death_signal(list(self._argv()), "KILL"), stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE if self._on_line else log, stderr=log, env=env,
                     cwd=self._cwd, start_new_session=True)
         finally:
