@@ -10,7 +10,9 @@ Invariants:
 - Every server binds 127.0.0.1 only and keeps its data and its log file under the
   directory it was given; the log tail is part of every start-up error.
 - A started process is registered for termination at interpreter exit, so nothing leaks
-  even when a caller forgets ``stop()`` (a test that fails half-way, Ctrl-C).
+  even when a caller forgets ``stop()`` (a test that fails half-way, Ctrl-C); where
+  util-linux's ``setpriv`` is installed it also dies with the thread that started it, when
+  that dies without clean-up (``with_parent_death_signal``; no ``preexec_fn``).
 - ``stop()`` is idempotent: SIGTERM, a grace period, then SIGKILL.
 - Port choice is racy by nature (another process can take a port between our probe and the
   server's bind), so start-up retries with fresh ports when the server dies early.
