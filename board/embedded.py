@@ -33,7 +33,7 @@ import sys
 import sysconfig
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,7 +142,7 @@ atexit.register(_kill_all_at_exit)
 _SETPRIV = shutil.which("setpriv")
 
 
-def with_parent_death_signal(argv: list[str], signame: str = "TERM") -> list[str]:
+def with_parent_death_signal(argv: Sequence[str], signame: str = "TERM") -> list[str]:
     """``argv`` run so that Linux sends it ``SIG<signame>`` when the thread that started it
     dies (no orphans), where util-linux's ``setpriv`` is installed; ``argv`` unchanged
     elsewhere. Not a ``preexec_fn``: Python code between fork and exec in a process with gRPC

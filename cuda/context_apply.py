@@ -25,11 +25,7 @@ import numpy as np
 
 from weftboard.cuda import huffman, tile_decode
 from weftboard.cuda.bit_deposit import pdep64
-from weftboard.cuda.bitops import (
-    array_at,
-    ctpop64,
-    load_u64le,
-)
+from weftboard.cuda.bitops import array_at, ctpop64, load_u64le
 from weftboard.cuda.context_codec import class_masks
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM
 from weftboard.cuda.jit import parallel_kernel

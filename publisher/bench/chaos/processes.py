@@ -93,7 +93,7 @@ class ChildProcess:
                 log.write(f"\n==== {self.name} incarnation {self.incarnation} at {time.time():.3f} ====\n".encode())
                 log.flush()
                 self.proc = await asyncio.create_subprocess_exec(
-                    *with_parent_death_signal(list(self._argv()), "KILL"), stdin=asyncio.subprocess.DEVNULL,
+                    *with_parent_death_signal(self._argv(), "KILL"), stdin=asyncio.subprocess.DEVNULL,
                     stdout=asyncio.subprocess.PIPE if self._on_line else log, stderr=log, env=env,
                     cwd=self._cwd, start_new_session=True)
         finally:
