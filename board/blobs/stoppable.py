@@ -17,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -83,8 +84,31 @@ class Stopper:
                 log.debug("closing a stopped transfer's body failed", error=str(exc))
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on a worker thread; cancelled, stop it and wait for its thread first."""
-        work = asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        """``fn(*args)`` on a thread of its own; cancelled, stop it and wait for its thread first.
+
+        Not the loop's default executor: a transfer holds its thread for the whole download,
+        and that pool has only ``cpu_count + 4`` threads, so a version's parts would queue for
+        a thread (and every ``to_thread`` call behind them) on a small host."""
+        loop = asyncio.get_running_loop()
+        work: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T | None, error: BaseException | None) -> None:
+            if work.done():
+                return
+            if error is not None:
+                work.set_exception(error)
+            else:
+                work.set_result(result)  # type: ignore[arg-type]
+
+        def body() -> None:
+            try:
+                outcome: tuple[T | None, BaseException | None] = (fn(*args), None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                outcome = (None, exc)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody awaits it
+                loop.call_soon_threadsafe(settle, *outcome)
+
+        threading.Thread(target=body, name="weftboard-transfer", daemon=True).start()
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
