@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -398,3 +400,21 @@ def test_describe_hides_credentials(s3_store: S3BlobStore) -> None:
     text = s3_store.describe()
     assert s3_store.bucket in text and s3_store.endpoint in text
     assert "secret" not in text.lower()
+
+
+async def test_s3_calls_do_not_queue_behind_the_loops_default_executor(s3_store: S3BlobStore, tmp_path: Path) -> None:
+    # A publisher uploads a version's parts at once while other work holds to_thread threads
+    # (cpu_count + 4 of them on the default executor): the store's calls run on its own.
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(1))
+    release = threading.Event()
+    busy = asyncio.ensure_future(asyncio.to_thread(release.wait, 60))
+    try:
+        data = [bytes([i]) * (1000 + i) for i in range(8)]
+        await asyncio.wait_for(asyncio.gather(*(s3_store.put_bytes(f"p/{i}", d) for i, d in enumerate(data))), 30)
+        sizes = await asyncio.wait_for(asyncio.gather(*(s3_store.stat(f"p/{i}") for i in range(8))), 30)
+        assert sizes == [len(d) for d in data]
+        assert await asyncio.wait_for(s3_store.get_bytes("p/3"), 30) == data[3]
+    finally:
+        release.set()
+        await busy

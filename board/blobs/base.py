@@ -11,8 +11,9 @@ Invariants:
 - Writes are all-or-nothing: a reader sees either no object or the complete bytes.
 - A missing object raises ``NotFound`` on reads and is ``None`` for ``stat``; an
   unreachable backend raises ``Unavailable`` (safe to retry).
-- Every method is a coroutine; blocking client calls run in ``asyncio.to_thread`` so a
-  server's event loop never stalls on storage.
+- Every method is a coroutine; blocking client calls run on worker threads (``to_thread``,
+  a store's own pool, or a transfer's own thread) so a server's event loop never stalls on
+  storage.
 """
 
 from __future__ import annotations

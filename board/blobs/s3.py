@@ -14,6 +14,9 @@ Invariants:
 - The bucket is created on first use if it is missing (and the credentials allow it).
 - ``prefix`` namespaces every key inside the bucket (several boards or tests can share one
   bucket); keys passed in and listed out never include it.
+- Every blocking client call runs on the store's own threads, as many as its connection pool
+  (``POOL_CONNECTIONS``): a version's uploads or stats never queue behind the event loop's
+  default executor (``cpu_count + 4`` threads, shared with every ``to_thread`` call).
 - Every network call has an explicit timeout; connection failures surface as
   ``Unavailable`` naming the endpoint, a missing object as ``NotFound``, refused
   credentials as ``PermissionDenied``.
@@ -67,6 +70,7 @@ _CHUNK = 1 << 20
 _WATCHED_CHUNK = 64 << 10  # with on_chunk: a reader waiting for bytes sees them sooner
 _MIN_RANGE = 256 << 10  # smallest byte range worth its own connection
 _DELETE_BATCH = 1000
+POOL_CONNECTIONS = 32  # per host: the urllib3 pool's size, and the store's threads for blocking calls
 PART_SIZE = 16 << 20
 MAX_PRESIGN_S = 7 * 24 * 3600
 # A multipart request the store presigns for itself needs its URL only for the request.
@@ -147,7 +151,7 @@ class S3BlobStore(BlobStore):
         self.prefix = prefix
         self._http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
-            maxsize=32,
+            maxsize=POOL_CONNECTIONS,
             retries=urllib3.Retry(
                 total=retries, backoff_factor=0.2, status_forcelist=(500, 502, 503, 504),
                 allowed_methods=None,  # our writes are idempotent (content-addressed keys)
@@ -158,6 +162,7 @@ class S3BlobStore(BlobStore):
             region=region, http_client=self._http,
         )
         self._first_byte: collections.deque[float] = collections.deque(maxlen=FIRST_BYTE_SAMPLES)
+        self._io = ThreadPoolExecutor(POOL_CONNECTIONS, thread_name_prefix="weftboard-s3")
         self._bucket_ready = False
         self._bucket_lock = threading.Lock()
 
@@ -211,7 +216,7 @@ class S3BlobStore(BlobStore):
             with self._errors(key):
                 return fn(*args, **kwargs)
 
-        return await asyncio.to_thread(call)
+        return await asyncio.get_running_loop().run_in_executor(self._io, call)
 
     # -- the port ---------------------------------------------------------------
 
@@ -528,7 +533,7 @@ class S3BlobStore(BlobStore):
         await self._run(key, self._own_request, what, "DELETE", name, {"uploadId": upload_id})
 
     async def close(self) -> None:
-        self._http.clear()
+        self._http.clear()  # (its threads stay: a closed store still answers; idle, they cost nothing)
 
 
 def _stream_chunk(on_chunk: ChunkCallback | None) -> int:
