@@ -13,6 +13,7 @@ from weftboard.cuda.codec import ENCODINGS
 from weftboard.publisher.bench import bench_publish
 from weftboard.publisher.bench.bench_sync import main_cli
 from weftboard.publisher.bench.chaos import bench as chaos_bench
+from weftboard.publisher.bench.wan.bench import WAN_LOSS
 from weftboard.publisher.parts import SUGGESTED_PART_BYTES
 
 
@@ -31,6 +32,8 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
         wan_rtt_ms: float = typer.Option(40.0, help="--wan: round-trip time per island (delaying relay)."),
         wan_slow_start: bool = typer.Option(True, "--wan-slow-start/--wan-no-slow-start",
                                             help="--wan: TCP slow start over the simulated round trip (restarts after idle)."),
+        wan_loss: float = typer.Option(WAN_LOSS, help="--wan: a segment's chance of being lost, each direction (late by a "
+                                                      "round trip, the window cut; needs --wan-slow-start)."),
         trainer_gc: str = typer.Option("manual", help="The trainer's garbage collection: manual (off, gc.collect(1) every 10 "
                                                       "steps, as large trainers run) or auto (Python's default)."),
         encoding: str = typer.Option("default", help="The publisher's patch encoding: default, compact (fewer bytes, slower), context or baseline."),
@@ -47,11 +50,13 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
             raise typer.BadParameter(f"choose one of {', '.join(ENCODINGS)}", param_hint="--encoding")
         if part_bytes is not None and part_bytes < 0:
             raise typer.BadParameter("must be >= 0", param_hint="--part-bytes")
+        if not 0.0 <= wan_loss < 1.0 or (wan_loss and not wan_slow_start):
+            raise typer.BadParameter("a chance in [0, 1), modelled with --wan-slow-start", param_hint="--wan-loss")
 
         configure(json=True, level="WARNING")
         main_cli(params, islands, versions, destination, json_out, work_dir,
                  wan=wan, wan_rate_mbit=wan_rate_mbit, wan_rtt_ms=wan_rtt_ms, wan_slow_start=wan_slow_start,
-                 warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes,
+                 wan_loss=wan_loss, warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes,
                  board_process=board_process)
 
     @bench.command("publish")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from weftboard.publisher.bench.wan import (
     check_capability,
     netns,
 )
+from weftboard.publisher.bench.wan.bench import WAN_LOSS
+from weftboard.publisher.bench.wan.window import BETA, SEGMENT_BYTES, SlowStartWindow
 
 
 def _wan_skip_reason() -> str | None:
@@ -120,8 +123,6 @@ async def test_relay_pipelines_chunks_instead_of_one_per_delay() -> None:
 
 
 def test_slow_start_window_doubles_per_round_trip_and_restarts_after_idle() -> None:
-    from weftboard.publisher.bench.wan.window import SlowStartWindow
-
     rtt, iw = 0.04, 14480
     w = SlowStartWindow(rtt, initial_bytes=iw)
     assert w.grant(0.0, 10**9) == (0.0, iw)  # the first round trip carries the initial window
@@ -137,8 +138,6 @@ def test_slow_start_window_doubles_per_round_trip_and_restarts_after_idle() -> N
 
 
 def test_slow_start_window_total_after_k_round_trips_is_geometric() -> None:
-    from weftboard.publisher.bench.wan.window import SlowStartWindow
-
     rtt, iw = 0.04, 14480
     w = SlowStartWindow(rtt, initial_bytes=iw)
     sent, now = 0, 0.0
@@ -147,6 +146,73 @@ def test_slow_start_window_total_after_k_round_trips_is_geometric() -> None:
         sent += n
         now = at if n == 0 else now
     assert sent == iw * (2**5 - 1)
+
+
+class _Draws:
+    """A random source that returns the given draws in turn (0.0: lost, 1.0: delivered)."""
+
+    def __init__(self, *draws: float) -> None:
+        self.draws = list(draws)
+
+    def random(self) -> float:
+        return self.draws.pop(0)
+
+
+def test_a_lost_segment_arrives_a_round_trip_late_and_cuts_the_window_once_per_round_trip() -> None:
+    rtt, iw = 0.04, 14480
+    w = SlowStartWindow(rtt, initial_bytes=iw, loss=0.01, rng=_Draws(1.0, 1.0, 0.0, 1.0, 0.0, 0.0))
+    assert w.grant(0.0, 10**9) == (0.0, iw)
+    assert w.grant(rtt, 10**9) == (rtt, 2 * iw)
+    # Round 3: a segment of its 4 windows' bytes is lost: they arrive one round trip late and
+    # the window (and the slow-start threshold) drop to BETA of it.
+    assert w.grant(2 * rtt, 10**9) == (3 * rtt, 4 * iw)
+    cut = int(4 * iw * BETA)
+    assert (w.cwnd, w.ssthresh, w.losses) == (cut, cut, 1)
+    assert w.grant(2 * rtt + 0.001, 10**9) == (3 * rtt, 0)  # more than the cut window left already
+    # Past the threshold the window grows by one segment per used-up round trip.
+    assert w.grant(3 * rtt, 10**9) == (3 * rtt, cut + SEGMENT_BYTES)
+    # Two losses in one round trip (the window first grew one more segment, as the last round
+    # trip used it up): both late, one cut (one recovery per window of data).
+    assert w.grant(4 * rtt, 100) == (5 * rtt, 100)
+    again = int((cut + 2 * SEGMENT_BYTES) * BETA)
+    assert w.grant(4 * rtt + 0.001, 100) == (5 * rtt + 0.001, 100)
+    assert (w.cwnd, w.losses) == (again, 3)
+
+
+def test_losses_follow_the_chance_per_segment() -> None:
+    rng, trials = random.Random(7), 4000
+    late = 0
+    for _ in range(trials):
+        at, n = SlowStartWindow(0.04, loss=0.01, rng=rng).grant(0.0, 10 * SEGMENT_BYTES)
+        assert n == 10 * SEGMENT_BYTES
+        late += at > 0.0
+    expected = 1 - 0.99**10  # any of the 10 segments lost: 9.6%
+    assert abs(late / trials - expected) < 0.015
+    assert SlowStartWindow(0.04).grant(0.0, 10**6)[0] == 0.0  # no loss unless asked
+    with pytest.raises(ValueError, match="chance"):
+        SlowStartWindow(0.04, loss=1.0)
+
+
+async def test_relay_with_loss_delivers_every_byte_in_order_and_later() -> None:
+    server = await _echo_server()
+    port = server.sockets[0].getsockname()[1]
+    payload = os.urandom(600_000 + 5)
+    elapsed = {}
+    async with server:
+        for loss in (0.0, 0.02):
+            relay = DelayRelay(("127.0.0.1", port), 0.005, listen=("127.0.0.1", 0), slow_start=True, loss=loss)
+            async with relay:
+                reader, writer = await asyncio.open_connection(*relay.address)
+                start = time.perf_counter()
+                writer.write(payload)
+                await writer.drain()
+                writer.write_eof()
+                echoed = await asyncio.wait_for(reader.read(-1), 30)
+                elapsed[loss] = time.perf_counter() - start
+                writer.close()
+            assert echoed == payload
+    # 2% a segment over ~830 segments each way: losses are certain, each a round trip late.
+    assert elapsed[0.02] > elapsed[0.0] + 2 * 0.01
 
 
 async def test_relay_slow_start_makes_a_fresh_transfer_ramp_over_round_trips() -> None:
@@ -216,6 +282,10 @@ def test_relay_refuses_bad_arguments() -> None:
         DelayRelay(("127.0.0.1", 1), 0.0)
     with pytest.raises(ValueError, match="loopback"):
         WanTopology(1, [80], target_host="10.0.0.1")
+    with pytest.raises(ValueError, match="needs slow_start"):
+        DelayRelay(("127.0.0.1", 1), 0.01, listen=("127.0.0.1", 0), loss=0.01)
+    with pytest.raises(ValueError, match="loss"):
+        WanTopology(1, [80], slow_start=False, loss=0.01)
 
 
 # ---- capability messages --------------------------------------------------------------------------
@@ -514,7 +584,7 @@ async def test_wan_network_gives_islands_relay_endpoints_on_their_own_links() ->
             assert len(hosts) == 2 and all(h.startswith("10.203.") for h in hosts)
             assert list(net.prefix(1))[:3] == ["ip", "netns", "exec"]
             assert net.describe() == {
-                "network": "wan", "wan": {"rate_mbit": 100, "rtt_ms": 20, "tcp_slow_start": True}
+                "network": "wan", "wan": {"rate_mbit": 100, "rtt_ms": 20, "tcp_slow_start": True, "loss": WAN_LOSS}
             }
         finally:
             await net.close()
@@ -543,13 +613,13 @@ def test_bench_sync_wan_small_model_end_to_end(tmp_path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "weftboard.board.cli", "bench", "sync", "--wan", "--json",
          "--params", "2000000", "--islands", "1", "--versions", "1",
-         "--wan-rate-mbit", "200", "--wan-rtt-ms", "10", "--work-dir", str(tmp_path)],
+         "--wan-rate-mbit", "200", "--wan-rtt-ms", "10", "--wan-loss", "0.001", "--work-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["network"] == "wan"
-    assert out["wan"] == {"rate_mbit": 200.0, "rtt_ms": 10.0, "tcp_slow_start": True}
+    assert out["wan"] == {"rate_mbit": 200.0, "rtt_ms": 10.0, "tcp_slow_start": True, "loss": 0.001}
     for key in ("params", "islands", "versions", "delta_bytes_per_version", "full_bytes_per_version",
                 "delta_sync_p50_s", "delta_sync_p99_s", "full_sync_p50_s", "speedup_p50", "bytes_ratio",
                 "trainer_blocked_s_per_version", "publisher_extra_memory_ratio"):

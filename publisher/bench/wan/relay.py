@@ -14,7 +14,8 @@ Invariants:
   stops the reader, which is TCP backpressure towards the sender.
 - With ``slow_start``, each direction also obeys a TCP congestion window over the simulated
   round trip (``window.SlowStartWindow``): the relay terminates TCP, so the real connections
-  would otherwise never feel the round trip in their ramp-up.
+  would otherwise never feel the round trip in their ramp-up; with ``loss`` that window also
+  loses segments at random (a late delivery and a smaller window, see ``window.py``).
 - Half-close is propagated (EOF in one direction becomes ``write_eof`` on the other); an error in
   either direction aborts both sides.
 - ``close()`` stops listening and ends every live connection, so the relay never outlives its owner.
@@ -62,6 +63,7 @@ class DelayRelay:
         max_chunks_in_flight: int = 256,
         chunk_bytes: int = CHUNK_BYTES,
         slow_start: bool = False,
+        loss: float = 0.0,
     ) -> None:
         if (listen is None) == (listen_sock is None):
             raise ValueError("give exactly one of listen=(host, port) or listen_sock=")
@@ -76,6 +78,9 @@ class DelayRelay:
         self._max_chunks = max_chunks_in_flight
         self._chunk_bytes = chunk_bytes
         self.slow_start = slow_start and delay_s > 0
+        if loss and not self.slow_start:
+            raise ValueError("loss is modelled by the TCP window: it needs slow_start and a delay > 0")
+        self.loss = loss
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()
         self.bytes_forwarded = 0
@@ -186,7 +191,7 @@ class DelayRelay:
                 if not data:
                     return
 
-        window = SlowStartWindow(2 * self.delay_s) if self.slow_start else None
+        window = SlowStartWindow(2 * self.delay_s, loss=self.loss) if self.slow_start else None
 
         async def send() -> None:
             while True:
@@ -203,8 +208,11 @@ class DelayRelay:
                     n = len(view)
                     if window is not None:
                         at, n = window.grant(loop.time(), n)
+                        if at > loop.time():
+                            # None may leave yet, or these arrive late (a lost segment resent):
+                            # TCP hands bytes over in order, so everything after waits too.
+                            await asyncio.sleep(at - loop.time())
                         if n == 0:
-                            await asyncio.sleep(max(0.0, at - loop.time()))
                             continue
                     dst.write(view[:n])
                     view = view[n:]

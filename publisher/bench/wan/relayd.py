@@ -5,7 +5,7 @@ cannot starve them of the GIL, which would add delay and cap throughput and so d
 figure measured through the link.
 
 Protocol (stdout lines starting with ``MARKER``; anything else is log output):
-- stdin, first line: the JSON config ``{"delay_s", "slow_start", "target_host",
+- stdin, first line: the JSON config ``{"delay_s", "slow_start", "loss", "target_host",
   "loopback_forwarders", "islands": [{"namespace", "host_ip", "ports": [...]}]}``;
 - stdout: ``MARKER {"relays": [[island, port, host, relay_port], ...]}`` once listening;
 - stdin EOF (the owner closed it, or died): close every relay, print
@@ -64,7 +64,7 @@ async def serve(config: dict[str, Any]) -> None:
             for port in island["ports"]:
                 relay = DelayRelay(
                     (target_host, port), delay_s, listen=(island["host_ip"], 0),
-                    slow_start=bool(config.get("slow_start", False)),
+                    slow_start=bool(config.get("slow_start", False)), loss=float(config.get("loss", 0.0)),
                 )
                 relays.append((i, port, await relay.start()))
                 if not config.get("loopback_forwarders", True):

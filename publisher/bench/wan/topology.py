@@ -67,11 +67,14 @@ class WanTopology:
         target_host: str = "127.0.0.1",
         loopback_forwarders: bool = True,
         slow_start: bool = True,
+        loss: float = 0.0,
     ) -> None:
         if islands < 1:
             raise ValueError(f"islands must be >= 1, got {islands}")
         if rate_mbit <= 0 or rtt_ms < 0:
             raise ValueError(f"need rate_mbit > 0 and rtt_ms >= 0, got {rate_mbit}, {rtt_ms}")
+        if not 0.0 <= loss < 1.0 or (loss and not (slow_start and rtt_ms > 0)):
+            raise ValueError(f"loss is a segment's chance in [0, 1), modelled with slow start over rtt_ms > 0; got {loss}")
         if not ipaddress.ip_address(target_host).is_loopback:
             raise ValueError(f"only loopback targets may be relayed, got {target_host}")
         self.islands = islands
@@ -81,6 +84,7 @@ class WanTopology:
         self.target_host = target_host
         self.loopback_forwarders = loopback_forwarders
         self.slow_start = slow_start
+        self.loss = loss
         self.nets: list[IslandNet] = []
         self._relays: dict[tuple[int, int], tuple[str, int]] = {}
         self._proc: subprocess.Popen[str] | None = None
@@ -105,7 +109,8 @@ class WanTopology:
         return f"{host}:{relay_port}"
 
     def describe(self) -> dict[str, Any]:
-        return {"rate_mbit": self.rate_mbit, "rtt_ms": self.rtt_ms, "tcp_slow_start": self.slow_start}
+        return {"rate_mbit": self.rate_mbit, "rtt_ms": self.rtt_ms, "tcp_slow_start": self.slow_start,
+                "loss": self.loss}
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -161,6 +166,7 @@ class WanTopology:
         config = {
             "delay_s": self.rtt_ms / 2000.0,
             "slow_start": self.slow_start,
+            "loss": self.loss,
             "target_host": self.target_host,
             "loopback_forwarders": self.loopback_forwarders,
             "islands": [
