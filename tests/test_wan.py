@@ -179,6 +179,18 @@ def test_a_lost_segment_arrives_a_round_trip_late_and_cuts_the_window_once_per_r
     assert (w.cwnd, w.losses) == (again, 3)
 
 
+def test_a_restart_after_idle_keeps_three_quarters_of_the_window_as_its_threshold() -> None:
+    rtt, iw = 0.04, 14480
+    w = SlowStartWindow(rtt, initial_bytes=iw, loss=0.01, rng=_Draws(0.0, *[1.0] * 6))
+    assert w.grant(0.0, 10**9) == (rtt, iw)  # lost at once: the threshold falls to 0.7 of it
+    assert w.ssthresh == int(iw * BETA)
+    for k in range(1, 5):  # congestion avoidance: one segment per used-up round trip
+        assert w.grant(k * rtt, 10**9)[1] == int(iw * BETA) + k * SEGMENT_BYTES
+    before = w.cwnd
+    assert w.grant(5 * rtt + 10 * w.rto_s, 10**9)[1] == iw  # idle: back to the initial window
+    assert w.ssthresh == before * 3 // 4 > int(iw * BETA)
+
+
 def test_losses_follow_the_chance_per_segment() -> None:
     rng, trials = random.Random(7), 4000
     late = 0

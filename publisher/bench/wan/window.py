@@ -9,7 +9,8 @@ part of Linux TCP that matters for a few-MB transfer across a WAN:
   the window doubles after every round trip in which it was used up (a sender that was not
   window-limited does not grow it, like Linux's ``tcp_is_cwnd_limited``);
 - restart after idle (``tcp_slow_start_after_idle``): each RTO of silence halves the window,
-  down to the initial window; the RTO is ``rtt + 200 ms`` (Linux's minimum RTO term);
+  down to the initial window, and the slow-start threshold is raised to at least 3/4 of the
+  window before it (``tcp_cwnd_restart``); the RTO is ``rtt + 200 ms`` (Linux's minimum RTO term);
 - random loss (``loss``, the chance that one segment is lost): bytes granted with a lost
   segment among them are delivered one round trip late (the segment is resent after the
   duplicate acks, and TCP hands bytes over in order), and the window is cut to ``BETA`` of
@@ -67,6 +68,7 @@ class SlowStartWindow:
         round trip later when one of their segments was lost), or none may leave until ``at``."""
         if self._last_send is not None and now - self._last_send > self.rto_s:
             idle = now - self._last_send
+            self.ssthresh = max(self.ssthresh, self.cwnd * 3 // 4)  # Linux's tcp_cwnd_restart
             while idle > self.rto_s and self.cwnd > self.initial_bytes:
                 self.cwnd = max(self.initial_bytes, self.cwnd // 2)
                 idle -= self.rto_s
