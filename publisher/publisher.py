@@ -62,7 +62,7 @@ from weftboard.publisher.commit import commit_job, encode_streams, upload_and_st
 from weftboard.publisher.job import RECENT_VERSIONS, Job, PublishHandle, job_of_read
 from weftboard.publisher.metrics import PublisherMetrics
 from weftboard.publisher.model_files import collect_model_files, open_run
-from weftboard.publisher.parts import SUGGESTED_PART_BYTES, PartCutter
+from weftboard.publisher.parts import SUGGESTED_PART_BYTES, FinishAhead, PartCutter
 from weftboard.publisher.policy import AnchorLedger, AnchorPolicy, AnchorReason
 from weftboard.publisher.served_view import (
     ServedView,
@@ -422,6 +422,7 @@ class Publisher:
         ``target``: the queued job this version is merged into ("skip"), or None.
         """
         t_read = time.perf_counter()
+        ahead: FinishAhead | None = None
         try:
             reason = self._decide(version, target)
             if target is not None and target.fused:
@@ -433,8 +434,17 @@ class Publisher:
             # merged into a queued version or the patch uses another encoding.
             scan = target is None and self.encoding in ("default", "context", "compact")
             compact = scan and self.encoding == "compact"  # encoded in the finish below
-            folded = self.view.fold(master, anchor=bool(reason), scan=scan)
+            part_bytes = self._part_bytes()
+            cutter = (PartCutter(version, self.encoding, part_bytes, self._ship_part(version))
+                      if scan and part_bytes and version > 1 and self.view.tensors is not None else None)
+            # Parts ship during the read: each scanned tensor is finished on FinishAhead's
+            # thread while the read folds the next (compact encodes from two views, after).
+            ahead = FinishAhead(cutter, self.view.encode_scanned) if cutter is not None and not compact else None
+            folded = self.view.fold(master, anchor=bool(reason), scan=scan,
+                                    on_scanned=ahead.add if ahead is not None else None)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+            if ahead is not None:
+                ahead.stop()
             read_done.set()
             self._fail_read(exc, Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0), target)
             return
@@ -443,13 +453,11 @@ class Publisher:
         del master
         t_finish = time.perf_counter()
         try:  # streams of the tensors the read scanned; the view still holds this version
-            part_bytes = self._part_bytes()
-            cutter = (PartCutter(version, self.encoding, part_bytes, self._ship_part(version))
-                      if scan and part_bytes and version > 1 and folded is not None else None)
+            early = ahead.drain() if ahead is not None else {}
             # The changed tensors are hashed on two threads: beside the finish, or after it when
             # it ships parts (far islands wait for the parts; only the commit needs the hashes).
             hashing = self.view.hash_changed(folded) if folded is not None and cutter is None else {}
-            deltas, fused = self.view.finish(folded, cutter, compact) if folded is not None else (None, {})
+            deltas, fused = self.view.finish(folded, cutter, compact, early) if folded is not None else (None, {})
             if cutter is not None:
                 hashing = self.view.hash_changed(folded)
             hashed = {n: f.result() for n, f in hashing.items()}

@@ -23,7 +23,7 @@ import ctypes
 import dataclasses
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -128,9 +128,11 @@ class ServedView:
 
     # -- the read: project and fold --------------------------------------------------------
 
-    def fold(self, master: dict[str, torch.Tensor], *, anchor: bool, scan: bool = False) -> dict[str, Any] | None:
+    def fold(self, master: dict[str, torch.Tensor], *, anchor: bool, scan: bool = False,
+             on_scanned: Callable[[str, Any], None] | None = None) -> dict[str, Any] | None:
         """Project every master tensor and fold it into the view; per served tensor its delta
-        or (``scan``, CPU views) its scans, or None when there was no view yet."""
+        or (``scan``, CPU views) its scans, or None when there was no view yet.
+        ``on_scanned(name, scans)`` sees each tensor's scans as soon as it is folded."""
         if self.tensors is None:
             view: dict[str, torch.Tensor] = {}
             for name, t in master.items():
@@ -147,6 +149,8 @@ class ServedView:
             prev = self.tensors.get(name)
             if self._is_elementwise(name, t, prev):
                 folded[name] = chunked_cast_fold_(prev, t, self._scratch, self._tensor_scan(prev, scan))
+                if on_scanned is not None and not isinstance(folded[name], TensorDelta):
+                    on_scanned(name, folded[name])
                 continue
             for sname, st in self.projector.project_tensor(name, t, anchor=anchor).items():
                 prev = self.tensors.get(sname)
@@ -157,6 +161,8 @@ class ServedView:
                     )
                 folded[sname] = fold_pieces_(prev, st.contiguous(), self._scratch, self._tensor_scan(prev, scan),
                                              len(st.reshape(-1)))
+                if on_scanned is not None and not isinstance(folded[sname], TensorDelta):
+                    on_scanned(sname, folded[sname])
         self._scratch.clear()
         if len(folded) != len(self.tensors):
             missing = sorted(set(self.tensors) - set(folded))[:3]
@@ -177,8 +183,14 @@ class ServedView:
 
     # -- after the read, while the view holds this version --------------------------------
 
+    def encode_scanned(self, name: str, scans: Any) -> Any:
+        """The stream of a tensor from its fold's scans, or None when they make none (its
+        delta then comes from the view, ``finish``). Reads the scans only, not the view."""
+        t = self.tensors[name]  # type: ignore[index]
+        return codec.encoded_from_scans(name, t.dtype, t.numel(), scans)
+
     def finish(self, folded: dict[str, Any], cutter: PartCutter | None = None,
-               compact: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+               compact: bool = False, ahead: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """(deltas, streams) from a fold: scanned tensors get their streams here (a tensor whose
         scans cannot make a stream gets its delta back from the view). Each stream goes to
         ``cutter`` as soon as it is finished, the tensors with the most changes first, so the
@@ -186,16 +198,22 @@ class ServedView:
 
         ``compact`` (the compact encoding's read): the changed tensors kept in ``previous`` are
         encoded from (``previous``, view) instead, each stream carrying its fold's scans (or
-        keeping its delta) for a merge. ``catch_up_previous`` then gives it the view's bits."""
+        keeping its delta) for a merge. ``catch_up_previous`` then gives it the view's bits.
+
+        ``ahead``: the streams (or None) of tensors already encoded during the read
+        (``parts.FinishAhead``), already handed to ``cutter``."""
         assert self.tensors is not None
         view = self.tensors
         previous = self.previous or {}
         by_changes = sorted(folded.items(), key=lambda entry: -changed_elements(entry[1]))
         pairs = [(n, previous[n], view[n]) for n, item in by_changes if compact and n in previous and changed_elements(item)]
         paired = {n for n, _, _ in pairs}
-        scanned = [(n, item) for n, item in by_changes if not isinstance(item, TensorDelta) and n not in paired]
+        ahead = ahead or {}
+        scanned = [(n, item) for n, item in by_changes
+                   if not isinstance(item, TensorDelta) and n not in paired and n not in ahead]
         deltas = {n: d for n, d in folded.items() if isinstance(d, TensorDelta)}
-        fused: dict[str, Any] = {}
+        fused: dict[str, Any] = {n: enc for n, enc in ahead.items() if enc is not None}
+        deltas.update({n: codec.delta_from_scans(folded[n], view[n]) for n, enc in ahead.items() if enc is None})
         # One thread with serial kernels: this runs while the trainer's next step keeps the
         # cores busy, where parallel regions wait at barriers for threads parked behind it.
         with serial_kernels():
@@ -205,7 +223,7 @@ class ServedView:
                 if cutter is not None:
                     cutter.add(enc)
             for name, scans in scanned:
-                enc = codec.encoded_from_scans(name, view[name].dtype, view[name].numel(), scans)
+                enc = self.encode_scanned(name, scans)
                 if enc is None:
                     deltas[name] = codec.delta_from_scans(scans, view[name])
                 else:

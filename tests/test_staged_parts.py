@@ -355,3 +355,83 @@ async def test_an_island_probes_its_store_and_asks_for_hints_only_when_far(
             await asyncio.gather(following, return_exceptions=True)
         finally:
             await asyncio.to_thread(pub.close)
+
+
+def test_parts_ship_while_the_read_still_folds_and_the_patch_is_exact() -> None:
+    """``FinishAhead``: a tensor's part is shipped while the read folds the next tensor (the
+    read waits here for the first part before folding on: a finish after the read would never
+    ship it); the parts then patch the old view into the new one bitwise."""
+    import concurrent.futures
+
+    import torch
+
+    from weftboard.cuda.codec import apply_patch_
+    from weftboard.cuda.formats import Projector, ServedFormatSpec
+    from weftboard.publisher.parts import FinishAhead, PartCutter
+    from weftboard.publisher.served_view import ServedView
+
+    g = torch.Generator().manual_seed(3)
+    master = {f"t{i}": torch.randn(40_000 + 1000 * i, generator=g) for i in range(4)}
+    with concurrent.futures.ThreadPoolExecutor(2) as hash_pool:
+        view = ServedView("r", Projector(ServedFormatSpec("bf16")), "default", hash_pool)
+        view.layout = [(n, "bfloat16", tuple(t.shape)) for n, t in master.items()]
+        assert view.fold(master, anchor=True, scan=True) is None  # the first read makes the view
+        old = {n: t.clone() for n, t in view.tensors.items()}
+        master = {n: t + 0.05 * torch.randn(t.shape, generator=g) for n, t in master.items()}
+        shipped: list[bytes] = []
+        first_shipped = threading.Event()
+
+        def ship(data: bytes) -> concurrent.futures.Future:
+            shipped.append(data)
+            first_shipped.set()
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(len(shipped))
+            return done
+
+        cutter = PartCutter(2, "default", 1, ship)  # a part per tensor
+        ahead = FinishAhead(cutter, view.encode_scanned)
+        folded_order: list[str] = []
+
+        def on_scanned(name: str, scans: Any) -> None:
+            ahead.add(name, scans)
+            if not folded_order:
+                assert first_shipped.wait(30), "the first tensor's part did not ship during the read"
+            folded_order.append(name)
+
+        folded = view.fold(master, anchor=False, scan=True, on_scanned=on_scanned)
+        deltas, fused = view.finish(folded, cutter, False, ahead.drain())
+    assert folded_order == list(master) and not deltas and sorted(fused) == sorted(master)
+    assert [t.name for d in shipped for t in read_patch_info(d).tensors] == list(master)  # in fold order
+    apply_patch_(old, join_patches(shipped))
+    assert bits_equal(old, view.tensors), first_difference(old, view.tensors)
+
+
+def test_a_failed_encode_ahead_is_raised_and_a_stopped_one_ships_nothing_more() -> None:
+    import concurrent.futures
+
+    from weftboard.publisher.parts import FinishAhead, PartCutter
+
+    def ship(data: bytes) -> concurrent.futures.Future:
+        raise AssertionError("nothing is shipped")
+
+    def failing(name: str, scans: Any) -> Any:
+        raise ValueError(f"cannot encode {name}")
+
+    ahead = FinishAhead(PartCutter(2, "default", 1, ship), failing)
+    ahead.add("w", object())
+    with pytest.raises(ValueError, match="cannot encode w"):
+        ahead.drain()
+
+    release = threading.Event()
+    encoded: list[str] = []
+
+    def slow(name: str, scans: Any) -> None:
+        release.wait(30)
+        encoded.append(name)
+
+    ahead = FinishAhead(PartCutter(2, "default", 1, ship), slow)
+    for name in ("a", "b", "c"):
+        ahead.add(name, object())
+    threading.Timer(0.2, release.set).start()
+    ahead.stop()  # "a" runs to its end; "b" and "c" never start
+    assert encoded == ["a"]
