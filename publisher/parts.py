@@ -1,8 +1,8 @@
 """Cutting a version's patch into parts while its streams are finished, so islands can start
 downloading before the version commits.
 
-A patch's streams are finished one tensor at a time (``FinishAhead``: on a thread of their own
-while the read folds the next tensors); waiting for the last one and the root digest before
+A patch's streams are finished one tensor at a time (``FinishAhead``: each right after the read
+folded it); waiting for the last one and the root digest before
 uploading anything leaves a far island idle for all of that time.
 A ``PartCutter`` collects finished streams and, once they hold ``part_bytes`` of streams, makes
 them one part (a patch container with an empty root, ``weftboard.cuda.codec``) and hands it to
@@ -14,8 +14,7 @@ those the read could not encode itself (their deltas are encoded later), or none
 Invariants:
 - Parts hold disjoint tensors, in the order their streams were finished; a tensor's stream is
   in exactly one part of the committed patch.
-- Cutting never waits for an upload: the caller (``FinishAhead``'s thread, then the
-  publisher's read thread) only assembles.
+- Cutting never waits for an upload: the caller (the publisher's read thread) only assembles.
 - A staged part is a hint until the commit names it: a version merged into a later one
   (``on_backpressure="skip"``) commits other parts and leaves its staged ones unused.
 """
@@ -27,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 from weftboard.cuda.codec import assemble_patch
-from weftboard.cuda.jit import serial_kernels
 from weftboard.proto.errors import InvalidArgument
 
 Ship = Callable[[bytes], "concurrent.futures.Future[Any]"]
@@ -78,40 +76,29 @@ class PartCutter:
 
 
 class FinishAhead:
-    """Finishes a read's scanned tensors on one thread of its own while the read folds the
-    next ones, handing each stream to ``cutter``: the first parts ship during the read, not
-    after it (a far island's download starts that much sooner).
+    """Finishes a read's scanned tensors as the read folds them, handing each stream to
+    ``cutter``: the first parts ship during the read, not after it (a far island's download
+    starts that much sooner). The encode runs on the read thread, right after the tensor's
+    fold (a thread of its own beside the read held up the read's parallel kernels: the read
+    took 2-3x as long, and the trainer waited for it).
 
     ``encode(name, scans)`` gives a tensor's stream, or None when its scans make none (the
-    finish then recovers its delta from the view). Invariants: until ``drain`` returns only
-    this thread adds to ``cutter``; every tensor handed in is encoded exactly once; a failed
-    encode is raised by ``drain``, and ``stop`` (a failed read) lets what runs end and drops
-    what waits, so nothing is shipped for the version after it returns.
+    finish then recovers its delta from the view). Invariants: every tensor handed in is
+    encoded exactly once, in the order handed in; a failed encode raises in ``add``, which
+    fails the read.
     """
 
     def __init__(self, cutter: PartCutter, encode: Callable[[str, Any], Any]) -> None:
         self.cutter = cutter
         self._encode = encode
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weftboard-finish-ahead")
-        self._futures: dict[str, concurrent.futures.Future[Any]] = {}
+        self._streams: dict[str, Any] = {}
 
     def add(self, name: str, scans: Any) -> None:
         """A tensor the read just folded into its scans (called on the read thread)."""
-        self._futures[name] = self._pool.submit(self._finish, name, scans)
-
-    def _finish(self, name: str, scans: Any) -> Any:
-        with serial_kernels():  # beside the read and the trainer's step: one thread (see jit)
-            encoded = self._encode(name, scans)
+        encoded = self._streams[name] = self._encode(name, scans)
         if encoded is not None:
             self.cutter.add(encoded)
-        return encoded
 
-    def drain(self) -> dict[str, Any]:
-        """Each tensor's stream (or None), once every one is finished."""
-        try:
-            return {name: future.result() for name, future in self._futures.items()}
-        finally:
-            self._pool.shutdown(wait=True)
-
-    def stop(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def streams(self) -> dict[str, Any]:
+        """Each tensor's stream (or None), in the order they were finished."""
+        return dict(self._streams)

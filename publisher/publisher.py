@@ -422,7 +422,6 @@ class Publisher:
         ``target``: the queued job this version is merged into ("skip"), or None.
         """
         t_read = time.perf_counter()
-        ahead: FinishAhead | None = None
         try:
             reason = self._decide(version, target)
             if target is not None and target.fused:
@@ -437,14 +436,12 @@ class Publisher:
             part_bytes = self._part_bytes()
             cutter = (PartCutter(version, self.encoding, part_bytes, self._ship_part(version))
                       if scan and part_bytes and version > 1 and self.view.tensors is not None else None)
-            # Parts ship during the read: each scanned tensor is finished on FinishAhead's
-            # thread while the read folds the next (compact encodes from two views, after).
+            # Parts ship during the read: each scanned tensor is finished as soon as it is
+            # folded (compact encodes from two views, after the read).
             ahead = FinishAhead(cutter, self.view.encode_scanned) if cutter is not None and not compact else None
             folded = self.view.fold(master, anchor=bool(reason), scan=scan,
                                     on_scanned=ahead.add if ahead is not None else None)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters
-            if ahead is not None:
-                ahead.stop()
             read_done.set()
             self._fail_read(exc, Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0), target)
             return
@@ -453,7 +450,7 @@ class Publisher:
         del master
         t_finish = time.perf_counter()
         try:  # streams of the tensors the read scanned; the view still holds this version
-            early = ahead.drain() if ahead is not None else {}
+            early = ahead.streams() if ahead is not None else {}
             # The changed tensors are hashed on two threads: beside the finish, or after it when
             # it ships parts (far islands wait for the parts; only the commit needs the hashes).
             hashing = self.view.hash_changed(folded) if folded is not None and cutter is None else {}
