@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from weftboard.cuda.codec import assemble_patch
+from weftboard.cuda.jit import serial_kernels
 from weftboard.proto.errors import InvalidArgument
 
 Ship = Callable[[bytes], "concurrent.futures.Future[Any]"]
@@ -95,7 +96,8 @@ class FinishAhead:
 
     def add(self, name: str, scans: Any) -> None:
         """A tensor the read just folded into its scans (called on the read thread)."""
-        encoded = self._streams[name] = self._encode(name, scans)
+        with serial_kernels():  # the trainer's step runs beside the read (see jit.serial_kernels)
+            encoded = self._streams[name] = self._encode(name, scans)
         if encoded is not None:
             self.cutter.add(encoded)
 
