@@ -94,6 +94,7 @@ class Publisher:
         encoding: str = "default",
         timeout_s: float = 30.0,
         part_bytes: int | None = None,
+        parts_during_read: bool = True,
         upload_part_bytes: int = DEFAULT_PART_BYTES,  # without blob_store: larger blobs go up in parts of this
         tls: TlsConfig | bool | None = None,
         tls_ca: str | Path | None = None,
@@ -132,6 +133,10 @@ class Publisher:
         self.encoding = encoding
         self.timeout_s = timeout_s
         self.part_bytes = part_bytes
+        # Staged parts ship as the read folds each tensor (far islands start sooner), or after
+        # the read, bulk first (the read, which the trainer's next step waits for, is not
+        # shared with the uploads): cuda/PERFORMANCE.md has both in bench sync --wan.
+        self.parts_during_read = parts_during_read
         self._upload_part_bytes = upload_part_bytes
         self._parts_wanted = False  # the board's word at the last commit (for part_bytes=None)
         self.run_labels = dict(run_labels or {})
@@ -438,7 +443,8 @@ class Publisher:
                       if scan and part_bytes and version > 1 and self.view.tensors is not None else None)
             # Parts ship during the read: each scanned tensor is finished as soon as it is
             # folded (compact encodes from two views, after the read).
-            ahead = FinishAhead(cutter, self.view.encode_scanned) if cutter is not None and not compact else None
+            ahead = (FinishAhead(cutter, self.view.encode_scanned)
+                     if cutter is not None and not compact and self.parts_during_read else None)
             folded = self.view.fold(master, anchor=bool(reason), scan=scan,
                                     on_scanned=ahead.add if ahead is not None else None)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters

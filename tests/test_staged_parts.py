@@ -53,14 +53,17 @@ def _patch_blobs(record: pb.VersionRecord) -> list[pb.BlobRef]:
     return [b for a in record.artifacts if a.kind == pb.ARTIFACT_KIND_PATCH for b in a.blobs]
 
 
-async def test_parts_are_staged_before_the_commit_and_islands_follow_bitwise(board, local_store, tmp_path: Path) -> None:
+@pytest.mark.parametrize("during_read", [True, False])
+async def test_parts_are_staged_before_the_commit_and_islands_follow_bitwise(board, local_store, tmp_path: Path,
+                                                                             during_read: bool) -> None:
     trainer = Trainer(lr=1e-4)
     views: dict[int, dict] = {}
     published = threading.Event()
     go = threading.Event()
 
     def train() -> None:
-        with Publisher(board.address, "p", token=board.admin_token, blob_store=local_store, part_bytes=PART_BYTES) as pub:
+        with Publisher(board.address, "p", token=board.admin_token, blob_store=local_store, part_bytes=PART_BYTES,
+                       parts_during_read=during_read) as pub:
             trainer.step()
             views[pub.publish(trainer.model, step=1).version] = trainer.served()
             pub.flush()
@@ -98,6 +101,12 @@ async def test_parts_are_staged_before_the_commit_and_islands_follow_bitwise(boa
             assert [i.target_root for i in infos] == [""] * len(hinted) + [record.root_digest] * (len(blobs) - len(hinted))
             joined = read_patch_info(join_patches(datas))
             assert sorted(t.name for t in joined.tensors) == sorted(views[v])  # every tensor exactly once
+            staged_order = [t.name for i in infos[:len(hinted)] for t in i.tensors]
+            if during_read:  # finished as the read folded them: the view's order
+                assert staged_order == [n for n in views[v] if n in staged_order]
+            else:  # finished after the read, the tensors with the most changes first
+                changes = {t.name: t.changed for t in joined.tensors}
+                assert [changes[n] for n in staged_order] == sorted((changes[n] for n in staged_order), reverse=True)
             assert joined.target_root == record.root_digest and joined.base_version == v - 1
 
         # Islands reach every version bitwise: one applying parts as they arrive (live
