@@ -12,7 +12,7 @@ A version goes through these stages, in publish order:
 1. read (``publish``, or in the background once ``attach``-ed): project the master weights
    and fold them into the served view (``served_view.py``, ``fold.py``);
 2. snapshot (the read thread): finish the streams the read scanned, shipping staged parts
-   (``parts.py``), hash the changed tensors, write an anchor's files;
+   (``parts.py``; during the read by default), hash the changed tensors, write an anchor's files;
 3. commit (an asyncio loop on its own thread): encode the rest, upload, commit (``commit.py``).
 
 Invariants:
@@ -51,11 +51,7 @@ from weftboard.cuda.anchors import DEFAULT_SHARD_BYTES
 from weftboard.cuda.codec import ENCODINGS
 from weftboard.cuda.formats import Projector, ServedFormatSpec
 from weftboard.proto.domain import check_name
-from weftboard.proto.errors import (
-    FailedPrecondition,
-    InvalidArgument,
-    WeftboardError,
-)
+from weftboard.proto.errors import FailedPrecondition, InvalidArgument, WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher import resume
 from weftboard.publisher.commit import commit_job, encode_streams, upload_and_stage
@@ -133,10 +129,7 @@ class Publisher:
         self.encoding = encoding
         self.timeout_s = timeout_s
         self.part_bytes = part_bytes
-        # Staged parts ship as the read folds each tensor (far islands start sooner), or after
-        # the read, bulk first (the read, which the trainer's next step waits for, is not
-        # shared with the uploads): cuda/PERFORMANCE.md has both in bench sync --wan.
-        self.parts_during_read = parts_during_read
+        self.parts_during_read = parts_during_read  # or after the read, bulk first (parts.FinishAhead)
         self._upload_part_bytes = upload_part_bytes
         self._parts_wanted = False  # the board's word at the last commit (for part_bytes=None)
         self.run_labels = dict(run_labels or {})
@@ -438,11 +431,8 @@ class Publisher:
             # merged into a queued version or the patch uses another encoding.
             scan = target is None and self.encoding in ("default", "context", "compact")
             compact = scan and self.encoding == "compact"  # encoded in the finish below
-            part_bytes = self._part_bytes()
-            cutter = (PartCutter(version, self.encoding, part_bytes, self._ship_part(version))
-                      if scan and part_bytes and version > 1 and self.view.tensors is not None else None)
-            # Parts ship during the read: each scanned tensor is finished as soon as it is
-            # folded (compact encodes from two views, after the read).
+            cutter = self._cutter(version) if scan else None
+            # Parts ship during the read, each tensor finished once folded (compact: after it).
             ahead = (FinishAhead(cutter, self.view.encode_scanned)
                      if cutter is not None and not compact and self.parts_during_read else None)
             folded = self.view.fold(master, anchor=bool(reason), scan=scan,
@@ -456,11 +446,11 @@ class Publisher:
         del master
         t_finish = time.perf_counter()
         try:  # streams of the tensors the read scanned; the view still holds this version
-            early = ahead.streams() if ahead is not None else {}
             # The changed tensors are hashed on two threads: beside the finish, or after it when
             # it ships parts (far islands wait for the parts; only the commit needs the hashes).
             hashing = self.view.hash_changed(folded) if folded is not None and cutter is None else {}
-            deltas, fused = self.view.finish(folded, cutter, compact, early) if folded is not None else (None, {})
+            deltas, fused = (self.view.finish(folded, cutter, compact, ahead.streams() if ahead is not None else None)
+                             if folded is not None else (None, {}))
             if cutter is not None:
                 hashing = self.view.hash_changed(folded)
             hashed = {n: f.result() for n, f in hashing.items()}
@@ -502,14 +492,13 @@ class Publisher:
         with self._cond:
             return self.anchors.decide(version, has_base=self.view.tensors is not None and self.view.has_base)
 
-    def _part_bytes(self) -> int:
-        """Streams per staged part for the version being read now (0: one patch blob)."""
-        if self.part_bytes is not None:
-            return self.part_bytes
-        return SUGGESTED_PART_BYTES if self._parts_wanted else 0
-
-    def _ship_part(self, version: int) -> Any:
-        """``PartCutter``'s ``ship`` for ``version``: upload and stage on the publisher's loop."""
+    def _cutter(self, version: int) -> PartCutter | None:
+        """Staged parts of the version being read now, uploaded and staged on the publisher's
+        loop; None for one patch blob (the first patch, or ``part_bytes`` 0 or unasked)."""
+        wanted = SUGGESTED_PART_BYTES if self._parts_wanted else 0
+        part_bytes = self.part_bytes if self.part_bytes is not None else wanted
+        if not part_bytes or version < 2 or self.view.tensors is None:
+            return None
         assert self._uploader is not None and self._client is not None
 
         def ship(data: bytes) -> concurrent.futures.Future:
@@ -517,7 +506,7 @@ class Publisher:
                 version, data, run=self.run, client=self._client, uploader=self._uploader, staging=self._staging,
             ), self._loop)
 
-        return ship
+        return PartCutter(version, self.encoding, part_bytes, ship)
 
     def _snapshot(self, job: Job) -> None:
         """Digests, root and anchor files of the job, then queue it for its commit."""
