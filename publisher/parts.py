@@ -1,9 +1,9 @@
 """Cutting a version's patch into parts while its streams are finished, so islands can start
 downloading before the version commits.
 
-A patch's streams are finished one tensor at a time (``FinishAhead``: each right after the read
-folded it); waiting for the last one and the root digest before
-uploading anything leaves a far island idle for all of that time.
+A patch's streams are finished one tensor at a time (``FinishAhead``: each right after the
+read folded it); waiting for the last one and the root digest before uploading anything
+leaves a far island idle for all of that time.
 A ``PartCutter`` collects finished streams and, once they hold ``part_bytes`` of streams, makes
 them one part (a patch container with an empty root, ``weftboard.cuda.codec``) and hands it to
 ``ship`` (upload, then ``StagePart`` on the board), which returns at once with a future of the
@@ -79,9 +79,11 @@ class PartCutter:
 class FinishAhead:
     """Finishes a read's scanned tensors as the read folds them, handing each stream to
     ``cutter``: the first parts ship during the read, not after it (a far island's download
-    starts that much sooner). The encode runs on the read thread, right after the tensor's
-    fold (a thread of its own beside the read held up the read's parallel kernels: the read
-    took 2-3x as long, and the trainer waited for it).
+    starts that much sooner). The encode runs on the read thread right after the tensor's
+    fold, on serial kernels like the finish's. The read then shares the host with the
+    uploads (on the bench's host also with the islands and the simulated links), so the
+    trainer waits longer for it (``cuda/PERFORMANCE.md``); ``parts_during_read=False`` on the
+    ``Publisher`` finishes after the read instead.
 
     ``encode(name, scans)`` gives a tensor's stream, or None when its scans make none (the
     finish then recovers its delta from the view). Invariants: every tensor handed in is
