@@ -14,6 +14,7 @@ from weftboard.publisher.bench import bench_publish
 from weftboard.publisher.bench.bench_sync import main_cli
 from weftboard.publisher.bench.chaos import bench as chaos_bench
 from weftboard.publisher.bench.wan.bench import WAN_LOSS
+from weftboard.publisher.bench.wan.window import check_loss
 from weftboard.publisher.parts import SUGGESTED_PART_BYTES
 
 
@@ -50,8 +51,10 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
             raise typer.BadParameter(f"choose one of {', '.join(ENCODINGS)}", param_hint="--encoding")
         if part_bytes is not None and part_bytes < 0:
             raise typer.BadParameter("must be >= 0", param_hint="--part-bytes")
-        if not 0.0 <= wan_loss < 1.0 or (wan_loss and not wan_slow_start):
-            raise typer.BadParameter("a chance in [0, 1), modelled with --wan-slow-start", param_hint="--wan-loss")
+        try:
+            check_loss(wan_loss, wan_slow_start)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--wan-loss") from None
 
         configure(json=True, level="WARNING")
         main_cli(params, islands, versions, destination, json_out, work_dir,

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
-from weftboard.publisher.bench.wan.window import SlowStartWindow
+from weftboard.publisher.bench.wan.window import SlowStartWindow, check_loss
 
 log = structlog.get_logger(__name__)
 
@@ -78,8 +78,7 @@ class DelayRelay:
         self._max_chunks = max_chunks_in_flight
         self._chunk_bytes = chunk_bytes
         self.slow_start = slow_start and delay_s > 0
-        if loss and not self.slow_start:
-            raise ValueError("loss is modelled by the TCP window: it needs slow_start and a delay > 0")
+        check_loss(loss, self.slow_start)
         self.loss = loss
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.Task[None]] = set()

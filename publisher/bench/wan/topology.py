@@ -44,6 +44,7 @@ import structlog
 from weftboard.publisher.bench.wan import netns
 from weftboard.publisher.bench.wan.netns import IslandNet
 from weftboard.publisher.bench.wan.relay import MARKER
+from weftboard.publisher.bench.wan.window import check_loss
 
 log = structlog.get_logger(__name__)
 
@@ -73,8 +74,7 @@ class WanTopology:
             raise ValueError(f"islands must be >= 1, got {islands}")
         if rate_mbit <= 0 or rtt_ms < 0:
             raise ValueError(f"need rate_mbit > 0 and rtt_ms >= 0, got {rate_mbit}, {rtt_ms}")
-        if not 0.0 <= loss < 1.0 or (loss and not (slow_start and rtt_ms > 0)):
-            raise ValueError(f"loss is a segment's chance in [0, 1), modelled with slow start over rtt_ms > 0; got {loss}")
+        check_loss(loss, slow_start and rtt_ms > 0)
         if not ipaddress.ip_address(target_host).is_loopback:
             raise ValueError(f"only loopback targets may be relayed, got {target_host}")
         self.islands = islands

@@ -35,6 +35,15 @@ BETA = 0.7  # the window kept after a loss (CUBIC)
 _EPSILON_S = 1e-6
 
 
+def check_loss(loss: float, tcp_window: bool = True) -> None:
+    """Raise ``ValueError`` unless ``loss`` is a segment's chance in [0, 1), and (when not 0)
+    there is a TCP window to model it (``tcp_window``: slow start over a delay > 0)."""
+    if not 0.0 <= loss < 1.0:
+        raise ValueError(f"loss is a segment's chance of being lost, in [0, 1), got {loss}")
+    if loss and not tcp_window:
+        raise ValueError("loss is modelled by the TCP window: it needs slow_start and a delay > 0")
+
+
 class SlowStartWindow:
     def __init__(
         self,
@@ -47,8 +56,7 @@ class SlowStartWindow:
     ) -> None:
         if rtt_s <= 0:
             raise ValueError(f"rtt_s must be > 0, got {rtt_s}")
-        if not 0.0 <= loss < 1.0:
-            raise ValueError(f"loss is a segment's chance of being lost, in [0, 1), got {loss}")
+        check_loss(loss)
         self.loss = loss
         self._rng = rng if rng is not None else random.Random()
         self.ssthresh = max_bytes  # slow start up to here; set by a loss
