@@ -209,11 +209,9 @@ class ServedView:
         pairs = [(n, previous[n], view[n]) for n, item in by_changes if compact and n in previous and changed_elements(item)]
         paired = {n for n, _, _ in pairs}
         ahead = ahead or {}
-        scanned = [(n, item) for n, item in by_changes
-                   if not isinstance(item, TensorDelta) and n not in paired and n not in ahead]
+        scanned = [(n, item) for n, item in by_changes if not isinstance(item, TensorDelta) and n not in paired]
         deltas = {n: d for n, d in folded.items() if isinstance(d, TensorDelta)}
-        fused: dict[str, Any] = {n: enc for n, enc in ahead.items() if enc is not None}
-        deltas.update({n: codec.delta_from_scans(folded[n], view[n]) for n, enc in ahead.items() if enc is None})
+        fused: dict[str, Any] = {}
         # One thread with serial kernels: this runs while the trainer's next step keeps the
         # cores busy, where parallel regions wait at barriers for threads parked behind it.
         with serial_kernels():
@@ -223,12 +221,13 @@ class ServedView:
                 if cutter is not None:
                     cutter.add(enc)
             for name, scans in scanned:
-                enc = self.encode_scanned(name, scans)
+                shipped = name in ahead
+                enc = ahead[name] if shipped else self.encode_scanned(name, scans)
                 if enc is None:
                     deltas[name] = codec.delta_from_scans(scans, view[name])
                 else:
                     fused[name] = enc
-                    if cutter is not None:
+                    if cutter is not None and not shipped:
                         cutter.add(enc)
         if cutter is not None:
             cutter.flush()
