@@ -51,20 +51,33 @@ def choose_thresholds(old: np.ndarray, dtype: torch.dtype, classes: int = CLASSE
     holds the large weights that rarely change and each smaller binade gets its own class.
     Empty when the tensor has no spread to use (all zeros, subnormals)."""
     shift, emask = _EXPONENT[dtype]
-    sample = old[:: max(1, old.size // 4096)]
-    if sample.size == 0:
+    if old.size == 0:
         return np.empty(0, np.int64)
-    # np.median of the exponents, from their counts (a partition and a widening copy of the
-    # sample took about 80 us a tensor, 5 ms of the codec bench's encode): the mean of the two
-    # middle order statistics (one when the sample is odd), truncated.
-    counts = np.bincount((sample >> shift) & emask, minlength=emask + 1)
-    below = np.cumsum(counts)
-    n = sample.size
-    lo = int(np.searchsorted(below, (n - 1) // 2, side="right"))
-    hi = int(np.searchsorted(below, n // 2, side="right"))
-    med = (lo + hi) // 2
+    med = _median_exponent(old, max(1, old.size // 4096), shift, emask)
     exps = [e for e in range(med - classes + 1, med) if e >= 1]
     return np.array([e << shift for e in exps], np.int64)
+
+
+@nb.njit(cache=True, nogil=True)
+def _median_exponent(old, step, shift, emask):
+    """The median exponent of the sample ``old[::step]``: the mean of its two middle order
+    statistics (one when the sample is odd), truncated, from the exponents' counts. Compiled:
+    numpy's bincount, cumsum and searchsorted took about 48 us a tensor, 3 ms of the codec
+    bench's compact encode (66 tensors)."""
+    counts = np.zeros(emask + 1, np.int64)
+    n = 0
+    for j in range(0, old.size, step):
+        counts[(np.int64(old[j]) >> shift) & emask] += 1
+        n += 1
+    lo = hi = -1
+    below = 0
+    for e in range(emask + 1):  # the first exponent whose cumulative count passes each rank
+        below += counts[e]
+        if lo < 0 and below > (n - 1) // 2:
+            lo = e
+        if hi < 0 and below > n // 2:
+            hi = e
+    return (lo + hi) // 2
 
 
 @nb.njit(inline="always", cache=True)

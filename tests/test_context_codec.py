@@ -89,6 +89,22 @@ def test_thresholds_are_checked_and_chosen_below_the_median_binade() -> None:
             cc.encode_context(a, a, np.array(bad, np.int64), CODEC_TILE)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_thresholds_end_one_binade_below_the_samples_median_exponent(dtype: torch.dtype) -> None:
+    shift, emask = (7, 0xFF) if dtype == torch.bfloat16 else (10, 0x1F)
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 2, 3, 64, 4095, 4096, 4097, 8191, 8192, 100_003):
+        for scale in (1e-3, 0.02, 1.0, 100.0):
+            t = (torch.randn(n, generator=gen) * scale).to(dtype)
+            t[: n // 3] = 0  # a heavy low tail moves the median, and an even sample has two middles
+            a = u16(t)
+            sample = a[:: max(1, n // 4096)]
+            med = int(np.median((sample >> shift) & emask))  # the mean of the two middles, truncated
+            want = [e << shift for e in range(med - cc.CLASSES + 1, med) if e >= 1]
+            assert cc.choose_thresholds(a, dtype).tolist() == want, (n, scale)
+    assert cc.choose_thresholds(np.zeros(0, np.uint16), dtype).size == 0
+
+
 def test_context_patches_mix_modes_apply_and_revert() -> None:
     old16, new16 = optimizer_step(200_000, torch.bfloat16, seed=2, steps=3)
     zeros = torch.zeros(5000, dtype=torch.bfloat16)  # no spread to classify: default modes
