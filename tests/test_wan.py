@@ -407,6 +407,8 @@ async def test_islands_are_rate_limited_and_delayed_both_ways() -> None:
                 _run_in_island(wan, 0, "127.0.0.1", port, size),
                 _run_in_island(wan, 1, *wan.address(1, port), size),
             )
+            drops = await asyncio.to_thread(wan.queue_drops)  # read from both ends of both links
+            assert isinstance(drops, int) and drops >= 0
         forwarded = wan.bytes_forwarded(0)
     limit_bytes_per_s = rate_mbit * 1e6 / 8
     for r in results:
@@ -563,6 +565,16 @@ async def test_island_reads_real_s3_through_the_link_signed_and_presigned(
 # ---- the bench hook --------------------------------------------------------------------------------
 
 
+def test_tbf_drops_counts_only_the_rate_limits() -> None:
+    shown = json.dumps([
+        {"kind": "tbf", "handle": "81b2:", "root": True, "bytes": 1343564642, "packets": 888985, "drops": 31562},
+        {"kind": "tbf", "handle": "81b3:", "drops": 7},
+        {"kind": "noqueue", "handle": "0:", "drops": 5},
+    ])
+    assert netns.tbf_drops(shown) == 31569
+    assert netns.tbf_drops("[]") == 0 and netns.tbf_drops("") == 0
+
+
 def test_wan_network_only_relays_loopback_endpoints() -> None:
     from weftboard.publisher.bench.wan.bench import _loopback_port
 
@@ -637,6 +649,8 @@ def test_bench_sync_wan_small_model_end_to_end(tmp_path) -> None:
                 "trainer_blocked_s_per_version", "publisher_extra_memory_ratio"):
         assert key in out, key
     assert out["bitwise_ok"] is True
+    assert set(out["wan_queue_drops"]) == {"delta_versions", "full_checkpoints"}
+    assert all(isinstance(n, int) and n >= 0 for n in out["wan_queue_drops"].values())
     # Every island sat behind its link: a full checkpoint cannot arrive faster than the rate.
     assert out["full_sync_p50_s"] >= out["full_bytes_per_version"] * 8 / 200e6
     # The bench has exited: no namespace of a dead process may be left behind.

@@ -85,6 +85,10 @@ class WanNetwork:
     def s3_endpoint(self, index: int, endpoint: str) -> str:
         return self._relay(index, endpoint)
 
+    def queue_drops(self) -> int:
+        """``WanTopology.queue_drops`` (0 before ``start``)."""
+        return self.topology.queue_drops() if self.topology is not None else 0
+
     def describe(self) -> dict[str, Any]:
         return {
             "network": "wan",

@@ -20,6 +20,7 @@ import ctypes
 import fcntl
 import ipaddress
 import itertools
+import json
 import os
 import re
 import shutil
@@ -265,6 +266,19 @@ def create_island(index: int, block: ipaddress.IPv4Network, rate_mbit: float) ->
         destroy_island(net)
         raise
     return net
+
+
+def tbf_drops(qdiscs_json: str) -> int:
+    """Packets the ``tbf`` qdiscs in ``tc -s -j qdisc show`` output dropped (its queue was full:
+    the relays pushed more than the link and its 50 ms queue hold)."""
+    return sum(int(q.get("drops", 0)) for q in json.loads(qdiscs_json or "[]") if q.get("kind") == "tbf")
+
+
+def queue_drops(net: IslandNet) -> int:
+    """Packets dropped so far by the rate limits on both ends of one island's link."""
+    host = run(["tc", "-s", "-j", "qdisc", "show", "dev", net.host_if]).stdout
+    island = run(["tc", "-n", net.namespace, "-s", "-j", "qdisc", "show", "dev", net.ns_if]).stdout
+    return tbf_drops(host) + tbf_drops(island)
 
 
 def destroy_island(net: IslandNet) -> None:

@@ -112,6 +112,12 @@ class WanTopology:
         return {"rate_mbit": self.rate_mbit, "rtt_ms": self.rtt_ms, "tcp_slow_start": self.slow_start,
                 "loss": self.loss}
 
+    def queue_drops(self) -> int:
+        """Packets the links' rate limits dropped so far, over every island and both directions:
+        losses the model did not draw (``loss``), which the real TCP behind a relay recovers
+        from on its own clock. Runs ``tc``: call it off the event loop."""
+        return sum(netns.queue_drops(net) for net in self.nets)
+
     # ---- lifecycle --------------------------------------------------------------------------
 
     def open(self) -> WanTopology:
