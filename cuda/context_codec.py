@@ -62,8 +62,7 @@ def choose_thresholds(old: np.ndarray, dtype: torch.dtype, classes: int = CLASSE
 def _median_exponent(old, step, shift, emask):
     """The median exponent of the sample ``old[::step]``: the mean of its two middle order
     statistics (one when the sample is odd), truncated, from the exponents' counts. Compiled:
-    numpy's bincount, cumsum and searchsorted took about 48 us a tensor, 3 ms of the codec
-    bench's compact encode (66 tensors)."""
+    numpy's bincount, cumsum and searchsorted took about 20 us a tensor against 10 here."""
     counts = np.zeros(emask + 1, np.int64)
     n = 0
     for j in range(0, old.size, step):
