@@ -284,7 +284,9 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                                               watch_progress_s=1.0), blobs=store)
     islands: list[IslandProcess] = []
     fulls: list[FullIsland] = []
-    drops: list[int | None] = []  # the links' queue drops before and after the measured versions, after the baseline
+    # The links' queue drops (None on loopback) when the measured versions start, when they
+    # end, and after the baseline.
+    drops_start = drops_deltas = drops_full = None
     pub = None
     collector: TrainerCollector | None = None
     try:
@@ -329,8 +331,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             # publisher's read; the optimizer step waits for the read: that wait is blocked time).
             await asyncio.to_thread(trainer.step)
             for i in range(cfg.versions + 1):
-                if i == 1:  # the measured versions start: the links' queue drops so far
-                    drops.append(await _queue_drops(net))
+                if i == 1:
+                    drops_start = await _queue_drops(net)
                 sampler.paused.set()  # the bench's own check is not the publisher's memory
                 expected_root = await asyncio.to_thread(trainer.served_root)  # one tensor at a time
                 sampler.paused.clear()
@@ -357,7 +359,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 }
                 say(f"v{handle.version}: patch {record.stats.patch_bytes / 1e6:.2f} MB, density {record.stats.density:.4%}, "
                     f"blocked {handle.blocked_s:.3f}s, synced on {cfg.islands} islands in {done - t_pub:.2f}s")
-            drops.append(await _queue_drops(net))
+            drops_deltas = await _queue_drops(net)
             await asyncio.to_thread(pub.close)
             stages = [t for t in pub.timings if t.get("version") in results]
         peak_extra = sampler.peak - rss0
@@ -396,7 +398,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             full_sync.append(done - t_pub)
             files[0].path.unlink()
             say(f"full v{v}: {full_bytes / 1e6:.0f} MB, upload {full_upload[-1]:.2f}s, synced in {full_sync[-1]:.2f}s")
-        drops.append(await _queue_drops(net))
+        drops_full = await _queue_drops(net)
     finally:
         for f in fulls:
             await f.stop()
@@ -431,8 +433,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "versions": len(results),
         "island_destination": cfg.destination,
         **net.describe(),
-        **({"wan_queue_drops": {"delta_versions": drops[1] - drops[0], "full_checkpoints": drops[2] - drops[1]}}
-           if len(drops) == 3 and None not in drops else {}),
+        **({"wan_queue_drops": {"delta_versions": drops_deltas - drops_start, "full_checkpoints": drops_full - drops_deltas}}
+           if drops_start is not None and drops_deltas is not None and drops_full is not None else {}),
         "density": statistics.fmean(r["density"] for r in results.values()) if results else 0.0,
         "delta_bytes_per_version": int(statistics.fmean(patch_bytes)) if patch_bytes else 0,
         "patch_parts_per_version": round(statistics.fmean(r["parts"] for r in results.values()), 2) if results else 0,
