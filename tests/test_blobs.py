@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -327,6 +328,25 @@ async def test_s3_prefixes_isolate_stores(s3_server, s3_store: S3BlobStore) -> N
         assert await s3_store.list_keys("r/") == ["r/blobs/x"]
     finally:
         await other.close()
+
+
+async def test_s3_close_finishes_calls_under_way_then_ends_the_stores_threads(s3_server) -> None:
+    store = make_s3_store(s3_server, prefix=f"t-close-{uuid.uuid4().hex[:8]}")
+    await store.put_bytes("r/blobs/warm", b"warm")  # the store's threads exist now
+    assert any(t.name.startswith("weftboard-s3") for t in threading.enumerate())
+    started = asyncio.gather(*(store.put_bytes(f"r/blobs/{i}", bytes([i]) * 1000) for i in range(8)))
+    await asyncio.sleep(0)  # the puts are on the store's threads before close is called
+    await store.close()
+    await started  # none was dropped
+    assert not any(t.name.startswith("weftboard-s3") for t in threading.enumerate())
+    with pytest.raises(Unavailable, match="is closed"):
+        await store.get_bytes("r/blobs/0")
+    await store.close()  # twice is harmless
+    reader = make_s3_store(s3_server, prefix=store.prefix.rstrip("/"))
+    try:
+        assert [await reader.get_bytes(f"r/blobs/{i}") for i in range(8)] == [bytes([i]) * 1000 for i in range(8)]
+    finally:
+        await reader.close()
 
 
 async def test_s3_creates_a_missing_bucket(s3_server) -> None:

@@ -17,6 +17,8 @@ Invariants:
 - Every blocking client call runs on the store's own threads, as many as its connection pool
   (``POOL_CONNECTIONS``): a version's uploads or stats never queue behind the event loop's
   default executor (``cpu_count + 4`` threads, shared with every ``to_thread`` call).
+  ``close`` waits for the calls under way, then ends those threads; later calls raise
+  ``Unavailable``.
 - Every network call has an explicit timeout; connection failures surface as
   ``Unavailable`` naming the endpoint, a missing object as ``NotFound``, refused
   credentials as ``PermissionDenied``.
@@ -165,6 +167,7 @@ class S3BlobStore(BlobStore):
         self._io = ThreadPoolExecutor(POOL_CONNECTIONS, thread_name_prefix="weftboard-s3")
         self._bucket_ready = False
         self._bucket_lock = threading.Lock()
+        self._closed = False
 
     def describe(self) -> str:
         scheme = "https" if self.secure else "http"
@@ -216,6 +219,8 @@ class S3BlobStore(BlobStore):
             with self._errors(key):
                 return fn(*args, **kwargs)
 
+        if self._closed:
+            raise Unavailable(f"{self.describe()} is closed")
         return await asyncio.get_running_loop().run_in_executor(self._io, call)
 
     # -- the port ---------------------------------------------------------------
@@ -533,7 +538,13 @@ class S3BlobStore(BlobStore):
         await self._run(key, self._own_request, what, "DELETE", name, {"uploadId": upload_id})
 
     async def close(self) -> None:
-        self._http.clear()  # (its threads stay: a closed store still answers; idle, they cost nothing)
+        """Stop taking calls (they raise ``Unavailable``), let those under way finish, then
+        release the store's threads and sockets. Closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.to_thread(self._io.shutdown, wait=True)
+        self._http.clear()
 
 
 def _stream_chunk(on_chunk: ChunkCallback | None) -> int:
