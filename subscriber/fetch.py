@@ -20,7 +20,8 @@ Invariants:
 - A cancelled fetch (an island stopping, a newer plan) stops its download at once (the store's
   threads stop reading: ``board/blobs/stoppable.py``) and removes its ``.part`` file before the
   cancellation goes on; only a crash leaves a ``.part`` to resume. ``join`` likewise removes
-  a joined patch file it was cancelled writing.
+  a joined patch file it was cancelled writing. ``fetch_all`` ends a step's other downloads
+  the same way when one of them fails, before the failure goes on.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,24 @@ def cache_path(cache_dir: Path, ref: Any) -> Path:
     if ref.name:
         return cache_dir / hexpart / ref.name
     return cache_dir / f"{hexpart}.patch"
+
+
+async def fetch_all(fetches: Sequence[Awaitable[Path]]) -> list[Path]:
+    """The files of ``fetches`` run at once, in order. The first failure (or a cancellation)
+    cancels the others and waits for them to end (their downloads stopped, their ``.part``
+    files removed) before it goes on: no download outlives the step that wanted it."""
+    tasks = [asyncio.ensure_future(f) for f in fetches]
+    if not tasks:
+        return []
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()  # a no-op for those done
+        await asyncio.wait(tasks)
+        for t in tasks:
+            if not t.cancelled():
+                t.exception()  # retrieved: gather raised the first, the rest no longer matter
 
 
 class Fetcher:

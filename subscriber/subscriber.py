@@ -64,7 +64,7 @@ from weftboard.proto.errors import (
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.subscriber.arriving import ArrivingBytes
 from weftboard.subscriber.destination import Destination, TensorEntry, VersionTarget
-from weftboard.subscriber.fetch import Fetcher, cache_path
+from weftboard.subscriber.fetch import Fetcher, cache_path, fetch_all
 from weftboard.subscriber.metrics import IslandMetrics
 from weftboard.subscriber.model_files import hold_model_files
 
@@ -447,8 +447,9 @@ class Subscriber:
         return await self.fetcher.fetch(ref)
 
     async def _fetch_step(self, step: pb.PlanStep) -> list[Path]:
-        """The verified files of every blob of ``step``, downloaded at once."""
-        return list(await asyncio.gather(*(self._fetched(step, b) for b in step.blobs)))
+        """The verified files of every blob of ``step``, downloaded at once; when one fails,
+        the others are stopped before the failure goes on (``fetch.fetch_all``)."""
+        return await fetch_all([self._fetched(step, b) for b in step.blobs])
 
     def _forget_step(self, step: pb.PlanStep) -> None:
         """Drop a step's cached blobs: applied, or proved bad (a retry fetches them anew)."""

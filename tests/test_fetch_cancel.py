@@ -21,8 +21,9 @@ from aiohttp import web
 
 from weftboard.board.blobs import S3BlobStore
 from weftboard.proto.domain import blob_key, format_digest
+from weftboard.proto.errors import DigestMismatch
 from weftboard.proto.v1 import board_pb2 as pb
-from weftboard.subscriber.fetch import Fetcher
+from weftboard.subscriber.fetch import Fetcher, fetch_all
 
 BUCKET = "slow"
 SIZE = 4 << 20  # 16 ranges of 256 KiB at most; trickled, it would take hours
@@ -137,6 +138,39 @@ async def test_a_cancelled_fetch_closes_its_connections_and_removes_its_part_fil
             await asyncio.gather(fetch, return_exceptions=True)
             if store is not None:
                 await store.close()
+
+
+async def test_a_failed_blob_stops_the_other_downloads_of_its_step(tmp_path: Path) -> None:
+    """A step's blobs download at once; when one fails while another is still downloading,
+    ``fetch_all`` raises that failure only once the other stopped: its connection closed and
+    its ``.part`` file gone, so nothing keeps downloading for a step that already failed."""
+    data = os.urandom(SIZE)
+    async with TricklingServer(data) as server:
+        store = S3BlobStore(server.url, "key", "secret", BUCKET, region="us-east-1", retries=0)
+        fetcher = Fetcher(tmp_path / "cache", store, ranges=1)
+
+        async def fails_once_the_other_writes() -> Path:
+            await asyncio.wait_for(server.started.wait(), 10)
+            for _ in range(1000):
+                if _leftovers(fetcher.cache_dir):
+                    break
+                await asyncio.sleep(0.01)
+            assert _leftovers(fetcher.cache_dir)  # the other blob's .part file is being written
+            raise DigestMismatch("the second blob of the step is not what the record says")
+
+        try:
+            with pytest.raises(DigestMismatch, match="second blob"):
+                await fetch_all([fetcher.fetch(_ref(data)), fails_once_the_other_writes()])
+            assert server.open <= 1
+            left = _leftovers(fetcher.cache_dir)
+            try:
+                await asyncio.wait_for(server.all_closed.wait(), CLOSE_WITHIN_S)
+            except TimeoutError:
+                pytest.fail(f"{server.open} responses still being read {CLOSE_WITHIN_S} s after the step failed")
+            assert left == []  # the .part file was gone when the failure reached the caller
+            assert _leftovers(fetcher.cache_dir) == []
+        finally:
+            await store.close()
 
 
 async def test_a_join_cancelled_midway_leaves_no_joined_file(tmp_path: Path) -> None:
