@@ -41,7 +41,7 @@ METHOD_ROLES: dict[str, frozenset[int]] = {
     "GetHead": frozenset({READER, ISLAND, PUBLISHER}),
     "ListVersions": frozenset({READER, ISLAND, PUBLISHER}),
     "Watch": frozenset({ISLAND, READER}),
-    "PlanCatchUp": frozenset({ISLAND}),
+    "PlanCatchUp": frozenset({ISLAND, PUBLISHER}),  # a restarting publisher follows its run like an island
     "Heartbeat": frozenset({ISLAND}),
     "ListIslands": frozenset({READER}),
     "ReportTrajectories": frozenset({ISLAND}),

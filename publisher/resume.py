@@ -32,8 +32,10 @@ log = structlog.get_logger("weftboard.publisher")
 
 async def last_anchor(client: Any, run: str, head: int, anchor_every: int) -> tuple[int, int]:
     """(the newest anchor version at or below ``head``, patch bytes committed after it),
-    looking back at most ``anchor_every`` versions."""
-    start = max(1, head - anchor_every)
+    looking back at most ``anchor_every`` versions and never below the oldest version garbage
+    collection left (the board refuses a listing from there with OUT_OF_RANGE)."""
+    oldest = (await client.get_head(run)).oldest_available
+    start = max(1, head - anchor_every, oldest)
     last = since = 0
     async for rec in client.iter_versions(run, from_version=start, to_version=head):
         if any(a.kind == pb.ARTIFACT_KIND_ANCHOR for a in rec.artifacts):
