@@ -10,6 +10,8 @@ Invariants:
 - An owner's assembled tensor equals the full logical served tensor: the slices tile it
   exactly (``plan_slices`` checked that), each written once at its box.
 - A tensor the owner holds whole is taken from its snapshot; nothing moves for it.
+- Every buffer sent or received is in host memory: the publisher's group is gloo, whose
+  point-to-point calls take host tensors, so a slice on a GPU is copied down before it is sent.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def _region(t: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    flat = t.contiguous().reshape(-1)
+    """The bytes of ``t`` in host memory, flat (a view when ``t`` is a contiguous host tensor)."""
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
 
 
