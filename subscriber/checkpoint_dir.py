@@ -68,6 +68,7 @@ from weftboard.proto.errors import (
 )
 from weftboard.proto.records import BlobRef
 from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
+from weftboard.subscriber.cancel import thread_to_the_end
 from weftboard.subscriber.destination import (
     Capabilities,
     TensorEntry,
@@ -179,6 +180,12 @@ class CheckpointDirDestination:
     def held_version(self) -> int:
         return self._held
 
+    def _holding(self, version: int) -> Callable[[dict[str, str]], None]:
+        """What records a finished load or apply: its digests, and ``version`` as held."""
+        def hold(digests: dict[str, str]) -> None:
+            self._digests, self._held = digests, version
+        return hold
+
     @property
     def current(self) -> Path:
         return self.root / "current"
@@ -188,14 +195,12 @@ class CheckpointDirDestination:
 
     async def load_anchor(self, shards: Sequence[Path], target: VersionTarget) -> None:
         async with self._lock:
-            digests = await asyncio.to_thread(self._load_anchor, list(shards), target)
-            self._digests, self._held = digests, target.version
+            await thread_to_the_end(self._load_anchor, list(shards), target, then=self._holding(target.version))
 
     async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
         async with self._lock:
             require_parent(self._held, target, str(self.root))
-            digests = await asyncio.to_thread(self._apply_patch, patch, target)
-            self._digests, self._held = digests, target.version
+            await thread_to_the_end(self._apply_patch, patch, target, then=self._holding(target.version))
 
     async def apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> None:
         """Apply a patch while its parts download: the held version is read into memory and
@@ -228,10 +233,12 @@ class CheckpointDirDestination:
         async with self._lock:
             if self._held != version:
                 return False
-            aside = await asyncio.to_thread(self._quarantine, reason)
-            self._held, self._digests = 0, {}
-            log.error("checkpoint quarantined: nothing is held until it is fetched again", version=version,
-                      moved_to=str(aside), reason=reason)
+            def dropped(aside: Path) -> None:
+                self._held, self._digests = 0, {}
+                log.error("checkpoint quarantined: nothing is held until it is fetched again", version=version,
+                          moved_to=str(aside), reason=reason)
+
+            await thread_to_the_end(self._quarantine, reason, then=dropped)
             return True
 
     async def missing_model_files(self, files: Sequence[BlobRef]) -> list[str]:

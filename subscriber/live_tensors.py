@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, NoReturn
@@ -36,6 +36,7 @@ from weftboard.cuda.codec import apply_patch_, apply_patch_arriving_
 from weftboard.cuda.digest import tensor_digest
 from weftboard.proto.errors import ApplyError, CorruptData
 from weftboard.subscriber.arriving import ArrivingApplier, ArrivingBytes
+from weftboard.subscriber.cancel import thread_to_the_end
 from weftboard.subscriber.destination import (
     Capabilities,
     VersionTarget,
@@ -65,10 +66,15 @@ class LiveTensorsDestination:
     def held_version(self) -> int:
         return self._held
 
+    def _holding(self, version: int) -> Callable[[dict[str, str]], None]:
+        """What records a finished load or apply: its digests, and ``version`` as held."""
+        def hold(digests: dict[str, str]) -> None:
+            self._digests, self._held = digests, version
+        return hold
+
     async def load_anchor(self, shards: Sequence[Path], target: VersionTarget) -> None:
         async with self._lock:
-            digests = await asyncio.to_thread(self._load_anchor, list(shards), target)
-            self._digests, self._held = digests, target.version
+            await thread_to_the_end(self._load_anchor, list(shards), target, then=self._holding(target.version))
 
     def _load_anchor(self, shards: list[Path], target: VersionTarget) -> dict[str, str]:
         maps = []
@@ -95,8 +101,7 @@ class LiveTensorsDestination:
     async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
         async with self._lock:
             require_parent(self._held, target, "the destination")
-            digests = await asyncio.to_thread(self._apply, patch, target)
-            self._digests, self._held = digests, target.version
+            await thread_to_the_end(self._apply, patch, target, then=self._holding(target.version))
 
     async def apply_patch_arriving(self, parts: Sequence[ArrivingBytes], target: VersionTarget) -> None:
         """Apply a patch while its parts download (each fills as bytes arrive; the fetcher marks

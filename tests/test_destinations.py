@@ -230,3 +230,51 @@ async def test_live_tensors_refuse_out_of_order_patch_and_wrong_layout(tmp_path:
     with pytest.raises(ApplyError):
         await small.load_anchor(_anchor(tmp_path / "x", other), _target(other, 1))
     assert small.held_version() == 0
+
+
+@pytest.mark.parametrize("kind", ["live", "checkpoint_dir"])
+async def test_an_apply_cancelled_midway_keeps_the_lock_and_records_what_its_thread_did(tmp_path: Path,
+                                                                                      kind: str) -> None:
+    """A thread cannot be stopped: cancelled while its apply thread runs (here blocked reading
+    the patch from a pipe), the destination lets the cancellation go on only once the thread
+    ended, and records the version that thread finished; the lock is held until then, so no
+    other apply or scrub runs beside it."""
+    import asyncio
+    import os
+
+    v1 = _view(8)
+    v2 = _step(v1, 9)
+    t1, t2 = _target(v1, 1), _target(v2, 2)
+    live = {n: torch.zeros_like(t) for n, t in v1.items()}
+    dest = LiveTensorsDestination(live) if kind == "live" else CheckpointDirDestination(tmp_path / "island")
+    await dest.load_anchor(_anchor(tmp_path / "a", v1), t1)
+    data = _patch(tmp_path, v1, v2, 1, t2).read_bytes()
+    pipe = tmp_path / "patch.fifo"
+    os.mkfifo(pipe)  # reading it blocks until the test writes: the apply is caught midway
+
+    def feed() -> None:
+        with open(pipe, "wb") as out:
+            out.write(data)
+
+    applying = asyncio.ensure_future(dest.apply_patch(pipe, t2))
+    fed = False
+    try:
+        await asyncio.sleep(0.2)  # the apply's thread is blocked reading the pipe
+        applying.cancel()
+        await asyncio.sleep(0.2)
+        assert not applying.done()  # the cancellation waits for the thread
+        scrub = asyncio.ensure_future(dest.verify_held(t1))
+        await asyncio.sleep(0.1)
+        assert not scrub.done()  # the lock is still held
+        await asyncio.to_thread(feed)
+        fed = True
+        with pytest.raises(asyncio.CancelledError):
+            await applying
+        assert dest.held_version() == 2  # the thread finished version 2: it is recorded
+        assert await scrub is False  # version 1 is no longer held
+        assert await dest.verify_held(t2) is True
+        assert _equal(live if kind == "live" else _loaded(tmp_path / "island"), v2)
+    finally:
+        if not fed:  # a failed check must not leave the thread blocked on the pipe
+            await asyncio.to_thread(feed)
+        await asyncio.gather(applying, return_exceptions=True)
