@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from weftboard.proto.errors import ApplyError, InvalidArgument, Unavailable
+from weftboard.proto.errors import ApplyError, CorruptData, InvalidArgument, Unavailable
 
 T = TypeVar("T")
 
@@ -47,10 +47,12 @@ class ArrivingBytes:
     # -- the download's side --------------------------------------------------------------
 
     def put(self, offset: int, data: bytes | bytearray | memoryview) -> None:
-        """Bytes ``data`` arrived at ``offset``."""
+        """Bytes ``data`` arrived at ``offset``. A chunk past the blob's end is the store's bytes
+        not fitting the record (``CorruptData``: the step is retried from scratch, like a digest
+        mismatch), not a caller's mistake that would end the island."""
         n = len(data)
         if offset < 0 or offset + n > self.size:
-            raise InvalidArgument(f"chunk of {n} bytes at {offset} lies outside a {self.size}-byte blob")
+            raise CorruptData(f"chunk of {n} bytes at {offset} lies outside a {self.size}-byte blob")
         if n == 0:
             return
         self._buf[offset : offset + n] = data
