@@ -1,7 +1,8 @@
 """The island's admission gate and the version state the sidecar decides on.
 
 ``VersionState`` is what the sidecar knows: the version the engine serves (``held``),
-the board's head, whether the island has caught up once, and its last error. Waiters
+the board's head, whether the island has caught up once, its last error, and whether its
+weights are withdrawn (``withdrawn``: no verified version, nothing is admitted). Waiters
 are woken on every change.
 
 ``AdmissionGate`` keeps requests and weight activations apart:
@@ -16,6 +17,9 @@ Invariants:
   at admission is the version the request started on.
 - An exact-version request never overlaps an activation (it is drained or held).
 - Activations are serialized.
+- ``withdrawn`` is set only with ``held`` 0 (``withdraw``) and cleared only when a version is
+  activated (``set_held``): an error alone (a failed activation that left the previous version
+  in place) does not withdraw anything.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class VersionState:
         self.held = 0
         self.head = 0
         self.error: str | None = None
+        self.withdrawn: str | None = None  # why the engine's weights are no verified version, else None
         self.caught_up_once = False
         self.activated_at: dict[int, float] = {}
         self._changed = asyncio.Condition()
@@ -54,6 +59,7 @@ class VersionState:
 
     async def set_held(self, version: int) -> None:
         self.held = version
+        self.withdrawn = None
         self.activated_at[version] = time.time()
         self.head = max(self.head, version)
         await self._notify()
@@ -68,10 +74,11 @@ class VersionState:
         await self._notify()
 
     async def withdraw(self, message: str) -> None:
-        """The engine's weights are no verified version any more (the scrub found them damaged):
-        nothing is admitted (``held`` 0) and readiness says why, until a version is activated."""
+        """The engine's weights are no verified version any more (the scrub found them damaged, or
+        a failed activation left them unknown): nothing is admitted (``held`` 0, ``withdrawn``) and
+        readiness says why, until a version is activated (``set_held``)."""
         self.held = 0
-        self.error = message
+        self.error = self.withdrawn = message
         await self._notify()
 
     async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:

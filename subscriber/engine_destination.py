@@ -14,11 +14,15 @@ Two shapes, picked from the adapter:
 
 Invariants:
 - ``held_version()`` is the version the engine serves (``adapter.served_version()``), 0 once
-  the scrub quarantined it (``quarantine``) until the next activation.
-- A failed activation raises (``ApplyError`` and friends), leaves the engine and
-  ``held_version()`` on the previous version, and marks the island state in error
-  (the sidecar's readiness and the subscriber's heartbeat report it); the next
-  success clears the error.
+  the scrub quarantined it (``quarantine``) or the adapter can no longer vouch for the
+  engine's weights (``adapter.unverified``), until the next activation.
+- A failed activation raises (``ApplyError`` and friends). Where the adapter still vouches for
+  the previous version, the engine and ``held_version()`` stay on it and the island state is
+  marked in error (the sidecar's readiness and the subscriber's heartbeat report it). Where it
+  does not (a change half done and not undone, or never answered), the island state is
+  withdrawn like a quarantine: ``held_version()`` and ``state.held`` are 0, the sidecar admits
+  no request, the subscriber reports holding nothing and plans from nothing. The next success
+  clears either.
 - For checkpoint engines a checkpoint already written by an earlier attempt is not
   rewritten: a retry only repeats the activation.
 - It does not apply while a patch arrives (``capabilities``): the engine would stay paused
@@ -184,15 +188,27 @@ class EngineDestination:
             except (WeftboardError, OSError) as exc:
                 await self._failed(version, exc)
                 raise
+            except BaseException as exc:  # cancelled: only weights left unknown need recording
+                if self.adapter.unverified is not None:
+                    await self._failed(version, exc)
+                raise
         if self.metrics is not None:  # the gate was closed: drain, pause, change, resume
             self.metrics.activated(time.perf_counter() - closed)
         await self._succeeded(version)
 
     async def _failed(self, version: int, exc: BaseException) -> None:
+        """Record a failed activation: the island in error, and withdrawn (nothing admitted, held 0)
+        when the adapter no longer vouches for the engine's weights."""
         message = f"activation of version {version} failed on the {self.adapter.kind} engine: {exc}"
-        log.error("activation failed; still serving the previous version", version=version,
-                  serving=self.held_version(), error=str(exc))
-        await self.state.set_error(message)
+        if self.adapter.unverified is None:
+            log.error("activation failed; still serving the previous version", version=version,
+                      serving=self.held_version(), error=str(exc))
+            await self.state.set_error(message)
+            return
+        log.error("activation failed and left the engine on weights nobody vouches for; the island serves "
+                  "nothing until a verified version is loaded", version=version, error=str(exc),
+                  unverified=self.adapter.unverified)
+        await self.state.withdraw(f"{message}; its weights are no verified version any more")
 
     async def _succeeded(self, version: int) -> None:
         if self.state.error is not None:

@@ -9,7 +9,11 @@ deadline (``X-Weftboard-Deadline-Ms`` or body ``weftboard_deadline_ms``). Then:
   (a request naming a version beyond the head the island knows makes it ask the board
   for its head once, so a trainer that just published is not turned away);
 - otherwise: 409 at once, body ``{"error": "version_not_ready", "held", "head",
-  "constraint", "retry_after_s", "message"}`` and a ``Retry-After`` header.
+  "constraint", "retry_after_s", "message"}`` and a ``Retry-After`` header;
+- while the island holds no verified version it can serve (``VersionState.withdrawn``: the
+  scrub quarantined it, or a failed activation left the engine's weights unknown): 503 at
+  once for every request, body ``{"error": "no_verified_version", ...}`` as above, the
+  message naming the reason, until a version is activated again.
 
 Invariants:
 - Every response of a proxied route carries ``X-Weftboard-Version-Start`` and
@@ -330,6 +334,7 @@ class Sidecar:
     def _status_body(self) -> dict[str, Any]:
         return {"island_id": self.config.island_id, "run": self.config.run, "held": self.state.held,
                 "head": self.state.head, "ready": self.state.ready, "error": self.state.error,
+                "withdrawn": self.state.withdrawn,
                 "activating": self.gate.activating, "inflight": self.gate.inflight, "mode": self.gate.mode.value,
                 "served": self.served, "rejected": self.rejected,
                 "trajectories": None if self.reporter is None else
@@ -372,15 +377,16 @@ class Sidecar:
 
     # -- admission ---------------------------------------------------------
 
-    def _not_ready(self, plan: RequestPlan, why: str, outcome: str = "refused") -> web.Response:
+    def _not_ready(self, plan: RequestPlan, why: str, outcome: str = "refused", *, status: int = 409,
+                   error: str = "version_not_ready") -> web.Response:
         self.rejected += 1
         if self.metrics is not None:
             self.metrics.request(plan.constraint, outcome)
         retry = self.config.retry_after_s
-        body = {"error": "version_not_ready", "held": self.state.held, "head": self.state.head,
+        body = {"error": error, "held": self.state.held, "head": self.state.head,
                 "constraint": constraint_json(plan.constraint), "retry_after_s": retry, "message": why,
                 "request_id": plan.request_id}
-        return web.json_response(body, status=409, headers={"Retry-After": str(max(1, math.ceil(retry))),
+        return web.json_response(body, status=status, headers={"Retry-After": str(max(1, math.ceil(retry))),
                                                             **self._version_headers(self.state.held, self.state.held)})
 
     async def _fresh_head(self, plan: RequestPlan) -> bool:
@@ -400,6 +406,9 @@ class Sidecar:
     async def _admit(self, plan: RequestPlan) -> Ticket | web.Response:
         c = plan.constraint
         while True:
+            if self.state.withdrawn is not None:  # no verified weights: nothing to serve, whatever the version
+                return self._not_ready(plan, f"the island serves no verified version: {self.state.withdrawn}",
+                                       status=503, error="no_verified_version")
             held, head = self.state.held, self.state.head
             remaining = plan.deadline - time.monotonic()
             if c.accepts(held, head):

@@ -25,6 +25,7 @@ class RecordingEngine(CatchAllServer):
         self.authorization: list[str | None] = []  # the Authorization header of each call
         self.fail_paths: dict[str, tuple[int, Any]] = {}
         self.answers: dict[str, Any] = {}  # path -> the JSON body of a 200 answer
+        self.rpc_answers: dict[str, Any] = {}  # /collective_rpc method -> the JSON body of a 200 answer
 
     async def _handle(self, request: web.Request) -> web.Response:
         raw = await request.read()
@@ -38,6 +39,9 @@ class RecordingEngine(CatchAllServer):
         if request.path in self.fail_paths:
             status, body = self.fail_paths[request.path]
             return web.json_response(body, status=status)
+        method = (self.calls[-1]["json"] or {}).get("method") if request.path == "/collective_rpc" else None
+        if method in self.rpc_answers:
+            return web.json_response(self.rpc_answers[method])
         return web.json_response(self.answers.get(request.path, {"success": True}))
 
 

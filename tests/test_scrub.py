@@ -45,7 +45,7 @@ async def test_an_island_quarantines_damaged_live_weights_and_serves_again_after
             status, body = await ready(island.url)
             assert status == 503 and "quarantined" in body["reason"], body
             status, body = await complete(island.url, None, deadline_ms=50)  # nothing is served meanwhile
-            assert status == 409 and body["held"] == 0, body
+            assert status == 503 and body["held"] == 0 and "quarantined" in body["message"], body
 
             assert await island.scrubber.recover() == 3  # fetched again: an anchor and the patches after
             assert bits_equal(engine.tensors, training.views[3])

@@ -12,7 +12,10 @@ weights afterwards).
 
 Invariants:
 - ``served_version()`` changes only after a load/apply returned successfully; a failure
-  raises ``ApplyError`` and leaves it where it was.
+  raises ``ApplyError`` and leaves it where it was, except when the adapter can no longer
+  vouch for the engine's weights (workers that did not put the old bytes back, a weight
+  change the engine never answered and may still be running): then it is 0 and
+  ``unverified`` says why (``mark_unverified``), until a later load succeeds (``mark_served``).
 - ``load_checkpoint`` and in-place changes of ``live_tensors()`` happen only between
   ``pause`` and ``resume``.
 - Every network call an adapter makes has an explicit timeout; an engine answering an
@@ -44,14 +47,23 @@ class EngineAdapter(abc.ABC):
 
     def __init__(self) -> None:
         self._version = 0
+        #: why the engine's weights are no verified version (see ``mark_unverified``), else None
+        self.unverified: str | None = None
 
     def served_version(self) -> int:
-        """The version the engine's weights hold now (0 before the first load)."""
+        """The version the engine's weights hold now (0 before the first load, and while ``unverified``)."""
         return self._version
 
     def mark_served(self, version: int) -> None:
         """Record that the engine's weights now hold ``version`` (after a verified change)."""
         self._version = version
+        self.unverified = None
+
+    def mark_unverified(self, reason: str) -> None:
+        """Record that the engine's weights are no verified version any more (a change failed half-way
+        and was not undone, or its outcome is unknown): ``served_version()`` is 0 until ``mark_served``."""
+        self._version = 0
+        self.unverified = reason
 
     @abc.abstractmethod
     async def pause(self, mode: ActivationMode) -> None:

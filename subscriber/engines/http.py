@@ -2,7 +2,11 @@
 
 Invariants:
 - Every call has a timeout; a non-2xx answer or an unreachable engine becomes
-  ``ApplyError`` naming the engine, the method, the path and what the engine said.
+  ``ApplyError`` naming the engine, the method, the path and what the engine said
+  (``EngineNoAnswer`` when the request went out but no answer came: timed out, connection lost).
+- A weight change (``change_weights``) that got no answer leaves the engine on weights nobody
+  vouches for (it may still be loading): the adapter is ``mark_unverified``. An answered error
+  is the engine's word that it did not take the change.
 - With an ``api_key`` every call carries ``Authorization: Bearer <key>`` (an engine started
   with ``--api-key`` answers 401 otherwise); the key never appears in an error message.
 - An idle connection is reused for at most ``ENGINE_KEEPALIVE_S``, below the 5 s after which
@@ -12,6 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +24,11 @@ import aiohttp
 
 from weftboard.proto.errors import ApplyError
 from weftboard.subscriber.engines.base import EngineAdapter
+
+
+class EngineNoAnswer(ApplyError):
+    """A call went out and no answer came back (timed out, connection lost): what the engine did is unknown."""
+
 
 #: seconds an idle connection to an engine stays in the pool; uvicorn closes its side at 5 s.
 ENGINE_KEEPALIVE_S = 2.0
@@ -80,13 +90,28 @@ class HttpEngineAdapter(EngineAdapter):
                 if "json" in resp.headers.get("Content-Type", ""):
                     return await resp.json(content_type=None)
                 return text
-        except aiohttp.ClientError as exc:
+        except aiohttp.ClientConnectorError as exc:  # no connection: the request never reached the engine
             raise ApplyError(f"{self.kind} engine at {self.engine_url} unreachable for {method} {path}: {exc}") from exc
+        except aiohttp.ClientError as exc:  # the request may have reached it; its answer did not come back
+            raise EngineNoAnswer(f"{self.kind} engine at {self.engine_url} unreachable for {method} {path}: {exc}") from exc
         except TimeoutError as exc:
-            raise ApplyError(
+            raise EngineNoAnswer(
                 f"{self.kind} engine at {self.engine_url} did not answer {method} {path} within "
                 f"{timeout_s or self.timeout_s:.0f}s"
             ) from exc
+
+    async def change_weights(self, method: str, path: str, *, json: Mapping[str, Any] | None = None) -> Any:
+        """``call`` for a request that changes the engine's weights (bounded by ``load_timeout_s``).
+        Without an answer (or cancelled while it runs) the engine may still be changing them:
+        the adapter vouches for no version (``mark_unverified``) before the error goes on."""
+        try:
+            return await self.call(method, path, json=json, timeout_s=self.load_timeout_s)
+        except EngineNoAnswer as exc:
+            self.mark_unverified(f"{method} {path} got no answer; the engine may still be changing its weights: {exc}")
+            raise
+        except asyncio.CancelledError:
+            self.mark_unverified(f"{method} {path} was cancelled; the engine may still be changing its weights")
+            raise
 
     async def health(self) -> bool:
         try:

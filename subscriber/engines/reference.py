@@ -7,7 +7,8 @@ checkpoint directories through the engine's ``/admin/*`` endpoints.
 
 Invariant: a failed apply or load leaves the engine's tensors on the previous version
 (the patch handle is reverted; a checkpoint is validated whole before any tensor is
-overwritten) and ``served_version()`` unchanged.
+overwritten) and ``served_version()`` unchanged; over HTTP, a load the engine never answered
+(timed out while it may still be loading) leaves no version vouched for (``mark_unverified``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class ReferenceHttpAdapter(HttpEngineAdapter):
         await self.call("POST", "/admin/resume", json={})
 
     async def load_checkpoint(self, directory: Path, version: int) -> None:
-        await self.call("POST", "/admin/load_checkpoint", json={"path": str(directory), "version": version},
-                        timeout_s=self.load_timeout_s)
+        # the engine validates a checkpoint whole before it overwrites a tensor: an error answer
+        # leaves the previous version; no answer leaves none vouched for (``change_weights``)
+        await self.change_weights("POST", "/admin/load_checkpoint", json={"path": str(directory), "version": version})
         self.mark_served(version)

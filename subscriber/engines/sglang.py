@@ -15,7 +15,9 @@ Requests (pinned by tests/contracts/sglang.json; read against SGLang 0.5.23's
   the cache of the old weights itself. ``{"success": false, "message"}`` (status 400, or 200
   in older SGLang) raises ``ApplyError`` with the engine's message.
 
-Invariant: ``served_model_name`` is the name the engine served under before this adapter's
+Invariants: a refused update (an error answer, ``success: false``) leaves the previous version:
+SGLang rolls its weights back itself; an update it never answered leaves no version vouched for
+(``change_weights``). ``served_model_name`` is the name the engine served under before this adapter's
 first load (read by ``warm_up`` unless given). A successful load renames SGLang's served
 model to ``model_path`` and no request field prevents it; completions do not check the
 ``model`` field, but ``/v1/models`` would list the island's folder, so the sidecar lists this
@@ -83,7 +85,7 @@ class SglangAdapter(HttpEngineAdapter):
                         "island's load renamed it); give served_model_name to report the original name",
                         engine=self.engine_url)
         try:
-            answer = await self.call(
+            answer = await self.change_weights(
                 "POST",
                 "/update_weights_from_disk",
                 json={
@@ -93,7 +95,6 @@ class SglangAdapter(HttpEngineAdapter):
                     "flush_cache": True,
                     "abort_all_requests": False,
                 },
-                timeout_s=self.load_timeout_s,
             )
         except ApplyError as exc:
             raise ApplyError(f"sglang engine did not take the weights of version {version} from {directory}: "

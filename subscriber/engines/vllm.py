@@ -26,8 +26,11 @@ reach the engine through the island's sidecar.
 
 Invariants: ``served_version()`` moves only after every worker answered ``ok`` with the
 record's root digest; any other answer raises ``ApplyError`` saying what the engine serves
-now. A staged patch is committed only for the version it was staged for. Patches in place need
-the island and the engine on one host (the worker reads the file).
+now. Workers that did not all put the old bytes back (``restored``), a weight change the engine
+never answered, or new weights whose old prefix cache was not dropped leave no version vouched
+for: ``served_version()`` is 0 (``mark_unverified``) until a verified load succeeds. A staged
+patch is committed only for the version it was staged for. Patches in place need the island and
+the engine on one host (the worker reads the file).
 """
 
 from __future__ import annotations
@@ -84,20 +87,25 @@ class VllmAdapter(HttpEngineAdapter):
                 await self._rpc("weftboard_detach", {})
             except ApplyError as exc:  # an engine without the extension has nothing bound
                 log.warning("vllm workers did not detach before the reload", engine=self.engine_url, error=str(exc))
-        await self.call(
-            "POST",
-            "/collective_rpc",
-            json={"method": "reload_weights", "kwargs": {"weights_path": str(directory)}},
-            timeout_s=self.load_timeout_s,
-        )
-        await self.call("POST", "/reset_prefix_cache")
+        await self.change_weights("POST", "/collective_rpc",
+                                  json={"method": "reload_weights", "kwargs": {"weights_path": str(directory)}})
+        await self._changed_to(version)
+
+    async def _changed_to(self, version: int) -> None:
+        """After the weights took ``version``: drop the prefix cache computed on the old ones, then
+        serve it. A failure leaves new weights behind a stale cache: no version is vouched for."""
+        try:
+            await self.call("POST", "/reset_prefix_cache")
+        except ApplyError as exc:
+            self.mark_unverified(f"the weights of version {version} are in but the old prefix cache stayed: {exc}")
+            raise
         self.mark_served(version)
 
     async def reload(self, directory: Path, version: int) -> None:
         """``load_checkpoint`` and then the tied output head prepared again (``weftboard_retie``):
         vLLM's reload leaves a tied head's packed CPU copy on the old version."""
         await self.load_checkpoint(directory, version)
-        await self._rpc("weftboard_retie", {})
+        await self._rpc("weftboard_retie", {}, changes_weights=True)
 
     async def warm_up(self) -> float:
         """Compile the codec's kernels in every worker while the engine serves; the seconds it took.
@@ -117,16 +125,17 @@ class VllmAdapter(HttpEngineAdapter):
     async def attach(self, directory: Path, target: VersionTarget) -> None:
         """Between pause and resume: every worker loads the verified folder of ``target`` whole."""
         self._staged = None
-        answers = await self._rpc("weftboard_attach", {"checkpoint_dir": str(directory), "target": target_to_json(target)})
+        answers = await self._rpc("weftboard_attach", {"checkpoint_dir": str(directory), "target": target_to_json(target)},
+                                  changes_weights=True)
         self._require_ok(answers, target, what=f"loading {directory}")
         self.write_mode = _write_mode(answers)
-        await self.call("POST", "/reset_prefix_cache")
-        self.mark_served(target.version)
+        await self._changed_to(target.version)
 
     async def adopt(self, directory: Path, target: VersionTarget) -> None:
         """After the engine's own reload of ``directory`` (``load_checkpoint``): the workers keep its
         verified bytes and bind their live parameters again, so the next patch goes in place."""
-        answers = await self._rpc("weftboard_adopt", {"checkpoint_dir": str(directory), "target": target_to_json(target)})
+        answers = await self._rpc("weftboard_adopt", {"checkpoint_dir": str(directory), "target": target_to_json(target)},
+                                  changes_weights=True)
         self._require_ok(answers, target, what=f"adopting {directory}")
         self.write_mode = _write_mode(answers)
 
@@ -168,17 +177,20 @@ class VllmAdapter(HttpEngineAdapter):
             await self.load_checkpoint(checkpoint_dir, target.version)
             return "full_load"
         if self._staged == target_to_json(target):
-            answers = await self._rpc("weftboard_commit", {"target": self._staged})
+            answers = await self._rpc("weftboard_commit", {"target": self._staged}, changes_weights=True)
         else:
-            answers = await self._rpc("weftboard_apply_patch", {"patch_path": str(patch), "target": target_to_json(target)})
+            answers = await self._rpc("weftboard_apply_patch", {"patch_path": str(patch), "target": target_to_json(target)},
+                                      changes_weights=True)
         self._staged = None
         statuses = {a.get("status") for a in answers}
         self.last_timings = {k: max(float(a.get(k, 0.0)) for a in answers) for k in ("apply_s", "install_s")}
         if statuses == {"ok"}:
             self._require_ok(answers, target, what=f"applying {patch.name}")
-            await self.call("POST", "/reset_prefix_cache")
-            self.mark_served(target.version)
+            await self._changed_to(target.version)
             return "in_place"
+        torn = "ok" in statuses or any(a.get("restored") is False for a in answers)  # workers on different bytes
+        if torn and (checkpoint_dir is None or "layout" in statuses):  # and no whole load below puts that right
+            self.mark_unverified(f"the patch to version {target.version} left the workers apart: {_errors(answers)}")
         if "layout" in statuses:
             raise ApplyError(f"vllm engine at {self.engine_url}: version {target.version} has a layout the engine "
                              f"does not hold ({_errors(answers)}); restart the engine from that version's folder")
@@ -204,9 +216,13 @@ class VllmAdapter(HttpEngineAdapter):
         version, root = held.pop()
         return int(version or 0), root
 
-    async def _rpc(self, method: str, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
-        answer = await self.call("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs},
-                                 timeout_s=self.load_timeout_s)
+    async def _rpc(self, method: str, kwargs: dict[str, Any], *, changes_weights: bool = False) -> list[dict[str, Any]]:
+        """``method`` in every worker; ``changes_weights``: one without an answer leaves no version vouched for."""
+        body = {"method": method, "kwargs": kwargs}
+        if changes_weights:
+            answer = await self.change_weights("POST", "/collective_rpc", json=body)
+        else:
+            answer = await self.call("POST", "/collective_rpc", json=body, timeout_s=self.load_timeout_s)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not results or not all(isinstance(r, dict) for r in results):
             raise ApplyError(f"vllm engine at {self.engine_url} answered {method} with {str(answer)[:300]}: is it "
@@ -217,13 +233,17 @@ class VllmAdapter(HttpEngineAdapter):
         bad = [a for a in answers if a.get("status") != "ok" or a.get("root") != target.root_digest]
         if not bad:
             return
-        if all(a.get("restored", True) for a in bad) and len(bad) == len(answers):
+        restored = all(a.get("restored", True) for a in bad) and len(bad) == len(answers)
+        if restored:
             now = f"it still serves version {self.served_version()}"
         else:
             now = ("its weights are no longer a verified version: load a verified folder (load_checkpoint) or "
                    "restart the engine before it serves again")
-        raise ApplyError(f"vllm engine at {self.engine_url}: {what} for version {target.version} failed on "
-                         f"{len(bad)} of {len(answers)} workers ({_errors(bad)}); {now}")
+        message = (f"vllm engine at {self.engine_url}: {what} for version {target.version} failed on "
+                   f"{len(bad)} of {len(answers)} workers ({_errors(bad)}); {now}")
+        if not restored:
+            self.mark_unverified(message)
+        raise ApplyError(message)
 
 
 _EXTENSION = "weftboard.subscriber.engines.vllm_worker.WeftboardWorkerExtension"
