@@ -18,8 +18,9 @@ A version goes through these stages, in publish order:
 Invariants:
 - The served view always equals the newest published version; only the read changes it,
   and everything that reads it for a version runs before the next read (one read thread).
-- Versions are consecutive and committed in order; a failure that cannot be retried poisons
-  the publisher (every later ``publish`` raises it): a gap would break the chain islands follow.
+- Versions are consecutive and committed in order; a failure that cannot be retried poisons the
+  publisher (every later ``publish`` raises it, every uncommitted version's handle fails with it):
+  a gap would break the chain islands follow.
 - Backpressure: at most ``max_pending`` versions are between ``publish`` and their commit.
   ``"wait"`` blocks the trainer until one commits; ``"skip"`` merges the new version into the
   newest queued one that is not uploading yet (``deltas.py``), so the chain stays bitwise exact.
@@ -241,7 +242,12 @@ class Publisher:
         if self._kind != pb.RUN_KIND_WEIGHTS:
             raise FailedPrecondition(f"run {self.run} is a LoRA adapter run: use publish_adapter()")
         target = self._reserve_slot()
-        self._raise_if_failed()
+        try:
+            self._raise_if_failed()
+        except BaseException as exc:  # failed since: the target left the queue, so only this call can fail it
+            if target is not None:
+                self._fail(exc, [target])
+            raise
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if target is not None:
             version = target.version
@@ -300,13 +306,9 @@ class Publisher:
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every published version is committed (raises a pipeline failure)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (self._queue or self._snapshotting or self._inflight) and self._failure is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"publisher flush timed out with {self.pending()} versions pending")
-                self._cond.wait(left)
+            if not self._cond.wait_for(lambda: not self.pending() or self._failure is not None, timeout):
+                raise TimeoutError(f"publisher flush timed out with {self.pending()} versions pending")
         self._raise_if_failed()
 
     def close(self, flush: bool = True) -> None:
@@ -396,10 +398,8 @@ class Publisher:
         """Wait for room in the pipeline; under "skip", take the newest queued job to merge into."""
         with self._cond:
             while True:
-                if self._failure is not None:
-                    raise self._failure
-                pending = len(self._queue) + self._snapshotting + (1 if self._inflight else 0)
-                if pending < self.max_pending:
+                self._raise_if_failed()
+                if self.pending() < self.max_pending:
                     return None
                 if allow_skip and self.on_backpressure == "skip" and not self._snapshotting:
                     # Never wait on an upload: merge into the queued version, or queue behind
@@ -509,29 +509,27 @@ class Publisher:
         return PartCutter(version, self.encoding, part_bytes, ship)
 
     def _snapshot(self, job: Job) -> None:
-        """Digests, root and anchor files of the job, then queue it for its commit."""
+        """Digests, root and anchor files of the job, then queue it for its commit, or fail it if
+        the publisher has failed (see ``_fail``)."""
         try:
             self.view.snapshot(job, self.work_dir, self.shard_bytes)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter below
-            self._fail(exc, [job])
-            with self._cond:
-                self._snapshotting -= 1
-                self._cond.notify_all()
+            self._fail(exc, [job], snapshotted=1)
             return
         job.timings["queued_s"] = time.perf_counter() - job.t_publish
         with self._cond:
-            self._snapshotting -= 1
-            self._queue.append(job)
-            self._cond.notify_all()
-        if self._wake is not None:
+            if (failure := self._failure) is None:
+                self._snapshotting -= 1
+                self._queue.append(job)
+                self._cond.notify_all()
+        if failure is not None:
+            self._fail(failure, [job], snapshotted=1)
+        elif self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     def _fail_read(self, exc: BaseException, job: Job, target: Job | None) -> None:
         """A read (or the streams after it) failed: its waiters and a merge target's get the error."""
-        self._fail(exc, [job] + ([target] if target is not None else []))
-        with self._cond:
-            self._snapshotting -= 1
-            self._cond.notify_all()
+        self._fail(exc, [job] + ([target] if target is not None else []), snapshotted=1)
 
     # -- stage 3: commit (the publisher's event loop, in version order) --------------------
 
@@ -550,17 +548,12 @@ class Publisher:
                 try:
                     record = await self._commit(job)
                 except BaseException as exc:  # noqa: BLE001
-                    self._fail(exc, [job])
+                    self._fail(exc, [job])  # and the queued jobs
+                    break
+                finally:
                     with self._cond:
                         self._inflight = None
-                        failed = list(self._queue)
-                        self._queue.clear()
                         self._cond.notify_all()
-                    self._fail(exc, failed)
-                    break
-                with self._cond:
-                    self._inflight = None
-                    self._cond.notify_all()
                 for f in job.futures:
                     if not f.done():
                         f.set_result(record)
@@ -583,16 +576,21 @@ class Publisher:
         self.metrics.record_commit(done.record, job, self.commit_latency_s[-1])
         return done.record
 
-    def _fail(self, exc: BaseException, jobs: list[Job]) -> None:
+    def _fail(self, exc: BaseException, jobs: list[Job], snapshotted: int = 0) -> None:
+        """Poison the publisher (the first failure stays); fail ``jobs`` (``snapshotted`` of them leave
+        the snapshot stage) and the queue. The commit worker stops at a failure, so a failed publisher's
+        queue stays empty: emptied as ``_failure`` is set; ``_snapshot`` fails what it would queue."""
+        wrapped: BaseException = exc
         if not isinstance(exc, WeftboardError):
-            wrapped: BaseException = FailedPrecondition(f"publishing failed: {type(exc).__name__}: {exc}")
+            wrapped = FailedPrecondition(f"publishing failed: {type(exc).__name__}: {exc}")
             wrapped.__cause__ = exc
-        else:
-            wrapped = exc
         with self._cond:
             if self._failure is None:
                 self._failure = wrapped
                 log.error("publisher failed; later versions cannot be published", run=self.run, error=str(exc))
+            jobs = jobs + list(self._queue)
+            self._queue.clear()
+            self._snapshotting -= snapshotted
             self._cond.notify_all()
         for job in jobs:
             for f in job.futures:

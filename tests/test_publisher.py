@@ -8,6 +8,8 @@ test's loop, so every publisher call goes through ``asyncio.to_thread``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,9 @@ from safetensors.torch import load_file
 from weftboard.board.blobs import LocalDirBlobStore
 from weftboard.board.client import BoardClient
 from weftboard.cuda.codec import read_patch_info
-from weftboard.proto.errors import FailedPrecondition
+from weftboard.proto.errors import Aborted, FailedPrecondition
 from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.publisher.commit import commit_job
 from weftboard.publisher.publisher import Publisher
 from weftboard.publisher.served_view import ServedView
 
@@ -438,6 +441,77 @@ async def test_commit_retries_while_the_board_is_down(board, local_store, tmp_pa
         await asyncio.to_thread(pub.close, False)
     async with BoardClient(board.address, board.admin_token) as client:
         await follow_each(client, "down", local_store, tmp_path, views)
+
+
+@pytest.mark.parametrize("late", ["snapshot", "merge"])
+async def test_a_refused_commit_fails_the_versions_behind_it(board, local_store, monkeypatch: pytest.MonkeyPatch,
+                                                              late: str) -> None:
+    """Version 1's commit is refused (another publisher committed a different version 1 first)
+    while version 2 is where the commit worker cannot reach it: still in its snapshot
+    ("snapshot"), or taken out of the queue as version 3's merge target under "skip" ("merge").
+    Version 2's handle fails with the refusal instead of waiting forever."""
+    run = f"refused-{late}"
+    ours, rival = Trainer(lr=1e-4), Trainer(lr=1e-4, seed=1)
+    pub = Publisher(board.address, run, token=board.admin_token, blob_store=local_store,
+                    max_pending=2 if late == "snapshot" else 1, on_backpressure="wait" if late == "snapshot" else "skip")
+    handles: list[Any] = []
+    committing, handed, gate = threading.Event(), threading.Event(), threading.Event()
+
+    async def gated_commit(job: Any, **kw: Any) -> Any:  # version 1's commit waits for the gate
+        if job.version == 1:
+            committing.set()
+            await asyncio.to_thread(gate.wait, 20)
+        return await commit_job(job, **kw)
+
+    def refuse_now() -> None:  # version 2 is out of the worker's reach: let version 1 be refused
+        assert handed.wait(20)
+        gate.set()
+        with contextlib.suppress(Exception):
+            handles[0].result(20)
+
+    snapshot, reserve = ServedView.snapshot, Publisher._reserve_slot
+
+    def snapshot_late(self: ServedView, job: Any, *args: Any) -> None:
+        if job.version == 2 and late == "snapshot":
+            refuse_now()
+        snapshot(self, job, *args)
+
+    def reserve_late(self: Publisher, *args: Any, **kw: Any) -> Any:
+        target = reserve(self, *args, **kw)
+        if target is not None:
+            refuse_now()
+        return target
+
+    def publish() -> None:
+        ours.step()
+        handles.append(pub.publish(ours.model, step=ours.step_no))
+
+    def rival_publishes() -> None:
+        rival.step()
+        with Publisher(board.address, run, token=board.admin_token, blob_store=local_store) as other:
+            other.publish(rival.model, step=1).result(20)
+
+    try:
+        await asyncio.to_thread(pub.connect, ours.model)  # the head is 0: ours publishes version 1 next
+        await asyncio.to_thread(rival_publishes)
+        monkeypatch.setattr("weftboard.publisher.publisher.commit_job", gated_commit)
+        monkeypatch.setattr(ServedView, "snapshot", snapshot_late)
+        monkeypatch.setattr(Publisher, "_reserve_slot", reserve_late)
+        await asyncio.to_thread(publish)
+        assert await asyncio.to_thread(committing.wait, 20)  # version 1 is in flight, out of the queue
+        await asyncio.to_thread(publish)
+        handed.set()
+        if late == "merge":  # takes queued version 2 as its target, then finds the publisher failed
+            with pytest.raises(Aborted, match="version 1 .* lost a race"):
+                await asyncio.to_thread(publish)
+        assert [h.version for h in handles] == [1, 2]
+        for h in handles:
+            with pytest.raises(Aborted, match="version 1 .* lost a race"):
+                await asyncio.to_thread(h.result, 20)
+    finally:
+        handed.set()
+        gate.set()
+        await asyncio.to_thread(pub.close, False)
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs numba's thread pool to have two threads or more")
