@@ -395,9 +395,9 @@ class Subscriber:
                     t0 = time.perf_counter()
                     await self._apply_step(step, paths, target)  # 5. apply, 6. activate
                 except _RECOVERABLE:
-                    self._forget_step(step)
+                    await self._forget_step(step)
                     raise
-                self._forget_step(step)
+                await self._forget_step(step)
                 await self._activated(step, fetched_s, time.perf_counter() - t0)
         finally:
             if self.progress is not None:
@@ -451,10 +451,10 @@ class Subscriber:
         the others are stopped before the failure goes on (``fetch.fetch_all``)."""
         return await fetch_all([self._fetched(step, b) for b in step.blobs])
 
-    def _forget_step(self, step: pb.PlanStep) -> None:
-        """Drop a step's cached blobs: applied, or proved bad (a retry fetches them anew)."""
-        for b in step.blobs:
-            self.fetcher.forget(b)
+    async def _forget_step(self, step: pb.PlanStep) -> None:
+        """Drop a step's cached blobs: applied, or proved bad (a retry fetches them anew). On a
+        worker thread: removing an anchor's shards of several GB takes a while on some disks."""
+        await asyncio.to_thread(lambda: [self.fetcher.forget(b) for b in step.blobs])
 
     def _prefetch(self, part: pb.StagedPart) -> None:
         """Start downloading a staged part of a version after the held one (a hint)."""
@@ -545,7 +545,7 @@ class Subscriber:
                 blob.fail(exc if isinstance(exc, Exception) else ApplyError("the step was cancelled"))
             await self._drop_arriving(step, downloads, fetching)
             raise
-        self._forget_step(step)
+        await self._forget_step(step)
         # apply_s: what the apply added after the last byte arrived (the rest overlapped it);
         # fetched_s is 0 when staged parts were all here before the version committed.
         await self._activated(step, max(fetched_at - t_plan, 0.0), time.perf_counter() - fetched_at, arriving=True)
