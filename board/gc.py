@@ -19,7 +19,9 @@
 - Leftovers of a version that never committed (a publisher that died before its commit) are
   deleted once older than the grace period, unless a kept artifact names their key: staged
   parts and noted anchor files (``staged``: their note (``RedisStore.staged_notes``) is for a
-  version after the head and older than the grace; GC forgets the note), and blobs under
+  version after the head, and every note of that version is older than the grace: a version
+  whose upload still goes on, one file after another, keeps all of them; GC forgets the
+  notes), and blobs under
   the run's ``blobs/`` that nothing names or notes (``abandoned``: an anchor file a
   publisher uploaded, aged by the blob store's last write, or for a multipart upload by its
   completion in the board's upload ledger). Before the grace such a version could still
@@ -192,8 +194,11 @@ async def find_leftovers(store, blobs, run: str, head: int, known: set[str], *, 
     before_ms = now_ms - int(max(grace_s, CHECKED_TTL_S) * 1000)
     notes = await store.staged_notes(run)
     noted = set(notes)
+    last_note_ms: dict[int, int] = {}  # per version: its newest note
+    for _, version, checked_ms in notes.values():
+        last_note_ms[version] = max(last_note_ms.get(version, 0), checked_ms)
     staged = {key: size for key, (size, version, checked_ms) in notes.items()  # notes without a time: kept
-              if version > head and 0 < checked_ms <= before_ms and key not in known}
+              if version > head and checked_ms > 0 and last_note_ms[version] <= before_ms and key not in known}
     listed = await blobs.list_blobs(blobs_prefix(run))
     abandoned = {key: b.size for key, b in listed.items()
                  if key not in known and key not in noted and b.modified_s * 1000 <= before_ms}

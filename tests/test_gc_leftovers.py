@@ -71,6 +71,36 @@ async def test_leftovers_of_a_version_never_committed_are_collected_once_past_th
         await store.close()
 
 
+async def test_a_version_still_uploading_keeps_its_early_files_past_the_grace(board, local_store, redis_url) -> None:
+    """An anchor of many files uploads one after another for longer than the grace: the
+    first file's note is old, the newest is fresh. GC keeps every file of that version until
+    the version's newest note is past the grace, then collects them all."""
+    store = RedisStore(redis_url)
+    try:
+        async with BoardClient(board.address, board.admin_token) as client:
+            await client.create_run(make_run("long"))
+            await publish(client, local_store, "long", [1, 2])
+            files = [await upload(local_store, "long", os.urandom(2000 + i), name=f"model-0000{i}.safetensors")
+                     for i in (1, 2)]
+            for f in files:
+                await client.stage_part("long", 3, f)
+            t0 = int(time.time() * 1000)
+            first_at = t0 - 2 * int(GRACE_S * 1000)  # the first file was noted two graces ago
+            await store.redis.hset(k_checked("long"), files[0].key, f"{files[0].size}:3:{first_at}")
+
+            async def gc(now_ms: int) -> gcmod.GcPlan:
+                return await gcmod.collect_garbage(store, local_store, await client.get_run("long"), keep_anchors=2,
+                                                   keep_versions=64, staged_grace_s=GRACE_S, dry_run=False,
+                                                   now_ms=now_ms)
+
+            assert (await gc(t0 + 60_000)).delete == ()  # the version's newest file is a minute old
+            assert [await local_store.stat(f.key) for f in files] == [f.size for f in files]
+            late = await gc(t0 + int(GRACE_S * 1000) + 60_000)  # nothing for a grace: the publisher died
+            assert {k for k, _ in late.delete} == {f.key for f in files} and late.staged_parts_collected == 2
+    finally:
+        await store.close()
+
+
 async def test_a_multipart_blob_is_aged_from_its_completion_not_its_date(board, local_store, redis_url) -> None:
     """S3 dates an object made by a multipart upload from the upload's start: a long upload
     must not make a fresh blob look abandoned. GC ages it from the completion the board's
