@@ -24,7 +24,10 @@ Invariants:
   no request, the subscriber reports holding nothing and plans from nothing. The next success
   clears either.
 - For checkpoint engines a checkpoint already written by an earlier attempt is not
-  rewritten: a retry only repeats the activation.
+  rewritten: a retry only repeats the activation. For an anchor (the subscriber's last
+  resort) that holds only once the folder's copy re-hashes to the target (``verify_held``,
+  on a worker thread): a damaged copy of the held version is rebuilt from the anchor's
+  shards before the engine loads it, never reloaded as it is.
 - It does not apply while a patch arrives (``capabilities``): the engine would stay paused
   for the whole download, or serve a checkpoint the fetcher has not verified yet.
 """
@@ -89,11 +92,23 @@ class EngineDestination:
         if self.in_process:
             await self._activate_in_process(target.version, lambda: self.inner.load_anchor(shards, target))
         else:
-            if self.inner.held_version() != target.version:
+            if not await self._holds_intact(target):
                 await self.inner.load_anchor(shards, target)
             assert self.checkpoint_dir is not None
             checkpoint_dir = self.checkpoint_dir
             await self._activate(target.version, lambda: self.adapter.load_version(checkpoint_dir, target))
+
+    async def _holds_intact(self, target: VersionTarget) -> bool:
+        """Whether the checkpoint folder holds ``target`` and its copy re-hashes to it (the
+        inner ``verify_held``: a worker thread), so an anchor need not rebuild it."""
+        if self.inner.held_version() != target.version:
+            return False
+        try:
+            return await cast(Scrubbable, self.inner).verify_held(target)
+        except WeftboardError as exc:  # CorruptData: the copy is damaged; the anchor rebuilds it
+            log.warning("the held checkpoint does not verify; rebuilding it from the anchor",
+                        version=target.version, error=str(exc))
+            return False
 
     async def apply_patch(self, patch: Path, target: VersionTarget) -> None:
         if self.in_process:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_destinations import _anchor, _target
 from test_engine_adapters import RecordingEngine
 from test_sidecar import PROMPT, SMALL, call, get, versions_of
@@ -157,3 +158,31 @@ async def test_vllm_workers_that_did_not_restore_leave_nothing_served(tmp_path: 
     finally:
         await island.stop()
         await engine.stop()
+
+
+async def test_the_last_resort_anchor_rebuilds_a_damaged_held_copy_before_the_engine_loads_it(tmp_path: Path) -> None:
+    """The held version is the anchor the subscriber falls back to and its folder copy is damaged:
+    the anchor rebuilds the folder before the engine loads it (before, the damaged folder was
+    reloaded as it was); with the folder intact, a retry only repeats the activation."""
+    engine = ReferenceEngine(SMALL)
+    server = await serve_engine(engine)
+    island = await FolderIsland(ReferenceHttpAdapter(server.url, timeout_s=5), server.url, tmp_path).start()
+    v1, t1 = island.versions[1], _target(island.versions[1], 1)
+    try:
+        for attempt in range(2):  # fresh shards each time: a cached shard is hard-linked into the folder
+            await island.dest.load_anchor(_anchor(tmp_path / f"a{attempt}", v1), t1)
+        first = island.folder.current.resolve()
+        assert first.name == "v1" and island.state.held == 1  # the retry did not rewrite the folder
+        shard = first / "model.safetensors"
+        raw = bytearray(shard.read_bytes())
+        raw[-3] ^= 0x40  # in the last tensor
+        shard.write_bytes(bytes(raw))
+
+        await island.dest.load_anchor(_anchor(tmp_path / "a2", v1), t1)  # the last resort: anchor 1
+        rebuilt = island.folder.current.resolve()
+        assert rebuilt != first and rebuilt.name.startswith("v1-") and not first.exists()
+        assert await island.folder.verify_held(t1) and island.dest.held_version() == 1
+        assert all(torch.equal(engine.tensors[n], v1[n]) for n in v1)  # the engine loaded the verified copy
+    finally:
+        await island.stop()
+        await server.stop()
