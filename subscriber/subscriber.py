@@ -24,9 +24,12 @@ Invariants:
   far blob store (``Fetcher.far``). Nothing of them is used before the version commits, and
   then only the parts its record names; older ones are dropped once a version is held. A
   download is never started twice for one blob: the plan's step takes over a running one.
-- A bad blob or a failed apply is never served. Recovery is: refetch (the failed step's
-  cached blobs dropped) with a fresh plan, then a plan from nothing (an anchor); each
-  failure is logged and heartbeated as ERROR. Only when all three fail does ``sync_to`` raise.
+- A bad blob or a failed apply is never served. Recovery is: refetch with a fresh plan, then
+  a plan from nothing (an anchor); each failure is logged and heartbeated as ERROR. Only when
+  all three fail does ``sync_to`` raise. A step whose bytes proved bad or missing (CorruptData,
+  NotFound, OSError) has its cached blobs dropped; those of steps not applied otherwise (the
+  engine failed: ApplyError) stay cached (``_kept``) for a retry, whose fetch re-hashes them,
+  until applied, a plan executes without them, or ``run()`` ends.
 - ``run()`` never misses a version: it watches from the held version and, when that falls
   out of retained history (OUT_OF_RANGE), catches up from an anchor and watches again.
 - ``run()`` ends only on an error that retrying cannot cure (``FATAL_ERRORS``) or a bug;
@@ -73,6 +76,7 @@ log = structlog.get_logger("weftboard.subscriber")
 # A step failing with one of these is retried (refetch, then an anchor): its blobs were bad or
 # gone, its presigned URLs expired, or the disk refused a write (OSError) and may not next time.
 _RECOVERABLE = (CorruptData, ApplyError, NotFound, UrlExpired, OSError)
+_BAD_BYTES = (CorruptData, NotFound, OSError)  # a step failing so may have a damaged or missing blob
 # What ends ``run()``: following again cannot cure a refused token or a request the board calls
 # invalid; retrying them would only hide a misconfiguration (UrlExpired is retried before these).
 FATAL_ERRORS = (Unauthenticated, PermissionDenied, InvalidArgument, AlreadyExists)
@@ -145,6 +149,7 @@ class Subscriber:
         self.applied_at: dict[int, float] = {}  # version -> time.time() when verified and held
         self._records: dict[int, pb.VersionRecord] = {}  # records already received (watch events)
         self._prefetched: dict[str, _Download] = {}  # digest -> a staged part's download
+        self._kept: dict[str, pb.BlobRef] = {}  # digest -> a cached blob of a step not applied (module doc)
         # version -> where its sync spent the time: "seen" (unix time the watch event arrived),
         # "fetched_s" (plan to blobs on disk), "apply_s" (apply + verify; for a patch applied
         # while it downloaded, "streamed", only what came after its last byte); for logs and benchmarks.
@@ -257,6 +262,7 @@ class Subscriber:
                 hb.cancel()
                 await asyncio.gather(hb, return_exceptions=True)
             await self.destination.close()  # its worker threads end with the following
+            await self._forget_kept(set())
 
     async def _follow(self) -> None:
         async with self._sync_lock:
@@ -376,6 +382,7 @@ class Subscriber:
         """Steps 3 to 6 for every step of ``plan``, in order; later steps download (3) while
         earlier ones apply (5)."""
         steps = list(plan.steps)
+        await self._forget_kept({b.digest for s in steps for b in s.blobs})
         if self.progress is not None:
             for s in steps:
                 self.progress.begin(s.to_version, "anchor" if s.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
@@ -386,6 +393,7 @@ class Subscriber:
             return
         downloads = [asyncio.ensure_future(self._fetch_step(s)) for s in steps]
         targets = [asyncio.ensure_future(self._step_target(s)) for s in steps]
+        settled = 0  # steps applied, or whose blobs were dropped as bad; the rest keep theirs cached
         try:
             for step, download, target_f in zip(steps, downloads, targets, strict=True):
                 try:
@@ -394,12 +402,15 @@ class Subscriber:
                     target = await target_f  # 4. verify
                     t0 = time.perf_counter()
                     await self._apply_step(step, paths, target)  # 5. apply, 6. activate
-                except _RECOVERABLE:
+                except _BAD_BYTES:
+                    settled += 1
                     await self._forget_step(step)
                     raise
+                settled += 1
                 await self._forget_step(step)
                 await self._activated(step, fetched_s, time.perf_counter() - t0)
         finally:
+            self._kept.update((b.digest, b) for s in steps[settled:] for b in s.blobs)  # verified, for a retry
             if self.progress is not None:
                 for s in steps:
                     self.progress.end(s.to_version)
@@ -454,7 +465,15 @@ class Subscriber:
     async def _forget_step(self, step: pb.PlanStep) -> None:
         """Drop a step's cached blobs: applied, or proved bad (a retry fetches them anew). On a
         worker thread: removing an anchor's shards of several GB takes a while on some disks."""
+        for b in step.blobs:
+            self._kept.pop(b.digest, None)
         await asyncio.to_thread(lambda: [self.fetcher.forget(b) for b in step.blobs])
+
+    async def _forget_kept(self, used: set[str]) -> None:
+        """Drop the kept blobs (``_kept``) that ``used`` does not name, on a worker thread."""
+        gone = [self._kept.pop(d) for d in [d for d in self._kept if d not in used]]
+        if gone:
+            await asyncio.to_thread(lambda: [self.fetcher.forget(b) for b in gone])
 
     def _prefetch(self, part: pb.StagedPart) -> None:
         """Start downloading a staged part of a version after the held one (a hint)."""

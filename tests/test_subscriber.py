@@ -4,15 +4,24 @@ fallback, ERROR heartbeats), resumable verified downloads."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from pubsubkit import WARM_KERNELS, Trainer, bits_equal, run_cli, zeros_like_layout
+from test_engine_adapters import RecordingEngine
 
+from weftboard.board.blobs import LocalDirBlobStore
 from weftboard.board.client import BoardClient
 from weftboard.proto.errors import ApplyError, DigestMismatch
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.publisher import Publisher
+from weftboard.subscriber.admission import AdmissionGate, VersionState
+from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
+from weftboard.subscriber.engine_destination import EngineDestination
+from weftboard.subscriber.engines.base import ActivationMode
+from weftboard.subscriber.engines.sglang import SglangAdapter
 from weftboard.subscriber.fetch import Fetcher, cache_path
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
 from weftboard.subscriber.subscriber import Subscriber
@@ -164,6 +173,67 @@ async def test_run_follows_new_versions_and_signals(board, local_store, tmp_path
                 await asyncio.gather(task, return_exceptions=True)
     finally:
         await asyncio.to_thread(pub.close, False)
+
+
+class CountingStore(LocalDirBlobStore):
+    """The board's blob directory, counting the island's downloads of each key."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.reads: Counter[str] = Counter()
+
+    async def download_to(self, key: str, path, offset: int = 0, **kw) -> int:
+        self.reads[key] += 1
+        return await super().download_to(key, path, offset, **kw)
+
+
+class RefusingEngine(RecordingEngine):
+    """An SGLang engine over HTTP that answers its next ``refusals`` weight loads with an error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refusals = 0
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        if request.path == "/update_weights_from_disk" and self.refusals > 0:
+            self.refusals -= 1
+            return web.json_response({"error": "engine restarting"}, status=500)
+        return await super()._handle(request)
+
+
+async def test_an_engine_failure_keeps_the_verified_blobs_for_the_retry(board, local_store, tmp_path: Path) -> None:
+    """A weight load the engine refuses (an ApplyError, not bad bytes) is retried from the
+    blobs already verified in the cache, not downloaded again; once the version is held none
+    of them is left; blobs kept for a retry that the next plan does not use are dropped."""
+    await _publish(board, local_store, "ek", 2, anchor_every=1000, anchor_patch_fraction=100.0)
+    store, cache = CountingStore(tmp_path / "blobs"), tmp_path / "c"
+    engine = await RefusingEngine().start()
+    adapter = SglangAdapter(engine.url, timeout_s=5)
+    folder = CheckpointDirDestination(tmp_path / "ckpt")
+    dest = EngineDestination(adapter, AdmissionGate(ActivationMode.DRAIN), VersionState(), folder,
+                             checkpoint_dir=folder.current)
+    try:
+        async with BoardClient(board.address, board.admin_token) as client:
+            sub = Subscriber(client, "ek", dest, island_id="isl", blob_store=store, cache_dir=cache, heartbeat=False)
+            anchor = _artifact(await client.get_version("ek", 1), pb.ARTIFACT_KIND_ANCHOR).blobs
+            patch = _artifact(await client.get_version("ek", 2), pb.ARTIFACT_KIND_PATCH).blobs
+            engine.refusals = 1  # attempt 1 refused, attempt 2 loads
+            assert await sub.sync_to(1) == 1 and engine.refusals == 0
+            assert [store.reads[b.key] for b in anchor] == [1] * len(anchor)  # downloaded once
+            assert not any(p.is_file() for p in cache.rglob("*"))  # held: nothing of it left
+
+            engine.refusals = 3  # every attempt refused: patch 2 twice, then anchor 1 + patch 2
+            with pytest.raises(ApplyError, match="could not reach"):
+                await sub.sync_to(2)
+            assert sub.held_version == 1 and cache_path(cache, patch[0]).is_file()  # kept for the next try
+            assert all(cache_path(cache, b).is_file() for b in anchor)
+            assert await sub.sync_to(2) == 2  # a patch from 1: the kept anchor is not used, so dropped
+            assert [store.reads[b.key] for b in patch] == [1] * len(patch)
+            assert not any(p.is_file() for p in cache.rglob("*"))
+    finally:
+        await dest.close()
+        await adapter.close()
+        await engine.stop()
 
 
 class FlakyBoard:
