@@ -20,7 +20,8 @@ Invariants:
   and everything that reads it for a version runs before the next read (one read thread).
 - Versions are consecutive and committed in order; a failure that cannot be retried poisons the
   publisher (every later ``publish`` raises it, every uncommitted version's handle fails with it):
-  a gap would break the chain islands follow.
+  a gap would break the chain islands follow. ``close(flush=False)`` commits nothing after it
+  returns, and fails the handle of every version not committed with ``Aborted`` (``pipeline.py``).
 - Backpressure: at most ``max_pending`` versions are between ``publish`` and their commit.
   ``"wait"`` blocks the trainer until one commits; ``"skip"`` merges the new version into the
   newest queued one that is not uploading yet (``deltas.py``), so the chain stays bitwise exact.
@@ -52,7 +53,7 @@ from weftboard.cuda.anchors import DEFAULT_SHARD_BYTES
 from weftboard.cuda.codec import ENCODINGS
 from weftboard.cuda.formats import Projector, ServedFormatSpec
 from weftboard.proto.domain import check_name
-from weftboard.proto.errors import FailedPrecondition, InvalidArgument, WeftboardError
+from weftboard.proto.errors import FailedPrecondition, InvalidArgument
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher import resume
 from weftboard.publisher.commit import commit_job, encode_streams, upload_and_stage
@@ -60,6 +61,7 @@ from weftboard.publisher.job import RECENT_VERSIONS, Job, PublishHandle, job_of_
 from weftboard.publisher.metrics import PublisherMetrics
 from weftboard.publisher.model_files import collect_model_files, open_run
 from weftboard.publisher.parts import SUGGESTED_PART_BYTES, FinishAhead, PartCutter
+from weftboard.publisher.pipeline import Pipeline
 from weftboard.publisher.policy import AnchorLedger, AnchorPolicy, AnchorReason
 from weftboard.publisher.served_view import (
     ServedView,
@@ -151,16 +153,11 @@ class Publisher:
         self._resumed_head = 0
         self.anchors = AnchorLedger(self.policy)  # guarded by _cond
 
-        # Pipeline state, guarded by _cond.
         self._cond = threading.Condition()
-        self._queue: deque[Job] = deque()
-        self._snapshotting = 0
-        self._inflight: Job | None = None
+        self._jobs = Pipeline(self.run, self._cond)  # the versions between publish and commit (pipeline.py)
         self._last_read: tuple[threading.Event | None, PublishHandle | None] = (None, None)
         self._async_read = False
         self._hooks: list[Any] = []
-        self._failure: BaseException | None = None
-        self._closed = False
         # Per-version telemetry, of the newest RECENT_VERSIONS versions only (job.py).
         self.blocked_s: deque[float] = deque(maxlen=RECENT_VERSIONS)
         self.committed: deque[pb.VersionRecord] = deque(maxlen=RECENT_VERSIONS)
@@ -177,7 +174,7 @@ class Publisher:
         self._staging: set[asyncio.Future] = set()  # StagePart calls in flight (held so they are not collected)
         self._client: BoardClient | None = None
         self._uploader: Uploader | None = None
-        self._worker: concurrent.futures.Future | None = None
+        self._worker: asyncio.Task | None = None
 
     # -- public API --------------------------------------------------------------------
 
@@ -193,8 +190,7 @@ class Publisher:
         return self.committed[-1].version if self.committed else self._resumed_head
 
     def pending(self) -> int:
-        with self._cond:
-            return len(self._queue) + self._snapshotting + (1 if self._inflight else 0)
+        return self._jobs.pending()
 
     def connect(self, model_or_state: Any = None, *, kind: int = pb.RUN_KIND_WEIGHTS) -> None:
         """Create or open the run (and resume from its head); ``publish`` calls it lazily."""
@@ -221,7 +217,7 @@ class Publisher:
                 if handle is not None:
                     handle.blocked_s += waited
                     self.blocked_s[-1] += waited
-            self._raise_if_failed()
+            self._jobs.check()
 
         self._hooks.append(optimizer.register_step_pre_hook(wait_for_read))
         self._async_read = True
@@ -234,7 +230,7 @@ class Publisher:
         hashing, uploads and the commit always happen in the background.
         """
         t0 = time.perf_counter()
-        self._raise_if_failed()
+        self._jobs.check()
         self.wait_read()
         master = master_state(model_or_state)
         if self._kind == pb.RUN_KIND_UNSPECIFIED:
@@ -243,10 +239,10 @@ class Publisher:
             raise FailedPrecondition(f"run {self.run} is a LoRA adapter run: use publish_adapter()")
         target = self._reserve_slot()
         try:
-            self._raise_if_failed()
+            self._jobs.check()
         except BaseException as exc:  # failed since: the target left the queue, so only this call can fail it
             if target is not None:
-                self._fail(exc, [target])
+                self._jobs.fail(exc, [target])
             raise
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if target is not None:
@@ -258,15 +254,14 @@ class Publisher:
             self._next_version += 1
         handle = PublishHandle(version, step, fut, coalesced=False)
         read_done = threading.Event()
-        with self._cond:
-            self._snapshotting += 1
+        self._jobs.start()
         self._last_read = (read_done, handle)
         self._snapshot_pool.submit(self._read_and_snapshot, master, version, step, dict(labels or {}), target, fut,
                                    handle, t0, read_done)
         self.blocked_s.append(0.0)
         if not self._async_read:
             read_done.wait()
-            self._raise_if_failed()
+            self._jobs.check()
         blocked = time.perf_counter() - t0
         handle.blocked_s += blocked
         self.blocked_s[-1] += blocked
@@ -282,7 +277,7 @@ class Publisher:
                         labels: Mapping[str, str] | None = None) -> PublishHandle:
         """Publish a LoRA adapter whole (a run of kind RUN_KIND_LORA_ADAPTER: anchors only)."""
         t0 = time.perf_counter()
-        self._raise_if_failed()
+        self._jobs.check()
         master = master_state(state_dict)
         if self._kind == pb.RUN_KIND_UNSPECIFIED:
             self._call(self._connect(master, pb.RUN_KIND_LORA_ADAPTER))
@@ -297,8 +292,7 @@ class Publisher:
         tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in stored.items()}
         job = Job(version, step, dict(labels or {}), True, AnchorReason.ADAPTER, None, [fut], t0, adapter_tensors=tensors)
         job.touched = set(tensors)
-        with self._cond:
-            self._snapshotting += 1
+        self._jobs.start()
         self._snapshot_pool.submit(self._snapshot, job)
         handle = PublishHandle(version, step, fut, blocked_s=time.perf_counter() - t0)
         self.blocked_s.append(handle.blocked_s)
@@ -307,27 +301,26 @@ class Publisher:
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every published version is committed (raises a pipeline failure)."""
         with self._cond:
-            if not self._cond.wait_for(lambda: not self.pending() or self._failure is not None, timeout):
+            if not self._cond.wait_for(lambda: not self.pending() or self._jobs.failure is not None, timeout):
                 raise TimeoutError(f"publisher flush timed out with {self.pending()} versions pending")
-        self._raise_if_failed()
+        self._jobs.check()
 
     def close(self, flush: bool = True) -> None:
-        if self._closed:
+        if self._jobs.closed:
             return
         try:
-            if flush and self._failure is None:
+            if flush and self._jobs.failure is None:
                 self.flush()
         finally:
-            self._closed = True
+            self._jobs.close()  # nothing is queued or taken from here on; the versions left queued are aborted
             for hook in self._hooks:
                 hook.remove()
-            if self._worker is not None:
-                self._worker.cancel()
             if self._client is not None:
                 with contextlib.suppress(Exception):  # closing is best effort once the work is done
                     asyncio.run_coroutine_threadsafe(self._close_client(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+            self._jobs.fail(None, [self._jobs.inflight] if self._jobs.inflight else [])  # a worker that did not end
             self._snapshot_pool.shutdown(wait=True)
             self._hash_pool.shutdown(wait=True)
             self._encode_pool.shutdown(wait=True)
@@ -336,9 +329,12 @@ class Publisher:
                 shutil.rmtree(self.work_dir, ignore_errors=True)
 
     async def _close_client(self) -> None:
-        for task in list(self._staging):  # hints for versions that are committed or never will be
+        """End the commit worker (a commit in flight is aborted) and the hints for versions that are
+        committed or never will be, then the client."""
+        tasks = [self._worker, *self._staging]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._staging, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._client.close()
 
     # -- connect / resume ---------------------------------------------------------------
@@ -352,7 +348,7 @@ class Publisher:
                                        options=FAST_RECONNECT)
             self._uploader = Uploader(self.run, self._client, self.blob_store, part_bytes=self._upload_part_bytes)
             self._wake = asyncio.Event()
-            self._worker = asyncio.run_coroutine_threadsafe(self._commit_worker(), self._loop)
+            self._worker = asyncio.create_task(self._commit_worker())
         if master is None:
             raise InvalidArgument("connect() needs the model or state dict to know the run's layout")
         layout = self.projector.layout(master)
@@ -388,25 +384,19 @@ class Publisher:
 
     # -- the trainer's side: room in the pipeline ----------------------------------------
 
-    def _raise_if_failed(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-        if self._closed:
-            raise FailedPrecondition("the publisher is closed")
-
     def _reserve_slot(self, allow_skip: bool = True) -> Job | None:
         """Wait for room in the pipeline; under "skip", take the newest queued job to merge into."""
         with self._cond:
             while True:
-                self._raise_if_failed()
+                self._jobs.check()
                 if self.pending() < self.max_pending:
                     return None
-                if allow_skip and self.on_backpressure == "skip" and not self._snapshotting:
+                if allow_skip and self.on_backpressure == "skip" and not self._jobs.snapshotting:
                     # Never wait on an upload: merge into the queued version, or queue behind
                     # the one uploading (at most one queued at a time).
-                    if self._queue and not self._queue[-1].started:
-                        return self._queue.pop()
-                    if not self._queue:
+                    if (queue := self._jobs.queue) and not queue[-1].started:
+                        return queue.pop()
+                    if not queue:
                         return None
                 self._cond.wait(1.0)
 
@@ -417,7 +407,9 @@ class Publisher:
                            read_done: threading.Event) -> None:
         """Read the weights into the view, finish what the read scanned, then snapshot the job.
 
-        ``target``: the queued job this version is merged into ("skip"), or None.
+        ``target``: the queued job this version is merged into ("skip"), or None. Whatever fails
+        before the job reaches ``_snapshot`` fails this version and the target (``_fail_read``)
+        before ``read_done`` is set, so a ``publish`` whose read failed raises it.
         """
         t_read = time.perf_counter()
         try:
@@ -437,54 +429,54 @@ class Publisher:
                      if cutter is not None and not compact and self.parts_during_read else None)
             folded = self.view.fold(master, anchor=bool(reason), scan=scan,
                                     on_scanned=ahead.add if ahead is not None else None)
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiters
+            handle.read_s = read_s = time.perf_counter() - t_read
             read_done.set()
-            self._fail_read(exc, Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0), target)
-            return
-        handle.read_s = read_s = time.perf_counter() - t_read
-        read_done.set()
-        del master
-        t_finish = time.perf_counter()
-        try:  # streams of the tensors the read scanned; the view still holds this version
-            # The changed tensors are hashed on two threads: beside the finish, or after it when
-            # it ships parts (far islands wait for the parts; only the commit needs the hashes).
+            del master
+            t_finish = time.perf_counter()
+            # Streams of the tensors the read scanned (the view still holds this version). The changed
+            # tensors are hashed on two threads: beside the finish, or after it when it ships parts
+            # (far islands wait for the parts; only the commit needs the hashes).
             hashing = self.view.hash_changed(folded) if folded is not None and cutter is None else {}
             deltas, fused = (self.view.finish(folded, cutter, compact, ahead.streams() if ahead is not None else None)
                              if folded is not None else (None, {}))
             if cutter is not None:
                 hashing = self.view.hash_changed(folded)
             hashed = {n: f.result() for n, f in hashing.items()}
+            release_free_memory()  # after the read: the trainer does not wait for it
+            if target is not None and target.anchor_dir is not None:
+                shutil.rmtree(target.anchor_dir, ignore_errors=True)
+            job = job_of_read(version, step, labels, reason, deltas, fused, fut, handle, t0, target,
+                              cutter.parts if cutter is not None else [])
+            job.timings.update(read_s=read_s, finish_s=time.perf_counter() - t_finish)
+            if job.deltas is not None:
+                # Hashed beside the finish: the cache holds the view's current digests.
+                self.view.digests.update(hashed)
+                job.touched -= hashed.keys()
+                job.est_patch_bytes = self.anchors.estimate(job.changed)
+            else:
+                job.touched = set(self.view.tensors or ())
+            with self._cond:
+                replaced = target.est_patch_bytes if target is not None and not target.anchor else 0
+                self.anchors.read(version, anchor=job.anchor, estimate=job.est_patch_bytes, replaced_estimate=replaced)
+            self.view.has_base = True
+            if job.has_patch:
+                if job.deltas:
+                    job.streams = self._encode_pool.submit(encode_streams, job, self.view.names(), self.encoding)
+                else:  # every tensor was encoded during the read
+                    job.streams = concurrent.futures.Future()
+                    job.streams.set_result([job.fused[n] for n in self.view.names()])
+            log.debug("read", run=self.run, version=version, anchor=job.anchor, coalesced=target is not None,
+                      read_s=round(time.perf_counter() - t0, 4))
         except BaseException as exc:  # noqa: BLE001 - handed to the waiters
             self._fail_read(exc, Job(version, step, labels, False, AnchorReason.NONE, None, [fut], t0), target)
             return
-        release_free_memory()  # after the read: the trainer does not wait for it
-        if target is not None and target.anchor_dir is not None:
-            shutil.rmtree(target.anchor_dir, ignore_errors=True)
-        job = job_of_read(version, step, labels, reason, deltas, fused, fut, handle, t0, target,
-                          cutter.parts if cutter is not None else [])
-        job.timings["read_s"] = read_s
-        job.timings["finish_s"] = time.perf_counter() - t_finish
-        if job.deltas is not None:
-            # Hashed beside the finish: the cache holds the view's current digests.
-            self.view.digests.update(hashed)
-            job.touched -= hashed.keys()
-            job.est_patch_bytes = self.anchors.estimate(job.changed)
-        else:
-            job.touched = set(self.view.tensors or ())
-        with self._cond:
-            replaced = target.est_patch_bytes if target is not None and not target.anchor else 0
-            self.anchors.read(version, anchor=job.anchor, estimate=job.est_patch_bytes, replaced_estimate=replaced)
-        self.view.has_base = True
-        if job.has_patch:
-            if job.deltas:
-                job.streams = self._encode_pool.submit(encode_streams, job, self.view.names(), self.encoding)
-            else:  # every tensor was encoded during the read
-                job.streams = concurrent.futures.Future()
-                job.streams.set_result([job.fused[n] for n in self.view.names()])
-        log.debug("read", run=self.run, version=version, anchor=job.anchor, coalesced=target is not None,
-                  read_s=round(time.perf_counter() - t0, 4))
+        finally:
+            read_done.set()  # after a failure is recorded
         self._snapshot(job)
-        self.view.catch_up_previous(folded or {})  # on this thread: before the next read
+        try:
+            self.view.catch_up_previous(folded or {})  # on this thread: before the next read
+        except BaseException as exc:  # noqa: BLE001 - the view no longer equals the newest version
+            self._jobs.fail(exc, [])
 
     def _decide(self, version: int, target: Job | None) -> AnchorReason:
         if target is not None and target.anchor:
@@ -510,26 +502,21 @@ class Publisher:
 
     def _snapshot(self, job: Job) -> None:
         """Digests, root and anchor files of the job, then queue it for its commit, or fail it if
-        the publisher has failed (see ``_fail``)."""
+        the publisher has failed or closed (``Pipeline.fail``)."""
         try:
             self.view.snapshot(job, self.work_dir, self.shard_bytes)
         except BaseException as exc:  # noqa: BLE001 - handed to every waiter below
-            self._fail(exc, [job], snapshotted=1)
+            self._jobs.fail(exc, [job], snapshotted=1)
             return
         job.timings["queued_s"] = time.perf_counter() - job.t_publish
-        with self._cond:
-            if (failure := self._failure) is None:
-                self._snapshotting -= 1
-                self._queue.append(job)
-                self._cond.notify_all()
-        if failure is not None:
-            self._fail(failure, [job], snapshotted=1)
+        if not self._jobs.enqueue(job):
+            self._jobs.fail(None, [job], snapshotted=1)
         elif self._wake is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     def _fail_read(self, exc: BaseException, job: Job, target: Job | None) -> None:
         """A read (or the streams after it) failed: its waiters and a merge target's get the error."""
-        self._fail(exc, [job] + ([target] if target is not None else []), snapshotted=1)
+        self._jobs.fail(exc, [job] + ([target] if target is not None else []), snapshotted=1)
 
     # -- stage 3: commit (the publisher's event loop, in version order) --------------------
 
@@ -538,22 +525,17 @@ class Publisher:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while True:
-                with self._cond:
-                    if not self._queue or self._failure is not None:
-                        break
-                    job = self._queue.popleft()
-                    job.started = True
-                    self._inflight = job
+            while (job := self._jobs.take()) is not None:
                 try:
                     record = await self._commit(job)
                 except BaseException as exc:  # noqa: BLE001
-                    self._fail(exc, [job])  # and the queued jobs
+                    closing = isinstance(exc, asyncio.CancelledError) and self._jobs.closed  # close(flush=False)
+                    self._jobs.fail(None if closing else exc, [job])  # and the queued jobs; a close's: Aborted
+                    if closing:
+                        raise
                     break
                 finally:
-                    with self._cond:
-                        self._inflight = None
-                        self._cond.notify_all()
+                    self._jobs.finished()
                 for f in job.futures:
                     if not f.done():
                         f.set_result(record)
@@ -575,24 +557,3 @@ class Publisher:
         self.timings.append(dict(job.timings, version=job.version))
         self.metrics.record_commit(done.record, job, self.commit_latency_s[-1])
         return done.record
-
-    def _fail(self, exc: BaseException, jobs: list[Job], snapshotted: int = 0) -> None:
-        """Poison the publisher (the first failure stays); fail ``jobs`` (``snapshotted`` of them leave
-        the snapshot stage) and the queue. The commit worker stops at a failure, so a failed publisher's
-        queue stays empty: emptied as ``_failure`` is set; ``_snapshot`` fails what it would queue."""
-        wrapped: BaseException = exc
-        if not isinstance(exc, WeftboardError):
-            wrapped = FailedPrecondition(f"publishing failed: {type(exc).__name__}: {exc}")
-            wrapped.__cause__ = exc
-        with self._cond:
-            if self._failure is None:
-                self._failure = wrapped
-                log.error("publisher failed; later versions cannot be published", run=self.run, error=str(exc))
-            jobs = jobs + list(self._queue)
-            self._queue.clear()
-            self._snapshotting -= snapshotted
-            self._cond.notify_all()
-        for job in jobs:
-            for f in job.futures:
-                if not f.done():
-                    f.set_exception(wrapped)

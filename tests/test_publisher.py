@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import numba
 import numpy as np
 import pytest
+import structlog
 import torch
 from pubsubkit import WARM_KERNELS, Trainer, bits_equal, follow_each
 from safetensors.torch import load_file
@@ -26,6 +28,7 @@ from weftboard.cuda.codec import read_patch_info
 from weftboard.proto.errors import Aborted, FailedPrecondition
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.commit import commit_job
+from weftboard.publisher.job import job_of_read
 from weftboard.publisher.publisher import Publisher
 from weftboard.publisher.served_view import ServedView
 
@@ -511,6 +514,130 @@ async def test_a_refused_commit_fails_the_versions_behind_it(board, local_store,
     finally:
         handed.set()
         gate.set()
+        await asyncio.to_thread(pub.close, False)
+
+def _pending_workers(pub: Publisher) -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks(pub._loop) if t.get_coro().__name__ == "_commit_worker"]
+
+
+@pytest.mark.parametrize("stage", ["snapshot", "commit"])
+async def test_close_without_flush_aborts_the_versions_not_committed(board, local_store, stage: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close(flush=False)`` while version 1 is in its snapshot ("snapshot"), or while it commits
+    with version 2 queued and version 3 in its snapshot ("commit"): close ends the commit worker,
+    reports no publishing failure, commits nothing, and every handle fails with ``Aborted``
+    instead of waiting forever."""
+    run = f"closed-{stage}"
+    trainer = Trainer(lr=1e-4)
+    pub = Publisher(board.address, run, token=board.admin_token, blob_store=local_store, max_pending=3)
+    last = 1 if stage == "snapshot" else 3
+    committing, closing = threading.Event(), threading.Event()
+
+    async def held_commit(job: Any, **kw: Any) -> Any:  # never commits: only close's cancellation ends it
+        committing.set()
+        await asyncio.sleep(120)
+        return await commit_job(job, **kw)
+
+    snapshot, close = ServedView.snapshot, Publisher.close
+
+    def snapshot_late(self: ServedView, job: Any, *args: Any) -> None:
+        if job.version == last:  # the snapshot ends once close has begun
+            assert closing.wait(20)
+            time.sleep(0.3)
+        snapshot(self, job, *args)
+
+    def closed(self: Publisher, flush: bool = True) -> None:
+        closing.set()
+        close(self, flush)
+
+    def publish() -> Any:
+        trainer.step()
+        return pub.publish(trainer.model, step=trainer.step_no)
+
+    monkeypatch.setattr("weftboard.publisher.publisher.commit_job", held_commit)
+    monkeypatch.setattr(ServedView, "snapshot", snapshot_late)
+    monkeypatch.setattr(Publisher, "close", closed)
+    handles: list[Any] = []
+    try:
+        with structlog.testing.capture_logs() as logs:
+            handles.append(await asyncio.to_thread(publish))
+            if stage == "commit":
+                assert await asyncio.to_thread(committing.wait, 20)
+                handles += [await asyncio.to_thread(publish) for _ in range(2)]
+            await asyncio.wait_for(asyncio.to_thread(pub.close, False), 60)
+            assert _pending_workers(pub) == [], "close should end the commit worker"
+            assert [h.version for h in handles] == list(range(1, last + 1))
+            for h in handles:
+                with pytest.raises(Aborted, match=f"closed before version {h.version} committed"):
+                    await asyncio.to_thread(h.result, 10)
+        assert not [e for e in logs if e["event"].startswith("publisher failed")], "a close is not a failure"
+        await asyncio.sleep(0.5)
+        async with BoardClient(board.address, board.admin_token) as client:
+            assert (await client.get_head(run)).version == 0
+    finally:
+        closing.set()
+        await asyncio.to_thread(pub.close, False)
+
+
+async def test_a_failure_between_the_read_and_the_queue_fails_the_version(board, local_store,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version 2's read succeeds but making its job fails: its handle fails with that error
+    instead of waiting forever, and the publisher is failed (the next publish raises it)."""
+    trainer = Trainer(lr=1e-4)
+    pub = Publisher(board.address, "no-job", token=board.admin_token, blob_store=local_store)
+
+    def no_job(version: int, *args: Any) -> Any:
+        if version == 2:
+            raise RuntimeError("no job for version 2")
+        return job_of_read(version, *args)
+
+    monkeypatch.setattr("weftboard.publisher.publisher.job_of_read", no_job)
+
+    def publish() -> Any:
+        trainer.step()
+        return pub.publish(trainer.model, step=trainer.step_no)
+
+    try:
+        assert (await asyncio.to_thread((await asyncio.to_thread(publish)).result, 30)).version == 1
+        h2 = await asyncio.to_thread(publish)
+        with pytest.raises(FailedPrecondition, match="RuntimeError: no job for version 2"):
+            await asyncio.to_thread(h2.result, 10)
+        with pytest.raises(FailedPrecondition, match="RuntimeError: no job for version 2"):
+            await asyncio.wait_for(asyncio.to_thread(publish), 30)
+    finally:
+        await asyncio.to_thread(pub.close, False)
+
+
+async def test_a_publish_whose_read_failed_raises(board, local_store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read of version 2 fails: ``publish`` raises it, however late the read thread records
+    the failure (it is recorded before the read counts as done)."""
+    trainer = Trainer(lr=1e-4)
+    pub = Publisher(board.address, "bad-read", token=board.admin_token, blob_store=local_store)
+    fold, fail_read = ServedView.fold, Publisher._fail_read
+    reads: list[int] = []
+
+    def bad_fold(self: ServedView, *args: Any, **kw: Any) -> Any:
+        reads.append(1)
+        if len(reads) == 2:
+            raise RuntimeError("bad read")
+        return fold(self, *args, **kw)
+
+    def slow_fail_read(self: Publisher, *args: Any) -> None:  # a read thread descheduled before it records
+        time.sleep(0.5)
+        fail_read(self, *args)
+
+    monkeypatch.setattr(ServedView, "fold", bad_fold)
+    monkeypatch.setattr(Publisher, "_fail_read", slow_fail_read)
+
+    def publish() -> Any:
+        trainer.step()
+        return pub.publish(trainer.model, step=trainer.step_no)
+
+    try:
+        assert (await asyncio.to_thread((await asyncio.to_thread(publish)).result, 30)).version == 1
+        with pytest.raises(FailedPrecondition, match="RuntimeError: bad read"):
+            await asyncio.wait_for(asyncio.to_thread(publish), 30)
+    finally:
         await asyncio.to_thread(pub.close, False)
 
 
