@@ -5,7 +5,8 @@
 1. wait for the patch's streams (encoded during the read, the rest by ``encode_streams``
    on the publisher's encode pool) and for the parts already staged (``upload_and_stage``);
 2. assemble the last part: the streams not staged, with the target root digest;
-3. upload it and the anchor shards, concurrently;
+3. upload it and the anchor shards, concurrently, each shard noted on the board once it is up
+   (``upload_and_note``);
 4. build the ``VersionRecord`` (tensor digests, root, artifacts, ``version_stats``);
 5. commit it on the board, retrying transient failures.
 
@@ -14,6 +15,9 @@ Invariants:
 - A patch's parts hold disjoint tensors and together every tensor of the layout; the last
   part (the one carrying the root) is the only one uploaded by this module's step 3.
 - Nothing here reads the served view: a job carries what its commit needs.
+- An anchor shard is noted (``StagePart`` with its name) as soon as it is uploaded, so the
+  board's GC ages an anchor that uploads for longer than its grace by the newest shard, and
+  collects the shards of a publisher that died before its commit (``board/gc.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import xxhash
 
 from weftboard.board.blobs.transfer import Uploader, with_retries
 from weftboard.cuda import codec
+from weftboard.cuda.anchors import WrittenFile
 from weftboard.cuda.formats import is_scale_tensor
 from weftboard.proto.domain import format_digest
 from weftboard.proto.errors import WeftboardError
@@ -90,6 +95,19 @@ async def upload_and_stage(version: int, data: bytes, *, run: str, client: Any, 
     task.add_done_callback(staging.discard)
     await asyncio.wait({task}, timeout=STAGE_WAIT_S)  # not cancelled when slower: the publisher's close does that
     return ref
+
+
+async def upload_and_note(wf: WrittenFile, version: int, *, run: str, client: Any, uploader: Uploader) -> str:
+    """Upload one anchor shard, then note it on the board (``StagePart`` with its file name); its
+    key. A note refused or failed is logged: the version commits all the same, only GC's view
+    of an upload in progress is the poorer for it."""
+    key = await uploader.upload(wf.digest, wf.size, path=wf.path)
+    ref = pb.BlobRef(key=key, digest=wf.digest, size=wf.size, name=wf.name)
+    try:
+        await with_retries("StagePart", lambda: client.stage_part(run, version, ref))
+    except WeftboardError as exc:
+        log.info("anchor shard not noted", run=run, version=version, file=wf.name, error=str(exc))
+    return key
 
 
 def version_stats(job: Job, layout: list[LayoutEntry], patch_bytes: int, anchor_bytes: int,
@@ -153,7 +171,7 @@ async def commit_job(job: Job, *, run: str, layout: list[LayoutEntry], client: A
             uploads.append(uploader.upload(digest, len(data), data=data))
             patch_refs.append(pb.BlobRef(digest=digest, size=len(data)))
     # 3. upload the last part and the anchor shards
-    uploads += [uploader.upload(wf.digest, wf.size, path=wf.path) for wf in job.anchor_files]
+    uploads += [upload_and_note(wf, job.version, run=run, client=client, uploader=uploader) for wf in job.anchor_files]
     anchor_bytes = sum(wf.size for wf in job.anchor_files)
     t_up = time.perf_counter()
     keys = await asyncio.gather(*uploads)

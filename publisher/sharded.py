@@ -74,7 +74,7 @@ from weftboard.cuda.formats import Projector, ServedFormatSpec
 from weftboard.proto.domain import check_name
 from weftboard.proto.errors import FailedPrecondition, InvalidArgument, WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
-from weftboard.publisher.commit import upload_and_stage
+from weftboard.publisher.commit import upload_and_note, upload_and_stage
 from weftboard.publisher.job import RECENT_VERSIONS, PublishHandle
 from weftboard.publisher.metrics import PublisherMetrics
 from weftboard.publisher.model_files import collect_model_files, open_run
@@ -427,20 +427,12 @@ class ShardedPublisher:
         directory = self.work_dir or Path(f"/tmp/weftboard-sharded-{self.run}-r{self.rank}")
         written = write_safetensors(directory / f"v{version}" / name, list(owned.items()),
                                     {"format": "pt", "weftboard_run": self.run, "weftboard_version": str(version)})
-        try:
-            key = self._call(self._uploader.upload(written.digest, written.size, path=written.path))
+        try:  # noted once up, so GC deletes it if this version commits without it
+            key = self._call(upload_and_note(written, version, run=self.run, client=self._client,
+                                             uploader=self._uploader))
         finally:
             written.path.unlink(missing_ok=True)
-        self._call(self._stage_anchor_file(version, pb.BlobRef(key=key, digest=written.digest, size=written.size,
-                                                               name=name)))
         return (name, key, written.digest, written.size)
-
-    async def _stage_anchor_file(self, version: int, ref: pb.BlobRef) -> None:
-        """Have the board note the file, so GC deletes it if this version commits without it."""
-        try:
-            await with_retries("StagePart", lambda: self._client.stage_part(self.run, version, ref))
-        except WeftboardError as exc:  # the version commits all the same; only a crash would leak the file
-            log.info("anchor file not staged", run=self.run, version=version, file=ref.name, error=str(exc))
 
     async def _commit(self, version: int, step: int, results: list[RankResult], anchor: bool) -> pb.VersionRecord:
         errors = [r.error for r in results if r.error]

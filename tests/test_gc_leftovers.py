@@ -9,6 +9,7 @@ import os
 import time
 
 import pytest
+import torch
 from boardkit import make_record, make_run, publish, upload
 
 from weftboard.board import gc as gcmod
@@ -97,6 +98,36 @@ async def test_a_version_still_uploading_keeps_its_early_files_past_the_grace(bo
             assert [await local_store.stat(f.key) for f in files] == [f.size for f in files]
             late = await gc(t0 + int(GRACE_S * 1000) + 60_000)  # nothing for a grace: the publisher died
             assert {k for k, _ in late.delete} == {f.key for f in files} and late.staged_parts_collected == 2
+    finally:
+        await store.close()
+
+
+async def test_the_publisher_notes_each_anchor_shard_once_it_is_up(board, local_store, redis_url, tmp_path) -> None:
+    """``commit.upload_and_note``, the publisher's upload of an anchor shard: the shard is in
+    the blob store and noted for its version, so GC ages it with that version's newest note
+    (and collects it if the version never commits)."""
+    from weftboard.board.blobs.transfer import Uploader
+    from weftboard.cuda.anchors import write_checkpoint
+    from weftboard.publisher.commit import upload_and_note
+
+    store = RedisStore(redis_url)
+    try:
+        async with BoardClient(board.address, board.admin_token) as client:
+            await client.create_run(make_run("noted"))
+            await publish(client, local_store, "noted", [1, 2])
+            shards = write_checkpoint(tmp_path / "v3", [(f"w{i}", torch.randn(64, 64)) for i in range(4)],
+                                      shard_bytes=20_000)
+            assert len(shards) >= 2
+            uploader = Uploader("noted", client, local_store)
+            keys = [await upload_and_note(wf, 3, run="noted", client=client, uploader=uploader) for wf in shards]
+            assert [await local_store.stat(k) for k in keys] == [wf.size for wf in shards]
+            notes = await store.staged_notes("noted")
+            assert {k: notes[k][:2] for k in keys} == {k: (wf.size, 3) for k, wf in zip(keys, shards, strict=True)}
+            t0 = int(time.time() * 1000)
+            plan = await gcmod.collect_garbage(store, local_store, await client.get_run("noted"), keep_anchors=2,
+                                               keep_versions=64, staged_grace_s=GRACE_S, dry_run=True,
+                                               now_ms=t0 + int(GRACE_S * 1000) + 60_000)
+            assert {k for k, _ in plan.delete} == set(keys) and plan.staged_parts_collected == len(keys)
     finally:
         await store.close()
 
