@@ -30,7 +30,7 @@ import numpy as np
 
 from weftboard.cuda import entropy, huffman
 from weftboard.cuda.bit_deposit import pext64
-from weftboard.cuda.bitops import array_at, ctpop64, cttz64
+from weftboard.cuda.bitops import array_at, ctpop64
 from weftboard.cuda.context_apply import FAST_BITS, decode_batch, value_tables
 from weftboard.cuda.context_codec import (
     MAX_THRESHOLDS,
@@ -78,7 +78,7 @@ def _scan_batch(addr_a, addr_b, numels, like, first, thr, nthr, tile, rice_buf, 
     (``tile_blocks.rice_tile_grouped``, which makes the same bits as ``entropy.rice_put``, a
     group of codes per append); a class's changed members go to ``pos_rows`` a bitmap word at
     a time with compress-stores when ``lanes_like`` is None, else walked bit by bit (the
-    same numbers). Per global tile and class (``MAX_CLASSES`` columns): ns, ks, rice_off,
+    same numbers), and so do the tile's changed offsets for the symbols. Per global tile and class (``MAX_CLASSES`` columns): ns, ks, rice_off,
     rice_len; per tile n_esc, over and the histogram."""
     ntensors = numels.size
     ntiles_all = first[ntensors]
@@ -171,22 +171,22 @@ def _scan_batch(addr_a, addr_b, numels, like, first, thr, nthr, tile, rice_buf, 
         h = np.zeros(ncls * NSYM, np.int32)
         q = g * tile
         qe = 2 * g * tile
-        for bi in range(nblocks):
-            m = masks[bi]
-            while m:
-                at = np.uint64(s + 64 * bi + np.int64(cttz64(m)))  # unsigned: no negative-index fix-ups
-                m &= m - np.uint64(1)
-                ov = a[at]
-                d = (np.uint64(b[at]) - np.uint64(ov)) & mask
-                sym = entropy.symbol(d, mask, wbits)
-                v = lut[np.uint64(ov >> np.uint16(7)) & np.uint64(0xFF)] + sym
-                sym_buf[np.uint64(q)] = v
-                q += 1
-                h[np.uint64(v)] += 1
-                if sym == ESC:
-                    esc_buf[np.uint64(qe)] = np.uint8(d & np.uint64(0xFF))
-                    esc_buf[np.uint64(qe + 1)] = np.uint8(d >> np.uint64(8))
-                    qe += 2
+        cnt = 0
+        for bi in range(nblocks):  # the tile's changed offsets in order, a block at a time
+            cnt = pack_word(pos, cnt, 64 * bi, masks[bi], lanes_like)
+        for j in range(cnt):  # one counted loop: no loop exit per block to mispredict
+            at = np.uint64(s) + np.uint64(pos[j])  # unsigned: no negative-index fix-ups
+            ov = a[at]
+            d = (np.uint64(b[at]) - np.uint64(ov)) & mask
+            sym = entropy.symbol(d, mask, wbits)
+            v = lut[np.uint64(ov >> np.uint16(7)) & np.uint64(0xFF)] + sym
+            sym_buf[np.uint64(q)] = v
+            q += 1
+            h[np.uint64(v)] += 1
+            if sym == ESC:
+                esc_buf[np.uint64(qe)] = np.uint8(d & np.uint64(0xFF))
+                esc_buf[np.uint64(qe + 1)] = np.uint8(d >> np.uint64(8))
+                qe += 2
         hist[g, :ncls * NSYM] = h
         n_esc[g] = (qe - 2 * g * tile) >> 1
     return ns, ks, rice_off, rice_len, n_esc, over, hist
