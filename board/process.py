@@ -160,7 +160,7 @@ async def _watch_redis(store: RedisStore, health_servicer: Any, every_s: float) 
             status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
             for name in ("", SERVICE_NAME):
                 await health_servicer.set(name, status)
-            log.warning("health changed", serving=ok, redis=store.url)
+            log.warning("health changed", serving=ok, redis=store.target.redacted)
 
 
 SERVING_GC_THRESHOLDS = (20_000, 20, 20)

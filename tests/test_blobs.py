@@ -380,6 +380,23 @@ async def test_s3_unreachable_is_unavailable() -> None:
         await store.close()
 
 
+async def test_s3_errors_never_carry_a_presigned_query() -> None:
+    """The multipart calls go through URLs the store presigns for itself; when S3 cannot be
+    reached, urllib3 names that URL. The error says where and what, never the query (the
+    access key id and a signature that is still valid), and chains nothing that does."""
+    port = free_port()
+    store = S3BlobStore(f"http://127.0.0.1:{port}", "AKIDSECRETID", "secret-key", "bucket", region="us-east-1",
+                        connect_timeout_s=1, retries=0)
+    store._bucket_ready = True  # straight to the presigned request
+    try:
+        with pytest.raises(Unavailable, match=f"127.0.0.1:{port}") as caught:
+            await store.abort_multipart("r/blobs/x", "upload-1")
+        text = f"{caught.value} {caught.value.__cause__} {caught.value.__context__ if not caught.value.__suppress_context__ else ''}"
+        assert "AKIDSECRETID" not in text and "Signature" not in text, text
+    finally:
+        await store.close()
+
+
 async def test_fetch_url_unreachable_is_unavailable(tmp_path: Path) -> None:
     port = free_port()
     with pytest.raises(Unavailable):

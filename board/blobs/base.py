@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,15 @@ ChunkCallback = Callable[[int, bytes], None]
 MAX_KEY_BYTES = 1024
 # Recent requests whose time to first byte estimate a store's path (``first_byte_s``).
 FIRST_BYTE_SAMPLES = 16
+
+
+_QUERY = re.compile(r"\?[^\s'\")]*")
+
+
+def without_queries(text: str) -> str:
+    """``text`` with every URL query cut out: a presigned URL names the access key id and a live
+    signature there, which no error message, log line or chained exception may carry."""
+    return _QUERY.sub("?...", text)
 
 
 def check_key(key: str) -> str:

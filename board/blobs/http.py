@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from weftboard.board.blobs.base import upload_source_size
+from weftboard.board.blobs.base import upload_source_size, without_queries
 from weftboard.proto.errors import NotFound, Unavailable, UrlExpired, WeftboardError
 
 _CHUNK = 1 << 20
@@ -87,7 +87,7 @@ async def fetch_url(
             finally:
                 await asyncio.to_thread(out.close)
     except aiohttp.ClientError as exc:
-        raise Unavailable(f"cannot download {_redact(url)}: {exc}") from exc
+        raise Unavailable(f"cannot download {_redact(url)}: {without_queries(str(exc))}") from None
     except asyncio.TimeoutError as exc:
         kept = await asyncio.to_thread(lambda: dest.stat().st_size if dest.exists() else 0)
         raise Unavailable(f"download of {_redact(url)} timed out; resume with offset={kept}") from exc
@@ -146,7 +146,7 @@ async def upload_url(
             if response.status not in (200, 201, 204):
                 _raise_for_status(response.status, url, await response.text(errors="replace"))
     except aiohttp.ClientError as exc:
-        raise Unavailable(f"cannot upload to {_redact(url)}: {exc}") from exc
+        raise Unavailable(f"cannot upload to {_redact(url)}: {without_queries(str(exc))}") from None
     except asyncio.TimeoutError as exc:
         raise Unavailable(f"upload to {_redact(url)} timed out") from exc
     finally:
@@ -174,7 +174,7 @@ async def upload_part_url(
                     _raise_for_status(response.status, url, await response.text(errors="replace"))
                 etag = response.headers.get("ETag", "")
         except aiohttp.ClientError as exc:
-            raise Unavailable(f"cannot upload a part to {_redact(url)}: {exc}") from exc
+            raise Unavailable(f"cannot upload a part to {_redact(url)}: {without_queries(str(exc))}") from None
         except asyncio.TimeoutError as exc:
             raise Unavailable(f"upload of a part to {_redact(url)} timed out") from exc
     if not etag:
@@ -190,5 +190,5 @@ async def upload_bytes_url(url: str, data: bytes, *, timeout_s: float = 120.0) -
                 if response.status not in (200, 201, 204):
                     _raise_for_status(response.status, url, await response.text(errors="replace"))
         except aiohttp.ClientError as exc:
-            raise Unavailable(f"cannot upload to {_redact(url)}: {exc}") from exc
+            raise Unavailable(f"cannot upload to {_redact(url)}: {without_queries(str(exc))}") from None
     return len(data)

@@ -51,6 +51,7 @@ from weftboard.board.blobs.base import (
     check_key,
     check_prefix,
     upload_source_size,
+    without_queries,
 )
 from weftboard.board.blobs.multipart import bare_etag, check_completed
 from weftboard.board.blobs.stoppable import Stopper
@@ -196,9 +197,11 @@ class S3BlobStore(BlobStore):
                 ) from None
             raise Unavailable(f"S3 error on {what}: {exc.code}: {exc.message}") from exc
         except self._api.server_errors as exc:
-            raise Unavailable(f"S3 server error on {what}: {exc}") from exc
+            raise Unavailable(f"S3 server error on {what}: {without_queries(str(exc))}") from None
         except (self._api.urllib3.exceptions.HTTPError, ConnectionError, TimeoutError) as exc:
-            raise Unavailable(f"cannot reach S3 at {self.endpoint} for {what}: {exc}") from exc
+            # urllib3 names the URL it gave up on: a presigned one carries the access key id and a
+            # live signature, so its query never reaches a message, a log or a chained exception
+            raise Unavailable(f"cannot reach S3 at {self.endpoint} for {what}: {without_queries(str(exc))}") from None
 
     def _ensure_bucket(self) -> None:
         if self._bucket_ready:
