@@ -146,6 +146,8 @@ class UploadRpcs:
         numbers = list(request.part_numbers)
         if not numbers:
             raise InvalidArgument("part_numbers is empty: name the parts whose URLs to renew")
+        if len(set(numbers)) != len(numbers):  # each URL is signed on the loop: no request makes millions
+            raise InvalidArgument("part_numbers names a part twice: name each part once")
         urls = await self.blobs.presign_parts(upload.key, upload.store_id, upload.part_sizes(numbers), expires)
         return pb.PresignUploadPartsResponse(expires_at_ms=now_ms() + expires * 1000,
                                              parts=[pb.UploadPartUrl(part_number=n, url=u)
@@ -154,6 +156,9 @@ class UploadRpcs:
     async def CompleteUpload(self, request: pb.CompleteUploadRequest, context) -> pb.CompleteUploadResponse:
         check_name("run", request.run)
         upload = await self.uploads.get(request.run, request.upload_id)
+        if request.digest and request.digest != upload.digest or request.size and request.size != upload.size:
+            raise FailedPrecondition(f"upload {request.upload_id!r} is of blob {upload.digest} ({upload.size} bytes), "
+                                     f"not {request.digest or upload.digest} ({request.size or upload.size} bytes)")
         if upload.done_ms:
             return pb.CompleteUploadResponse(key=upload.key, size=upload.size)
         parts = [(p.part_number, p.etag) for p in request.parts]

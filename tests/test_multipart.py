@@ -196,6 +196,13 @@ async def test_nothing_is_visible_before_complete_and_an_abort_drops_the_parts(r
         await rig.client.complete_upload("mp", started.upload_id, etags[:1])
     with pytest.raises(FailedPrecondition, match="ETag"):
         await rig.client.complete_upload("mp", started.upload_id, [etags[0], (2, '"0000"')])
+    for other in (pb.CompleteUploadRequest(digest=digest_of(b"another blob")), pb.CompleteUploadRequest(size=1)):
+        other.MergeFrom(pb.CompleteUploadRequest(run="mp", upload_id=started.upload_id,
+                                                 parts=[pb.UploadedPart(part_number=n, etag=e) for n, e in etags]))
+        with pytest.raises(FailedPrecondition, match=f"is of blob {digest} \\({len(data)} bytes\\)"):
+            await rig.client._call("CompleteUpload", other)
+    with pytest.raises(InvalidArgument, match="twice"):
+        await rig.client.presign_upload_parts("mp", started.upload_id, [1, 2, 1])
     assert await rig.store.stat(started.key) is None  # refused completes show nothing either
     await rig.client.abort_upload("mp", started.upload_id)
     with pytest.raises(NotFound):
