@@ -396,6 +396,8 @@ def parse_directory(buf, p, nclasses, numel, tile, width, changed, nsyms):
             v, p = read_varint(buf, p, end)
             if v < 0:
                 return 3, ns, ks, rice, rans, esc, offs
+            if v > tile_n:  # each count on its own: a sum of huge ones could wrap past the check below
+                return 4, ns, ks, rice, rans, esc, offs
             ns[t, c] = v
             per_class[c] += v
             n += v

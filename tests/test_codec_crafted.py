@@ -3,7 +3,8 @@
 A random mutation almost never writes a 9-byte varint, so the fuzzers of test_codec_fuzz.py
 never gave the tile directory lengths near 2**63. Such lengths, summed in int64, wrapped
 negative, passed the "past the stream's end" check and sent the decoders' reads 2**63 bytes
-before the stream: a segfault in every decode path. The cases run in a child process
+before the stream: a segfault in every decode path. Per-class change counts near 2**63 wrapped
+the same way to a small total and sent the ``context`` decoder's writes past its output. The cases run in a child process
 (``python tests/test_codec_crafted.py``, one verdict a line as each case ends), so a
 regression fails the case it crashed in, with the signal, instead of ending the test run.
 
@@ -87,6 +88,13 @@ CASES = {
         varint(1) + varint(0x3F80) + rans_table([(0, 16384)]) * 2 + varint(1) + varint(1)
         + bytes([0]) + varint(BIG) + bytes([0]) + varint(2**62 + 1) + varint(2**62) + varint(0),
         numel=256, changed=2, mode="context", encoding="context"), {}),
+    # three classes whose change counts (2**63 - 1, 2**63 - 1, 3) summed wrap to the one change
+    # the entry names: class 0 then decoded about 256 changes into a one-change output
+    "context-counts": lambda: (container(
+        varint(2) + varint(0x80) + varint(0x100) + (varint(1) + varint(0) + varint(16384)) * 3
+        + varint(BIG) + varint(BIG) + varint(3) + bytes([0]) + varint(32) + bytes([0]) + varint(0) + bytes([0])
+        + varint(0) + varint(4) + varint(0) + bytes(32) + (1 << 23).to_bytes(4, "little"),
+        numel=256, changed=1, mode="context", encoding="context"), {}),
 }
 READERS = ("apply", "arriving", "decode")
 
@@ -107,7 +115,7 @@ def run_case(name: str, reader: str) -> str:
             apply_patch_arriving_(tensors, [blob], timeout_s=5)
         else:
             c = patch_container.read_container(data)
-            base = unsigned_np(bits_view(tensors["t"])) if name == "context" else None
+            base = unsigned_np(bits_view(tensors["t"])) if name.startswith("context") else None
             decode_stream(c.entries[0], c.streams["t"], base)
     except Exception as exc:  # noqa: BLE001 - the class is the verdict
         if not (tensors["t"].view(torch.uint8) == 0).all():
