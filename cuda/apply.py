@@ -272,15 +272,19 @@ def _write_step(applied: AppliedPatch, target: torch.Tensor, entry: Mapping[str,
 
 def _write_context_batch(applied: AppliedPatch, steps: Sequence[tuple[torch.Tensor, Mapping[str, Any],
                                                                     context_huffman.ContextHuffmanStream]]) -> None:
-    """Write several tensors' ``context_huffman`` streams in one call and record how to undo
-    each; on a damaged stream the call's writes are undone and ``CorruptData`` names it."""
-    if not steps:
-        return
-    try:
-        undos = context_huffman.apply_batch_([s for *_, s in steps], [unsigned_np(bits_view(t)) for t, *_ in steps])
-    except context_huffman.BadStream as exc:
-        raise tile_stream_error(steps[exc.index][1], str(exc)) from None
-    applied._undo.extend(undos)
+    """Write several tensors' ``context_huffman`` streams, one call per tile size among them (a
+    patch may join parts coded with other tiles), and record how to undo each; on a damaged
+    stream that call's writes are undone and ``CorruptData`` names it (the earlier calls' writes
+    are recorded in ``applied`` by then, for its revert)."""
+    by_tile: dict[int, list] = {}
+    for step in steps:
+        by_tile.setdefault(step[2].tile, []).append(step)
+    for group in by_tile.values():
+        try:
+            undos = context_huffman.apply_batch_([s for *_, s in group], [unsigned_np(bits_view(t)) for t, *_ in group])
+        except context_huffman.BadStream as exc:
+            raise tile_stream_error(group[exc.index][1], str(exc)) from None
+        applied._undo.extend(undos)
 
 
 def _apply_decoded(target: torch.Tensor, dec: DecodedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

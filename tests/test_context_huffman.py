@@ -315,3 +315,37 @@ def test_the_packed_and_the_walked_paths_write_and_read_the_same() -> None:
         assert seen[0] == seen[1]
         verdicts.add(seen[0][0])
     assert "refused" in verdicts
+
+
+def test_one_patch_may_hold_streams_coded_with_different_tiles() -> None:
+    """Nothing in the format asks every ``context_huffman`` stream of a patch for one tile (a
+    patch joined from parts coded apart may mix them): the whole patch applies as each stream
+    does alone, in one call per tile size."""
+    import xxhash
+
+    g = torch.Generator().manual_seed(5)
+    entries, streams, olds, news = [], [], {}, {}
+    for name, tile in (("a", 256), ("b", 512), ("c", 256)):
+        old = (torch.randn(1024, generator=g) * 0.02).bfloat16()
+        new = old.clone()
+        new[::7] = (new[::7].float() * 1.01).bfloat16()
+        changed, stream, _ = ch.encode_context_huffman(u16(old), u16(new), cc.choose_thresholds(u16(old), old.dtype),
+                                                       tile)
+        assert stream is not None
+        data = bytes(stream)
+        entries.append({"name": name, "dtype": "bfloat16", "numel": 1024, "changed": changed,
+                        "mode": "context_huffman", "stream_bytes": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data),
+                        "tile": tile, "index_bytes": 4})
+        streams.append((name, data))
+        olds[name], news[name] = old, new
+    header = {"format": "weftboard-patch", "format_version": 3, "encoding": "compact", "base_version": 1,
+              "target_version": 2, "target_root": "", "tensors": entries}
+    target = {n: t.clone() for n, t in olds.items()}
+    applied = apply_patch_(target, container.write_container(header, streams))
+    assert all(torch.equal(u16_t(target[n]), u16_t(news[n])) for n in news)
+    applied.revert()
+    assert all(torch.equal(u16_t(target[n]), u16_t(olds[n])) for n in olds)
+
+
+def u16_t(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
