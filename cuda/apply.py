@@ -54,6 +54,7 @@ class AppliedPatch:
     base_version: int
     target_version: int
     target_root: str
+    encoding: str = ""  # the patch's (every part of one patch has the same)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _reverted: bool = field(default=False, repr=False)
 
@@ -174,6 +175,8 @@ def _wait_across(parts: Sequence[Any], wanted: Sequence[tuple[int, tuple[int, in
 def _with_part(applied: AppliedPatch, header: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]) -> AppliedPatch:
     """``applied`` extended by one more part of the same patch (refused unless it is one)."""
     check_same_transition(applied.base_version, applied.target_version, header)
+    if header["encoding"] != applied.encoding:  # as ``container.join_patches`` refuses them
+        raise CorruptData(f"patch parts disagree on the encoding: {applied.encoding!r} and {header['encoding']!r}")
     twice = sorted(set(applied.changed) & {e["name"] for e in entries})
     if twice:
         raise CorruptData(f"patch parts both hold tensor {twice[0]!r}")
@@ -249,6 +252,7 @@ def _applied_patch(header: Mapping[str, Any], entries: Sequence[Mapping[str, Any
         base_version=header["base_version"],
         target_version=header["target_version"],
         target_root=header["target_root"],
+        encoding=header["encoding"],
     )
 
 

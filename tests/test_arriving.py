@@ -264,7 +264,9 @@ def test_parts_that_are_not_one_patch_are_refused_and_a_damaged_part_undoes_the_
 
     other_step = _part_bytes(old, new, _groups(names, 2), base=4)
     overlapping = _part_bytes(old, new, [names[:3], names[2:]])
-    for bad, match in (([parts[0], other_step[1]], "disagree"), (overlapping, "both hold")):
+    other_coder = _part_bytes(old, new, _groups(names, 2), "compact")
+    for bad, match in (([parts[0], other_step[1]], "disagree"), (overlapping, "both hold"),
+                       ([parts[0], other_coder[1]], "disagree on the encoding")):
         blobs = [ArrivingBytes(len(p)) for p in bad]
         for b, p in zip(blobs, bad):
             b.put(0, p)
