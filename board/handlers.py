@@ -62,7 +62,7 @@ from weftboard.proto.errors import (
     Unavailable,
 )
 from weftboard.proto.names import blob_key, check_digest, check_name
-from weftboard.proto.plans import StepKind, plan_catch_up
+from weftboard.proto.plans import StepKind, VersionArtifacts, needs_older, plan_catch_up
 from weftboard.proto.records import ArtifactKind, VersionRecord
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
@@ -70,6 +70,9 @@ from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
 log = structlog.get_logger(__name__)
 
 MAX_PAGE = 1000
+# PlanCatchUp reads the version index this many versions at a time, from the target down: an
+# island near the head plans from a chunk or two, however long the retained history.
+PLAN_INDEX_CHUNK = 256
 MAX_TRAJECTORY_BATCH = 10_000
 MAX_PRESIGN_S = 3600
 DEFAULT_PRESIGN_S = 900
@@ -417,10 +420,16 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
         oldest = max(run.oldest_available, 1)
         target = request.want_version or run.head
         records: dict[int, VersionRecord] = {}
-        if run.head and oldest <= target <= run.head:
-            index = await self.store.get_index(request.run, oldest, target)
-            records = {v: convert.record_from_pb(rec) for v, rec in index.items()}
-        artifacts = {v: rec.sizes() for v, rec in records.items()}
+        artifacts: dict[int, VersionArtifacts] = {}
+        hi = target if run.head and oldest <= target <= run.head else 0
+        while hi >= oldest:  # from the target down, until no older start can be the cheapest
+            lo = max(oldest, hi - PLAN_INDEX_CHUNK + 1)
+            index = await self.store.get_index(request.run, lo, hi)
+            records.update((v, convert.record_from_pb(rec)) for v, rec in index.items())
+            artifacts.update((v, records[v].sizes()) for v in index)
+            hi = lo - 1
+            if not needs_older(request.have_version, target, artifacts, lo):
+                break
         plan = plan_catch_up(request.have_version, request.want_version, run.head, oldest, artifacts)
         steps = []
         for step in plan.steps:

@@ -75,41 +75,60 @@ def plan_catch_up(
     if have == target:
         return Plan(have, target, ())
 
-    # suffix[n] = bytes of the patches n+1..target, None when one is missing. It reaches
-    # down to oldest_available - 1: an island may still hold a collected version, and the
-    # patch of the oldest retained version applies to it.
-    suffix: dict[int, int | None] = {target: 0}
-    running: int | None = 0
-    for n in range(target, max(oldest_available - 1, 1) - 1, -1):
-        suffix[n] = running
-        if running is not None:
-            patch = artifacts.get(n)
-            running = None if patch is None or patch.patch_bytes is None else running + patch.patch_bytes
-
-    best: tuple[tuple[int, int, int], Plan] | None = None
-
-    def consider(start_steps: list[Step], start: int) -> None:
-        nonlocal best
-        tail = suffix.get(start)
-        if tail is None:
-            return
-        steps = list(start_steps)
-        for n in range(start + 1, target + 1):
-            steps.append(Step(StepKind.PATCH, n - 1, n, artifacts[n].patch_bytes or 0))
-        plan = Plan(have if not start_steps else 0, target, tuple(steps))
-        key = (plan.total_bytes, len(steps), -start)
-        if best is None or key < best[0]:
-            best = (key, plan)
-
-    if 0 < have < target and have >= oldest_available - 1:
-        consider([], have)
+    suffix = _suffix_bytes(artifacts, target, max(oldest_available - 1, 1))
+    # Each candidate is costed without building its steps (one pass over the versions); only
+    # the winner's steps are built: a long history with many anchors stays linear.
+    best: tuple[tuple[int, int, int], bool] | None = None  # (total, steps, -start), starts with an anchor
+    if 0 < have < target and have >= oldest_available - 1 and suffix.get(have) is not None:
+        best = ((suffix[have], target - have, -have), False)
     for n in range(max(oldest_available, 1), target + 1):
         node = artifacts.get(n)
-        if node is not None and node.anchor_bytes is not None:
-            consider([Step(StepKind.ANCHOR, 0, n, node.anchor_bytes)], n)
+        tail = suffix.get(n)
+        if node is not None and node.anchor_bytes is not None and tail is not None:
+            key = (node.anchor_bytes + tail, 1 + target - n, -n)
+            if best is None or key < best[0]:
+                best = (key, True)
     if best is None:
         raise FailedPrecondition(
             f"no retained chain reaches version {target} from version {have}: "
             "no anchor at or below it is retained"
         )
-    return best[1]
+    (_, _, neg_start), anchored = best
+    start = -neg_start
+    steps = [Step(StepKind.ANCHOR, 0, start, artifacts[start].anchor_bytes or 0)] if anchored else []
+    steps += [Step(StepKind.PATCH, n - 1, n, artifacts[n].patch_bytes or 0) for n in range(start + 1, target + 1)]
+    return Plan(0 if anchored else have, target, tuple(steps))
+
+
+def _suffix_bytes(artifacts: Mapping[int, VersionArtifacts], target: int, lowest: int) -> dict[int, int | None]:
+    """suffix[n] = bytes of the patches n+1..target, for n from ``target`` down to ``lowest``;
+    None from where a patch is missing (no chain passes it)."""
+    suffix: dict[int, int | None] = {target: 0}
+    running: int | None = 0
+    for n in range(target, lowest - 1, -1):
+        suffix[n] = running
+        if running is not None:
+            patch = artifacts.get(n)
+            running = None if patch is None or patch.patch_bytes is None else running + patch.patch_bytes
+    return suffix
+
+
+def needs_older(have: int, target: int, artifacts: Mapping[int, VersionArtifacts], lowest: int) -> bool:
+    """Whether a chain starting below ``lowest`` could still be the cheapest, given the
+    artifacts of versions ``lowest..target``: only while some start is possible below it and
+    the patches from ``lowest`` up cost less than the best chain starting at or above it (any
+    start below pays at least those patches, and has more steps). A board reads the index
+    from the target down in chunks and stops once this is False."""
+    suffix = _suffix_bytes(artifacts, target, lowest)
+    floor = suffix.get(lowest)
+    if floor is None:
+        return False  # a patch at or above ``lowest`` is missing: nothing below can chain through
+    best = None
+    if lowest <= have < target:
+        best = suffix.get(have)
+    for n in range(lowest, target + 1):
+        node = artifacts.get(n)
+        if node is not None and node.anchor_bytes is not None and suffix.get(n) is not None:
+            cost = node.anchor_bytes + (suffix[n] or 0)
+            best = cost if best is None else min(best, cost)
+    return best is None or floor < best

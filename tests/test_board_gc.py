@@ -265,3 +265,43 @@ async def test_gc_spares_live_island(board, local_store):
         assert done.oldest_available == 4
         with pytest.raises(errors.NotFound):
             await client.collect_garbage("missing")
+
+
+async def test_a_plan_reads_the_index_only_as_far_down_as_a_cheaper_chain_could_start(board, local_store) -> None:
+    """PlanCatchUp reads the version index from the target down, a chunk at a time, and stops
+    once no older start can be the cheapest: an island near the head of a long history (or a
+    newcomer, with an anchor near the head) costs the board a chunk, not the whole history."""
+    from boardkit import make_record
+
+    from weftboard.board import handlers
+
+    run, head = "long-history", 2 * handlers.PLAN_INDEX_CHUNK + 40
+    read: list[int] = []
+    store = board.handle.store  # the board runs in this process: its own Redis store, counted
+    get_index = store.get_index
+
+    async def counting(name: str, first: int, last: int):
+        rows = await get_index(name, first, last)
+        read.append(len(rows))
+        return rows
+
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run(run))
+        for v in range(1, head + 1):
+            record = await make_record(local_store, run, v, anchor=v in (1, head - 5))
+            await client.commit_version(record)
+        store.get_index = counting
+        try:
+            near = await client.plan_catch_up(run, have_version=head - 2)
+            assert [(s.from_version, s.to_version) for s in near.steps] == [(head - 2, head - 1), (head - 1, head)]
+            assert sum(read) <= handlers.PLAN_INDEX_CHUNK
+            read.clear()
+            newcomer = await client.plan_catch_up(run, have_version=0)
+            assert newcomer.steps[0].kind == pb.ARTIFACT_KIND_ANCHOR and newcomer.steps[0].to_version == head - 5
+            assert sum(read) <= handlers.PLAN_INDEX_CHUNK
+            read.clear()
+            old = await client.plan_catch_up(run, want_version=head - 10)  # below the newer anchor: the first one
+            assert old.steps[0].to_version == 1 and len(old.steps) == head - 10
+            assert sum(read) == head - 10  # every version down to it, as no chain is shorter
+        finally:
+            del store.get_index

@@ -18,6 +18,7 @@ from weftboard.proto.domain import (
     format_digest,
     plan_catch_up,
 )
+from weftboard.proto.plans import needs_older
 
 
 @pytest.mark.parametrize("name", ["run1", "a", "Run-2.b_c", "0" * 64])
@@ -131,6 +132,38 @@ def test_plan_is_the_cheapest_chain(n: int, data: st.DataObject) -> None:
             assert step.from_version == position
             position = step.to_version
     assert position == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 40), chunk=st.integers(1, 8), data=st.data())
+def test_a_plan_from_the_index_read_down_in_chunks_is_the_whole_indexs(n: int, chunk: int,
+                                                                      data: st.DataObject) -> None:
+    """The board reads the index from the target down, ``chunk`` versions at a time, until
+    ``needs_older`` says no older start can win: the plan from what it read is the plan from
+    the whole history."""
+    arts = {}
+    for v in range(1, n + 1):
+        patch = None if v == 1 else data.draw(st.one_of(st.none(), st.integers(1, 500)), label=f"patch{v}")
+        anchor = data.draw(st.one_of(st.none(), st.integers(1, 2000)), label=f"anchor{v}")
+        arts[v] = VersionArtifacts(v, patch, anchor)
+    oldest = data.draw(st.integers(1, n), label="oldest")
+    have = data.draw(st.integers(0, n), label="have")
+    target = data.draw(st.integers(oldest, n), label="want")
+    window: dict[int, VersionArtifacts] = {}
+    hi = target
+    while hi >= oldest:
+        lo = max(oldest, hi - chunk + 1)
+        window.update((v, arts[v]) for v in range(lo, hi + 1))
+        hi = lo - 1
+        if not needs_older(have, target, window, lo):
+            break
+    try:
+        whole = plan_catch_up(have, target, n, oldest, arts)
+    except errors.FailedPrecondition:
+        with pytest.raises(errors.FailedPrecondition):
+            plan_catch_up(have, target, n, oldest, window)
+        return
+    assert plan_catch_up(have, target, n, oldest, window) == whole
 
 
 @pytest.mark.parametrize(
