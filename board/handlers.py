@@ -399,11 +399,18 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
             self.fanout.unsubscribe(sub)
 
     async def _replay(self, run: str, last: int, upto: int | None, write) -> int:
-        """Write versions after ``last`` (up to ``upto``, or all) from the durable log."""
+        """Write versions after ``last`` (up to ``upto``, or all) from the durable log, each the
+        one after the last written: GC may trim the log while a long replay waits on a slow
+        client, and a stream that skipped the versions it trimmed would break its no-gap promise."""
         while upto is None or last < upto:
             count = 500 if upto is None else min(500, upto - last)
             batch = await self.store.events_after(run, last, count=count)
             for record in batch:
+                if record.version != last + 1:
+                    raise OutOfRange(
+                        f"version {last + 1} of run {run!r} was garbage collected while this stream replayed it; "
+                        f"the oldest available version is {record.version}; catch up from an anchor with PlanCatchUp"
+                    )
                 await write(pb.WatchEvent(version=record))
                 last = record.version
             if len(batch) < count:

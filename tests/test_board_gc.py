@@ -305,3 +305,39 @@ async def test_a_plan_reads_the_index_only_as_far_down_as_a_cheaper_chain_could_
             assert sum(read) == head - 10  # every version down to it, as no chain is shorter
         finally:
             del store.get_index
+
+
+async def test_a_watch_replaying_history_never_skips_what_gc_trimmed_meanwhile(board, local_store) -> None:
+    """A Watch from 0 replays the log in batches; when GC moves the oldest version (and trims
+    the log) between two batches, the stream ends with OUT_OF_RANGE naming the oldest version
+    instead of jumping over the collected ones."""
+    from boardkit import make_record
+
+    run, head = "trimmed-meanwhile", 600
+    store = board.handle.store  # the board runs in this process: its own Redis store
+    events_after = store.events_after
+    calls = 0
+
+    async def gc_between_batches(name: str, after: int, count: int | None = None):
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the replay's second batch: GC ran meanwhile
+            await store.advance_oldest(name, 550)
+        return await events_after(name, after, count=count)
+
+    async with BoardClient(board.address, board.admin_token) as client:
+        await client.create_run(make_run(run))
+        for v in range(1, head + 1):
+            await client.commit_version(await make_record(local_store, run, v, anchor=v in (1, 550)))
+        store.events_after = gc_between_batches
+        seen: list[int] = []
+        try:
+            with pytest.raises(errors.OutOfRange, match="oldest available version is 550"):
+                async for event in client.watch(run, after_version=0):
+                    if event.HasField("version"):
+                        seen.append(event.version.version)
+                        if seen[-1] == head:  # a stream that skipped the trimmed versions got here
+                            break
+        finally:
+            del store.events_after
+        assert seen == list(range(1, len(seen) + 1)) and len(seen) == 500  # in order, no gap
