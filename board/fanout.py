@@ -25,6 +25,13 @@ Invariants (what makes Watch gap-free and duplicate-free):
   of its own.
 - Each subscription's queue is a ``Mailbox`` (one reader, no task accounting): with thousands
   of streams, per-item queue overhead is paid thousands of times per commit.
+- A mailbox holds at most ``MAILBOX_LIMIT`` items, so a stream whose client stopped reading (a
+  stopped island, a partition: its handler waits in ``write``) holds a constant amount of
+  memory however long the run commits. On overflow it drops every buffered version event but
+  the newest and every staged-part hint, and keeps its TICK and feed error. The newest event is
+  then the next version the handler sees, after a hole: it fills the hole from the durable log
+  (XRANGE, from the last version it sent), so the stream still skips no version and repeats
+  none; only hints are lost (they may be, see below).
 - Staged-part hints (``StagePart``) come over Redis Pub/Sub, not the durable log: a feed
   listens only while one of its subscriptions asked for them, and only those get them (so the
   channel's subscriber count tells a publisher whether anyone wants them). They may be lost
@@ -67,6 +74,11 @@ FeedItem = Union[FeedEvent, StagedEvent, "_Tick", BaseException]
 
 
 MAX_TICK_S = 0.25  # the longest pause between two passes of a feed's ticker
+XREAD_COUNT = 1000  # the most events one XREAD of a feed hands to every mailbox at once
+# The most items a subscription's mailbox holds (read when a mailbox is made). Twice a feed's
+# XREAD batch, so one burst does not overflow a stream that keeps up; an overflow costs only
+# an XRANGE of the versions dropped, and the payloads are shared by every mailbox.
+MAILBOX_LIMIT = 2 * XREAD_COUNT
 
 
 class _Tick:
@@ -77,22 +89,55 @@ TICK = _Tick()
 
 
 class Mailbox:
-    """An unbounded single-consumer queue: what ``asyncio.Queue`` does for one reader, at a
+    """A bounded single-consumer queue: what ``asyncio.Queue`` does for one reader, at a
     fraction of its cost per item (no task accounting, no loop lookup per call). The fan-out
-    puts one item per commit in every subscription's mailbox, thousands per commit."""
+    puts one item per commit in every subscription's mailbox, thousands per commit.
 
-    __slots__ = ("items", "waiter", "loop")
+    It never holds more than ``limit`` items: a put that would exceed it first drops every
+    ``StagedEvent`` and every ``FeedEvent`` but the newest, keeping TICK and a feed error (so
+    a drop is never a wait or a failure). The reader then sees a version after a hole, which
+    the Watch handler fills from the durable log: dropping versions here skips none there."""
 
-    def __init__(self) -> None:
+    __slots__ = ("items", "waiter", "loop", "limit", "overflows", "dropped", "label")
+
+    def __init__(self, limit: int | None = None, label: str = "") -> None:
         self.items: deque[FeedItem] = deque()
         self.waiter: asyncio.Future | None = None
         self.loop: asyncio.AbstractEventLoop | None = None  # the reader's, known from its first wait
+        self.limit = max(MAILBOX_LIMIT if limit is None else limit, 1)
+        self.overflows = 0  # how many times it dropped what it held
+        self.dropped = 0  # items dropped, in all
+        self.label = label  # the run, for the log
 
     def put_nowait(self, item: FeedItem) -> None:
-        self.items.append(item)
+        items = self.items
+        items.append(item)
+        if len(items) > self.limit:
+            self._shed()
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def _shed(self) -> None:
+        """Keep the newest version event (first: the reader fills the hole up to it) and what
+        is neither a version event nor a hint (at most one TICK, and the feed's error, which
+        no version event follows)."""
+        items = self.items
+        newest: FeedEvent | None = None
+        kept: deque[FeedItem] = deque()
+        for queued in items:
+            if isinstance(queued, FeedEvent):
+                newest = queued
+            elif not isinstance(queued, StagedEvent):
+                kept.append(queued)
+        if newest is not None:
+            kept.appendleft(newest)
+        dropped = len(items) - len(kept)
+        self.items = kept
+        self.overflows += 1
+        self.dropped += dropped
+        log.info("a watch stream fell behind: dropped its buffered events; it refills versions from the log",
+                 run=self.label, dropped=dropped, overflows=self.overflows)
 
     async def get(self) -> FeedItem:
         while not self.items:
@@ -117,6 +162,9 @@ class Subscription:
     queue: Mailbox = field(default_factory=Mailbox)
     last_write: float = 0.0  # time.monotonic() of the last message written to the stream
     tick_pending: bool = False
+
+    def __post_init__(self) -> None:
+        self.queue.label = self.feed.run
 
     @property
     def head(self) -> int:
@@ -197,7 +245,7 @@ class RunFeed:
         key = k_events(self.run)
         try:
             while True:
-                reply = await self.store.blocking.xread({key: cursor}, block=self.block_ms, count=1000)
+                reply = await self.store.blocking.xread({key: cursor}, block=self.block_ms, count=XREAD_COUNT)
                 if not reply:
                     continue
                 entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]

@@ -219,8 +219,15 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
             ("grpc.max_concurrent_streams", 100_000),
             ("grpc.so_reuseport", 0),  # a second board on a busy port must fail, not share it
+            # Clients may ping (BoardClient: every 30 s), with or without calls, every 10 s at
+            # most; the board's own keepalive pings idle connections too.
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            # The board pings too, so a dead or stopped peer (a SIGSTOPped island, a partition)
+            # is noticed within 80 s and its streams end, rather than wait in a write for hours.
+            # Pings are not flow controlled: a stream stalled on a full window still gets them.
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
         ]
     )
     add_board_to_server(servicer, auth, metrics, store.target.redacted, server)
