@@ -70,6 +70,7 @@ from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
 log = structlog.get_logger(__name__)
 
 MAX_PAGE = 1000
+MAX_PAGE_BYTES = 16 << 20  # a ListVersions page ends before this many bytes of records (the limit is 64 MiB)
 # PlanCatchUp reads the version index this many versions at a time, from the target down: an
 # island near the head plans from a chunk or two, however long the retained history.
 PLAN_INDEX_CHUNK = 256
@@ -341,7 +342,15 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
             return pb.ListVersionsResponse()
         upto = min(last, first + size - 1)
         found = await self.store.get_versions(request.run, list(range(first, upto + 1)))
-        versions = [found[v] for v in range(first, upto + 1) if v in found]
+        versions: list[pb.VersionRecord] = []
+        nbytes = 0
+        for v in range(first, upto + 1):
+            if v in found:
+                if versions and nbytes + found[v].ByteSize() > MAX_PAGE_BYTES:  # records of many tensors
+                    upto = v - 1  # a shorter page, well inside the message limit
+                    break
+                versions.append(found[v])
+                nbytes += found[v].ByteSize()
         return pb.ListVersionsResponse(versions=versions, next_page_token=str(upto + 1) if upto < last else "")
 
     async def Watch(self, request: pb.WatchRequest, context) -> None:

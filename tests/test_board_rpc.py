@@ -350,6 +350,24 @@ async def test_list_versions_pages_and_ranges(pub, reader, local_store):
         await reader.list_versions("missing")
 
 
+async def test_a_page_of_large_records_ends_before_its_byte_budget(pub, reader, local_store, monkeypatch):
+    """Records of a model with many tensors are large: a page ends once the next record would
+    pass ``MAX_PAGE_BYTES`` (at least one record a page), and the pages still list every
+    version once, in order."""
+    from weftboard.board import handlers
+
+    await pub.create_run(make_run("big"))
+    records = await publish(pub, local_store, "big", range(1, 11))
+    one = max(r.ByteSize() for r in records)
+    monkeypatch.setattr(handlers, "MAX_PAGE_BYTES", 3 * one)  # the board runs in this process
+    page = await reader.list_versions("big", page_size=1000)
+    assert 1 <= len(page.versions) <= 3 and page.next_page_token == str(len(page.versions) + 1)
+    assert [v.version async for v in reader.iter_versions("big")] == list(range(1, 11))
+    monkeypatch.setattr(handlers, "MAX_PAGE_BYTES", 1)  # smaller than any record: one a page
+    page = await reader.list_versions("big", page_size=1000)
+    assert [v.version for v in page.versions] == [1] and page.next_page_token == "2"
+
+
 # -- catch-up -----------------------------------------------------------------
 
 
