@@ -5,7 +5,8 @@
 - run, method and peer are bound to structlog's context for the request (the servicer
   binds the version where it has one);
 - a ``weftboard.proto.errors`` exception becomes its status code with its message, a
-  Redis connection failure or a write refused by a replica (a failover) becomes
+  Redis connection failure, a write refused by a replica (a failover) or a command Redis
+  refuses for now (out of memory, busy with a script, loading, its master down) becomes
   UNAVAILABLE, anything else INTERNAL (logged with its traceback, never silently);
 - a server stream whose peer has gone (a write refused by gRPC after the client cancelled
   or disconnected) ends as CANCELLED, logged at info: nobody is left to tell;
@@ -22,7 +23,9 @@ from typing import Any
 
 import grpc
 import structlog
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
+from redis.exceptions import ResponseError as RedisResponseError
 
 from weftboard.board.auth import Authenticator
 from weftboard.board.metrics import BoardMetrics
@@ -31,6 +34,10 @@ from weftboard.proto.errors import WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 
 log = structlog.get_logger(__name__)
+
+# Errors Redis answers while it cannot take a command it would take later, which redis-py
+# leaves as a plain ResponseError (OOM and LOADING get classes of their own).
+_REDIS_FOR_NOW = ("BUSY ", "MASTERDOWN ")
 
 
 def request_run(request: Any) -> str | None:
@@ -57,6 +64,9 @@ def status_of(method: str, exc: BaseException, redis_url: str) -> tuple[grpc.Sta
         return grpc.StatusCode.UNAVAILABLE, f"Redis at {redis_url} is unreachable ({exc}); retry"
     if isinstance(exc, RedisReadOnlyError):  # a failover in progress, or the URL names a replica
         return grpc.StatusCode.UNAVAILABLE, f"Redis at {redis_url} refuses writes, being a replica ({exc}); retry"
+    if isinstance(exc, RedisOutOfMemoryError) or (isinstance(exc, RedisResponseError)
+                                                  and str(exc).startswith(_REDIS_FOR_NOW)):
+        return grpc.StatusCode.UNAVAILABLE, f"Redis at {redis_url} refused the command for now ({exc}); retry"
     log.error("unexpected error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error in {method}: {type(exc).__name__}: {exc}"
 
