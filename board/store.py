@@ -64,6 +64,7 @@ from weftboard.board.store_scripts import (
     ADD_TRAJECTORIES_LUA,
     ADVANCE_OLDEST_LUA,
     COMMIT_LUA,
+    FORGET_ISLANDS_LUA,
     SETTLE_STAGED_LUA,
 )
 from weftboard.proto.commit import CommitReport, StoreResult
@@ -221,6 +222,7 @@ class RedisStore:
         self._advance = self.redis.register_script(ADVANCE_OLDEST_LUA)
         self._add_traj = self.redis.register_script(ADD_TRAJECTORIES_LUA)
         self._settle_staged = self.redis.register_script(SETTLE_STAGED_LUA)
+        self._forget_islands = self.redis.register_script(FORGET_ISLANDS_LUA)
 
     async def close(self) -> None:
         for client in (self.redis, self.blocking):
@@ -428,17 +430,8 @@ class RedisStore:
 
     async def islands(self, run: str, forget_before_ms: int | None = None) -> list[IslandRow]:
         """Every island of a run; those whose lease ended before ``forget_before_ms`` are deleted."""
-        if forget_before_ms is not None:
-            stale = await self.redis.zrangebyscore(k_leases(run), "-inf", f"({forget_before_ms}")
-            if stale:
-                await self._pipeline(
-                    lambda p: (
-                        p.hdel(k_islands(run), *stale),
-                        p.hdel(k_seen(run), *stale),
-                        p.zrem(k_leases(run), *stale),
-                    ),
-                    transaction=True,
-                )
+        if forget_before_ms is not None:  # one script: a lease renewed meanwhile is not forgotten
+            await self._forget_islands(keys=[k_islands(run), k_seen(run), k_leases(run)], args=[forget_before_ms])
         statuses, seen, leases = await self._pipeline(
             lambda p: (p.hgetall(k_islands(run)), p.hgetall(k_seen(run)), p.zrange(k_leases(run), 0, -1, withscores=True))
         )

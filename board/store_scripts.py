@@ -83,3 +83,17 @@ for i = 2, #ARGV do
 end
 return #ARGV - 1
 """
+
+
+# Forget the islands whose lease ended before ARGV[1] (ms), atomically: a heartbeat that renews
+# a lease between finding it stale and deleting it would otherwise be deleted with it.
+# KEYS: islands (status), seen, leases. Returns how many were forgotten.
+FORGET_ISLANDS_LUA = """
+local stale = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[1])
+for _, name in ipairs(stale) do
+  redis.call('HDEL', KEYS[1], name)
+  redis.call('HDEL', KEYS[2], name)
+  redis.call('ZREM', KEYS[3], name)
+end
+return #stale
+"""
