@@ -49,8 +49,13 @@ class Layout:
 
 def check_layout(layout: Layout) -> None:
     """A layout a run may fix: a served format, and named, unique tensors with valid dtypes and shapes."""
-    if not layout.served_format.kind:
+    fmt = layout.served_format
+    if not fmt.kind:
         raise InvalidArgument("run.served_format.kind must be set (e.g. FORMAT_KIND_BF16)")
+    for field_name, value in (("kind", fmt.kind), ("scale_granularity", fmt.scale_granularity),
+                              ("scale_policy", fmt.scale_policy)):
+        if value.startswith("unknown("):  # a number this board's protocol does not name
+            raise InvalidArgument(f"run.served_format.{field_name} {value} is not a value this board knows")
     if not layout.tensors:
         raise InvalidArgument("run.layout.tensors is empty; a run fixes its tensor layout")
     seen: set[str] = set()

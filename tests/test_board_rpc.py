@@ -76,6 +76,8 @@ async def test_create_get_list_runs(pub, reader):
         (lambda r: setattr(r, "run", "r1\n"), "run.run"),  # a distinct run whose keys end in a newline, before
         (lambda r: setattr(r, "kind", pb.RUN_KIND_UNSPECIFIED), "run.kind"),
         (lambda r: r.served_format.Clear(), "served_format"),
+        (lambda r: setattr(r.served_format, "kind", 99), "served_format.kind unknown.99. is not a value"),
+        (lambda r: setattr(r.served_format, "scale_policy", 77), "served_format.scale_policy unknown.77."),
         (lambda r: r.layout.Clear(), "layout"),
         (lambda r: setattr(r.layout.tensors[1], "name", "w.0"), "twice"),
         (lambda r: setattr(r.layout.tensors[0], "dtype", "Bfloat 16"), "dtype"),
