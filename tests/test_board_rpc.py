@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import pytest_asyncio
@@ -489,9 +490,10 @@ async def test_redis_outage_is_unavailable(tmp_path, local_store):
         proc.stop()
 
 
-async def test_a_redis_that_became_a_replica_is_unavailable(tmp_path, local_store):
-    """A failover leaves the board's Redis URL on a replica for a while: its writes are refused
-    (READONLY), which a caller should retry (UNAVAILABLE), not take for a bug (INTERNAL)."""
+@contextlib.asynccontextmanager
+async def _board_on_own_redis(tmp_path, local_store):
+    """A board on a Redis of its own (for tests that reconfigure it): its admin client and a
+    plain client of that Redis."""
     import redis.asyncio as aioredis
 
     from weftboard.board.embedded import start_redis
@@ -505,46 +507,36 @@ async def test_a_redis_that_became_a_replica_is_unavailable(tmp_path, local_stor
         running = await start_board(config, blobs=local_store)
         async with BoardClient(running.address, "a" * 32) as client:
             await client.create_run(make_run("r"))
-            await admin_redis.execute_command("REPLICAOF", "127.0.0.1", "1")  # a master that is not there
-            with pytest.raises(errors.Unavailable, match="refuses writes, being a replica"):
-                await client.create_run(make_run("r2"))
-            assert (await client.get_head("r")).version == 0  # reads still answer
-            await admin_redis.execute_command("REPLICAOF", "NO", "ONE")
-            assert (await client.create_run(make_run("r2"))).run == "r2"
+            yield client, admin_redis
     finally:
         await admin_redis.aclose()
         if running is not None:
             await running.stop()
         proc.stop()
+
+
+async def test_a_redis_that_became_a_replica_is_unavailable(tmp_path, local_store):
+    """A failover leaves the board's Redis URL on a replica for a while: its writes are refused
+    (READONLY), which a caller should retry (UNAVAILABLE), not take for a bug (INTERNAL)."""
+    async with _board_on_own_redis(tmp_path, local_store) as (client, admin_redis):
+        await admin_redis.execute_command("REPLICAOF", "127.0.0.1", "1")  # a master that is not there
+        with pytest.raises(errors.Unavailable, match="refuses writes, being a replica"):
+            await client.create_run(make_run("r2"))
+        assert (await client.get_head("r")).version == 0  # reads still answer
+        await admin_redis.execute_command("REPLICAOF", "NO", "ONE")
+        assert (await client.create_run(make_run("r2"))).run == "r2"
 
 
 async def test_a_redis_out_of_memory_is_unavailable(tmp_path, local_store):
     """A Redis at its memory limit refuses writes (OOM) until memory is freed: a caller should
     retry (UNAVAILABLE), not take it for a bug of the board (INTERNAL)."""
-    import redis.asyncio as aioredis
-
-    from weftboard.board.embedded import start_redis
-    from weftboard.board.process import BoardConfig, start_board
-
-    proc = start_redis(tmp_path / "own-redis")
-    running = None
-    admin_redis = aioredis.from_url(f"redis://127.0.0.1:{proc.port}/0")
-    try:
-        config = BoardConfig(redis_url=f"redis://127.0.0.1:{proc.port}/0", admin_token="a" * 32)
-        running = await start_board(config, blobs=local_store)
-        async with BoardClient(running.address, "a" * 32) as client:
-            await client.create_run(make_run("r"))
-            await admin_redis.config_set("maxmemory", "1")  # every write is over the limit now
-            with pytest.raises(errors.Unavailable, match="refused the command for now .*maxmemory"):
-                await client.create_run(make_run("r2"))
-            assert (await client.get_head("r")).version == 0  # reads still answer
-            await admin_redis.config_set("maxmemory", "0")
-            assert (await client.create_run(make_run("r2"))).run == "r2"
-    finally:
-        await admin_redis.aclose()
-        if running is not None:
-            await running.stop()
-        proc.stop()
+    async with _board_on_own_redis(tmp_path, local_store) as (client, admin_redis):
+        await admin_redis.config_set("maxmemory", "1")  # every write is over the limit now
+        with pytest.raises(errors.Unavailable, match="refused the command for now .*maxmemory"):
+            await client.create_run(make_run("r2"))
+        assert (await client.get_head("r")).version == 0  # reads still answer
+        await admin_redis.config_set("maxmemory", "0")
+        assert (await client.create_run(make_run("r2"))).run == "r2"
 
 
 async def test_logs_bind_run_version_peer_and_method(board, local_store):

@@ -102,17 +102,23 @@ def _brute_force(have: int, target: int, oldest: int, arts: dict[int, VersionArt
     return best
 
 
+def _draw_history(n: int, data: st.DataObject) -> dict[int, VersionArtifacts]:
+    """Versions 1..n, each with or without a patch (never version 1) and an anchor."""
+    arts = {}
+    for v in range(1, n + 1):
+        patch = None if v == 1 else data.draw(st.one_of(st.none(), st.integers(1, 500)), label=f"patch{v}")
+        anchor = data.draw(st.one_of(st.none(), st.integers(1, 2000)), label=f"anchor{v}")
+        arts[v] = VersionArtifacts(v, patch, anchor)
+    return arts
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     n=st.integers(1, 12),
     data=st.data(),
 )
 def test_plan_is_the_cheapest_chain(n: int, data: st.DataObject) -> None:
-    arts = {}
-    for v in range(1, n + 1):
-        patch = None if v == 1 else data.draw(st.one_of(st.none(), st.integers(1, 500)), label=f"patch{v}")
-        anchor = data.draw(st.one_of(st.none(), st.integers(1, 2000)), label=f"anchor{v}")
-        arts[v] = VersionArtifacts(v, patch, anchor)
+    arts = _draw_history(n, data)
     oldest = data.draw(st.integers(1, n), label="oldest")
     have = data.draw(st.integers(0, n), label="have")
     want = data.draw(st.integers(oldest, n), label="want")
@@ -141,11 +147,7 @@ def test_a_plan_from_the_index_read_down_in_chunks_is_the_whole_indexs(n: int, c
     """The board reads the index from the target down, ``chunk`` versions at a time, until
     ``needs_older`` says no older start can win: the plan from what it read is the plan from
     the whole history."""
-    arts = {}
-    for v in range(1, n + 1):
-        patch = None if v == 1 else data.draw(st.one_of(st.none(), st.integers(1, 500)), label=f"patch{v}")
-        anchor = data.draw(st.one_of(st.none(), st.integers(1, 2000)), label=f"anchor{v}")
-        arts[v] = VersionArtifacts(v, patch, anchor)
+    arts = _draw_history(n, data)
     oldest = data.draw(st.integers(1, n), label="oldest")
     have = data.draw(st.integers(0, n), label="have")
     target = data.draw(st.integers(oldest, n), label="want")
