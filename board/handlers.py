@@ -344,13 +344,12 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
         found = await self.store.get_versions(request.run, list(range(first, upto + 1)))
         versions: list[pb.VersionRecord] = []
         nbytes = 0
-        for v in range(first, upto + 1):
-            if v in found:
-                if versions and nbytes + found[v].ByteSize() > MAX_PAGE_BYTES:  # records of many tensors
-                    upto = v - 1  # a shorter page, well inside the message limit
-                    break
-                versions.append(found[v])
-                nbytes += found[v].ByteSize()
+        for v in (v for v in range(first, upto + 1) if v in found):
+            nbytes += found[v].ByteSize()
+            if versions and nbytes > MAX_PAGE_BYTES:  # records of many tensors
+                upto = v - 1  # a shorter page, well inside the message limit
+                break
+            versions.append(found[v])
         return pb.ListVersionsResponse(versions=versions, next_page_token=str(upto + 1) if upto < last else "")
 
     async def Watch(self, request: pb.WatchRequest, context) -> None:
