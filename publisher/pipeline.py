@@ -8,7 +8,8 @@ Invariants (the state is guarded by ``cond``, which the publisher shares for its
 - Once failed or closed, the queue stays empty: it is emptied as ``failure`` or ``closed`` is
   set, ``enqueue`` refuses a job from then (its caller fails it) and ``take`` hands out none.
 - Every version that leaves without its commit has its handles failed: with its own error, the
-  publisher's failure, or, closed without one, ``Aborted`` naming the version.
+  publisher's failure, or, closed without one, ``Aborted`` naming the version (and saying so
+  when its commit was under way: that one may have reached the board all the same).
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ class Pipeline:
             self.snapshotting -= snapshotted
             self.cond.notify_all()
         for job in jobs:
-            error = wrapped or Aborted(f"the publisher was closed before version {job.version} committed")
+            error = wrapped or Aborted(f"the publisher was closed before version {job.version} committed"
+                                       + ("; its commit was under way and may have reached the board (GetVersion "
+                                          "tells)" if job.started else ""))
             for f in job.futures:
                 with contextlib.suppress(concurrent.futures.InvalidStateError):  # resolved meanwhile
                     f.set_exception(error)
