@@ -71,9 +71,7 @@ log = structlog.get_logger(__name__)
 
 MAX_PAGE = 1000
 MAX_PAGE_BYTES = 16 << 20  # a ListVersions page ends before this many bytes of records (the limit is 64 MiB)
-# PlanCatchUp reads the version index this many versions at a time, from the target down: an
-# island near the head plans from a chunk or two, however long the retained history.
-PLAN_INDEX_CHUNK = 256
+PLAN_INDEX_CHUNK = 256  # PlanCatchUp's index reads, from the target down: a chunk or two near the head
 MAX_TRAJECTORY_BATCH = 10_000
 MAX_PRESIGN_S = 3600
 DEFAULT_PRESIGN_S = 900
@@ -239,7 +237,8 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
             stored = (await self.store.get_versions(record.run, [record.version]))[record.version]
             await self.store.await_replicas(record.run)  # a retry after a replica shortfall answers once they have it
             await self._settle_staged(stored)  # a retry: the first attempt's answer may have been lost
-            return pb.CommitVersionResponse(record=stored, already_committed=True)
+            return pb.CommitVersionResponse(record=stored, already_committed=True,  # and, as a first answer would:
+                                            staged_parts_wanted=await self.store.staged_feeds(record.run) > 0)
         if outcome in COMMIT_ERRORS:
             raise commit_error(outcome, record.run, record.version, run.head)
         await self._check_blobs(record)

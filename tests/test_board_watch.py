@@ -229,7 +229,10 @@ async def test_a_commit_says_whether_a_watcher_asks_for_staged_parts(board, loca
             if got_asking.done():
                 break
         assert [e.WhichOneof("event") for e in got_asking.result()] == ["staged"]
-        assert await wanted(4)
+        record = await make_record(local_store, "r", 4)
+        first = await client.commit_version(record)
+        retried = await client.commit_version(record)  # a retry, as after a lost answer
+        assert first.staged_parts_wanted and retried.already_committed and retried.staged_parts_wanted
         await asking.aclose()
         # The board lets the channel go once it sees the stream closed, a moment later.
         for v in range(5, 45):
