@@ -46,6 +46,7 @@ from weftboard.proto.errors import (
     Unavailable,
     WeftboardError,
 )
+from weftboard.subscriber.cancel import cancel_and_wait
 
 log = structlog.get_logger("weftboard.subscriber")
 
@@ -111,17 +112,10 @@ async def fetch_all(fetches: Sequence[Awaitable[Path]]) -> list[Path]:
     cancels the others and waits for them to end (their downloads stopped, their ``.part``
     files removed) before it goes on: no download outlives the step that wanted it."""
     tasks = [asyncio.ensure_future(f) for f in fetches]
-    if not tasks:
-        return []
     try:
         return list(await asyncio.gather(*tasks))
     finally:
-        for t in tasks:
-            t.cancel()  # a no-op for those done
-        await asyncio.wait(tasks)
-        for t in tasks:
-            if not t.cancelled():
-                t.exception()  # retrieved: gather raised the first, the rest no longer matter
+        await cancel_and_wait(tasks)  # those done stay as they are; gather raised the first failure
 
 
 class Fetcher:

@@ -15,13 +15,12 @@ Invariants:
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from weftboard.proto.errors import CorruptData
 from weftboard.proto.records import BlobRef
 from weftboard.subscriber.destination import HoldsModelFiles
-from weftboard.subscriber.fetch import Fetcher
+from weftboard.subscriber.fetch import Fetcher, fetch_all
 
 
 async def hold_model_files(client: Any, run: str, destination: HoldsModelFiles, fetcher: Fetcher, *,
@@ -38,14 +37,10 @@ async def hold_model_files(client: Any, run: str, destination: HoldsModelFiles, 
         except CorruptData as exc:  # the same error, naming the file
             raise type(exc)(f"model file {ref.name!r} of run {run!r}: {exc}") from exc
 
-    fetches = [asyncio.ensure_future(fetch(r)) for r in wanted]
     try:
-        paths = await asyncio.gather(*fetches)
+        paths = await fetch_all([fetch(r) for r in wanted])
         await destination.hold_model_files(files, {r.name: p for r, p in zip(wanted, paths, strict=True)})
     finally:
-        for f in fetches:
-            f.cancel()
-        await asyncio.gather(*fetches, return_exceptions=True)
         for r in wanted:
             fetcher.forget(r)
     return [r.name for r in wanted]
