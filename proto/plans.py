@@ -75,19 +75,10 @@ def plan_catch_up(
     if have == target:
         return Plan(have, target, ())
 
+    # suffix reaches down to oldest_available - 1: an island may still hold a collected
+    # version, and the patch of the oldest retained version applies to it.
     suffix = _suffix_bytes(artifacts, target, max(oldest_available - 1, 1))
-    # Each candidate is costed without building its steps (one pass over the versions); only
-    # the winner's steps are built: a long history with many anchors stays linear.
-    best: tuple[tuple[int, int, int], bool] | None = None  # (total, steps, -start), starts with an anchor
-    if 0 < have < target and have >= oldest_available - 1 and suffix.get(have) is not None:
-        best = ((suffix[have], target - have, -have), False)
-    for n in range(max(oldest_available, 1), target + 1):
-        node = artifacts.get(n)
-        tail = suffix.get(n)
-        if node is not None and node.anchor_bytes is not None and tail is not None:
-            key = (node.anchor_bytes + tail, 1 + target - n, -n)
-            if best is None or key < best[0]:
-                best = (key, True)
+    best = _cheapest(have, target, artifacts, suffix, max(oldest_available, 1))
     if best is None:
         raise FailedPrecondition(
             f"no retained chain reaches version {target} from version {have}: "
@@ -113,6 +104,25 @@ def _suffix_bytes(artifacts: Mapping[int, VersionArtifacts], target: int, lowest
     return suffix
 
 
+def _cheapest(have: int, target: int, artifacts: Mapping[int, VersionArtifacts], suffix: Mapping[int, int | None],
+              lowest: int) -> tuple[tuple[int, int, int], bool] | None:
+    """The cheapest start for ``target``: its key (bytes, steps, -start: ties go to fewer steps,
+    then the newer start) and whether it is an anchor; None when none chains. Candidates are
+    the patches from ``have`` (where ``suffix`` reaches it) and every anchor from ``lowest`` up,
+    each costed without building its steps, so a long history with many anchors stays linear."""
+    best: tuple[tuple[int, int, int], bool] | None = None
+    if 0 < have < target and suffix.get(have) is not None:
+        best = ((suffix[have] or 0, target - have, -have), False)
+    for n in range(lowest, target + 1):
+        node = artifacts.get(n)
+        tail = suffix.get(n)
+        if node is not None and node.anchor_bytes is not None and tail is not None:
+            key = (node.anchor_bytes + tail, 1 + target - n, -n)
+            if best is None or key < best[0]:
+                best = (key, True)
+    return best
+
+
 def needs_older(have: int, target: int, artifacts: Mapping[int, VersionArtifacts], lowest: int) -> bool:
     """Whether a chain starting below ``lowest`` could still be the cheapest, given the
     artifacts of versions ``lowest..target``: only while some start is possible below it and
@@ -123,12 +133,5 @@ def needs_older(have: int, target: int, artifacts: Mapping[int, VersionArtifacts
     floor = suffix.get(lowest)
     if floor is None:
         return False  # a patch at or above ``lowest`` is missing: nothing below can chain through
-    best = None
-    if lowest <= have < target:
-        best = suffix.get(have)
-    for n in range(lowest, target + 1):
-        node = artifacts.get(n)
-        if node is not None and node.anchor_bytes is not None and suffix.get(n) is not None:
-            cost = node.anchor_bytes + (suffix[n] or 0)
-            best = cost if best is None else min(best, cost)
-    return best is None or floor < best
+    best = _cheapest(have, target, artifacts, suffix, lowest)
+    return best is None or floor < best[0][0]
