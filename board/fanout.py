@@ -1,8 +1,11 @@
 """Fan-out of commit events to many Watch streams with one Redis reader per run.
 
-A thousand watchers must not hold a thousand blocking XREAD connections. Each run with
-at least one watcher gets one ``RunFeed`` task that XREADs the run's events stream and
-puts every new record on each subscriber's queue.
+A thousand watchers must not hold a thousand blocking XREAD connections, nor a thousand
+watched runs. Each run with at least one watcher gets one ``RunFeed`` task that reads the
+run's events stream and puts every new record on each subscriber's queue. A feed holds no
+Redis connection while it waits: the commit script publishes the run's name on
+``COMMITS_CHANNEL``, one listener per board process (``FanOut``) wakes that run's feed, and
+the feed reads what follows its cursor with an XREAD that does not block.
 
 Invariants (what makes Watch gap-free and duplicate-free):
 - ``subscribe`` returns only after the feed has fixed its starting cursor (the last event
@@ -11,6 +14,11 @@ Invariants (what makes Watch gap-free and duplicate-free):
   history-then-live has no gap. The watcher drops versions it already sent (duplicates)
   and fills any hole from XRANGE (defence in depth).
 - A feed stops when its last subscriber leaves; a new subscriber starts a fresh one.
+- The events stream, read from the feed's cursor, is what a feed delivers; a notification only
+  says when to read. A feed clears its wake-up before each read, so a commit during a read
+  wakes it again, and it reads at least every ``poll_s`` seconds, so a lost notification (the
+  listener reconnecting; a replica of an older board that does not publish) costs latency,
+  never an event. The listener wakes every feed when it (re)subscribes.
 - Every board replica runs its own feeds over the same durable stream (on a Redis Cluster,
   the node of the run's slot), so watchers on any replica see every commit once, in order;
   replicas share nothing else.
@@ -51,7 +59,7 @@ from typing import Union
 
 import structlog
 
-from weftboard.board.store import RedisStore, event_record, k_events, k_staged
+from weftboard.board.store import COMMITS_CHANNEL, RedisStore, event_record, k_staged
 from weftboard.proto.v1 import board_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -74,6 +82,9 @@ FeedItem = Union[FeedEvent, StagedEvent, "_Tick", BaseException]
 
 
 MAX_TICK_S = 0.25  # the longest pause between two passes of a feed's ticker
+POLL_S = 1.0  # a feed reads its run's events at least this often, notified or not
+LISTEN_BACKOFF_S = 0.25  # the first pause before the commit listener subscribes again
+MAX_LISTEN_BACKOFF_S = 5.0
 XREAD_COUNT = 1000  # the most events one XREAD of a feed hands to every mailbox at once
 # The most items a subscription's mailbox holds (read when a mailbox is made). Twice a feed's
 # XREAD batch, so one burst does not overflow a stream that keeps up; an overflow costs only
@@ -181,10 +192,11 @@ class RunFeed:
     idle stream costs no Redis round trip. Idle detection is one ticker per feed rather
     than a timer per stream re-armed on every event (a thousand streams)."""
 
-    def __init__(self, store: RedisStore, run: str, block_ms: int, tick_s: float) -> None:
+    def __init__(self, store: RedisStore, run: str, poll_s: float, tick_s: float) -> None:
         self.store = store
         self.run = run
-        self.block_ms = block_ms
+        self.poll_s = poll_s
+        self.wake = asyncio.Event()  # set by ``FanOut``'s listener when the run committed
         self.tick_s = tick_s
         self.head = 0
         self.subs: set[Subscription] = set()
@@ -242,13 +254,10 @@ class RunFeed:
             return
         self.head = int(cursor.split(b"-", 1)[0])  # event ids are "<version>-1"
         self.started.set()
-        key = k_events(self.run)
         try:
             while True:
-                reply = await self.store.blocking.xread({key: cursor}, block=self.block_ms, count=XREAD_COUNT)
-                if not reply:
-                    continue
-                entries = reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
+                self.wake.clear()  # before the read: a commit during it wakes the next wait
+                entries = await self.store.events_from(self.run, cursor, XREAD_COUNT)
                 for entry_id, fields in entries:
                     cursor = entry_id
                     record = event_record(fields)
@@ -256,6 +265,9 @@ class RunFeed:
                     event = FeedEvent(record.version, pb.WatchEvent(version=record).SerializeToString())
                     for sub in tuple(self.subs):
                         sub.queue.put_nowait(event)
+                if len(entries) < XREAD_COUNT:  # caught up: wait for the run's next commit
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), self.poll_s)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001
@@ -291,20 +303,25 @@ class RunFeed:
 
 
 class FanOut:
-    """Per-run feeds shared by every Watch stream of this board process."""
+    """Per-run feeds shared by every Watch stream of this board process, and the one listener
+    of ``COMMITS_CHANNEL`` that wakes them (started with the first feed)."""
 
-    def __init__(self, store: RedisStore, block_ms: int = 5000, tick_s: float = 0.05) -> None:
+    def __init__(self, store: RedisStore, poll_s: float = POLL_S, tick_s: float = 0.05) -> None:
         self.store = store
-        self.block_ms = block_ms
+        self.poll_s = poll_s
         self.tick_s = tick_s
         self._feeds: dict[str, RunFeed] = {}
+        self._listener: asyncio.Task | None = None
+        self.listening = asyncio.Event()  # set while the listener is subscribed
 
     async def subscribe(self, run: str, interval_s: float, *, staged: bool = False) -> Subscription:
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.create_task(self._listen(), name="weftboard-commits-listener")
         feed = self._feeds.get(run)
         if feed is None or feed.task is None or feed.task.done():
             if feed is not None:
                 feed.cancel()
-            feed = RunFeed(self.store, run, self.block_ms, self.tick_s)
+            feed = RunFeed(self.store, run, self.poll_s, self.tick_s)
             self._feeds[run] = feed
             feed.start()
         sub = Subscription(feed, interval_s, staged=staged)
@@ -332,9 +349,56 @@ class FanOut:
         elif sub.staged and not any(s.staged for s in feed.subs):
             feed.stop_staged()
 
+    def _wake_all(self) -> None:
+        for feed in self._feeds.values():
+            feed.wake.set()
+
+    async def _listen(self) -> None:
+        """Wake the feed of each run named on ``COMMITS_CHANNEL``, and every feed whenever the
+        subscription (re)starts: commits published while it was not subscribed are read then.
+        A lost connection is retried with backoff; the feeds poll meanwhile."""
+        backoff = LISTEN_BACKOFF_S
+        while True:
+            pubsub = None
+            try:
+                pubsub = await self.store.commits_listener()
+                await pubsub.subscribe(COMMITS_CHANNEL)
+                while True:
+                    message = await pubsub.get_message(timeout=None)
+                    if message is None:
+                        continue
+                    if message.get("type") == "subscribe":
+                        backoff = LISTEN_BACKOFF_S
+                        self.listening.set()
+                        self._wake_all()
+                    elif message.get("type") == "message":
+                        data = message["data"]
+                        feed = self._feeds.get(data.decode() if isinstance(data, bytes) else str(data))
+                        if feed is not None:
+                            feed.wake.set()
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - retried; feeds poll meanwhile
+                self.listening.clear()
+                log.warning("commit notifications stopped; watch feeds poll until they resume",
+                            error=str(exc), retry_in_s=backoff, poll_s=self.poll_s)
+                self._wake_all()
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, MAX_LISTEN_BACKOFF_S)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(Exception):  # closing a broken connection may fail too
+                        await pubsub.aclose()
+
     def cancel_all(self) -> list[asyncio.Task]:
-        """Cancel every feed; returns their tasks. A feed blocked in XREAD may only notice
-        once its connection is closed, so the caller closes the store before awaiting them."""
+        """Cancel every feed and the listener; returns their tasks. A task waiting on Redis may
+        only notice once its connection is closed, so the caller closes the store before
+        awaiting them."""
         feeds = list(self._feeds.values())
         self._feeds.clear()
-        return [task for feed in feeds for task in feed.cancel()]
+        tasks = [task for feed in feeds for task in feed.cancel()]
+        if self._listener is not None:
+            self._listener.cancel()
+            tasks.append(self._listener)
+            self._listener = None
+        return tasks

@@ -143,6 +143,10 @@ def k_traj(run: str) -> str:
 
 
 RUNS_KEY = "wb:runs"
+# Pub/Sub channel (not a key) on which the commit script names each run it committed a version
+# of: every board process's feeds wake on it and read the run's events stream (``fanout.py``).
+# Classic Pub/Sub reaches every node of a Redis Cluster, so one subscription anywhere hears all.
+COMMITS_CHANNEL = "wb:commits"
 
 
 def token_hash(token: str) -> str:
@@ -200,8 +204,9 @@ class RedisStore:
     Connection failures surface as redis-py exceptions (``REDIS_ERRORS``), which the RPC
     guard turns into UNAVAILABLE; ``ping`` raises ``Unavailable`` itself.
 
-    Two clients: one for short commands, one for blocking reads (XREAD BLOCK, XREADGROUP
-    BLOCK) so that a long wait never starves ordinary requests. Each is a single-node client
+    Two clients: one for short commands, one for blocking reads (a trajectory consumer's
+    XREADGROUP BLOCK) so that a long wait never starves ordinary requests. Watch feeds block on
+    neither: they wait on ``COMMITS_CHANNEL`` and read without blocking. Each is a single-node client
     or a ``RedisCluster`` as the URL says (``redis_conn``); every command, pipeline and script
     here names keys of one hash tag only, so it runs on one cluster slot.
     """
@@ -285,7 +290,7 @@ class RedisStore:
         """Run the compare-and-set; what its result means is ``proto.commit.outcome_of_store``."""
         run = record.run
         keys = [k_state(run), k_versions(run), k_events(run), k_committed(run), k_run(run), k_index(run)]
-        args = [record.version, canonical_record(record), now_ms(), compact_record(record)]
+        args = [record.version, canonical_record(record), now_ms(), compact_record(record), COMMITS_CHANNEL, run]
         if self.min_replicas:
             result = await eval_and_wait(self.redis, COMMIT_LUA, keys, args, min_replicas=self.min_replicas,
                                          timeout_ms=self.replica_timeout_ms)
@@ -404,6 +409,22 @@ class RedisStore:
         if isinstance(self.redis, RedisCluster):
             return self.redis.pubsub(node=self.redis.get_node_from_key(k_staged(run)), ignore_subscribe_messages=True)
         return self.redis.pubsub(ignore_subscribe_messages=True)
+
+    async def commits_listener(self) -> aioredis.client.PubSub | ClusterPubSub:
+        """A Pub/Sub connection for ``COMMITS_CHANNEL`` (the caller subscribes and closes it); in a
+        cluster, on the node serving the channel's name, which hears every node's commits."""
+        if isinstance(self.redis, RedisCluster):
+            await self.redis.initialize()  # the slot map, which a client learns on its first command
+            return self.redis.pubsub(node=self.redis.get_node_from_key(COMMITS_CHANNEL))
+        return self.redis.pubsub()
+
+    async def events_from(self, run: str, cursor: bytes, count: int) -> list[tuple[bytes, dict]]:
+        """Up to ``count`` entries of the run's events stream after the entry id ``cursor``, at
+        once (an XREAD that does not block: it holds a pooled connection for one round trip)."""
+        reply = await self.redis.xread({k_events(run): cursor}, count=count)
+        if not reply:
+            return []
+        return reply[0][1] if isinstance(reply, list) else next(iter(reply.values()))[0]
 
     async def last_event_id(self, run: str) -> bytes:
         entries = await self.redis.xrevrange(k_events(run), max="+", min="-", count=1)

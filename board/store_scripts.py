@@ -8,6 +8,7 @@ script is the only writer of a version, and writes on every path that answers fo
 # Returns {code, head, committed_at_ms}: 0 committed, 1 identical record already
 # committed, 2 different record exists, 3 head is not n-1, 4 unknown run. What a code
 # means for the caller is decided in proto/commit.py (``outcome_of_store``).
+# ARGV: version, record, now (ms), compact record, the commits channel, the run (published there).
 COMMIT_LUA = """
 local n = tonumber(ARGV[1])
 if redis.call('EXISTS', KEYS[5]) == 0 then return {4, 0, 0} end
@@ -29,6 +30,7 @@ if not redis.call('HGET', KEYS[1], 'oldest') then
   redis.call('HSET', KEYS[1], 'oldest', ARGV[1])
 end
 redis.call('XADD', KEYS[3], ARGV[1] .. '-1', 'v', ARGV[1], 'r', ARGV[2], 't', ARGV[3])
+redis.call('PUBLISH', ARGV[5], ARGV[6])  -- wakes every board process's feed of the run (a channel, not a key)
 return {0, n, tonumber(ARGV[3])}
 """
 

@@ -248,3 +248,30 @@ async def test_a_redis_master_dies_and_its_replica_takes_over(redis_cluster: Red
     finally:
         for c in clients:
             await c.close()
+
+
+async def test_a_commit_wakes_the_feeds_of_every_board_process(redis_cluster: RedisCluster, blobs) -> None:
+    """The commit script's notification reaches each process's listener, wherever in the
+    cluster the run's slot lives: the feeds' safety poll (a minute here) plays no part."""
+    from weftboard.board.fanout import FanOut, FeedEvent
+
+    run = run_name()
+    stores = [RedisStore(redis_cluster.url) for _ in range(2)]
+    fanouts = [FanOut(store, poll_s=60.0) for store in stores]
+    try:
+        await stores[0].create_run(make_run(run))
+        subs = [await fanout.subscribe(run, 60.0) for fanout in fanouts]
+        for fanout in fanouts:
+            await asyncio.wait_for(fanout.listening.wait(), 10)
+        await asyncio.sleep(0.2)  # the wake-up of the listeners' subscription has been read
+        for version in (1, 2):
+            await stores[1].commit(await make_record(blobs, run, version))
+            for sub in subs:
+                item = await asyncio.wait_for(sub.queue.get(), 5)
+                assert isinstance(item, FeedEvent) and item.version == version
+    finally:
+        for fanout in fanouts:
+            for task in fanout.cancel_all():
+                task.cancel()
+        for store in stores:
+            await store.close()

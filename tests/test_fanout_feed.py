@@ -54,7 +54,7 @@ class CountingSubscription(Subscription):
 
 
 async def test_ticker_passes_follow_the_shortest_interval():
-    feed = RunFeed(store=None, run="r", block_ms=1000, tick_s=0.01)  # type: ignore[arg-type]
+    feed = RunFeed(store=None, run="r", poll_s=1.0, tick_s=0.01)  # type: ignore[arg-type]
     slow = CountingSubscription(feed, 5.0)
     slow.wrote()
     feed.subs.add(slow)
