@@ -276,8 +276,9 @@ class RunFeed:
                 sub.queue.put_nowait(exc)
 
     async def _run_staged(self) -> None:
-        pubsub = self.store.staged_listener(self.run)
+        pubsub = None
         try:
+            pubsub = await self.store.staged_listener(self.run)
             await pubsub.subscribe(k_staged(self.run))
             while True:
                 message = await pubsub.get_message(timeout=None)
@@ -298,8 +299,9 @@ class RunFeed:
         except BaseException as exc:  # noqa: BLE001 - hints are best effort; versions still flow
             log.warning("staged-part feed failed; hints stop until the next watcher", run=self.run, error=str(exc))
         finally:
-            with contextlib.suppress(Exception):  # closing a broken connection may fail too
-                await pubsub.aclose()
+            if pubsub is not None:
+                with contextlib.suppress(Exception):  # closing a broken connection may fail too
+                    await pubsub.aclose()
 
 
 class FanOut:

@@ -147,6 +147,7 @@ RUNS_KEY = "wb:runs"
 # of: every board process's feeds wake on it and read the run's events stream (``fanout.py``).
 # Classic Pub/Sub reaches every node of a Redis Cluster, so one subscription anywhere hears all.
 COMMITS_CHANNEL = "wb:commits"
+PUBSUB_MAX_CONNECTIONS = 10_000  # Redis's own default limit of clients
 
 
 def token_hash(token: str) -> str:
@@ -223,6 +224,11 @@ class RedisStore:
         # Blocking commands wait up to their BLOCK time (at most BLOCKING_LIMIT_S) before answering.
         self.blocking = open_redis(self.target, socket_timeout_s=BLOCKING_LIMIT_S + socket_timeout_s,
                                    connect_timeout_s=socket_timeout_s, max_connections=max_connections)
+        # Pub/Sub connections (the commits listener; a hint listener per run whose watchers ask for
+        # staged parts) each hold a connection while they listen: on a client of their own, so
+        # that however many runs are watched they never take a connection a request needs.
+        self.pubsub_redis = open_redis(self.target, socket_timeout_s=socket_timeout_s,
+                                       connect_timeout_s=socket_timeout_s, max_connections=PUBSUB_MAX_CONNECTIONS)
         self._commit = self.redis.register_script(COMMIT_LUA)
         self._advance = self.redis.register_script(ADVANCE_OLDEST_LUA)
         self._add_traj = self.redis.register_script(ADD_TRAJECTORIES_LUA)
@@ -230,7 +236,7 @@ class RedisStore:
         self._forget_islands = self.redis.register_script(FORGET_ISLANDS_LUA)
 
     async def close(self) -> None:
-        for client in (self.redis, self.blocking):
+        for client in (self.redis, self.blocking, self.pubsub_redis):
             await client.aclose()
             if isinstance(client, aioredis.Redis):
                 await client.connection_pool.disconnect()
@@ -403,20 +409,23 @@ class RedisStore:
         reply = await self.redis.pubsub_numsub(k_staged(run), **self._slot_node(k_staged(run)))
         return int(reply[0][1]) if reply else 0
 
-    def staged_listener(self, run: str) -> aioredis.client.PubSub | ClusterPubSub:
+    async def staged_listener(self, run: str) -> aioredis.client.PubSub | ClusterPubSub:
         """A Pub/Sub connection for ``k_staged(run)`` (the caller subscribes and closes it); in a
         cluster, on the node serving the run's slot, where the board publishes its hints."""
-        if isinstance(self.redis, RedisCluster):
-            return self.redis.pubsub(node=self.redis.get_node_from_key(k_staged(run)), ignore_subscribe_messages=True)
-        return self.redis.pubsub(ignore_subscribe_messages=True)
+        client = self.pubsub_redis
+        if isinstance(client, RedisCluster):
+            await client.initialize()  # the slot map, which a client learns on its first command
+            return client.pubsub(node=client.get_node_from_key(k_staged(run)), ignore_subscribe_messages=True)
+        return client.pubsub(ignore_subscribe_messages=True)
 
     async def commits_listener(self) -> aioredis.client.PubSub | ClusterPubSub:
         """A Pub/Sub connection for ``COMMITS_CHANNEL`` (the caller subscribes and closes it); in a
         cluster, on the node serving the channel's name, which hears every node's commits."""
-        if isinstance(self.redis, RedisCluster):
-            await self.redis.initialize()  # the slot map, which a client learns on its first command
-            return self.redis.pubsub(node=self.redis.get_node_from_key(COMMITS_CHANNEL))
-        return self.redis.pubsub()
+        client = self.pubsub_redis
+        if isinstance(client, RedisCluster):
+            await client.initialize()  # the slot map, which a client learns on its first command
+            return client.pubsub(node=client.get_node_from_key(COMMITS_CHANNEL))
+        return client.pubsub()
 
     async def events_from(self, run: str, cursor: bytes, count: int) -> list[tuple[bytes, dict]]:
         """Up to ``count`` entries of the run's events stream after the entry id ``cursor``, at

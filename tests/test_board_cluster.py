@@ -129,7 +129,7 @@ async def test_store_is_single_slot_and_hints_reach_the_slot_node(redis_cluster:
         await store.heartbeat(pb.IslandStatus(run=run, island_id="i2"), lease_s=120)
         soon = int(time.time() * 1000) + 60_000  # i1's lease ends before it, i2's after: one script forgets i1
         assert [r.status.island_id for r in await store.islands(run, forget_before_ms=soon)] == ["i2"]
-        listener = store.staged_listener(run)
+        listener = await store.staged_listener(run)
         await listener.subscribe(k_staged(run))
         assert await store.staged_feeds(run) == 1
         assert await store.publish_staged(run, 1, "k", 3, b"hint") == 1
