@@ -61,6 +61,7 @@ from weftboard.proto.errors import (
     PermissionDenied,
     Unavailable,
 )
+from weftboard.proto.limits import MAX_TRAJECTORY_BATCH
 from weftboard.proto.names import blob_key, check_digest, check_name
 from weftboard.proto.plans import StepKind, VersionArtifacts, needs_older, plan_catch_up
 from weftboard.proto.records import ArtifactKind, VersionRecord
@@ -72,7 +73,6 @@ log = structlog.get_logger(__name__)
 MAX_PAGE = 1000
 MAX_PAGE_BYTES = 16 << 20  # a ListVersions page ends before this many bytes of records (the limit is 64 MiB)
 PLAN_INDEX_CHUNK = 256  # PlanCatchUp's index reads, from the target down: a chunk or two near the head
-MAX_TRAJECTORY_BATCH = 10_000
 MAX_PRESIGN_S = 3600
 DEFAULT_PRESIGN_S = 900
 MAX_BLOCK_MS = 60_000
@@ -508,17 +508,7 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
         records = request.records
         if not records:
             return pb.ReportTrajectoriesResponse(accepted=0)
-        if len(records) > MAX_TRAJECTORY_BATCH:
-            raise InvalidArgument(f"{len(records)} records in one call; at most {MAX_TRAJECTORY_BATCH}")
-        run = records[0].run
-        check_name("records[0].run", run)
-        islands: set[str] = set()
-        for i, rec in enumerate(records):
-            if rec.run != run:
-                raise InvalidArgument(f"records[{i}].run is {rec.run!r}; every record of one call must be of run {run!r}")
-            islands.add(rec.island_id)
-        for island in islands:
-            check_name("records[].island_id", island)
+        run = validate.check_trajectories(records)
         await self.store.get_run(run)
         payloads = [rec.SerializeToString() for rec in records]
         await self.store.add_trajectories(run, payloads, self.trajectory_maxlen)

@@ -12,9 +12,12 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from weftboard.proto import convert
 from weftboard.proto.errors import InvalidArgument
 from weftboard.proto.layout import check_layout
+from weftboard.proto.limits import MAX_TRAJECTORY_BATCH, MAX_TRAJECTORY_RECORD_BYTES
 from weftboard.proto.model_files import check_model_files, model_files_difference
 from weftboard.proto.names import check_name
 from weftboard.proto.records import check_blob_ref as check_domain_blob_ref
@@ -50,3 +53,24 @@ def check_record(record: pb.VersionRecord, run: pb.Run) -> None:
 def check_blob_ref(where: str, run: str, blob: pb.BlobRef) -> None:
     """A blob reference names a well-formed digest and the content-addressed key of ``run``."""
     check_domain_blob_ref(where, run, convert.blob_from_pb(blob))
+
+
+def check_trajectories(records: Sequence[pb.TrajectoryRecord]) -> str:
+    """The run of a non-empty batch of trajectory records, each of that run, named well and
+    within ``MAX_TRAJECTORY_RECORD_BYTES``; INVALID_ARGUMENT naming the first that is not."""
+    if len(records) > MAX_TRAJECTORY_BATCH:
+        raise InvalidArgument(f"{len(records)} records in one call; at most {MAX_TRAJECTORY_BATCH}")
+    run = records[0].run
+    check_name("records[0].run", run)
+    islands: set[str] = set()
+    for i, rec in enumerate(records):
+        if rec.run != run:
+            raise InvalidArgument(f"records[{i}].run is {rec.run!r}; every record of one call must be of run {run!r}")
+        size = rec.ByteSize()
+        if size > MAX_TRAJECTORY_RECORD_BYTES:
+            raise InvalidArgument(f"records[{i}] is {size} bytes serialized; at most {MAX_TRAJECTORY_RECORD_BYTES} "
+                                  "(labels are metadata: point at large data with replay_ref)")
+        islands.add(rec.island_id)
+    for island in islands:
+        check_name("records[].island_id", island)
+    return run

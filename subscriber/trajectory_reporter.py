@@ -11,6 +11,9 @@ Invariants:
   without the right, a bad record) cannot be cured by retrying: that batch is dropped and
   counted (``failed``). A batch resent after a lost answer may arrive twice: consumers
   deduplicate by ``request_id``.
+- A record the board would refuse for its size (``proto.limits``) is refused by ``submit``
+  (counted in ``failed``, logged), so it never takes its batch down with it; a batch goes to
+  the board in calls of at most ``MAX_TRAJECTORY_BATCH_BYTES``, each sent and counted alone.
 - ``stop`` flushes what is queued, bounded by a timeout. It cancels the sender until it has
   ended: on Python < 3.12 ``asyncio.wait_for`` returns a result that arrived together with a
   cancellation and drops the cancellation, which once left a stopping island waiting forever
@@ -27,12 +30,17 @@ from typing import Any
 import structlog
 
 from weftboard.proto.errors import DeadlineExceeded, Unavailable, WeftboardError
+from weftboard.proto.limits import (
+    MAX_TRAJECTORY_BATCH,
+    MAX_TRAJECTORY_BATCH_BYTES,
+    MAX_TRAJECTORY_RECORD_BYTES,
+)
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.subscriber.cancel import cancel_and_wait
 
 log = structlog.get_logger(__name__)
 
-MAX_RECORDS_PER_CALL = 10_000
+MAX_RECORDS_PER_CALL = MAX_TRAJECTORY_BATCH
 
 
 def make_record(
@@ -70,6 +78,21 @@ def make_record(
     return record
 
 
+def byte_bounded(records: list[pb.TrajectoryRecord], limit: int) -> list[list[pb.TrajectoryRecord]]:
+    """``records`` in order, cut into runs of at most ``limit`` serialized bytes (a record over
+    the limit alone makes a run of one)."""
+    calls: list[list[pb.TrajectoryRecord]] = []
+    size = 0
+    for record in records:
+        n = record.ByteSize()
+        if not calls or size + n > limit:
+            calls.append([])
+            size = 0
+        calls[-1].append(record)
+        size += n
+    return calls
+
+
 class TrajectoryReporter:
     def __init__(
         self,
@@ -92,7 +115,14 @@ class TrajectoryReporter:
         self._pending: list[pb.TrajectoryRecord] = []  # the batch the task holds, resent by stop()
 
     def submit(self, record: pb.TrajectoryRecord) -> bool:
-        """Queue one record without waiting; False (and counted) when the queue is full."""
+        """Queue one record without waiting; False (and counted) when the queue is full, or
+        when the record is larger than the board takes (``failed``)."""
+        size = record.ByteSize()
+        if size > MAX_TRAJECTORY_RECORD_BYTES:
+            self.failed += 1
+            log.warning("trajectory record too large for the board; dropped", request_id=record.request_id,
+                        bytes=size, limit=MAX_TRAJECTORY_RECORD_BYTES)
+            return False
         try:
             self._queue.put_nowait(record)
         except asyncio.QueueFull:
@@ -120,7 +150,12 @@ class TrajectoryReporter:
         return batch
 
     async def _send(self, batch: list[pb.TrajectoryRecord]) -> None:
-        """Send until the board takes the batch (the caller bounds the wait, if it must)."""
+        """Send until the board takes the batch, in calls of at most ``MAX_TRAJECTORY_BATCH_BYTES``
+        (the caller bounds the wait, if it must)."""
+        for call in byte_bounded(batch, MAX_TRAJECTORY_BATCH_BYTES):
+            await self._send_call(call)
+
+    async def _send_call(self, batch: list[pb.TrajectoryRecord]) -> None:
         delay = 0.2
         while True:
             try:

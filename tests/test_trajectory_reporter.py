@@ -95,3 +95,47 @@ async def test_stop_ends_when_a_record_arrives_with_the_cancellation() -> None:
     await asyncio.wait_for(reporter.stop(timeout_s=1), 10)  # no await between: the same instant
     assert time.monotonic() - start < 3  # (the old stop waited until this wait_for cancelled it too)
     assert sorted(client.sent) == ["a", "b"]  # nothing lost either
+
+
+async def test_an_oversized_record_is_refused_alone_and_batches_stay_within_a_call(board) -> None:
+    """A record larger than the board takes is refused by ``submit`` (the board refuses it too,
+    naming it), so the records around it still arrive; a batch larger than one call's byte
+    budget goes in several calls."""
+    from weftboard.proto import errors
+    from weftboard.proto.limits import MAX_TRAJECTORY_BATCH_BYTES, MAX_TRAJECTORY_RECORD_BYTES
+
+    admin = BoardClient(board.address, board.admin_token)
+    reporter = TrajectoryReporter(admin, flush_interval_s=0.05, batch_size=500)
+    run = "traj-sizes"
+    try:
+        await admin.create_run(make_run(run))
+        huge = record(run, "huge")
+        huge.labels["blob"] = "x" * (MAX_TRAJECTORY_RECORD_BYTES + 1)
+        try:
+            await admin.report_trajectories([record(run, "beside"), huge])
+            raise AssertionError("the board took a record over its limit")
+        except errors.InvalidArgument as exc:
+            assert "records[1]" in str(exc)
+        half = record(run, "h")
+        half.labels["blob"] = "y" * (MAX_TRAJECTORY_RECORD_BYTES // 2)
+        n_big = 2 * MAX_TRAJECTORY_BATCH_BYTES // half.ByteSize() + 2  # more than two calls' worth
+        assert reporter.submit(record(run, "first"))
+        assert not reporter.submit(huge) and reporter.failed == 1
+        for i in range(n_big):
+            rec = pb.TrajectoryRecord()
+            rec.CopyFrom(half)
+            rec.request_id = f"big-{i}"
+            assert reporter.submit(rec)
+        reporter.start()
+        await until(lambda: reporter.sent == n_big + 1, timeout_s=60)
+        assert reporter.failed == 1 and reporter.dropped == 0
+        consumer = TrajectoryConsumer(admin, run, "g", "c", block_ms=200)
+        got = []
+        for _ in range(50):
+            got += await consumer.poll()
+            if len(got) >= n_big + 1:
+                break
+        assert sorted(t.record.request_id for t in got) == sorted(["first", *(f"big-{i}" for i in range(n_big))])
+    finally:
+        await reporter.stop(timeout_s=5)
+        await admin.close()
