@@ -23,6 +23,12 @@ Invariants:
   withdrawn like a quarantine: ``held_version()`` and ``state.held`` are 0, the sidecar admits
   no request, the subscriber reports holding nothing and plans from nothing. The next success
   clears either.
+- A failed ``resume`` is not a failed change: the activation's outcome stands (``held_version()``
+  is what the adapter vouches for), but the engine holds every request, so the island state is
+  withdrawn (``paused`` says why; the sidecar answers 503 at once instead of letting requests
+  hang) while a task retries ``resume`` with backoff. Once it resumes, the island serves
+  ``held_version()`` again unless something else withdrew it meanwhile (unverified weights, a
+  quarantine). The next activation, and ``close``, end the task.
 - For checkpoint engines a checkpoint already written by an earlier attempt is not
   rewritten: a retry only repeats the activation. For an anchor (the subscriber's last
   resort) that holds only once the folder's copy re-hashes to the target (``verify_held``,
@@ -34,6 +40,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -45,6 +52,7 @@ from weftboard.proto.errors import ApplyError, WeftboardError
 from weftboard.proto.records import BlobRef
 from weftboard.subscriber.admission import AdmissionGate, VersionState
 from weftboard.subscriber.arriving import ArrivingBytes
+from weftboard.subscriber.cancel import cancel_and_wait
 from weftboard.subscriber.destination import (
     Capabilities,
     Destination,
@@ -56,6 +64,10 @@ from weftboard.subscriber.engines.base import EngineAdapter
 from weftboard.subscriber.metrics import IslandMetrics
 
 log = structlog.get_logger(__name__)
+
+#: first and longest wait between two tries to resume an engine left paused
+RESUME_RETRY_S = 0.5
+RESUME_RETRY_MAX_S = 15.0
 
 
 class EngineDestination:
@@ -84,6 +96,9 @@ class EngineDestination:
         self.checkpoint_dir = checkpoint_dir
         self._quarantined = False  # the scrub found the served weights damaged; until the next activation
         self.metrics = metrics
+        #: why the engine is left paused (its ``resume`` failed; ``_keep_resuming`` retries), else None
+        self.paused: str | None = None
+        self._resumer: asyncio.Task | None = None
 
     def held_version(self) -> int:
         return 0 if self._quarantined else self.adapter.served_version()
@@ -136,6 +151,7 @@ class EngineDestination:
         raise ApplyError(f"the {self.adapter.kind} engine destination does not apply a patch while it arrives")
 
     async def close(self) -> None:
+        await self._stop_resuming()
         await self.inner.close()
 
     async def verify_held(self, target: VersionTarget) -> bool:
@@ -168,6 +184,16 @@ class EngineDestination:
         await self._activate_checkpoint(held)
         return self.held_version()
 
+    async def engine_lost(self, reason: str) -> None:
+        """The engine restarted (back on its start-up weights) or stopped answering: it serves no
+        version the island vouches for. The island is withdrawn until a version is activated
+        again (``activate_held`` reloads the verified folder). Not under the gate: the requests
+        in flight on a lost engine would only hold the withdrawal back."""
+        self.adapter.mark_unverified(reason)
+        log.error("the engine no longer serves the verified version; the island serves nothing until it "
+                  "is loaded again", engine=self.adapter.kind, reason=reason)
+        await self.state.withdraw(f"the {self.adapter.kind} engine lost its verified weights: {reason}")
+
     async def _activate_in_process(self, version: int, change: Callable[[], Awaitable[None]]) -> None:
         """Apply and verify in place (the inner destination) while the engine is paused."""
         async def change_and_mark() -> None:
@@ -189,9 +215,11 @@ class EngineDestination:
 
     async def _activate(self, version: int, change: Callable[[], Awaitable[None]]) -> None:
         """Pause the engine, make the change, record the held version, resume: the only
-        window in which the engine does not serve. A failure is recorded and re-raised."""
+        window in which the engine does not serve. A failed change is recorded and re-raised; a
+        failed resume is not the change's failure (``_resume``)."""
         closed = time.perf_counter()
         async with self.gate.activation():
+            await self._stop_resuming()  # this activation resumes the engine itself
             try:
                 try:
                     await self.adapter.pause(self.gate.mode)
@@ -199,7 +227,7 @@ class EngineDestination:
                     await self.state.set_held(version)
                     self._quarantined = False
                 finally:
-                    await self.adapter.resume()
+                    await self._resume(version)
             except (WeftboardError, OSError) as exc:
                 await self._failed(version, exc)
                 raise
@@ -225,7 +253,47 @@ class EngineDestination:
                   unverified=self.adapter.unverified)
         await self.state.withdraw(f"{message}; its weights are no verified version any more")
 
+    async def _resume(self, version: int) -> None:
+        """Resume the engine after the activation of ``version`` (done or failed). If it does not
+        resume, the engine holds every request: the island is withdrawn (503 at once, not a hang
+        until the engine timeout) and ``_keep_resuming`` retries until it does."""
+        try:
+            await self.adapter.resume()
+        except (WeftboardError, OSError) as exc:
+            self.paused = (f"the {self.adapter.kind} engine did not resume after the activation of version "
+                           f"{version} and holds every request: {exc}")
+            log.error("the engine did not resume; the island admits nothing while it retries", version=version,
+                      held=self.held_version(), error=str(exc))
+            await self.state.withdraw(self.paused)
+            self._resumer = asyncio.create_task(self._keep_resuming(), name=f"resume-{self.adapter.kind}")
+
+    async def _keep_resuming(self) -> None:
+        """Retry ``adapter.resume()`` with backoff until the engine resumes; then the island serves
+        what the adapter vouches for again (still nothing when it vouches for nothing)."""
+        delay = RESUME_RETRY_S
+        while True:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RESUME_RETRY_MAX_S)
+            try:
+                await self.adapter.resume()
+            except (WeftboardError, OSError) as exc:
+                log.warning("the engine still does not resume", error=str(exc), retry_in_s=delay)
+                continue
+            break
+        paused, self.paused = self.paused, None
+        held = self.held_version()
+        log.info("the engine resumed", held=held)
+        if held > 0 and self.state.withdrawn == paused:  # withdrawn only for the pause: serve again
+            await self.state.set_held(held)
+            if self.state.error == paused:
+                await self.state.set_error(None)
+
+    async def _stop_resuming(self) -> None:
+        if self._resumer is not None:
+            await cancel_and_wait([self._resumer])
+            self._resumer = None
+
     async def _succeeded(self, version: int) -> None:
-        if self.state.error is not None:
+        if self.state.error is not None and self.paused is None:  # paused: in error until it resumes
             await self.state.set_error(None)
         log.info("activated", version=version, engine=self.adapter.kind, mode=self.gate.mode.value)

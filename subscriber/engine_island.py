@@ -17,6 +17,11 @@ Invariants:
   activations and the sidecar's requests; the sidecar serves it at ``/metrics``.
 - Every ``scrub_interval_s`` (and once the first version is held) what the island serves is
   re-hashed against its record; a damaged version is quarantined and fetched again (scrub.py).
+- An engine in its own process is probed every ``engine_watch_s`` (``_watch_engine``): one that
+  stops answering (``ENGINE_MISSES`` probes in a row), or reports a version other than the one the island loaded (the reference
+  engine's ``/health`` says; it restarted on its start-up weights), is withdrawn at once (503,
+  ``adapter.mark_unverified``), and once it answers again the verified folder is loaded into it
+  (``activate_held``). Probes overlapping an activation are not judged.
 - A task that ends before ``stop()`` (a fatal error) is logged at once, and ``failed()``
   returns its error, so ``weftboard sidecar`` exits instead of serving a stale version.
 """
@@ -32,7 +37,7 @@ from typing import Any
 import structlog
 
 from weftboard.board.client import BoardClient, TlsConfig
-from weftboard.proto.errors import InvalidArgument, NotFound
+from weftboard.proto.errors import ApplyError, InvalidArgument, NotFound, WeftboardError
 from weftboard.subscriber.admission import AdmissionGate, VersionState
 from weftboard.subscriber.cancel import cancel_and_wait
 from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
@@ -119,6 +124,61 @@ async def _follow_head(subscriber: Subscriber, state: VersionState, every_s: flo
         await asyncio.sleep(every_s)
 
 
+#: seconds between two probes of an engine in its own process (``_watch_engine``)
+ENGINE_WATCH_S = 2.0
+
+
+#: failed health checks in a row that make an engine lost (one may be a busy moment, not a loss)
+ENGINE_MISSES = 2
+
+
+async def _engine_trouble(adapter: HttpEngineAdapter) -> tuple[str, bool] | None:
+    """(why the engine may no longer serve what the island loaded into it, whether that is certain),
+    else None: it does not answer ``/health`` (maybe a busy moment), or it answers with a ``version``
+    (the reference engine does) other than the served one (certain: it restarted)."""
+    try:
+        answer = await adapter.call("GET", "/health", timeout_s=min(adapter.timeout_s, 5.0))
+    except ApplyError as exc:
+        return f"it does not answer its health check: {exc}", False
+    version = answer.get("version") if isinstance(answer, dict) else None
+    served = adapter.served_version()
+    if isinstance(version, int) and served > 0 and version != served:
+        return f"it reports version {version} where the island loaded version {served}: it restarted", True
+    return None
+
+
+async def _watch_engine(adapter: HttpEngineAdapter, destination: EngineDestination, gate: AdmissionGate,
+                        every_s: float = ENGINE_WATCH_S) -> None:
+    """Withdraw the island when its engine is lost (``_engine_trouble``); load the verified folder
+    into it again once it answers."""
+    lost = False
+    misses = 0
+    while True:
+        await asyncio.sleep(every_s)
+        served = adapter.served_version()
+        if gate.activating:
+            continue
+        trouble = await _engine_trouble(adapter)
+        if gate.activating or adapter.served_version() != served:
+            continue  # an activation overlapped the probe: its answer says nothing
+        if trouble is not None:
+            why, certain = trouble
+            misses += 1
+            if not lost and (certain or misses >= ENGINE_MISSES) and (served > 0 or adapter.unverified is None):
+                await destination.engine_lost(why)
+                lost = True
+            continue
+        misses = 0
+        if lost:
+            try:
+                held = await destination.activate_held()
+            except (WeftboardError, OSError) as exc:  # recorded by the activation; try again next probe
+                log.warning("reloading the verified version into the engine failed", error=str(exc))
+                continue
+            lost = held == 0
+            log.info("the engine serves the verified version again", held=held)
+
+
 async def start_island(
     *,
     board: str,
@@ -141,6 +201,7 @@ async def start_island(
     tls: TlsConfig | None = None,
     engine_api_key: str | None = None,
     scrub_interval_s: float = DEFAULT_SCRUB_INTERVAL_S,
+    engine_watch_s: float = ENGINE_WATCH_S,
 ) -> RunningIsland:
     client = BoardClient(board, token, tls=tls)  # the subscriber's, the reporter's and the sidecar's board calls
     closers: list[Any] = [client.close]
@@ -189,6 +250,9 @@ async def start_island(
         scrubber = Scrubber(subscriber, interval_s=scrub_interval_s)  # 0: only when called
         if scrub_interval_s > 0:
             tasks.append(asyncio.create_task(scrubber.run(), name=f"scrub-{island_id}"))
+        if isinstance(adapter, HttpEngineAdapter) and engine_watch_s > 0:  # an engine in its own process
+            tasks.append(asyncio.create_task(_watch_engine(adapter, destination, gate, engine_watch_s),
+                                             name=f"engine-watch-{island_id}"))
         for task in tasks:
             task.add_done_callback(_log_end)
         island = RunningIsland(island_id, url, sidecar, subscriber, state, gate, adapter, destination, in_process,

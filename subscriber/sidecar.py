@@ -24,6 +24,11 @@ Invariants:
 - ``version_start`` is read at admission (no activation can be in progress then) and
   ``version_end`` when the response is complete: a request is attributed to the versions
   it actually ran on. An exact-version request never spans an activation (the gate).
+- An answer whose request ran while the island withdrew its version (``VersionState.withdrawn``
+  set, or set and cleared again, meanwhile: counted by ``_watch_withdrawals``) is never served
+  nor reported: 503 ``no_verified_version``. Once a stream's headers are sent no second answer
+  is possible: a withdrawal, or an engine stream that breaks off, ends it with the error event
+  ``{"error": {"code", "message"}, "weftboard": {...}}`` and no ``[DONE]``.
 - Reporting trajectory metadata never adds latency: it is queued for a background task.
 - ``/health/live`` is always 200; ``/health/ready`` is 200 only once the island has
   caught up and activated, and not in error (503 with the reason otherwise). ``/metrics``
@@ -47,7 +52,6 @@ import contextlib
 import json
 import math
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,21 +60,29 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from weftboard.proto.domain import VersionConstraint
 from weftboard.proto.errors import DeadlineExceeded, InvalidArgument, WeftboardError
 from weftboard.subscriber.admission import AdmissionGate, Ticket, VersionState
+from weftboard.subscriber.cancel import cancel_and_wait
 from weftboard.subscriber.engines.http import engine_session
 from weftboard.subscriber.metrics import IslandMetrics
+from weftboard.subscriber.sidecar_request import (  # noqa: F401 - re-exported: the sidecar's request vocabulary
+    DEADLINE_HEADER,
+    LABELS_HEADER,
+    REQUEST_ID_HEADER,
+    VERSION_HEADER,
+    RequestPlan,
+    can_catch_up,
+    constraint_from_body,
+    constraint_json,
+    parse_labels,
+    plan_request,
+)
 from weftboard.subscriber.trajectory_reporter import TrajectoryReporter, make_record
 
 log = structlog.get_logger(__name__)
 
-VERSION_HEADER = "X-Weftboard-Version"
-DEADLINE_HEADER = "X-Weftboard-Deadline-Ms"
-LABELS_HEADER = "X-Weftboard-Labels"
 START_HEADER = "X-Weftboard-Version-Start"
 END_HEADER = "X-Weftboard-Version-End"
-REQUEST_ID_HEADER = "X-Request-Id"
 PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -86,103 +98,6 @@ class SidecarConfig:
     retry_after_s: float = 1.0
     engine_api_key: str | None = None  # sent as ``Authorization: Bearer`` in place of the caller's
     served_model_name: str | None = None  # the name /v1/models lists for the engine's base model
-
-
-# ---------------------------------------------------------------------------
-# Parsing the request's weftboard fields
-# ---------------------------------------------------------------------------
-
-
-def constraint_from_body(value: Any) -> VersionConstraint:
-    if isinstance(value, str):
-        return VersionConstraint.parse(value)
-    if not isinstance(value, Mapping):
-        raise InvalidArgument('weftboard_version must be an object like {"exact": 7} or a string like "min=5"')
-    aliases = {"exact": "exact", "min": "minimum", "minimum": "minimum", "max_staleness": "max_staleness"}
-    fields: dict[str, int] = {}
-    for key, raw in value.items():
-        if key not in aliases:
-            raise InvalidArgument(f"unknown weftboard_version field {key!r}: use exact, min or max_staleness")
-        if not isinstance(raw, int) or isinstance(raw, bool):
-            raise InvalidArgument(f"weftboard_version.{key} must be an integer, got {raw!r}")
-        fields[aliases[key]] = raw
-    return VersionConstraint(**fields)
-
-
-def parse_labels(text: str) -> dict[str, str]:
-    """``k=v,k2=v2`` or a JSON object."""
-    text = text.strip()
-    if not text:
-        return {}
-    if text.startswith("{"):
-        try:
-            parsed = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InvalidArgument(f"{LABELS_HEADER} is not valid JSON: {exc}") from None
-        return {str(k): str(v) for k, v in parsed.items()}
-    labels = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep:
-            raise InvalidArgument(f"bad label {part!r} in {LABELS_HEADER}: use key=value, comma separated")
-        labels[key.strip()] = value.strip()
-    return labels
-
-
-@dataclass
-class RequestPlan:
-    body: dict
-    constraint: VersionConstraint
-    deadline: float  # monotonic
-    labels: dict[str, str]
-    request_id: str
-    stream: bool
-    head_refreshed: bool = False
-
-
-def plan_request(request: web.Request, body: dict, default_deadline_s: float) -> RequestPlan:
-    constraint = VersionConstraint()
-    header = request.headers.get(VERSION_HEADER)
-    if header:
-        constraint = VersionConstraint.parse(header)
-    if "weftboard_version" in body:
-        constraint = constraint_from_body(body.pop("weftboard_version"))
-    deadline_ms: Any = request.headers.get(DEADLINE_HEADER, body.pop("weftboard_deadline_ms", None))
-    try:
-        deadline_s = default_deadline_s if deadline_ms is None else float(deadline_ms) / 1000.0
-    except (TypeError, ValueError):
-        deadline_s = math.nan
-    if not math.isfinite(deadline_s):  # "nan" and "inf" parse as floats; neither is a deadline
-        raise InvalidArgument(f"{DEADLINE_HEADER} must be a number of milliseconds, got {deadline_ms!r}")
-    labels = parse_labels(request.headers.get(LABELS_HEADER, ""))
-    body_labels = body.pop("weftboard_labels", None)
-    if body_labels is not None:
-        if not isinstance(body_labels, Mapping):
-            raise InvalidArgument("weftboard_labels must be an object of string values")
-        labels.update({str(k): str(v) for k, v in body_labels.items()})
-    request_id = request.headers.get(REQUEST_ID_HEADER) or "req-" + uuid.uuid4().hex[:20]
-    return RequestPlan(body, constraint, time.monotonic() + max(deadline_s, 0.0), labels, request_id,
-                       bool(body.get("stream", False)))
-
-
-def constraint_json(c: VersionConstraint) -> dict[str, int]:
-    out = {}
-    if c.exact is not None:
-        out["exact"] = c.exact
-    if c.minimum is not None:
-        out["min"] = c.minimum
-    if c.max_staleness is not None:
-        out["max_staleness"] = c.max_staleness
-    return out
-
-
-def can_catch_up(c: VersionConstraint, held: int, head: int) -> bool:
-    """Whether a version the island has not reached yet (held < v <= head) satisfies ``c``."""
-    if head <= held:
-        return False
-    if c.exact is not None:
-        return held < c.exact <= head
-    return c.accepts(head, head)
 
 
 # ---------------------------------------------------------------------------
@@ -238,6 +153,7 @@ class Usage:
     logprobs: list[float] = field(default_factory=list)
     version_end: int | None = None  # the End reported to the client
     unreadable: bool = False  # some answer's usage or logprobs could not be read
+    failed: str | None = None  # why a streamed answer (status 200 already sent) is no success: not reported
 
     def absorb(self, payload: Any) -> None:
         """Take token counts and logprobs from one engine answer (or stream chunk). Best
@@ -294,6 +210,8 @@ class Sidecar:
         self.rejected = 0
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        self.withdrawals = 0  # times the island's version was withdrawn since ``start`` (``_watch_withdrawals``)
+        self._watcher: asyncio.Task | None = None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -316,12 +234,15 @@ class Sidecar:
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         port = self._runner.addresses[0][1]
+        self._watcher = asyncio.create_task(self._watch_withdrawals(), name=f"withdrawals-{self.config.island_id}")
         self.url = f"http://{self.config.host}:{port}"
         if self.reporter is not None:
             self.reporter.start()
         return self.url
 
     async def stop(self) -> None:
+        if self._watcher is not None:
+            await cancel_and_wait([self._watcher])
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -378,16 +299,39 @@ class Sidecar:
     # -- admission ---------------------------------------------------------
 
     def _not_ready(self, plan: RequestPlan, why: str, outcome: str = "refused", *, status: int = 409,
-                   error: str = "version_not_ready") -> web.Response:
+                   error: str = "version_not_ready", start: int | None = None) -> web.Response:
+        """The refusal (``outcome`` counted) or, with ``start``, the answer of a request that ran
+        but whose result is not served (labelled with the versions it ran on)."""
         self.rejected += 1
-        if self.metrics is not None:
+        if self.metrics is not None and start is None:
             self.metrics.request(plan.constraint, outcome)
         retry = self.config.retry_after_s
         body = {"error": error, "held": self.state.held, "head": self.state.head,
                 "constraint": constraint_json(plan.constraint), "retry_after_s": retry, "message": why,
                 "request_id": plan.request_id}
+        labels = self._version_headers(self.state.held if start is None else start, self.state.held)
         return web.json_response(body, status=status, headers={"Retry-After": str(max(1, math.ceil(retry))),
-                                                            **self._version_headers(self.state.held, self.state.held)})
+                                                            **labels})
+
+    async def _watch_withdrawals(self) -> None:
+        """Count each withdrawal of the island's version (``VersionState.withdraw``), so a request
+        running across one is caught even when a version was activated again before it ended."""
+        while True:
+            while not await self.state.wait_for(lambda: self.state.withdrawn is not None, 3600.0):
+                pass
+            self.withdrawals += 1
+            while not await self.state.wait_for(lambda: self.state.withdrawn is None, 3600.0):
+                pass
+
+    def _withdrawn_since(self, withdrawals: int) -> str | None:
+        """Why the answer of a request admitted when ``self.withdrawals`` was ``withdrawals`` must not
+        be served: the island withdrew its version while it ran (in ``in_place`` mode it went on
+        computing on weights nobody vouches for). None when it did not."""
+        if self.state.withdrawn is not None:
+            return f"the island serves no verified version: {self.state.withdrawn}"
+        if self.withdrawals != withdrawals:
+            return "the island withdrew its version while the request ran (it has activated one again since)"
+        return None
 
     async def _fresh_head(self, plan: RequestPlan) -> bool:
         """Ask the board for its head (once per request); True when it moved."""
@@ -460,15 +404,15 @@ class Sidecar:
         if self.metrics is not None:
             self.metrics.request(plan.constraint, "admitted")
         started = time.monotonic()
-        start_version = self.state.held
+        start_version, withdrawals = self.state.held, self.withdrawals
         usage = Usage()
         try:
-            response = await self._forward(request, plan, start_version, usage)
+            response = await self._forward(request, plan, start_version, usage, withdrawals)
         finally:
             end_version = usage.version_end if usage.version_end is not None else self.state.held
             ticket.release()
         self.served += 1
-        if self.reporter is not None and response.status < 400:
+        if self.reporter is not None and response.status < 400 and usage.failed is None:
             self.reporter.submit(make_record(
                 run=self.config.run, island_id=self.config.island_id, version_start=start_version,
                 version_end=end_version, request_id=plan.request_id, prompt_tokens=usage.prompt_tokens,
@@ -477,7 +421,8 @@ class Sidecar:
             ))
         return response
 
-    async def _forward(self, request: web.Request, plan: RequestPlan, start: int, usage: Usage) -> web.StreamResponse:
+    async def _forward(self, request: web.Request, plan: RequestPlan, start: int, usage: Usage,
+                       withdrawals: int) -> web.StreamResponse:
         assert self._session is not None
         url = self.config.engine_url + request.path
         # the body goes re-encoded as JSON (aiohttp sets its Content-Type), under the request's id
@@ -488,47 +433,82 @@ class Sidecar:
             async with self._session.post(url, json=plan.body, headers=headers, timeout=aiohttp.ClientTimeout(
                     total=self.config.engine_timeout_s)) as upstream:
                 is_sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-                if is_sse:
-                    return await self._pass_stream(request, upstream, plan, start, usage)
+                if is_sse:  # from here on the answer has started: errors end the stream, never a second answer
+                    return await self._pass_stream(request, upstream, plan, start, usage, withdrawals)
                 payload = await upstream.read()
-                end = usage.version_end = self.state.held
-                headers = {**self._version_headers(start, end), REQUEST_ID_HEADER: plan.request_id}
-                try:
-                    parsed = json.loads(payload)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    return web.Response(body=payload, status=upstream.status, headers=headers,
-                                        content_type=upstream.content_type)
-                if isinstance(parsed, dict):
-                    usage.absorb(parsed)
-                    parsed["weftboard"] = {"version_start": start, "version_end": end, "request_id": plan.request_id}
-                return web.json_response(parsed, status=upstream.status, headers=headers)
         except (aiohttp.ClientError, TimeoutError) as exc:
             log.warning("engine request failed", url=url, error=str(exc))
             return web.json_response({"error": "engine_unavailable", "message": f"engine at {url}: {exc}"},
                                      status=502, headers=self._version_headers(start, self.state.held))
+        end = usage.version_end = self.state.held
+        if (why := self._withdrawn_since(withdrawals)) is not None:
+            log.warning("an answer computed while the island withdrew its version is not served",
+                        request_id=plan.request_id, version_start=start, reason=why)
+            return self._not_ready(plan, why, status=503, error="no_verified_version", start=start)
+        headers = {**self._version_headers(start, end), REQUEST_ID_HEADER: plan.request_id}
+        try:
+            parsed = json.loads(payload)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return web.Response(body=payload, status=upstream.status, headers=headers,
+                                content_type=upstream.content_type)
+        if isinstance(parsed, dict):
+            usage.absorb(parsed)
+            parsed["weftboard"] = {"version_start": start, "version_end": end, "request_id": plan.request_id}
+        return web.json_response(parsed, status=upstream.status, headers=headers)
 
-    async def _pass_stream(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, plan: RequestPlan, start: int, usage: Usage
-    ) -> web.StreamResponse:
+    async def _pass_stream(self, request: web.Request, upstream: aiohttp.ClientResponse, plan: RequestPlan,
+                           start: int, usage: Usage, withdrawals: int) -> web.StreamResponse:
+        """Relay an SSE answer, then the ``weftboard`` event and ``[DONE]``. Once its headers are
+        sent nothing else can answer the request: an engine stream that breaks off, or a version
+        withdrawn while it runs, ends it with an error event ``{"error": {"code", "message"},
+        "weftboard": {...}}`` (no ``[DONE]``) and the answer is not reported as a trajectory."""
         out = web.StreamResponse(status=upstream.status, headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
             **self._version_headers(start, start), REQUEST_ID_HEADER: plan.request_id})
         await out.prepare(request)
-        done_seen = False
-        async for raw in upstream.content:
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            if line.startswith("data:"):
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done_seen = True
-                    continue  # sent after our final event
-                with contextlib.suppress(json.JSONDecodeError):
-                    usage.absorb(json.loads(data))
-            await out.write(raw)
-        end = usage.version_end = self.state.held
-        final = {"weftboard": {"version_start": start, "version_end": end, "request_id": plan.request_id}}
-        await out.write(f"data: {json.dumps(final)}\n\n".encode())
-        if done_seen:
-            await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
+        try:
+            done_seen, failure = await self._relay(upstream, out, usage, withdrawals)
+            end = usage.version_end = self.state.held
+            labels = {"version_start": start, "version_end": end, "request_id": plan.request_id}
+            if failure is None:
+                await out.write(f"data: {json.dumps({'weftboard': labels})}\n\n".encode())
+                if done_seen:
+                    await out.write(b"data: [DONE]\n\n")
+            else:
+                code, usage.failed = failure
+                log.warning("streamed answer ended with an error event", request_id=plan.request_id, error=code,
+                            message=usage.failed, version_start=start, version_end=end)
+                event = {"error": {"code": code, "message": usage.failed}, "weftboard": labels}
+                await out.write(f"data: {json.dumps(event)}\n\n".encode())
+            await out.write_eof()
+        except ConnectionResetError:  # the caller went away (aiohttp's ClientConnectionResetError): nobody to tell
+            usage.failed = "the caller closed the connection before the stream ended"
+            log.info("the caller left during a streamed answer", request_id=plan.request_id)
         return out
+
+    async def _relay(self, upstream: aiohttp.ClientResponse, out: web.StreamResponse, usage: Usage,
+                     withdrawals: int) -> tuple[bool, tuple[str, str] | None]:
+        """The engine's events to the caller, less ``[DONE]``: whether it was seen, and (error code,
+        message) when the stream did not end as the engine's complete answer."""
+        done_seen = False
+        try:
+            async for raw in upstream.content:
+                if (why := self._withdrawn_since(withdrawals)) is not None:
+                    upstream.close()  # the engine stops generating on weights nobody vouches for
+                    return done_seen, ("no_verified_version", why)
+                line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if line.startswith("data:"):
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done_seen = True
+                        continue  # sent after our final event
+                    with contextlib.suppress(json.JSONDecodeError):
+                        usage.absorb(json.loads(data))
+                await out.write(raw)
+        except ConnectionResetError:  # writing to the caller failed: not the engine's doing
+            raise
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return done_seen, ("engine_unavailable", f"the engine's stream broke off: {type(exc).__name__}: {exc}")
+        if (why := self._withdrawn_since(withdrawals)) is not None:
+            return done_seen, ("no_verified_version", why)
+        return done_seen, None
