@@ -33,6 +33,12 @@ Invariants:
 - Each rank stages its anchor file (``StagePart`` with the file's name) before the gather, so
   the file of a rank that dies mid-version is an orphan GC deletes too; the file's metadata
   names its version, so no other version's record can name its key.
+- Each version pairs one training step on every rank: every rank's header carries its step and
+  a version whose ranks disagree on it is refused on every rank (``plan_slices``). A rank whose
+  ``publish`` raises once its version is numbered (a failed snapshot, a changed state dict)
+  re-raises to its trainer, marks the publisher failed and still joins that version's header
+  exchange with the error, so every rank fails the version at that exchange (no rank waits
+  out the collective timeout) and every later publish raises: ranks never drift a step apart.
 - Every rank records its committed versions in its own ``PublisherMetrics`` (the record is
   broadcast to all); with ``metrics_port``, rank 0 serves them. Without ``blob_store``, a blob
   over ``upload_part_bytes`` goes up as a presigned multipart upload, as for ``Publisher``.
@@ -194,6 +200,8 @@ class ShardedPublisher:
             self.metrics.serve(metrics_port, metrics_host)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weftboard-sharded")
         self._failure: BaseException | None = None
+        self._failed_at: float = math.inf  # the earliest version that failed (on this rank or collectively)
+        self._fail_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weftboard-sharded-loop", daemon=True)
         self._thread.start()
@@ -222,25 +230,35 @@ class ShardedPublisher:
             self._setup(_held_state(model_or_state))
 
     def publish(self, model_or_state: Any, *, step: int = 0) -> PublishHandle:
-        """Snapshot this rank's slices and publish them as the next version (collective)."""
+        """Snapshot this rank's slices and publish them as the next version (collective).
+
+        If the snapshot raises, the error is re-raised here, the publisher is failed and this
+        rank still joins the version's exchange with the error, which fails it on every rank."""
         t0 = time.perf_counter()
         self._raise_if_failed()
-        held = _held_state(model_or_state)
+        held = None
         if self.plan is None:
+            held = _held_state(model_or_state)
             self._setup(held)
         self._slots.acquire()
         try:
             self._raise_if_failed()
-            snapshot = self._snapshot(held)
         except BaseException:
             self._slots.release()
             raise
-        version = self._next_version
+        version = self._next_version  # numbered on every rank alike, even if this publish fails
         self._next_version += 1
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._pending += 1
+        try:
+            snapshot = self._snapshot(held if held is not None else _held_state(model_or_state))
+        except BaseException as exc:
+            error = f"rank {self.rank}'s publish of version {version} (step {step}) failed: {type(exc).__name__}: {exc}"
+            self._fail(FailedPrecondition(f"{error}; the sharded publisher cannot publish later versions"), version)
+            self._pool.submit(self._publish_version, version, step, {}, fut, t0, 0.0, error)
+            raise
         blocked = time.perf_counter() - t0
         self.blocked_s.append(blocked)
-        self._pending += 1
         self._pool.submit(self._publish_version, version, step, snapshot, fut, t0, blocked)
         return PublishHandle(version, step, fut, coalesced=False, blocked_s=blocked)
 
@@ -325,10 +343,17 @@ class ShardedPublisher:
     # -- stage 1: the snapshot (blocking) ---------------------------------------------------
 
     def _snapshot(self, held: dict[str, tuple]) -> dict[str, torch.Tensor]:
-        """Served copies of what this rank sends or owns whole."""
+        """Served copies of what this rank sends or owns whole. ``held`` names the tensors of the
+        first version, in any order, each with the same shape and box (else ``InvalidArgument``)."""
         assert self.plan is not None
-        entries = tuple(TensorEntry(n, e.dtype, shape, box, e.itemsize)
-                        for (n, (_, shape, box)), e in zip(held.items(), self._entries, strict=False))
+        known = [e.name for e in self._entries]
+        if set(held) != set(known):
+            added, missing = sorted(set(held) - set(known)), sorted(set(known) - set(held))
+            raise InvalidArgument(f"this rank's state dict names other tensors than the first version of this "
+                                  f"publisher (added: {added}, missing: {missing}): a new layout needs a new run "
+                                  f"and a new ShardedPublisher")
+        entries = tuple(TensorEntry(e.name, e.dtype, held[e.name][1], held[e.name][2], e.itemsize)
+                        for e in self._entries)
         if entries != self._entries:
             raise InvalidArgument("this rank's slices changed since the first version of this publisher: "
                                   "a new sharding needs a new ShardedPublisher")
@@ -342,19 +367,22 @@ class ShardedPublisher:
     # -- stages 2-4 (the background thread, in version order) --------------------------------
 
     def _publish_version(self, version: int, step: int, snapshot: dict[str, torch.Tensor],
-                         fut: concurrent.futures.Future, t_publish: float, blocked_s: float) -> None:
+                         fut: concurrent.futures.Future, t_publish: float, blocked_s: float,
+                         error: str | None = None) -> None:
+        """One version's stages 2-4; ``error``: this rank's publish of it failed (it joins the
+        header exchange only, so every rank fails the version). A version after one that failed
+        joins nothing: every rank failed that one at the same collective."""
         try:
-            if self._failure is not None:
+            if self._failure is not None and version > self._failed_at:
                 raise self._failure
-            record = self._collective_version(version, step, snapshot)
+            record = self._collective_version(version, step, snapshot, error)
             anchor = any(a.kind == pb.ARTIFACT_KIND_ANCHOR for a in record.artifacts)
             self.metrics.record_version(record, anchor=anchor, blocked_s=blocked_s, snapshot_s=blocked_s,
                                         latency_s=time.perf_counter() - t_publish)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter and every later publish
             wrapped = exc if isinstance(exc, WeftboardError) else FailedPrecondition(
                 f"sharded publishing of version {version} failed: {type(exc).__name__}: {exc}")
-            if self._failure is None:
-                self._failure = wrapped
+            if self._fail(wrapped, version):
                 log.error("sharded publisher failed; later versions cannot be published", run=self.run,
                           version=version, rank=self.rank, error=str(exc))
             fut.set_exception(wrapped)
@@ -364,14 +392,19 @@ class ShardedPublisher:
             self._pending -= 1
             self._slots.release()
 
-    def _collective_version(self, version: int, step: int, snapshot: dict[str, torch.Tensor]) -> Any:
+    def _collective_version(self, version: int, step: int, snapshot: dict[str, torch.Tensor],
+                            error: str | None = None) -> Any:
         assert self.plan is not None
         due = self._prev is None or version - self._last_anchor >= self.anchor_every
         headers: list[Any] = [None] * self.world
-        dist.all_gather_object(headers, (RankHeader(self.rank, self.world, version, self._entries), due),
+        dist.all_gather_object(headers, (RankHeader(self.rank, self.world, version, self._entries, step), due, error),
                                group=self.group)
-        plan_slices([h for h, _ in headers])  # the same checks on every rank, so every rank raises alike
-        anchor = any(d for _, d in headers)
+        # the same checks on every rank, so every rank raises alike
+        errors = [e for _, _, e in headers if e is not None]
+        if errors:
+            raise FailedPrecondition(f"version {version} was not committed: {'; '.join(errors)}")
+        plan_slices([h for h, _, _ in headers])
+        anchor = any(d for _, d, _ in headers)
         owned = exchange_slices(self.plan, self.rank, snapshot, self.group)
         result = self._encode_and_upload(version, owned, anchor)
         if self.before_gather is not None:
@@ -469,6 +502,16 @@ class ShardedPublisher:
         log.info("committed a sharded version", run=self.run, version=version, ranks=self.world,
                  parts=len(parts), patch_bytes=patch_bytes, anchor=anchor)
         return response.record
+
+    def _fail(self, exc: BaseException, version: int) -> bool:
+        """Mark the publisher failed at ``version`` (the earliest failed version wins); whether
+        this is its first failure."""
+        with self._fail_lock:
+            self._failed_at = min(self._failed_at, version)
+            first = self._failure is None
+            if first:
+                self._failure = exc
+            return first
 
     def _raise_if_failed(self) -> None:
         if self._failure is not None:

@@ -7,6 +7,8 @@ tensor. ``plan_slices`` checks the ranks' descriptions against each other and re
 
 - ranks agree on the world size, the version being published and every tensor's name, dtype
   and logical shape, else ``InvalidArgument`` names the first disagreement;
+- ranks agree on the training step of the version (``step``; None in the setup headers), else
+  ``InvalidArgument`` names each step and the ranks at it: a version never pairs two steps;
 - a tensor's slices tile it exactly: no two distinct boxes overlap and together they cover
   every element (else ``InvalidArgument`` naming the overlap or the missing count);
 - identical boxes held by several ranks (replicated tensors, or replicas along a mesh dim)
@@ -45,6 +47,7 @@ class RankHeader:
     world: int
     version: int
     entries: tuple[TensorEntry, ...]
+    step: int | None = None  # the trainer's step of this version (None: no version, the setup)
 
 
 @dataclass
@@ -93,8 +96,15 @@ def plan_slices(headers: list[RankHeader]) -> SlicePlan:
                                   f"ranks, but {world} ranks take part in version {headers[0].version}")
         if h.version != headers[0].version:
             raise InvalidArgument(f"ranks disagree on the version being published: rank 0 publishes version "
-                                  f"{headers[0].version}, rank {i} version {h.version} (a rank skipped a "
-                                  f"publish, or the world changed mid-version)")
+                                  f"{headers[0].version}, rank {i} version {h.version} (the ranks' publishers "
+                                  f"did not open the run together)")
+    steps: dict[int | None, list[int]] = {}
+    for h in headers:
+        steps.setdefault(h.step, []).append(h.rank)
+    if len(steps) > 1:
+        detail = "; ".join(f"step {s} on rank(s) {ranks}" for s, ranks in steps.items())
+        raise InvalidArgument(f"ranks disagree on the training step of version {headers[0].version}: {detail} "
+                              f"(a rank skipped or repeated a publish): the version is refused on every rank")
     first = [(e.name, e.dtype, e.shape) for e in headers[0].entries]
     for h in headers[1:]:
         theirs = [(e.name, e.dtype, e.shape) for e in h.entries]
