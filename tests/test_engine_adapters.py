@@ -95,7 +95,10 @@ async def test_sglang_model_info_request(recorder):
     "kind,path",
     [("vllm", "/collective_rpc"), ("sglang", "/update_weights_from_disk")],
 )
-async def test_engine_error_raises_apply_error_and_keeps_version(recorder, tmp_path, kind, path):
+async def test_engine_error_raises_apply_error_and_says_what_it_serves(recorder, tmp_path, kind, path):
+    """An error answer to a load is an ApplyError. SGLang's load refused keeps the old weights;
+    vLLM's ``reload_weights`` is not transactional (a worker that raised may have moved some
+    layers), so after its error answer the adapter vouches for no version."""
     adapter = make_adapter(kind, recorder.url, timeout_s=5)
     try:
         await activate(adapter, ActivationMode.DRAIN, tmp_path, 3)
@@ -103,7 +106,11 @@ async def test_engine_error_raises_apply_error_and_keeps_version(recorder, tmp_p
         await adapter.pause(ActivationMode.DRAIN)
         with pytest.raises(ApplyError, match="500.*CUDA out of memory"):
             await adapter.load_checkpoint(tmp_path, 4)
-        assert adapter.served_version() == 3
+        if kind == "vllm":
+            assert adapter.served_version() == 0
+            assert "collective_rpc reload_weights answered HTTP 500" in adapter.unverified
+        else:
+            assert adapter.served_version() == 3
     finally:
         await adapter.close()
 

@@ -6,7 +6,10 @@ Invariants:
   (``EngineNoAnswer`` when the request went out but no answer came: timed out, connection lost).
 - A weight change (``change_weights``) that got no answer leaves the engine on weights nobody
   vouches for (it may still be loading): the adapter is ``mark_unverified``. An answered error
-  is the engine's word that it did not take the change.
+  (``EngineErrorAnswer``) is the engine's word that it did not take the change only where its
+  loads are transactional (``error_answer_keeps_weights``, the default); an adapter of an engine
+  that may fail part-way through a change (vLLM) sets it False and is ``mark_unverified`` too.
+- Timeouts in messages keep their fractions ("within 0.3s", never "within 0s").
 - With an ``api_key`` every call carries ``Authorization: Bearer <key>`` (an engine started
   with ``--api-key`` answers 401 otherwise); the key never appears in an error message.
 - An idle connection is reused for at most ``ENGINE_KEEPALIVE_S``, below the 5 s after which
@@ -30,6 +33,15 @@ class EngineNoAnswer(ApplyError):
     """A call went out and no answer came back (timed out, connection lost): what the engine did is unknown."""
 
 
+class EngineErrorAnswer(ApplyError):
+    """The engine answered a call with a non-2xx status (``status``; its body, cut, is in the message)."""
+
+    def __init__(self, message: str, *, status: int, body: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
 #: seconds an idle connection to an engine stays in the pool; uvicorn closes its side at 5 s.
 ENGINE_KEEPALIVE_S = 2.0
 
@@ -44,6 +56,9 @@ class HttpEngineAdapter(EngineAdapter):
     #: showing it (SGLang renames its model to the folder it loads); None: the engine's
     #: answers stand. The island reports this name in ``/v1/models``.
     served_model_name: str | None = None
+    #: whether an error answer to ``change_weights`` leaves the engine's weights as they were (its
+    #: loads are transactional); False: the outcome is unknown and the adapter is ``mark_unverified``
+    error_answer_keeps_weights: bool = True
 
     def __init__(
         self,
@@ -84,8 +99,9 @@ class HttpEngineAdapter(EngineAdapter):
                                               timeout=timeout) as resp:
                 text = await resp.text()
                 if resp.status >= 300:
-                    raise ApplyError(
-                        f"{self.kind} engine at {self.engine_url} answered {resp.status} to {method} {path}: {text[:500]}"
+                    raise EngineErrorAnswer(
+                        f"{self.kind} engine at {self.engine_url} answered {resp.status} to {method} {path}: {text[:500]}",
+                        status=resp.status, body=text[:500],
                     )
                 if "json" in resp.headers.get("Content-Type", ""):
                     return await resp.json(content_type=None)
@@ -97,20 +113,30 @@ class HttpEngineAdapter(EngineAdapter):
         except TimeoutError as exc:
             raise EngineNoAnswer(
                 f"{self.kind} engine at {self.engine_url} did not answer {method} {path} within "
-                f"{timeout_s or self.timeout_s:.0f}s"
+                f"{timeout_s or self.timeout_s:g}s"
             ) from exc
 
-    async def change_weights(self, method: str, path: str, *, json: Mapping[str, Any] | None = None) -> Any:
+    async def change_weights(
+        self, method: str, path: str, *, json: Mapping[str, Any] | None = None, what: str | None = None
+    ) -> Any:
         """``call`` for a request that changes the engine's weights (bounded by ``load_timeout_s``).
-        Without an answer (or cancelled while it runs) the engine may still be changing them:
-        the adapter vouches for no version (``mark_unverified``) before the error goes on."""
+        Without an answer (or cancelled while it runs) the engine may still be changing them, and
+        with an error answer where ``error_answer_keeps_weights`` is False it may have changed some:
+        the adapter vouches for no version (``mark_unverified``, naming ``what``, by default the
+        method and path) before the error goes on."""
+        what = what or f"{method} {path}"
         try:
             return await self.call(method, path, json=json, timeout_s=self.load_timeout_s)
         except EngineNoAnswer as exc:
-            self.mark_unverified(f"{method} {path} got no answer; the engine may still be changing its weights: {exc}")
+            self.mark_unverified(f"{what} got no answer; the engine may still be changing its weights: {exc}")
+            raise
+        except EngineErrorAnswer as exc:
+            if not self.error_answer_keeps_weights:
+                self.mark_unverified(f"{what} answered HTTP {exc.status}; the engine may have changed part of "
+                                     f"its weights: {exc}")
             raise
         except asyncio.CancelledError:
-            self.mark_unverified(f"{method} {path} was cancelled; the engine may still be changing its weights")
+            self.mark_unverified(f"{what} was cancelled; the engine may still be changing its weights")
             raise
 
     async def health(self) -> bool:

@@ -27,7 +27,9 @@ reach the engine through the island's sidecar.
 Invariants: ``served_version()`` moves only after every worker answered ``ok`` with the
 record's root digest; any other answer raises ``ApplyError`` saying what the engine serves
 now. Workers that did not all put the old bytes back (``restored``), a weight change the engine
-never answered, or new weights whose old prefix cache was not dropped leave no version vouched
+never answered or answered with an HTTP error (a worker raised part-way: vLLM's
+``reload_weights`` is not transactional), a patch that left the workers apart and whose whole
+load failed, or new weights whose old prefix cache was not dropped leave no version vouched
 for: ``served_version()`` is 0 (``mark_unverified``) until a verified load succeeds. A staged
 patch is committed only for the version it was staged for. Patches in place need the island and
 the engine on one host (the worker reads the file).
@@ -45,7 +47,7 @@ import structlog
 from weftboard.proto.errors import ApplyError
 from weftboard.subscriber.destination import VersionTarget
 from weftboard.subscriber.engines.base import ActivationMode, require_mode
-from weftboard.subscriber.engines.http import HttpEngineAdapter
+from weftboard.subscriber.engines.http import EngineErrorAnswer, HttpEngineAdapter
 from weftboard.subscriber.engines.vllm_worker import target_to_json
 
 log = structlog.get_logger(__name__)
@@ -59,10 +61,20 @@ _NEEDS_FULL_LOAD = ("needs_attach", "install_failed")
 _STAGE_POLL_S = 0.02
 
 
+class _NoExtension(ApplyError):
+    """The engine answered a worker method in a way only an engine without the extension does."""
+
+
 class VllmAdapter(HttpEngineAdapter):
     kind = "vllm"
+    #: a worker that raised in a weight change leaves the others (and its own layers) anywhere
+    error_answer_keeps_weights = False
     #: False once ``warm_up`` found no worker extension in the engine
     in_place = True
+    #: True while the last ``warm_up`` got no clear answer (engine unreachable, timed out, an
+    #: error that says nothing of the extension): every version is then the engine's own reload,
+    #: and the next ``prepare_patch`` asks again
+    _extension_unknown = False
     #: the slowest worker's seconds of the last patch in place: ``apply_s`` (patch and verify),
     #: ``install_s`` (the model's loader); empty after anything else
     last_timings: dict[str, float] = {}  # replaced, never mutated
@@ -87,7 +99,7 @@ class VllmAdapter(HttpEngineAdapter):
                 await self._rpc("weftboard_detach", {})
             except ApplyError as exc:  # an engine without the extension has nothing bound
                 log.warning("vllm workers did not detach before the reload", engine=self.engine_url, error=str(exc))
-        await self.change_weights("POST", "/collective_rpc",
+        await self.change_weights("POST", "/collective_rpc", what="collective_rpc reload_weights",
                                   json={"method": "reload_weights", "kwargs": {"weights_path": str(directory)}})
         await self._changed_to(version)
 
@@ -110,24 +122,45 @@ class VllmAdapter(HttpEngineAdapter):
     async def warm_up(self) -> float:
         """Compile the codec's kernels in every worker while the engine serves; the seconds it took.
 
-        An engine started without the worker extension cannot take patches in place: every
-        version is then the engine's own reload, and the log says how to fix that."""
+        Only an answer that says the extension is missing (``_extension_missing``: the route or
+        the method does not exist, or results no extension gives) turns patches in place off for
+        good: every version is then the engine's own reload, and the log says how to fix that.
+        Any other failure (engine unreachable or still loading, timed out, an HTTP error saying
+        nothing of the extension) leaves ``in_place`` on but the extension unknown: until a later
+        ``warm_up`` succeeds (``prepare_patch`` calls it again, while the engine serves) every
+        version is the engine's own reload, which works with or without the extension."""
         try:
             answers = await self._rpc("weftboard_warm_up", {})
         except ApplyError as exc:
+            if not _extension_missing(exc, "weftboard_warm_up"):
+                self._extension_unknown = True
+                log.warning("vllm worker warm-up failed; versions are full reloads until the next patch asks "
+                            "again", engine=self.engine_url, error=str(exc))
+                return 0.0
+            self._extension_unknown = False
             self.in_place = False
             log.warning("vllm engine without the weftboard worker extension: every version is a full reload; "
                         "start it with --worker-extension-cls " + WORKER_EXTENSION, engine=self.engine_url,
                         error=str(exc))
             return 0.0
+        self._extension_unknown = False
         return max(float(a.get("seconds", 0.0)) for a in answers)
+
+    def _patches_in_place(self) -> bool:
+        """Whether versions may go through the worker extension (present, or not known missing)."""
+        return self.in_place and not self._extension_unknown
 
     async def attach(self, directory: Path, target: VersionTarget) -> None:
         """Between pause and resume: every worker loads the verified folder of ``target`` whole."""
+        await self._attach(directory, target, intact=True)
+
+    async def _attach(self, directory: Path, target: VersionTarget, *, intact: bool) -> None:
+        """``attach``; ``intact``: whether the workers held the served version before it (False:
+        a refusal cannot leave that version served, whatever the answers say of ``restored``)."""
         self._staged = None
         answers = await self._rpc("weftboard_attach", {"checkpoint_dir": str(directory), "target": target_to_json(target)},
                                   changes_weights=True)
-        self._require_ok(answers, target, what=f"loading {directory}")
+        self._require_ok(answers, target, what=f"loading {directory}", intact=intact)
         self.write_mode = _write_mode(answers)
         await self._changed_to(target.version)
 
@@ -140,7 +173,7 @@ class VllmAdapter(HttpEngineAdapter):
         self.write_mode = _write_mode(answers)
 
     async def load_version(self, directory: Path, target: VersionTarget) -> None:
-        if self.in_place:
+        if self._patches_in_place():
             await self.attach(directory, target)
         else:
             await self.load_checkpoint(directory, target.version)
@@ -149,12 +182,15 @@ class VllmAdapter(HttpEngineAdapter):
         """While the engine serves: every worker applies and verifies ``patch`` on its copy of the
         weights and finds the elements to write, in the background; ``activate_patch`` commits."""
         self._staged = None
-        if not self.in_place:
+        if self.in_place and self._extension_unknown:
+            await self.warm_up()  # the warm-up got no clear answer: ask again while the engine serves
+        if not self._patches_in_place():
             return False
         record = target_to_json(target)
         answers = await self._rpc("weftboard_stage_patch", {"patch_path": str(patch), "target": record})
         deadline = time.monotonic() + self.load_timeout_s
-        while {a.get("status") for a in answers} == {"staging"} and time.monotonic() < deadline:
+        # workers finish apart (tensor parallel): wait while any is still at it
+        while any(a.get("status") == "staging" for a in answers) and time.monotonic() < deadline:
             await asyncio.sleep(_STAGE_POLL_S)
             answers = await self._rpc("weftboard_stage_status", {})
         if {a.get("status") for a in answers} != {"staged"}:
@@ -169,8 +205,9 @@ class VllmAdapter(HttpEngineAdapter):
 
         A worker that does not hold the patch's base (the engine restarted, or reloaded an
         anchor from disk) or whose hand-over failed takes the version whole from
-        ``checkpoint_dir`` (the island's verified folder, already at ``target.version``)."""
-        if not self.in_place:
+        ``checkpoint_dir`` (the island's verified folder, already at ``target.version``). If the
+        patch left the workers apart and that whole load fails too, no version is vouched for."""
+        if not self._patches_in_place():
             if checkpoint_dir is None:
                 raise ApplyError(f"vllm engine at {self.engine_url} has no weftboard worker extension and no "
                                  f"verified folder was given to load version {target.version} whole")
@@ -200,7 +237,13 @@ class VllmAdapter(HttpEngineAdapter):
         if checkpoint_dir is None:
             raise ApplyError(f"vllm engine at {self.engine_url} cannot apply version {target.version} in place "
                              f"({_errors(answers)}) and no verified folder was given to load it whole")
-        await self.attach(checkpoint_dir, target)  # some workers moved, others not, or none holds the base
+        try:  # some workers moved, others not, or none holds the base
+            await self._attach(checkpoint_dir, target, intact=not torn)
+        except (ApplyError, asyncio.CancelledError) as exc:
+            if torn:
+                self.mark_unverified(f"the patch to version {target.version} left the workers apart "
+                                     f"({_errors(answers)}) and loading {checkpoint_dir} whole failed: {exc!r}")
+            raise
         return "full_load"
 
     async def engine_digest(self, *, deep: bool = False) -> tuple[int, str | None]:
@@ -217,23 +260,28 @@ class VllmAdapter(HttpEngineAdapter):
         return int(version or 0), root
 
     async def _rpc(self, method: str, kwargs: dict[str, Any], *, changes_weights: bool = False) -> list[dict[str, Any]]:
-        """``method`` in every worker; ``changes_weights``: one without an answer leaves no version vouched for."""
+        """``method`` in every worker; ``changes_weights``: one without an answer, or answered with an
+        HTTP error, leaves no version vouched for (``change_weights``)."""
         body = {"method": method, "kwargs": kwargs}
         if changes_weights:
-            answer = await self.change_weights("POST", "/collective_rpc", json=body)
+            answer = await self.change_weights("POST", "/collective_rpc", json=body, what=f"collective_rpc {method}")
         else:
             answer = await self.call("POST", "/collective_rpc", json=body, timeout_s=self.load_timeout_s)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not results or not all(isinstance(r, dict) for r in results):
-            raise ApplyError(f"vllm engine at {self.engine_url} answered {method} with {str(answer)[:300]}: is it "
+            raise _NoExtension(f"vllm engine at {self.engine_url} answered {method} with {str(answer)[:300]}: is it "
                              f"started with --worker-extension-cls {_EXTENSION}?")
         return results
 
-    def _require_ok(self, answers: list[dict[str, Any]], target: VersionTarget, *, what: str) -> None:
+    def _require_ok(self, answers: list[dict[str, Any]], target: VersionTarget, *, what: str,
+                    intact: bool = True) -> None:
+        """Every worker answered ``ok`` with ``target``'s root, else ``ApplyError``. The served
+        version stands only if ``intact`` (it was whole before) and every worker refused and
+        none said it did not restore; otherwise ``mark_unverified``."""
         bad = [a for a in answers if a.get("status") != "ok" or a.get("root") != target.root_digest]
         if not bad:
             return
-        restored = all(a.get("restored", True) for a in bad) and len(bad) == len(answers)
+        restored = intact and all(a.get("restored", True) for a in bad) and len(bad) == len(answers)
         if restored:
             now = f"it still serves version {self.served_version()}"
         else:
@@ -252,6 +300,20 @@ _EXTENSION = "weftboard.subscriber.engines.vllm_worker.WeftboardWorkerExtension"
 def _errors(answers: list[dict[str, Any]]) -> str:
     return "; ".join(f"worker {a.get('rank')}: {a.get('status')}: {a.get('error')}" for a in answers
                      if a.get("status") != "ok") or "no error"
+
+
+def _extension_missing(exc: ApplyError, method: str) -> bool:
+    """Whether ``exc`` from calling worker ``method`` says the engine has no worker extension: results
+    no extension gives, no ``/collective_rpc`` route (404: not in dev mode), or an error answer
+    naming ``method`` as missing (vLLM: "Method 'x' is not implemented", "has no attribute 'x'")."""
+    if isinstance(exc, _NoExtension):
+        return True
+    if not isinstance(exc, EngineErrorAnswer):
+        return False  # unreachable, timed out: says nothing of the extension
+    if exc.status == 404:
+        return True
+    body = exc.body.lower()
+    return method in body and any(m in body for m in ("not implemented", "no attribute", "not found"))
 
 
 def _write_mode(answers: list[dict[str, Any]]) -> str:
