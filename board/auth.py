@@ -10,17 +10,36 @@ Invariants:
 - Lookups are cached for a short time (``cache_ttl_s``) so a busy board does not ask
   Redis on every call; a revocation made on this board drops the cache entry at once,
   one made elsewhere takes effect within the TTL.
+- A server stream outlives its first check: a revocation made on the board serving it ends
+  it at once (``revocation``); the guard also re-checks its token every ``stream_recheck_s``
+  (by default the cache TTL, through the same cached lookup), so one made on another replica
+  ends it within the TTL plus that interval. It ends as UNAUTHENTICATED.
+- Configured admin tokens are stored as ``bootstrap-<sha256 prefix>`` (name
+  ``bootstrap-admin``); at startup, stored bootstrap tokens no longer configured are revoked
+  (logged by id), so a rotated-out admin token stops working. Tokens minted through
+  ``CreateToken`` (random hex ids) are never touched. A board started with no admin token
+  configured retires nothing (it would lock every admin out); it names what stays valid.
+  Replicas must share their admin tokens: rotate by configuring old and new on every replica,
+  then dropping the old one (a replica started with only the new one retires the old at once).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import time
 from collections.abc import Sequence
 
+import structlog
+
 from weftboard.board.store import RedisStore, TokenInfo, token_hash
-from weftboard.proto.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from weftboard.proto.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+)
 from weftboard.proto.v1 import board_pb2 as pb
 
 PUBLISHER, ISLAND, READER, ADMIN = pb.ROLE_PUBLISHER, pb.ROLE_ISLAND, pb.ROLE_READER, pb.ROLE_ADMIN
@@ -52,6 +71,11 @@ METHOD_ROLES: dict[str, frozenset[int]] = {
     "RevokeToken": frozenset(),
 }
 
+log = structlog.get_logger(__name__)
+
+BOOTSTRAP_PREFIX = "bootstrap-"
+BOOTSTRAP_NAME = "bootstrap-admin"
+
 ROLE_NAMES = {PUBLISHER: "PUBLISHER", ISLAND: "ISLAND", READER: "READER", ADMIN: "ADMIN"}
 
 
@@ -66,7 +90,9 @@ def new_token() -> tuple[str, str]:
 
 
 def bootstrap_id(token: str) -> str:
-    return "bootstrap-" + hashlib.sha256(token.encode()).hexdigest()[:12]
+    """The id ``bootstrap`` stores a configured admin token under (never that of a minted token:
+    ``new_token`` ids are bare hex)."""
+    return BOOTSTRAP_PREFIX + hashlib.sha256(token.encode()).hexdigest()[:12]
 
 
 def bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
@@ -83,18 +109,63 @@ def bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
 class Authenticator:
     """Resolves bearer tokens to roles and enforces ``METHOD_ROLES``."""
 
-    def __init__(self, store: RedisStore, *, enabled: bool = True, cache_ttl_s: float = 2.0) -> None:
+    # How often an open server stream re-checks its token; None: every ``cache_ttl_s`` (a
+    # re-check within the TTL would only read the cache). Tests set it small.
+    stream_recheck_s: float | None = None
+
+    def __init__(self, store: RedisStore, *, enabled: bool = True, cache_ttl_s: float = 2.0,
+                 stream_recheck_s: float | None = None) -> None:
         self.store = store
         self.enabled = enabled
         self.cache_ttl_s = cache_ttl_s
+        if stream_recheck_s is not None:
+            self.stream_recheck_s = stream_recheck_s
         self._cache: dict[str, tuple[float, TokenInfo | None]] = {}
+        self._revocations: dict[str, set[asyncio.Future[None]]] = {}
+
+    @property
+    def recheck_every_s(self) -> float:
+        """Seconds between two checks of an open stream's token."""
+        return self.cache_ttl_s if self.stream_recheck_s is None else self.stream_recheck_s
 
     async def bootstrap(self, admin_tokens: Sequence[str]) -> None:
-        """Store configured admin tokens (hashed) so they work on every board replica."""
+        """Store configured admin tokens (hashed) so they work on every board replica, and
+        retire the stored bootstrap tokens that are no longer configured."""
         for token in admin_tokens:
             if len(token) < 16:
                 raise InvalidArgument("an admin token must be at least 16 characters; generate one with secrets")
-            await self.store.put_token(bootstrap_id(token), "bootstrap-admin", ADMIN, token)
+        for token in admin_tokens:
+            await self.store.put_token(bootstrap_id(token), BOOTSTRAP_NAME, ADMIN, token)
+        await self._retire_bootstrap_tokens({bootstrap_id(token) for token in admin_tokens})
+
+    async def _retire_bootstrap_tokens(self, configured: set[str]) -> None:
+        """Revoke every stored bootstrap token whose id is not in ``configured``: only ids with
+        the bootstrap prefix whose record also carries the bootstrap name."""
+        stored = []
+        async for key in self.store.redis.scan_iter(match=f"wb:{{tokens}}:id:{BOOTSTRAP_PREFIX}*", count=1000):
+            token_id = (key.decode() if isinstance(key, bytes) else key).rpartition(":id:")[2]
+            if token_id not in configured and token_id.startswith(BOOTSTRAP_PREFIX):
+                stored.append(token_id)
+        stale = []
+        for token_id in sorted(stored):
+            name = await self.store.redis.hget(f"wb:{{tokens}}:id:{token_id}", "name")
+            if name is not None and name.decode() == BOOTSTRAP_NAME:
+                stale.append(token_id)
+        if not stale:
+            return
+        if not configured:
+            log.warning("no admin token is configured: the stored bootstrap admin tokens stay valid; configure one "
+                        "to retire them, or revoke them with RevokeToken", token_ids=stale)
+            return
+        retired = []
+        for token_id in stale:
+            try:
+                await self.revoke(token_id)
+            except NotFound:  # another replica retired it first
+                continue
+            retired.append(token_id)
+        if retired:
+            log.warning("retired admin tokens no longer configured", token_ids=retired)
 
     async def authorize(self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None) -> TokenInfo | None:
         """The caller's token info; raises Unauthenticated / PermissionDenied. None when auth is off."""
@@ -116,6 +187,23 @@ class Authenticator:
             )
         return info
 
+    async def current(self, token: str | None) -> TokenInfo | None:
+        """``token``'s info, None once unknown or revoked (the cached lookup)."""
+        return None if token is None else await self._lookup(token)
+
+    def revocation(self, token_id: str) -> asyncio.Future[None]:
+        """A future done when this board revokes ``token_id``; ``forget_revocation`` it after."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._revocations.setdefault(token_id, set()).add(future)
+        return future
+
+    def forget_revocation(self, token_id: str, future: asyncio.Future[None]) -> None:
+        waiting = self._revocations.get(token_id)
+        if waiting is not None:
+            waiting.discard(future)
+            if not waiting:
+                del self._revocations[token_id]
+
     async def create(self, name: str, role: int) -> tuple[str, str]:
         if role not in ROLE_NAMES:
             raise InvalidArgument(f"role {role} is not one of PUBLISHER, ISLAND, READER, ADMIN")
@@ -128,6 +216,9 @@ class Authenticator:
     async def revoke(self, token_id: str) -> None:
         await self.store.revoke_token(token_id)
         self._cache = {k: v for k, v in self._cache.items() if not (v[1] and v[1].token_id == token_id)}
+        for future in self._revocations.pop(token_id, ()):
+            if not future.done():
+                future.set_result(None)
 
     async def _lookup(self, token: str) -> TokenInfo | None:
         key = token_hash(token)

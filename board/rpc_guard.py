@@ -8,6 +8,9 @@
   Redis connection failure, a write refused by a replica (a failover) or a command Redis
   refuses for now (out of memory, busy with a script, loading, its master down) becomes
   UNAVAILABLE, anything else INTERNAL (logged with its traceback, never silently);
+- a server stream ends as UNAUTHENTICATED once its caller's token is revoked: at once when
+  this board revokes it, else at its next re-check (every ``Authenticator.recheck_every_s``,
+  through the cached lookup): a revoked island keeps no open Watch on any replica;
 - a server stream whose peer has gone (a write refused by gRPC after the client cancelled
   or disconnected) ends as CANCELLED, logged at info: nobody is left to tell;
 - every call is counted by method and final status code, with its latency.
@@ -18,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -27,10 +30,10 @@ from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import ResponseError as RedisResponseError
 
-from weftboard.board.auth import Authenticator
+from weftboard.board.auth import Authenticator, bearer
 from weftboard.board.metrics import BoardMetrics
 from weftboard.board.store import REDIS_ERRORS
-from weftboard.proto.errors import WeftboardError
+from weftboard.proto.errors import Unauthenticated, WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -130,11 +133,58 @@ class RpcGuard:
         @functools.wraps(fn)
         async def writing(request, context):
             try:
-                return await fn(request, context)
+                return await self._while_token_valid(method, fn(request, context), context)
             except grpc.aio.InternalError as exc:
                 raise _PeerGone(f"{type(exc).__name__}: {exc}") from exc
 
         return self.unary(method, writing)
+
+    async def _while_token_valid(self, method: str, work: Coroutine[Any, Any, Any],
+                                 context: grpc.aio.ServicerContext) -> Any:
+        """Run a stream handler as a task of its own, ended as UNAUTHENTICATED (the handler
+        cancelled, its ``finally`` run) once its caller's token is revoked: at once when this
+        board revokes it, else at the next re-check, every ``recheck_every_s``, through the
+        cached lookup (one Redis read per token per TTL however many streams share it). A
+        re-check Redis cannot answer ends nothing: the stream was authorized, and its own
+        Redis reads report an outage.
+
+        With auth off the handler runs in this task, as a unary one does."""
+        if not self.auth.enabled:
+            return await work
+        token = bearer(context.invocation_metadata())
+        try:
+            info = await self.auth.current(token)  # cached since ``enter``
+        except BaseException:
+            work.close()
+            raise
+        if info is None:  # revoked since ``enter``
+            work.close()
+            raise Unauthenticated(f"the token presented to {method} is unknown or revoked")
+        every_s = self.auth.recheck_every_s if self.auth.recheck_every_s > 0 else None
+        revoked = self.auth.revocation(info.token_id)
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                await asyncio.wait((task, revoked), timeout=every_s, return_when=asyncio.FIRST_COMPLETED)
+                if task.done():
+                    return task.result()
+                if not revoked.done():
+                    try:
+                        if await self.auth.current(token) is not None:
+                            continue
+                    except Exception as exc:  # noqa: BLE001 - a transient lookup failure ends nothing
+                        code, message = status_of(method, exc, self.redis_url)
+                        log.warning("stream token re-check failed; the stream goes on", code=code.name,
+                                    detail=message)
+                        continue
+                raise Unauthenticated(
+                    f"the token was revoked while its {method} stream was open; ask an admin for a token"
+                )
+        finally:
+            self.auth.forget_revocation(info.token_id, revoked)
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))
 
 
 def _message_or_bytes(message: Any) -> bytes:

@@ -122,7 +122,14 @@ class TrajectoryConsumer:
 class SyncTrajectoryConsumer:
     """The same for a synchronous training loop: its own event loop on a background thread
     and its own board connection (``address``, ``token``, and the TLS options of
-    ``BoardClient``: ``tls``, ``tls_ca``, ``tls_cert``, ``tls_key``, ``server_name``)."""
+    ``BoardClient``: ``tls``, ``tls_ca``, ``tls_cert``, ``tls_key``, ``server_name``).
+
+    A ``poll`` waits as long as its RPC may run (``timeout_s + block_ms / 1000`` per board
+    address tried, plus ``WAIT_MARGIN_S``), never less: a poll given up while its call still
+    runs would leave the records that call receives pending, unseen until redelivered. A wait
+    that does run out cancels the call."""
+
+    WAIT_MARGIN_S = 5.0
 
     def __init__(self, address: str, run: str, group: str, consumer: str, *, token: str | None = None,
                  timeout_s: float = 10.0, tls: TlsConfig | bool | None = None, tls_ca: str | Path | None = None,
@@ -141,13 +148,28 @@ class SyncTrajectoryConsumer:
         self.consumer: TrajectoryConsumer = self._call(make())
 
     def _call(self, coro: Any, timeout: float | None = 60.0) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()  # do not leave the call running unwatched
+            raise
+
+    def _rpc_wait_s(self, block_ms: int = 0) -> float:
+        """How long to wait for one call that blocks up to ``block_ms`` on the board: its own
+        deadline (``BoardClient.timeout_s`` plus the block) for each address it may try, plus
+        the margin."""
+        client = self.consumer.client
+        attempts = max(len(getattr(client, "addresses", ())), 1)
+        return attempts * (client.timeout_s + block_ms / 1000.0) + self.WAIT_MARGIN_S
 
     def poll(self, **kwargs: Any) -> list[Trajectory]:
-        return self._call(self.consumer.poll(**kwargs))
+        block_ms = kwargs.get("block_ms")
+        wait_s = self._rpc_wait_s(self.consumer.block_ms if block_ms is None else block_ms)
+        return self._call(self.consumer.poll(**kwargs), wait_s)
 
     def ack(self, ids: Iterable[str] | Iterable[Trajectory]) -> int:
-        return self._call(self.consumer.ack(list(ids)))
+        return self._call(self.consumer.ack(list(ids)), self._rpc_wait_s())
 
     def __iter__(self) -> Iterator[Trajectory]:
         while True:

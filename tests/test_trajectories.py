@@ -122,3 +122,41 @@ async def test_unknown_run(client):
     with pytest.raises(errors.NotFound):
         await client.consume_trajectories("nope", "g", "c")
     assert (await client.report_trajectories([])).accepted == 0
+
+
+async def test_sync_poll_waits_as_long_as_its_call_may_run(client, board, monkeypatch):
+    """A poll blocking up to the board's maximum (60 s) waits for its RPC's own deadline
+    (``timeout_s + block_ms / 1000``) plus a margin, not a fixed 60 s that would abandon the call
+    while the board still reads, leaving what it then delivers pending."""
+    from weftboard.publisher.trajectories import SyncTrajectoryConsumer
+
+    waits: list[float | None] = []
+    submit = asyncio.run_coroutine_threadsafe
+
+    class Watched:
+        def __init__(self, future) -> None:
+            self.future = future
+
+        def result(self, timeout=None):
+            waits.append(timeout)
+            return self.future.result(timeout)
+
+        def __getattr__(self, name):
+            return getattr(self.future, name)
+
+    monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", lambda coro, loop: Watched(submit(coro, loop)))
+
+    def consume() -> list:
+        with SyncTrajectoryConsumer(board.address, "t", "sync", "c0", token=board.admin_token, timeout_s=10.0,
+                                    block_ms=60_000) as sync:
+            del waits[:]
+            got = sync.poll()  # the records are there: it answers at once
+            assert sync.ack(got) == len(got)
+            return got
+
+    await client.report_trajectories(records(2))
+    got = await asyncio.to_thread(consume)
+    assert [t.request_id for t in got] == ["req-0", "req-1"]
+    poll_wait, ack_wait = waits[:2]
+    assert poll_wait is not None and poll_wait > 10.0 + 60.0  # the call's deadline, and a margin beyond it
+    assert ack_wait is not None and ack_wait > 10.0
