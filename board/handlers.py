@@ -72,6 +72,7 @@ log = structlog.get_logger(__name__)
 
 MAX_PAGE = 1000
 MAX_PAGE_BYTES = 16 << 20  # a ListVersions page ends before this many bytes of records (the limit is 64 MiB)
+CONSUME_CHUNK = 100  # trajectories read per XREADGROUP: a reply ends within MAX_PAGE_BYTES + 100 records
 PLAN_INDEX_CHUNK = 256  # PlanCatchUp's index reads, from the target down: a chunk or two near the head
 MAX_PRESIGN_S = 3600
 DEFAULT_PRESIGN_S = 900
@@ -529,10 +530,17 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
         entries: list[tuple[bytes, dict]] = []
         if request.redeliver_after_ms:
             entries = await self.store.autoclaim(request.run, request.group, request.consumer,
-                                                 request.redeliver_after_ms, count)
-        if len(entries) < count:
-            entries += await self.store.read_group(request.run, request.group, request.consumer,
-                                                   count - len(entries), None if entries else request.block_ms)
+                                                 request.redeliver_after_ms, min(count, CONSUME_CHUNK))
+        size = sum(len(fields[b"r"]) for _, fields in entries)
+        block = None if entries else request.block_ms  # only the first read waits
+        while len(entries) < count and size < MAX_PAGE_BYTES:  # what is read is handed out: stop in time
+            chunk = await self.store.read_group(request.run, request.group, request.consumer,
+                                                min(count - len(entries), CONSUME_CHUNK), block)
+            entries += chunk
+            size += sum(len(fields[b"r"]) for _, fields in chunk)
+            if len(chunk) < CONSUME_CHUNK:
+                break
+            block = None
         head = (await self.store.run_state(request.run)).head
         out: list[pb.ConsumedTrajectory] = []
         dropped: list[bytes] = []

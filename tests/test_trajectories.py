@@ -160,3 +160,27 @@ async def test_sync_poll_waits_as_long_as_its_call_may_run(client, board, monkey
     poll_wait, ack_wait = waits[:2]
     assert poll_wait is not None and poll_wait > 10.0 + 60.0  # the call's deadline, and a margin beyond it
     assert ack_wait is not None and ack_wait > 10.0
+
+
+async def test_a_consume_reply_ends_within_its_byte_budget_and_the_rest_follows(client):
+    """Records near the size limit: one reply holds what fits in about 16 MiB (the board reads
+    in chunks and stops in time, instead of a reply over gRPC's 64 MiB limit whose records
+    would be left pending), and the next calls hand out the rest, each record once."""
+    from weftboard.proto.limits import MAX_TRAJECTORY_RECORD_BYTES
+
+    n = 400  # about 24 MiB in all
+    big = records(n)
+    for rec in big:
+        rec.labels["pad"] = "z" * (MAX_TRAJECTORY_RECORD_BYTES - 200)
+    for i in range(0, n, 50):
+        assert (await client.report_trajectories(big[i:i + 50])).accepted == 50
+    first = await client.consume_trajectories("t", "big", "c", max_records=1000)
+    assert 0 < len(first.records) < n
+    assert sum(r.record.ByteSize() for r in first.records) < 24 << 20
+    got = [r.record.request_id for r in first.records]
+    for _ in range(5):
+        more = await client.consume_trajectories("t", "big", "c", max_records=1000)
+        if not more.records:
+            break
+        got += [r.record.request_id for r in more.records]
+    assert got == [f"req-{i}" for i in range(n)]
