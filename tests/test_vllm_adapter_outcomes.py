@@ -50,10 +50,11 @@ class FakeVllm(CatchAllServer):
         self.rpc_status: dict[str, tuple[int, str]] = {}
         self.rpc_seq: dict[str, list[dict[str, Any]]] = {}
         self.rpc_answers: dict[str, dict[str, Any]] = {}
+        self.path_answers: dict[str, dict[str, Any]] = {}  # other paths: this body, else {}
 
     async def _handle(self, request: web.Request) -> web.Response:
         if request.path != "/collective_rpc":
-            return web.json_response({})
+            return web.json_response(self.path_answers.get(request.path, {}))
         method = json.loads(await request.read())["method"]
         self.rpcs.append(method)
         if method in self.rpc_status:
@@ -230,3 +231,18 @@ async def test_a_warm_up_that_answers_keeps_patches_in_place(engine, adapter):
     engine.rpc_answers["weftboard_warm_up"] = _results({"status": "ok", "seconds": 0.25}, {"status": "ok", "seconds": 1.5})
     assert await adapter.warm_up() == 1.5
     assert adapter.in_place is True
+
+
+# -- the prefix cache not dropped after new weights ---------------------------------------------
+
+
+async def test_a_prefix_cache_reset_answered_unsuccessful_vouches_for_no_version(engine, adapter, tmp_path):
+    """vLLM answers 200 ``{"success": false}`` when it could not drop the cache: the new weights
+    would serve behind entries computed on the old ones."""
+    engine.path_answers["/reset_prefix_cache"] = {"success": False}
+    with pytest.raises(ApplyError, match="did not reset its prefix cache"):
+        await adapter.load_checkpoint(tmp_path, 2)
+    assert adapter.served_version() == 0 and "prefix cache" in (adapter.unverified or "")
+    engine.path_answers["/reset_prefix_cache"] = {"success": True}
+    await adapter.load_checkpoint(tmp_path, 2)
+    assert adapter.served_version() == 2

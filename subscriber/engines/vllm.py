@@ -107,7 +107,9 @@ class VllmAdapter(HttpEngineAdapter):
         """After the weights took ``version``: drop the prefix cache computed on the old ones, then
         serve it. A failure leaves new weights behind a stale cache: no version is vouched for."""
         try:
-            await self.call("POST", "/reset_prefix_cache")
+            answer = await self.call("POST", "/reset_prefix_cache")
+            if isinstance(answer, dict) and answer.get("success") is False:  # vLLM's answer when it could not
+                raise ApplyError(f"vllm engine at {self.engine_url} did not reset its prefix cache: {str(answer)[:300]}")
         except ApplyError as exc:
             self.mark_unverified(f"the weights of version {version} are in but the old prefix cache stayed: {exc}")
             raise
