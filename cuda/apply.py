@@ -10,6 +10,7 @@ measures both paths); otherwise it is decoded on CPU threads and scattered by Tr
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 import threading
@@ -80,7 +81,9 @@ def apply_patch_(tensors: Mapping[str, torch.Tensor], data: bytes | bytearray | 
     """
     c = read_container(data)
     targets = [(_checked_target(tensors, e), e) for e in c.entries]
-    steps = [(t, e, _parsed_step(t, e, c.streams[e["name"]])) for t, e in targets if e["mode"] != "empty"]
+    once = _SharedMemory()
+    steps = [(t, e, _parsed_step(t, e, c.streams[e["name"]])) for t, e in targets
+             if e["mode"] != "empty" and once.first(t, e["name"])]
     applied = _applied_patch(c.header, c.entries)
     batched = [(t, e, s) for t, e, s in steps if isinstance(s, context_huffman.ContextHuffmanStream)]
     try:
@@ -114,6 +117,7 @@ def apply_patch_arriving_(tensors: Mapping[str, torch.Tensor], parts: Sequence[A
     if not parts:
         raise InvalidArgument("a patch has at least one part")
     applied: AppliedPatch | None = None
+    once = _SharedMemory()
     heads = {i: (0, min(8, blob.size)) for i, blob in enumerate(parts)}  # what a part's header awaits
     header_len: dict[int, int] = {}
     # Awaited tensor streams: (part, span, target, entry).
@@ -140,7 +144,8 @@ def apply_patch_arriving_(tensors: Mapping[str, torch.Tensor], parts: Sequence[A
                     header, entries, spans = parse_container_header(blob.wait(*span), blob.size)
                     targets = [(_checked_target(tensors, e), e) for e in entries]
                     applied = _applied_patch(header, entries) if applied is None else _with_part(applied, header, entries)
-                    streams += [(i, spans[e["name"]], t, e) for t, e in targets if e["mode"] != "empty"]
+                    streams += [(i, spans[e["name"]], t, e) for t, e in targets
+                                if e["mode"] != "empty" and once.first(t, e["name"])]
                     del heads[i]
             streams = [s for j, s in enumerate(awaited_streams) if j not in written] + streams
     except BaseException:
@@ -183,6 +188,35 @@ def _with_part(applied: AppliedPatch, header: Mapping[str, Any], entries: Sequen
     applied.changed.update((e["name"], e["changed"]) for e in entries)
     applied.target_root = applied.target_root or header["target_root"]
     return applied
+
+
+class _SharedMemory:
+    """Destination tensors of one apply that share memory. A tensor under two names (tied
+    weights handed over as ``model.state_dict()``) is written once, by the first entry naming
+    it: a stream of differences written twice would add them twice. The record's digests of
+    every name are still checked after the apply, so two entries that disagree are caught
+    there. Tensors that overlap without being the same memory cannot hold both entries' bytes:
+    refused before any write."""
+
+    def __init__(self) -> None:
+        self._spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}  # per storage, sorted, disjoint
+
+    def first(self, target: torch.Tensor, name: str) -> bool:
+        """Whether ``target`` is written for entry ``name``: False for memory an earlier entry
+        writes; ``InvalidArgument`` for memory that overlaps one in part."""
+        size = target.element_size()
+        start = target.untyped_storage().data_ptr() + target.storage_offset() * size
+        span = (start, start + target.numel() * size, name)
+        spans = self._spans.setdefault((str(target.device), target.untyped_storage().data_ptr()), [])
+        at = bisect.bisect_left(spans, span)
+        for s, e, other in spans[max(at - 1, 0):at + 1]:  # the spans are disjoint: only neighbours can meet it
+            if (s, e) == span[:2]:
+                return False
+            if s < span[1] and span[0] < e:
+                raise InvalidArgument(f"destination tensors {other!r} and {name!r} overlap in memory without "
+                                      "being the same tensor; a patch cannot write both")
+        spans.insert(at, span)
+        return True
 
 
 def _checked_target(tensors: Mapping[str, torch.Tensor], entry: Mapping[str, Any]) -> torch.Tensor:

@@ -121,6 +121,9 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
     dtype = getattr(torch, name, None) if name.isidentifier() else None
     if not isinstance(dtype, torch.dtype):
         raise CorruptData(f"patch header: {where} has unknown dtype {name!r}")
+    if dtype.itemsize not in (1, 2, 4, 8):  # the element widths the streams code
+        raise CorruptData(f"patch header: {where} has dtype {name!r} of {dtype.itemsize} bytes an element; "
+                          "patches hold elements of 1, 2, 4 or 8 bytes")
     return dtype
 
 
@@ -168,8 +171,10 @@ def parse_container_header(header_bytes: bytes | memoryview, total: int) -> tupl
     encoding = _field(header, "encoding", str, "patch")
     if encoding not in ENCODINGS:
         raise CorruptData(f"patch encoding {encoding!r} is unknown")
-    for key in ("base_version", "target_version"):
-        _field(header, key, int, "patch")
+    base, target = (_field(header, key, int, "patch") for key in ("base_version", "target_version"))
+    if not 0 <= base < target < 1 << 63:
+        raise CorruptData(f"patch header: base_version {base} and target_version {target} are not "
+                          "0 <= base < target < 2**63")
     _field(header, "target_root", str, "patch")
     entries = _field(header, "tensors", list, "patch")
     data_start = 8 + hlen

@@ -117,6 +117,8 @@ class TileStream:
 
 
 def tile_stream_error(entry: Mapping[str, Any], msg: str) -> CorruptData:
+    if entry["mode"] in ("context", "context_huffman"):  # its classes come from the bits it is applied to
+        msg += "; the stream is damaged, or the destination does not hold the patch's base version"
     return CorruptData(f"patch stream for tensor {entry['name']!r} ({entry['mode']}): {msg}")
 
 

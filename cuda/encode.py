@@ -316,6 +316,9 @@ def assemble_patch(
     """The container over already encoded streams: cheap, so a caller can encode streams
     while the target's root digest is still being computed, and assemble once it is known."""
     _check_encoding(encoding)
+    if not 0 <= base_version < target_version < 1 << 63:
+        raise InvalidArgument(f"a patch goes from a version to a later one (0 <= base < target < 2**63), "
+                              f"got base_version {base_version} and target_version {target_version}")
     entries: list[dict[str, Any]] = []
     streams: list[tuple[str, np.ndarray]] = []
     changed: dict[str, int] = {}

@@ -100,7 +100,7 @@ def fp8_encode(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     """fp8 values of float32 x [rows, cols] under per-tensor [1] or per-block [R, C] scales."""
     limit = fp8_max(dtype)
     if scale.dim() == 1:
-        return (x / scale).clamp(-limit, limit).to(dtype)
+        return (x / scale).clamp(-limit, limit).to(dtype).contiguous()  # (x may be a strided view)
     rows, cols = x.shape
     tiles = _padded_blocks(x) / scale[:, None, :, None]
     grid_rows, grid_cols = scale.shape

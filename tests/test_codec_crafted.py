@@ -32,9 +32,10 @@ from weftboard.cuda.codec import (
     apply_patch_arriving_,
     decode_stream,
     encode_patch,
+    read_patch_info,
 )
 from weftboard.cuda.diff import bits_view, unsigned_np
-from weftboard.proto.errors import CorruptData
+from weftboard.proto.errors import CorruptData, InvalidArgument
 
 BIG = 2**63 - 1
 
@@ -221,3 +222,25 @@ if __name__ == "__main__":
     for case in sorted(CASES):
         for how in READERS:
             print(case, how, run_case(case, how), flush=True)
+
+
+@pytest.mark.parametrize("base,target", [(-1, 0), (5, 5), (3, 2), (1, 1 << 63)])
+def test_a_header_whose_versions_do_not_go_forward_is_refused(base: int, target: int) -> None:
+    header = {"format": "weftboard-patch", "format_version": 2, "encoding": "default", "base_version": base,
+              "target_version": target, "target_root": "", "tensors": [
+                  {"name": "t", "dtype": "bfloat16", "numel": 4, "changed": 0, "mode": "empty", "stream_bytes": 0,
+                   "xxh3_64": xxhash.xxh3_64_hexdigest(b""), "tile": 256, "index_bytes": 4}]}
+    data = patch_container.write_container(header, [("t", b"")])
+    with pytest.raises(CorruptData, match="base_version"):
+        read_patch_info(data)
+    with pytest.raises(InvalidArgument, match="later one"):
+        encode_patch([("t", torch.zeros(4, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16))],
+                     base_version=base, target_version=target, target_root="")
+
+
+def test_a_header_with_elements_wider_than_the_streams_code_is_refused_as_corrupt() -> None:
+    data = container(b"", numel=4, changed=0, mode="empty", dtype="complex128")
+    with pytest.raises(CorruptData, match="16 bytes an element"):
+        read_patch_info(data)
+    with pytest.raises(CorruptData, match="16 bytes an element"):
+        apply_patch_({"t": torch.zeros(4, dtype=torch.complex128)}, data)

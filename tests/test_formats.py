@@ -559,3 +559,20 @@ def test_cuda_projection_matches_cpu_bytes(kind, granularity, policy):
         for name in c:
             assert g[name].device.type == "cuda"
             assert_bitwise(g[name].cpu(), c[name], f"step {step} {name}")
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_a_strided_master_projects_to_contiguous_values_that_patches_apply_to(kind: str) -> None:
+    """``Projector`` promises contiguous tensors: the per-tensor fp8 path kept a transposed
+    master's strides, and patches refuse non-contiguous destinations."""
+    from weftboard.cuda import formats
+    from weftboard.cuda.codec import apply_patch_, encode_patch
+
+    m = torch.randn(256, 128, generator=torch.Generator().manual_seed(0)) * 0.02
+    proj = formats.Projector(formats.ServedFormatSpec(kind))
+    v1 = proj.project({"x.weight": m.t()}, anchor=True)
+    v2 = proj.project({"x.weight": (m * 1.01).t()}, anchor=False)
+    assert all(t.is_contiguous() for view in (v1, v2) for t in view.values())
+    patch = encode_patch([(k, v1[k], v2[k]) for k in v1], base_version=1, target_version=2, target_root="")
+    apply_patch_(v1, patch.data)
+    assert all(torch.equal(v1[k].view(torch.uint8), v2[k].view(torch.uint8)) for k in v1)
