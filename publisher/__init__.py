@@ -4,10 +4,10 @@ installed, ``WeftboardCallback``); its benchmarks live in ``bench/``."""
 from typing import Any
 
 from weftboard.publisher.publisher import Publisher, PublishHandle
-from weftboard.publisher.sharded import ShardedPublisher
+from weftboard.publisher.sharded import ShardedPublisher, Slice
 
 # WeftboardCallback is not in __all__: `import *` must work without transformers.
-__all__ = ["Publisher", "PublishHandle", "ShardedPublisher"]
+__all__ = ["Publisher", "PublishHandle", "ShardedPublisher", "Slice"]
 
 
 def __getattr__(name: str) -> Any:
