@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -18,21 +17,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from distkit import run_ranks
 
 from weftboard.board.blobs.localdir import LocalDirBlobStore
 from weftboard.board.client import BoardClient
+from weftboard.board.embedded import free_port
 from weftboard.proto.errors import InvalidArgument
 from weftboard.publisher.sharded import ShardedPublisher, Slice
 from weftboard.publisher.sharded_layout import RankHeader, TensorEntry, plan_slices
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state(rank: int, step: int, *, extra: bool = False) -> dict[str, Any]:
@@ -76,17 +70,9 @@ def _job(rank: int, world: int, cfg: dict[str, Any]) -> None:
 
 
 def _spawn(cfg: dict[str, Any], deadline_s: float = 120.0) -> list[list[Any]]:
-    """Run one two-rank job; each rank's report. A rank still running after ``deadline_s`` fails the test."""
-    cfg = dict(cfg, port=_free_port())
-    ctx = mp.spawn(_job, args=(2, cfg), nprocs=2, join=False)
-    end = time.monotonic() + deadline_s
-    for p in ctx.processes:
-        p.join(max(0.1, end - time.monotonic()))
-    hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
-    for rank in hung:
-        ctx.processes[rank].kill()
-        ctx.processes[rank].join(10)
-    assert not hung, f"rank(s) {hung} still running after {deadline_s:.0f}s (killed)"
+    """Run one two-rank job; each rank's report (no rank outlives the test: ``run_ranks``)."""
+    cfg = dict(cfg, port=free_port())
+    run_ranks(_job, 2, (2, cfg), deadline_s=deadline_s)
     out = Path(cfg["out"])
     return [json.loads((out / f"report-{cfg['scenario']}-{r}.json").read_text()) for r in range(2)]
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -20,12 +18,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from boardkit import make_record, make_run, upload
+from distkit import run_ranks
 from pubsubkit import WARM_KERNELS, TinyLM, follow_each
 
 from weftboard.board.blobs.localdir import LocalDirBlobStore
 from weftboard.board.client import BoardClient
+from weftboard.board.embedded import free_port
 from weftboard.cuda.codec import read_patch_info
 from weftboard.cuda.formats import ServedFormatSpec
 from weftboard.proto import errors
@@ -37,12 +36,6 @@ from weftboard.publisher.sharded_layout import RankHeader, TensorEntry, plan_sli
 pytestmark = WARM_KERNELS
 
 MODEL = {"vocab": 64, "d": 32, "hidden": 64, "layers": 2}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _job(rank: int, world: int, cfg: dict[str, Any]) -> None:
@@ -100,20 +93,10 @@ def _job(rank: int, world: int, cfg: dict[str, Any]) -> None:
 
 
 def _spawn(world: int, cfg: dict[str, Any], deadline_s: float = 150.0) -> list[int | None]:
-    """Run one job of ``world`` ranks; their exit codes. A rank still running after ``deadline_s``
-    (all ranks together) is killed and the test fails naming it, so no rank outlives the board."""
-    cfg = dict(cfg, port=_free_port())
-    ctx = mp.spawn(_job, args=(world, cfg), nprocs=world, join=False)
-    end = time.monotonic() + deadline_s
-    for p in ctx.processes:
-        p.join(max(0.1, end - time.monotonic()))
-    hung = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
-    for rank in hung:
-        ctx.processes[rank].kill()
-        ctx.processes[rank].join(10)
-    assert not hung, (f"job of {world} ranks: rank(s) {hung} still running after {deadline_s:.0f}s (killed); "
-                      f"reports: {_reports(Path(cfg['out']), world)}")
-    return [p.exitcode for p in ctx.processes]
+    """Run one job of ``world`` ranks; their exit codes (no rank outlives the board: ``run_ranks``)."""
+    cfg = dict(cfg, port=free_port())
+    return run_ranks(_job, world, (world, cfg), deadline_s=deadline_s,
+                     describe=lambda: f"reports: {_reports(Path(cfg['out']), world)}")
 
 
 def _reports(out: Path, world: int) -> list[dict[str, Any]]:
