@@ -27,7 +27,9 @@ from weftboard.proto.records import BlobRef, check_blob_ref
 
 MAX_MODEL_FILES = 64
 MAX_MODEL_FILES_BYTES = 64 << 20
-# The non-weight files of a Hugging Face model folder that a publisher takes from a directory.
+# The non-weight files of a Hugging Face model folder that a publisher takes from a directory or
+# from what save_pretrained writes (tokenizers, configs, processors). The board does not check
+# names against it: any safe name (check_model_file_name) is a model file there.
 HF_MODEL_FILE_NAMES = (
     "config.json",
     "generation_config.json",
@@ -39,7 +41,10 @@ HF_MODEL_FILE_NAMES = (
     "merges.txt",
     "chat_template.jinja",
     "added_tokens.json",
-    "preprocessor_config.json",
+    "preprocessor_config.json",  # an image processor or feature extractor
+    "processor_config.json",  # a multimodal processor (LlavaProcessor, ...): AutoProcessor needs it
+    "video_preprocessor_config.json",
+    "chat_template.json",  # a processor's chat template in the legacy format
     "adapter_config.json",  # a PEFT adapter's folder (a run of kind RUN_KIND_LORA_ADAPTER)
 )
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".index.json")

@@ -6,12 +6,16 @@ run (``open_run``: get or create it, check its kind and files, upload the files)
 ``collect_model_files`` takes them from a directory (those of ``HF_MODEL_FILE_NAMES`` it
 holds), a list of paths (each named by its base name; a directory in it counts as above), a
 mapping ``{name in the folder: path}``, or objects with ``save_pretrained`` in such a list (a
-transformers config, generation config or tokenizer; not a model, whose weights it would write).
+transformers config, generation config, tokenizer or processor, such as the ``LlavaProcessor``
+a vision-language trainer passes as ``processing_class``; not a model, whose weights it would
+write).
 
 Invariants:
 - The files are read and hashed once, when the publisher is made, and the bytes hashed are
   the bytes uploaded: a file that changes on disk later changes nothing. Errors (a missing
   file, a weight file, too many bytes) surface there, naming the file.
+- Of what ``save_pretrained`` writes, the files of ``HF_MODEL_FILE_NAMES`` are kept; any other
+  file it wrote is dropped with a warning naming it (never silently).
 - An existing run must be of the publisher's kind (``FailedPrecondition``) and carry the same
   files (``AlreadyExists`` naming the first difference, as the board's CreateRun says). A run
   without versions gets them uploaded (content addressed: uploading twice writes the same
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 import xxhash
 
@@ -51,6 +56,7 @@ from weftboard.proto.names import blob_key, format_digest
 from weftboard.proto.records import BlobRef
 from weftboard.proto.v1 import board_pb2 as pb
 
+log = structlog.get_logger("weftboard.publisher")
 PathLike = str | os.PathLike
 #: What ``Publisher(model_files=...)`` accepts (see the module docstring).
 ModelFileSource = PathLike | Iterable[Any] | Mapping[str, PathLike] | None
@@ -73,18 +79,35 @@ class ModelFile:
         return pb.BlobRef(key=b.key, digest=b.digest, size=b.size, name=b.name)
 
 
+def _hf_files(directory: Path) -> dict[str, Path]:
+    """The files of ``HF_MODEL_FILE_NAMES`` that ``directory`` holds, by name."""
+    return {n: directory / n for n in HF_MODEL_FILE_NAMES if (directory / n).is_file()}
+
+
 def _from_dir(directory: Path) -> dict[str, Path]:
-    found = {n: directory / n for n in HF_MODEL_FILE_NAMES if (directory / n).is_file()}
+    found = _hf_files(directory)
     if not found:
         raise InvalidArgument(f"model files: {directory} holds none of {', '.join(HF_MODEL_FILE_NAMES)}")
     return found
 
 
 def _saved(obj: Any) -> dict[str, bytes]:
-    """The model files an object with ``save_pretrained`` writes (a config or a tokenizer)."""
+    """The model files an object with ``save_pretrained`` writes (a config, a tokenizer or a
+    processor): those of ``HF_MODEL_FILE_NAMES``; any other file it wrote is logged as dropped."""
     with tempfile.TemporaryDirectory(prefix="weftboard-model-files-") as tmp:
+        root = Path(tmp)
         obj.save_pretrained(tmp)
-        return {n: p.read_bytes() for n, p in _from_dir(Path(tmp)).items()}
+        kept = _hf_files(root)
+        written = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        dropped = [n for n in written if n not in kept]
+        if not kept:
+            raise InvalidArgument(f"model files: {type(obj).__name__}.save_pretrained wrote none of "
+                                  f"{', '.join(HF_MODEL_FILE_NAMES)} (it wrote {', '.join(written) or 'nothing'})")
+        if dropped:
+            log.warning("model files: save_pretrained wrote files weftboard does not carry; an island's "
+                        "folder will lack them (pass them by path or mapping to keep them)",
+                        source=type(obj).__name__, dropped=dropped, kept=sorted(kept))
+        return {n: p.read_bytes() for n, p in kept.items()}
 
 
 def _add(named: dict[str, Any], name: str, what: Any) -> None:

@@ -13,6 +13,12 @@ Invariants:
   abort (its process died) is aborted by the board's garbage collection once stale.
 - Transient failures (``Unavailable``, deadlines, connection errors) are retried with
   exponential backoff and jitter up to a total deadline; anything else is raised at once.
+- Every PUT has an explicit limit that grows with its bytes (``Uploader.attempt_timeout_s``):
+  ``timeout_s`` plus the bytes at ``min_bytes_per_s`` (the slowest link the uploader is meant
+  to work over; a part's share of it when ``parallel_parts`` go at once). The retry deadline
+  of such a PUT is that limit plus ``retry_deadline_s`` (120 s; the backoff comes out of it),
+  so a first attempt that ran out its limit is tried once more before the upload fails as
+  ``Unavailable``; no wait is unbounded (an upload ends within twice that deadline).
 """
 
 from __future__ import annotations
@@ -75,6 +81,11 @@ async def with_retries(
             backoff = min(backoff * 2, max_backoff_s)
 
 
+# The slowest link an upload is meant to work over unless the caller says otherwise: 2 MiB/s
+# (~17 Mbit/s), so a 5 GiB anchor shard gets 600 s + 2560 s per attempt.
+DEFAULT_MIN_BYTES_PER_S = 2 << 20
+# How long transient failures of one blob's PUTs are retried, beyond one attempt's limit.
+DEFAULT_RETRY_DEADLINE_S = 120.0
 # How fast a board is assumed to join an upload's parts (a local store hashes them all) when
 # CompleteUpload's deadline is set; S3 joins them itself, in seconds.
 _COMPLETE_BYTES_PER_S = 64 << 20
@@ -86,21 +97,49 @@ class Uploader:
     """Uploads content-addressed blobs of one run (``store`` given: direct; else presigned).
 
     Without a store, a blob over ``part_bytes`` goes up in parts of that size, ``parallel_parts``
-    at a time, each PUT made by ``put_part`` (``upload_part_url``; a test may wrap it)."""
+    at a time, each PUT made by ``put_part`` (``upload_part_url``; a test may wrap it).
+
+    ``timeout_s`` is the floor of every PUT's limit and ``min_bytes_per_s`` the slowest rate
+    it must still complete at (``attempt_timeout_s``); ``retry_deadline_s`` how long transient
+    failures are retried beyond one attempt's limit (the backoff
+    before the next attempt, 0.1-5 s, comes out of it). A trainer on a slow link (say 10 Mbit/s)
+    passes ``min_bytes_per_s`` below its rate (``1 << 20``)."""
 
     def __init__(self, run: str, client, store=None, *, timeout_s: float = 600.0,
+                 min_bytes_per_s: float = DEFAULT_MIN_BYTES_PER_S,
+                 retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
                  part_bytes: int = DEFAULT_PART_BYTES, parallel_parts: int = 4,
                  put_part: PartPut = upload_part_url) -> None:
         check_part_bytes(part_bytes)
         if parallel_parts < 1:
             raise InvalidArgument(f"parallel_parts must be >= 1, got {parallel_parts}")
+        if not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
+        if not min_bytes_per_s > 0:
+            raise InvalidArgument(f"min_bytes_per_s must be > 0 (an upload's limit is never unbounded), "
+                                  f"got {min_bytes_per_s}")
+        if not retry_deadline_s > 0:
+            raise InvalidArgument(f"retry_deadline_s must be > 0 (it holds the backoff before the next "
+                                  f"attempt), got {retry_deadline_s}")
         self.run = run
         self.client = client
         self.store = store
         self.timeout_s = timeout_s
+        self.min_bytes_per_s = min_bytes_per_s
+        self.retry_deadline_s = retry_deadline_s
         self.part_bytes = part_bytes
         self.parallel_parts = parallel_parts
         self.put_part = put_part
+
+    def attempt_timeout_s(self, nbytes: int, *, sharing: int = 1) -> float:
+        """The limit of one PUT of ``nbytes``: ``timeout_s`` plus the bytes at ``min_bytes_per_s``,
+        of which the PUT gets a ``sharing``-th while that many PUTs go at once."""
+        return self.timeout_s + max(nbytes, 0) * max(sharing, 1) / self.min_bytes_per_s
+
+    def _retry_deadline_s(self, attempt_s: float) -> float:
+        """How long a PUT whose attempts are limited to ``attempt_s`` is retried: long enough
+        that an attempt that ran out its limit is tried again."""
+        return attempt_s + self.retry_deadline_s
 
     async def upload(self, digest: str, size: int, *, path: Path | None = None, data: bytes | None = None,
                      skip_existing: bool = True) -> str:
@@ -110,29 +149,39 @@ class Uploader:
         publish); a caller whose bytes are new (a patch part) saves that round trip."""
         key = blob_key(self.run, digest)
         if self.store is not None:
+            limit_s = self.attempt_timeout_s(size)
+
             async def direct() -> None:
                 if skip_existing and await self.store.stat(key) == size:
                     return
-                if path is not None:
-                    await asyncio.wait_for(self.store.put_file(key, path), self.timeout_s)
-                else:
-                    await asyncio.wait_for(self.store.put_bytes(key, data), self.timeout_s)
+                try:
+                    if path is not None:
+                        await asyncio.wait_for(self.store.put_file(key, path), limit_s)
+                    else:
+                        await asyncio.wait_for(self.store.put_bytes(key, data), limit_s)
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded(
+                        f"the upload of {size} bytes to {key} took over {limit_s:.0f}s (timeout_s "
+                        f"{self.timeout_s:g} + the bytes at min_bytes_per_s {self.min_bytes_per_s:g}); "
+                        "on a slower link give the uploader a lower min_bytes_per_s") from None
 
-            await with_retries(f"upload of {key}", direct)
+            await with_retries(f"upload of {key}", direct, deadline_s=self._retry_deadline_s(limit_s))
             return key
 
         if size > self.part_bytes:
             await self._upload_in_parts(key, digest, size, path, data)
             return key
 
+        limit_s = self.attempt_timeout_s(size)
+
         async def presigned() -> None:
             grant = await self.client.presign_upload(self.run, digest, size)
             if path is not None:
-                await upload_url(grant.url, path, timeout_s=self.timeout_s)
+                await upload_url(grant.url, path, timeout_s=limit_s)
             else:
-                await upload_bytes_url(grant.url, data, timeout_s=self.timeout_s)
+                await upload_bytes_url(grant.url, data, timeout_s=limit_s)
 
-        await with_retries(f"presigned upload of {key}", presigned)
+        await with_retries(f"presigned upload of {key}", presigned, deadline_s=self._retry_deadline_s(limit_s))
         return key
 
     async def _upload_in_parts(self, key: str, digest: str, size: int, path: Path | None, data: bytes | None) -> None:
@@ -142,21 +191,24 @@ class Uploader:
         upload_id = started.upload_id
         urls = {part.part_number: part.url for part in started.parts}
         slots = asyncio.Semaphore(self.parallel_parts)
+        sharing = min(self.parallel_parts, len(urls))  # parts at once share the link
 
         async def one_part(number: int) -> tuple[int, str]:
             offset, length = part_span(size, self.part_bytes, number)
+            limit_s = self.attempt_timeout_s(length, sharing=sharing)
 
             async def attempt() -> str:
                 try:
                     return await self.put_part(urls[number], path=path, data=data, offset=offset, length=length,
-                                               timeout_s=self.timeout_s)
+                                               timeout_s=limit_s)
                 except UrlExpired as exc:
                     fresh = await self.client.presign_upload_parts(self.run, upload_id, [number])
                     urls[number] = fresh.parts[0].url
                     raise Unavailable(f"the URL of part {number} was refused ({exc}); PUT again with a new one") from exc
 
             async with slots:
-                return number, await with_retries(f"part {number} of the upload of {key}", attempt)
+                return number, await with_retries(f"part {number} of the upload of {key}", attempt,
+                                                  deadline_s=self._retry_deadline_s(limit_s))
 
         tasks = [asyncio.ensure_future(one_part(n)) for n in sorted(urls)]
         try:
