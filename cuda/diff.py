@@ -182,8 +182,8 @@ def _diff_cpu(old: torch.Tensor, new: torch.Tensor, update: bool) -> TensorDelta
 def diff_tensor(old: torch.Tensor, new: torch.Tensor) -> TensorDelta:
     """Changed positions and bits between two stored versions of one tensor."""
     check_pair(old, new)
-    if old.device.type == "cuda":
-        return gpu_kernels().diff_cuda(old, new, update=False)
+    if old.device.type == "cuda":  # (contiguous as the CPU path takes them: only an update needs ``prev`` as it is)
+        return gpu_kernels().diff_cuda(old.detach().contiguous(), new.detach().contiguous(), update=False)
     return _diff_cpu(old.detach().contiguous(), new.detach().contiguous(), update=False)
 
 

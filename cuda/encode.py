@@ -442,7 +442,8 @@ def encode_pairs(pairs: Iterable[tuple[str, torch.Tensor, torch.Tensor]], encodi
                 yield from batch.add(name, old, new)
                 continue
             yield from batch.flush()
-            yield _encode_delta(name, diff_tensor(old, new), encoding)
+            # the new bits as the target: compact and context code a device pair as a CPU pair
+            yield _encode_delta(name, diff_tensor(old, new), encoding, new)
         yield from ctx.flush()
         yield from batch.flush()
     finally:

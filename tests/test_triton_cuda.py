@@ -217,3 +217,29 @@ def test_cuda_huffman_scan_gives_the_cpu_encoders_stream(dtype, tile) -> None:
         b[tile:2 * tile] ^= 1 << (8 * dtype.itemsize - 2)
         changed, stream = triton_huffman_scan.encode_huffman_cuda(old.cuda(), new.cuda(), tile)
         assert (changed, stream) == (tile_encode.encode_huffman(cpu_bits(old), cpu_bits(new), tile)[0], None)
+
+
+@pytest.mark.parametrize("encoding", ["default", "compact", "context"])
+def test_a_device_pair_is_encoded_as_the_same_pair_on_the_cpu(encoding: str) -> None:
+    """``encode_patch`` of device tensors gives the container of the same tensors on the CPU, for
+    every encoding (the context coders took only CPU pairs, a device pair fell back to huffman)."""
+    from weftboard.cuda.codec import encode_patch
+
+    gen = torch.Generator().manual_seed(5)
+    old = (torch.randn(300_000, generator=gen) * 0.02).to(torch.bfloat16)
+    new = (old.float() + torch.sign(torch.randn(300_000, generator=gen)) * 3e-6).to(torch.bfloat16)
+
+    def encode(a: torch.Tensor, b: torch.Tensor) -> bytes:
+        return bytes(encode_patch([("w", a, b)], base_version=1, target_version=2, target_root="",
+                                  encoding=encoding).data)
+
+    assert encode(old.cuda(), new.cuda()) == encode(old, new)
+
+
+def test_a_non_contiguous_device_pair_is_diffed_as_on_the_cpu() -> None:
+    gen = torch.Generator().manual_seed(6)
+    base = random_bits(64 * 300, torch.bfloat16, gen).view(64, 300)
+    changed = mutate(base.reshape(-1), 0.02, gen).view(64, 300)
+    cpu = diff_tensor(base.t(), changed.t())
+    dev = diff_tensor(base.cuda().t(), changed.cuda().t())
+    assert torch.equal(dev.positions.cpu(), cpu.positions) and torch.equal(dev.new_bits.cpu(), cpu.new_bits)
