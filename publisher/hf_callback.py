@@ -16,6 +16,12 @@ Invariants:
   ``ShardedPublisher`` and calls it at the same steps; rank 0 creates the run and commits.
 - A tensor under two names (tied weights) is published once, under its first name, as
   ``save_pretrained`` saves it.
+- What is published is the served model (``model_state.py``): unwrapped from ``torch.compile``
+  and DDP; a PEFT model's merged weights, config and class are its base model's (the training
+  model is never modified); what cannot be merged exactly is refused, never published wrong.
+- A publisher this callback opened is closed at train end, or (without waiting) when
+  ``on_train_begin`` fails after opening it; one left by a ``train()`` that raised is closed by
+  the next ``on_train_begin``, ``close()``, or the publisher's own finalizer.
 - This module imports transformers (an optional dependency); ``weftboard.publisher`` imports
   it only when ``WeftboardCallback`` is asked for.
 """
@@ -38,6 +44,7 @@ from weftboard.proto.domain import check_name
 from weftboard.proto.errors import InvalidArgument
 from weftboard.proto.v1 import board_pb2 as pb
 from weftboard.publisher.job import PublishHandle
+from weftboard.publisher.model_state import module_state, served_module
 from weftboard.publisher.publisher import Publisher
 from weftboard.publisher.sharded import ShardedPublisher
 
@@ -78,20 +85,10 @@ def _check_readable(model: torch.nn.Module) -> None:
 
 
 def publishable_state(model: torch.nn.Module) -> dict[str, Any]:
-    """The model's state dict with each tensor once: a tensor under several names (tied
-    weights) keeps its first name."""
-    seen: set[tuple] = set()
-    out: dict[str, Any] = {}
-    for name, value in model.state_dict().items():
-        local = value.to_local() if isinstance(value, DTensor) else value
-        if isinstance(local, torch.Tensor) and local.numel() and local.device.type != "meta":
-            alias = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
-                     local.stride(), local.dtype)
-            if alias in seen:
-                continue
-            seen.add(alias)
-        out[name] = value
-    return out
+    """The model's served weights (``model_state.module_state``): unwrapped from ``torch.compile``
+    and DDP, a PEFT model's adapters merged under the base model's names, each tensor once (tied
+    weights keep their first name)."""
+    return module_state(model)
 
 
 def trainer_model_files(model: torch.nn.Module, processing_class: Any, served_format: ServedFormatSpec) -> list[Any]:
@@ -99,7 +96,9 @@ def trainer_model_files(model: torch.nn.Module, processing_class: Any, served_fo
     dtype of the served weights), its generation config and the tokenizer or processor.
 
     For an fp8 or 4-bit served format the config names bfloat16 and no quantization config:
-    pass ``model_files=`` with the config your engine expects."""
+    pass ``model_files=`` with the config your engine expects. A wrapped or PEFT model's files
+    are its served module's (``model_state.served_module``: the base model's config and class)."""
+    model = served_module(model)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise InvalidArgument(f"WeftboardCallback: the {type(model).__name__} has no Hugging Face config to "
@@ -187,10 +186,14 @@ class WeftboardCallback(TrainerCallback):
                                        model_files=files, **self.options)
         self._last = None
         self.last_record = None
-        weights = publishable_state(model)
-        self.publisher.connect(weights)  # creates or opens the run (rank 0 of a sharded job)
-        if self.publish_initial:
-            self._publish(weights, state.global_step)
+        try:
+            weights = publishable_state(model)
+            self.publisher.connect(weights)  # creates or opens the run (rank 0 of a sharded job)
+            if self.publish_initial:
+                self._publish(weights, state.global_step)
+        except BaseException:
+            self.close()  # the trainer calls no on_train_end when on_train_begin raises
+            raise
         log.info("publishing the trainer's weights", run=self.run, sharded=sharded, every_n_steps=self.every_n_steps)
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,

@@ -27,6 +27,11 @@ Invariants:
   newest queued one that is not uploading yet (``deltas.py``), so the chain stays bitwise exact.
 - A publisher on a run with versions resumes from its head (``resume.py``) and anchors if
   it cannot rebuild the head's view exactly.
+- A publisher never closed (garbage, or the interpreter exits first) is closed by its finalizer
+  without waiting (``_abandon``): nothing more commits, its loop and pools stop, and the work dir
+  it created (anchor files) is removed.
+- A ``publish`` that waits for room in the pipeline says so at INFO after ``WAIT_LOG_S`` and
+  again every ``WAIT_LOG_EVERY_S`` while it waits.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,7 +79,28 @@ __all__ = ["Publisher", "PublishHandle"]
 
 log = structlog.get_logger("weftboard.publisher")
 
+
+def _abandon(run: str, jobs: Pipeline, loop: asyncio.AbstractEventLoop,
+             pools: tuple[concurrent.futures.Executor, ...], work_dir: Path | None) -> None:
+    """Close a publisher that was not closed, without waiting (its finalizer; it must not hold
+    the publisher): the versions not committed are aborted, the loop and pools stop, and its own
+    work dir is removed."""
+    log.info("closing a publisher that was not closed", run=run)
+    jobs.close()
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(loop.stop)
+    for pool in pools:
+        pool.shutdown(wait=False, cancel_futures=True)
+    if work_dir is not None:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
 class Publisher:
+    #: A ``publish`` waiting for room in the pipeline logs after this many seconds, then every
+    #: ``WAIT_LOG_EVERY_S`` while it still waits.
+    WAIT_LOG_S = 5.0
+    WAIT_LOG_EVERY_S = 30.0
+
     def __init__(
         self,
         board: Any,
@@ -175,6 +202,9 @@ class Publisher:
         self._client: BoardClient | None = None
         self._uploader: Uploader | None = None
         self._worker: asyncio.Task | None = None
+        self._finalizer = weakref.finalize(
+            self, _abandon, self.run, self._jobs, self._loop,
+            (self._snapshot_pool, self._hash_pool, self._encode_pool), self.work_dir if self._own_work_dir else None)
 
     # -- public API --------------------------------------------------------------------
 
@@ -327,6 +357,7 @@ class Publisher:
             self.metrics.stop()
             if self._own_work_dir:
                 shutil.rmtree(self.work_dir, ignore_errors=True)
+            self._finalizer.detach()
 
     async def _close_client(self) -> None:
         """End the commit worker (a commit in flight is aborted) and the hints for versions that are
@@ -385,9 +416,16 @@ class Publisher:
     # -- the trainer's side: room in the pipeline ----------------------------------------
 
     def _reserve_slot(self, allow_skip: bool = True) -> Job | None:
-        """Wait for room in the pipeline; under "skip", take the newest queued job to merge into."""
+        """Wait for room in the pipeline; under "skip", take the newest queued job to merge into.
+        A long wait is logged (``WAIT_LOG_S``, then every ``WAIT_LOG_EVERY_S``)."""
+        start = time.monotonic()
+        next_log = start + self.WAIT_LOG_S
         with self._cond:
             while True:
+                if (now := time.monotonic()) >= next_log:
+                    log.info("publish waits for a pending version to commit", run=self.run,
+                             pending=self.pending(), max_pending=self.max_pending, waited_s=round(now - start, 1))
+                    next_log = now + self.WAIT_LOG_EVERY_S
                 self._jobs.check()
                 if self.pending() < self.max_pending:
                     return None
@@ -398,7 +436,7 @@ class Publisher:
                         return queue.pop()
                     if not queue:
                         return None
-                self._cond.wait(1.0)
+                self._cond.wait(min(1.0, max(0.01, next_log - time.monotonic())))
 
     # -- stages 1 and 2: read and snapshot (the snapshot thread, in publish order) --------
 

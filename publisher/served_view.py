@@ -38,15 +38,20 @@ from weftboard.cuda.jit import serial_kernels
 from weftboard.proto.errors import FailedPrecondition, InvalidArgument
 from weftboard.publisher.fold import TensorScan, chunked_cast_fold_, fold_pieces_
 from weftboard.publisher.job import Job
+from weftboard.publisher.model_state import module_state
 from weftboard.publisher.parts import PartCutter
 
 LayoutEntry = tuple[str, str, tuple[int, ...]]  # (served name, dtype name, shape)
 
 
 def master_state(model_or_state: Any) -> dict[str, torch.Tensor]:
-    """The master tensors of an ``nn.Module`` or a state dict (detached, not copied)."""
+    """The master tensors of an ``nn.Module`` or a state dict (detached, not copied).
+
+    A module gives its served weights (``model_state.module_state``): unwrapped from
+    ``torch.compile`` / DDP, PEFT adapters merged (new tensors), tied weights once. A state
+    dict is taken as it is, every name kept."""
     if isinstance(model_or_state, torch.nn.Module):
-        return {k: v.detach() for k, v in model_or_state.state_dict().items()}
+        return {k: v.detach() for k, v in module_state(model_or_state).items()}
     if isinstance(model_or_state, Mapping):
         return {k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in model_or_state.items()}
     raise InvalidArgument(f"publish() takes an nn.Module or a state dict, not {type(model_or_state).__name__}")

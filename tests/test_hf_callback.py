@@ -224,6 +224,24 @@ async def test_a_stopped_training_publishes_its_last_step_at_train_end(board, lo
         await follow_each(client, "stop", local_store, tmp_path, recorder.views)
 
 
+async def test_a_peft_lora_model_publishes_its_merged_weights_as_the_base_model(board, local_store,
+                                                                                tmp_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    tok = tiny_tokenizer()
+    model = peft.get_peft_model(tiny_llama(tok), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    weft = WeftboardCallback(board.address, "lora", token=board.admin_token, blob_store=local_store)
+    trainer = lm_trainer(model, tok, tmp_path / "out", 3, [weft])
+    await asyncio.to_thread(trainer.train)
+
+    assert weft.versions == {0: 1, 1: 2, 2: 3, 3: 4}
+    assert any("lora_A" in n for n in model.state_dict())  # the training model keeps its adapters
+    merged = served(model.merge_and_unload(), tied=False)
+    async with BoardClient(board.address, board.admin_token) as client:
+        names = [t.name for t in (await client.get_run("lora")).layout.tensors]
+        assert names == list(merged)  # the base model's names: no base_model.model., base_layer or lora_*
+        await check_island(client, "lora", local_store, tmp_path / "island", tok, merged, "LlamaForCausalLM")
+
+
 def test_bad_arguments_are_refused_clearly() -> None:
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(InvalidArgument, match="every_n_steps must be an integer >= 1"):
