@@ -20,55 +20,42 @@ file that cannot be read prints one line naming it and exits 2. With ``--json`` 
 command prints one JSON document on stdout (``board/report.py`` names its keys) and logs
 only to stderr.
 
-``serve`` invariants:
-- Embedded servers (redis-server, SeaweedFS) are started from the main thread *before* the
-  event loop exists, so they are tied to this process (they die with it even on SIGKILL)
-  and their start-up never blocks a running loop.
-- The banner names everything that was started: addresses, data paths, log files, and the
-  admin token with the file it is kept in.
-- Shutdown order on SIGINT/SIGTERM: the board (health NOT_SERVING, streams ended), then the
-  blob store's connections, then the embedded servers in reverse start order.
+``serve``'s process (embedded services, the start-up checks, the banner, the stop order) is
+board/serving.py. Its usage errors exit 2 with one line naming the setting; what stops it from
+serving at start-up (Redis or S3 away or refusing the credentials, a directory it cannot make,
+a port taken) exits 1 with one line, after stopping whatever it had started.
+
+Usage errors of the island's commands print one line naming the option and exit 2
+(``usage_error``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import inspect
 import json
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
-from contextlib import ExitStack
-from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+import structlog
 import typer
 from pydantic import ValidationError
 from rich.console import Console
-from rich.table import Table
 
 from weftboard.board.bench.bench_board import BenchParams, run_bench
 from weftboard.board.bench.bench_replicas import ReplicaParams, run_replica_bench
-from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
-from weftboard.board.blobs.signed_urls import load_or_create_url_secret
 from weftboard.board.channel import TlsConfig, client_tls
 from weftboard.board.client import BoardClient
-from weftboard.board.config import (
-    BoardSettings,
-    external_blob_store,
-    load_or_create_admin_token,
-    load_or_create_s3_credentials,
-    local_blob_store,
-)
+from weftboard.board.config import BoardSettings
 from weftboard.board.config_file import environment_wins
 from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_data_dir
-from weftboard.board.embedded import start_redis, start_seaweedfs
 from weftboard.board.logs import configure
-from weftboard.board.process import BoardConfig, start_board, tune_gc_for_serving
 from weftboard.board.report import (
     fleet_document,
     gc_document,
@@ -80,13 +67,14 @@ from weftboard.board.report import (
     runs_table,
     when,
 )
+from weftboard.board.serving import serve_until_signal
 from weftboard.proto.errors import WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 
 # Piped output (grep, CI logs) gets full-width lines instead of an 80-column squeeze.
 out = Console(width=None if sys.stdout.isatty() else 240)
 err = Console(stderr=True, soft_wrap=True)
-banner_out = Console(soft_wrap=True)  # the serve banner: long lines kept whole
+log = structlog.get_logger("weftboard.commands")
 
 BOARD_OPTION = typer.Option(DEFAULT_LISTEN, "--board", envvar="WEFTBOARD_BOARD", help="Board address host:port.")
 TOKEN_OPTION = typer.Option(
@@ -148,6 +136,28 @@ def tls_from_flags(tls: bool, tls_ca: Path | None, tls_cert: Path | None, tls_ke
         raise typer.Exit(2) from None
 
 
+def usage_error(option: str, message: str) -> NoReturn:
+    """A usage error: one line naming ``option`` on stderr, exit code 2 (as click's own)."""
+    err.print(f"[red]error[/red]: {option}: {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def check_host_port(option: str, value: str) -> tuple[str, int]:
+    """``value`` as (host, port) for ``option`` (host may be empty; port 0..65535), else a usage error."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        usage_error(option, f"{value!r} must be host:port, e.g. 127.0.0.1:8100")
+    return host, int(port)
+
+
+def startup_error(what: str, exc: OSError) -> NoReturn:
+    """An ``OSError`` that stopped a command starting (a directory it cannot make, a port taken):
+    one line naming the path or address, exit code 1."""
+    where = f" {exc.filename}" if exc.filename else ""
+    err.print(f"[red]{what}[/red]: {exc.strerror or exc}{':' if where else ''}{where}", highlight=False)
+    raise typer.Exit(1)
+
+
 def with_tls_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     """``command`` with the ``--tls*`` flags (``TLS_FLAGS``: the same names and variables for every
     client command), which it receives as one ``tls_config: TlsConfig | None`` (None: plaintext).
@@ -195,131 +205,6 @@ def run_client(board: str, token: str | None, body: Callable[[Any], Awaitable[in
 # ---------------------------------------------------------------------------
 
 
-@dataclass
-class Embedded:
-    """What ``start_embedded`` started (or was told to use), and banner lines about it."""
-
-    redis_url: str
-    blobs: Any
-    lines: list[tuple[str, str]] = field(default_factory=list)
-
-
-def start_embedded(settings: BoardSettings, data_dir: Path, stack: ExitStack) -> Embedded:
-    """Start the embedded Redis / SeaweedFS the settings call for; ``stack`` stops them."""
-    lines: list[tuple[str, str]] = []
-    redis_url = settings.redis_url
-    if redis_url is None:
-        redis = stack.enter_context(start_redis(data_dir / "redis", persistent=True))
-        redis_url = redis.url
-        lines.append(("redis", f"embedded redis-server at {redis.url} (append-only file in {redis.dir}, log {redis.log_path})"))
-    else:
-        lines.append(("redis", redis_url.split("@")[-1]))  # never print a password
-
-    blobs = external_blob_store(settings)
-    if blobs is not None:
-        lines.append(("blobs", blobs.describe()))
-    elif settings.embedded_s3:
-        weed_dir = data_dir / "seaweedfs"
-        access, secret = load_or_create_s3_credentials(weed_dir)
-        weed = stack.enter_context(
-            start_seaweedfs(weed_dir, access_key=access, secret_key=secret, bucket=settings.s3_bucket)
-        )
-        blobs = S3BlobStore(weed.endpoint, access, secret, settings.s3_bucket, region="us-east-1")
-        lines.append(("blobs", f"embedded SeaweedFS S3 at {weed.url}, bucket {settings.s3_bucket!r} "
-                               f"(credentials in {weed_dir / 'credentials.json'}, log {weed.log_path})"))
-    else:
-        blobs = local_blob_store(settings)
-        served = ("served over signed HTTP URLs (see blob urls)" if settings.blob_http_port >= 0
-                  else "islands must share this filesystem: --blob-http-port -1")
-        lines.append(("blobs", f"local directory {blobs.describe()} ({served})"))
-    return Embedded(redis_url=redis_url, blobs=blobs, lines=lines)
-
-
-async def serve_async(settings: BoardSettings, embedded: Embedded, data_dir: Path, *,
-                      ready: Callable[[dict[str, Any]], None] | None = None,
-                      stop_event: asyncio.Event | None = None) -> None:
-    """Run the board on ``embedded``'s Redis and blobs until a signal (or ``stop_event``)."""
-    lines = list(embedded.lines)
-    board = None
-    try:
-        admin_token = settings.secret("admin_token")
-        token_note = "given by --admin-token / WEFTBOARD_ADMIN_TOKEN"
-        if settings.auth and not admin_token:
-            admin_token, token_path, created = load_or_create_admin_token(data_dir)
-            token_note = f"{'generated and stored in' if created else 'read from'} {token_path}"
-        config = BoardConfig(
-            listen=settings.listen,
-            redis_url=embedded.redis_url,
-            admin_token=admin_token if settings.auth else None,
-            auth=settings.auth,
-            metrics_port=settings.metrics_port,
-            metrics_host=settings.metrics_host,
-            tls_cert=settings.tls_cert,
-            tls_key=settings.tls_key,
-            tls_client_ca=settings.tls_client_ca,
-            watch_progress_s=settings.watch_progress_s,
-            staged_grace_s=settings.staged_grace_s,
-            redis_min_replicas=settings.redis_min_replicas,
-            redis_replica_timeout_ms=settings.redis_replica_timeout_ms,
-        )
-        if isinstance(embedded.blobs, LocalDirBlobStore) and settings.blob_http_port >= 0:
-            config.blob_http_port = settings.blob_http_port
-            config.blob_http_host = settings.blob_http_host
-            config.blob_public_url = settings.blob_public_url
-            config.blob_url_secret = load_or_create_url_secret(data_dir)
-        board = await start_board(config, blobs=embedded.blobs)
-        lines.insert(0, ("board", f"listening on {board.address}" + (" (TLS)" if settings.tls_cert else "")))
-        if board.blob_url is not None:
-            lines.append(("blob urls", f"{board.blob_url}/blobs/ (signed, expiring; what the board presigns)"))
-        if board.metrics_port is not None:
-            lines.append(("metrics", f"http://{settings.metrics_host}:{board.metrics_port}/metrics"))
-        if settings.auth:
-            lines.append(("admin token", f"{admin_token}  ({token_note})"))
-        else:
-            lines.append(("auth", "OFF: every caller is admin (--no-auth)"))
-        lines.append(("data dir", str(data_dir)))
-        print_banner(lines)
-        if ready is not None:
-            ready({"address": board.address, "metrics_port": board.metrics_port, "admin_token": admin_token,
-                   "redis_url": embedded.redis_url, "blobs": embedded.blobs.describe(), "blob_url": board.blob_url})
-
-        stop = stop_event or asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-                loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        banner_out.print("stopping ...")
-    finally:
-        if board is not None:
-            await board.stop()
-        await embedded.blobs.close()
-
-
-def serve_until_signal(settings: BoardSettings) -> None:
-    """The body of ``weftboard serve``: embedded services, board, clean stop of all."""
-    data_dir = Path(settings.data_dir).expanduser().resolve()
-    with ExitStack() as stack:
-        embedded = start_embedded(settings, data_dir, stack)
-        tune_gc_for_serving()
-        with contextlib.suppress(KeyboardInterrupt):  # a signal before the handlers were installed
-            asyncio.run(serve_async(settings, embedded, data_dir))
-    banner_out.print("stopped")
-
-
-def print_banner(lines: list[tuple[str, str]]) -> None:
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for key, value in lines:
-        table.add_row(key, value)
-    banner_out.print("[bold]weftboard board is serving[/bold] (Ctrl-C to stop)")
-    banner_out.print(table)
-    sys.stdout.flush()
-
-
-
-
 def serve(
     ctx: typer.Context,
     listen: str | None = typer.Option(None, help=f"host:port to bind (env WEFTBOARD_LISTEN; default {DEFAULT_LISTEN})"),
@@ -358,19 +243,34 @@ def serve(
     """Run a board. With no Redis or S3 given it starts the embedded default and says so."""
     flags = {k: v for k, v in locals().items() if v is not None and k != "ctx"}  # flags win over WEFTBOARD_* env
     try:
-        settings = BoardSettings(**environment_wins(ctx, flags))  # ... and it over the config file
+        given = environment_wins(ctx, flags)
+        settings = BoardSettings(**given)  # ... and it over the config file
     except ValidationError as exc:
         for e in exc.errors():
             err.print(f"[red]invalid setting[/red] {'.'.join(map(str, e['loc']))}: {e['msg']}")
         raise typer.Exit(2) from None
     configure(json=settings.log_json, level=settings.log_level)
     try:
-        serve_until_signal(settings)
+        serve_until_signal(settings, token_source=admin_token_source(ctx, given))
     except WeftboardError as exc:
         err.print(f"[red]cannot serve[/red] ({exc.grpc_code_name}): {exc}", highlight=False)
         raise typer.Exit(1) from None
+    except OSError as exc:
+        log.debug("serve could not start", exc_info=True)
+        startup_error("cannot serve", exc)
     except KeyboardInterrupt:
         pass
+
+
+def admin_token_source(ctx: typer.Context, given: dict[str, Any]) -> str:
+    """Where ``serve``'s admin token came from, for its banner: the flag, the config file or
+    the environment (``given``: the settings taken from flags and the file)."""
+    if "admin_token" in given:
+        source = ctx.get_parameter_source("admin_token")
+        return "the config file" if source is not None and source.name == "DEFAULT_MAP" else "--admin-token"
+    if os.environ.get("WEFTBOARD_ADMIN_TOKEN"):
+        return "WEFTBOARD_ADMIN_TOKEN"
+    return "the environment"
 
 
 # ---------------------------------------------------------------------------

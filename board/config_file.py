@@ -3,14 +3,21 @@
 
 Top-level keys apply to every command that has that option; a table named after a command
 (``[serve]``, ``[sidecar]``, ``[token.create]``, ``[bench.board]``) to that command only, over
-the top-level keys. A key is an option's name, with dashes or underscores (``s3-endpoint``,
-``s3_endpoint``) or as its flag spells it (``from`` for ``history --from``, ``json``).
+the top-level keys. A server's own settings (``TABLE_ONLY``: ``serve``'s ``listen``, ``tls-cert``,
+``tls-key`` and ``tls-client-ca``, the sidecar's ``listen``) come only from its table: at the top
+level ``tls-cert``/``tls-key`` are the client commands' certificate for mutual TLS, which must
+never become the board's server certificate, and ``listen`` (the board's gRPC address or the
+sidecar's HTTP one) is refused as ambiguous. A key is an option's name, with dashes or
+underscores (``s3-endpoint``, ``s3_endpoint``) or as its flag spells it (``from`` for
+``history --from``, ``json``).
 
 Invariants:
 - Precedence: flags > environment variables > the config file > defaults. The file's values
   become click's ``default_map``, which click ranks below the command line and an option's
   ``envvar``; ``serve``, whose settings read the environment themselves (``BoardSettings``),
   drops a value from the file when its ``WEFTBOARD_*`` variable is set (``environment_wins``).
+- A top-level value never sets an option that ``TABLE_ONLY`` names for that command; a top-level
+  key that only such options would take is an ``InvalidArgument`` saying which table it goes in.
 - A key that names no option of its command (at the top level: of any command), a table that
   names no command, and a file that is not TOML are ``InvalidArgument`` errors naming the key,
   the command and the file; nothing of such a file is used.
@@ -35,7 +42,14 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser, as the tomli package (a dependency there)
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["config_default_map", "environment_wins", "read_config"]
+__all__ = ["TABLE_ONLY", "config_default_map", "environment_wins", "read_config"]
+
+# Options (by parameter name) a command takes only from its own table, never from the top level:
+# a server's own address and certificates, whose top-level keys mean something else elsewhere.
+TABLE_ONLY: dict[tuple[str, ...], frozenset[str]] = {
+    ("serve",): frozenset({"listen", "tls_cert", "tls_key", "tls_client_ca"}),
+    ("sidecar",): frozenset({"listen"}),
+}
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -115,12 +129,17 @@ def config_default_map(root: Command, config: Mapping[str, Any], source: str) ->
     _check_tables(root, config, (), source)
     common = {key: value for key, value in config.items() if not isinstance(value, Mapping)}
     used: set[str] = set()
+    held_back: dict[str, list[tuple[str, ...]]] = {}  # top-level keys TABLE_ONLY kept from commands
     default_map: dict[str, Any] = {}
     for path, command in _commands(root).items():
         keys = _option_keys(command)
         values: dict[str, Any] = {}
+        table_only = TABLE_ONLY.get(path, frozenset())
         for key, value in common.items():
             if _key(key) in keys:
+                if keys[_key(key)] in table_only:
+                    held_back.setdefault(key, []).append(path)
+                    continue
                 values[keys[_key(key)]] = value
                 used.add(key)
         for key, value in _section(config, path).items():
@@ -134,6 +153,11 @@ def config_default_map(root: Command, config: Mapping[str, Any], source: str) ->
                 node = node.setdefault(name, {})
             node[path[-1]] = values
     unused = sorted(set(common) - used)
+    for key in unused:
+        if key in held_back:
+            tables = " or ".join(f"[{'.'.join(path)}]" for path in held_back[key])
+            raise InvalidArgument(f"key {key!r} at the top of the config file {source}: a server's own setting is "
+                                  f"read only from its command's table; put it in {tables}")
     if unused:
         raise InvalidArgument(f"unknown key {unused[0]!r} at the top of the config file {source}: no weftboard "
                               f"command has an option --{unused[0].replace('_', '-')}")

@@ -4,6 +4,12 @@
 Flags may come from WEFTBOARD_* environment variables. Both reach the board over TLS with the
 board commands' ``--tls*`` flags (``board/commands.py``). A refused token or request (what
 retrying cannot cure) ends the command with exit code 1 and its reason, no traceback.
+Usage errors (``--destination``, ``--activation``, ``--listen`` that name nothing valid) are
+refused before anything starts, with one line naming the option and exit code 2; an ``OSError``
+at start-up (an island directory that cannot be made, a port taken) is one line and exit code 1,
+after closing what was opened. Blobs come from S3 (``--s3-endpoint``), else from the board's
+local blob directory (``--blob-dir``, ``WEFTBOARD_BLOB_DIR``: a board on the same filesystem
+serving no blob URLs, ``serve --blob-http-port -1``), else through URLs the board presigns.
 Island metrics (subscriber/metrics.py): the sidecar serves them at ``/metrics`` on its own port,
 ``subscribe`` on ``--metrics-port``.
 """
@@ -12,19 +18,49 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from pathlib import Path
 
+import structlog
 import typer
 
-from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
+from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
 from weftboard.board.channel import TlsConfig
-from weftboard.board.commands import with_tls_flags
+from weftboard.board.commands import (
+    check_host_port,
+    startup_error,
+    usage_error,
+    with_tls_flags,
+)
 from weftboard.board.logs import configure
 from weftboard.proto.errors import WeftboardError
 from weftboard.subscriber.bench import engine as bench_engine
 from weftboard.subscriber.engine_island import RunningIsland, start_island
-from weftboard.subscriber.engines.base import require_mode
+from weftboard.subscriber.engines.base import ActivationMode
 from weftboard.subscriber.local_follower import LocalFollowerConfig, run_local_follower
+
+log = structlog.get_logger("weftboard.commands")
+
+DESTINATIONS = ("dir", "memory")
+BLOB_DIR_HELP = ("Read blobs from the board's local blob directory (same filesystem; for a board serving "
+                 "no blob URLs, --blob-http-port -1).")
+
+
+def check_port_free(option: str, host: str, port: int) -> None:
+    """Exit 1 with one line when ``host:port`` cannot be bound (in use, not an address here),
+    before anything is opened that a failed bind would leave behind. Port 0 always binds."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            probe.bind(address)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        typer.echo(f"sidecar did not start: {option} {host}:{port}: {reason}", err=True)
+        raise typer.Exit(1) from None
 
 
 async def serve_until_stopped(island: RunningIsland, run: str) -> None:
@@ -65,6 +101,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         s3_bucket: str | None = typer.Option(None, envvar="WEFTBOARD_S3_BUCKET"),
         s3_secure: bool = typer.Option(False, envvar="WEFTBOARD_S3_SECURE"),
         s3_prefix: str = typer.Option("", envvar="WEFTBOARD_S3_PREFIX"),
+        blob_dir: Path | None = typer.Option(None, envvar="WEFTBOARD_BLOB_DIR", help=BLOB_DIR_HELP),
         destination: str = typer.Option("dir", help="dir: HF checkpoint directory; memory: live tensors in this process."),
         heartbeat_s: float = typer.Option(5.0),
         lease_s: int = typer.Option(15),
@@ -78,11 +115,13 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
     ) -> None:
         """Follow RUN into a local checkpoint directory, verified, atomically replaced."""
+        if destination not in DESTINATIONS:
+            usage_error("--destination", f"must be dir or memory, not {destination!r}")
         configure(json=log_json)
         cfg = LocalFollowerConfig(
             board=board, run=run, dir=dir, token=token, island_id=island_id, region=region,
             s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
-            s3_secure=s3_secure, s3_prefix=s3_prefix, destination=destination, heartbeat_s=heartbeat_s,
+            s3_secure=s3_secure, s3_prefix=s3_prefix, blob_dir=blob_dir, destination=destination, heartbeat_s=heartbeat_s,
             lease_s=lease_s, events=events, exit_at_version=exit_at_version, progress=progress, tls=tls_config,
             metrics_port=metrics_port, metrics_host=metrics_host,
         )
@@ -91,6 +130,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         except WeftboardError as exc:  # what retrying cannot cure (a refused token): the reason, no traceback
             typer.echo(f"subscribe stopped: {type(exc).__name__}: {exc}", err=True)
             raise typer.Exit(1) from None
+        except OSError as exc:  # the island directory cannot be made, the metrics port is taken
+            log.debug("subscribe could not start", exc_info=True)
+            startup_error("subscribe stopped", exc)
         raise typer.Exit(code)
 
     @app.command()
@@ -119,7 +161,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         s3_bucket: str | None = typer.Option(None, envvar="WEFTBOARD_S3_BUCKET"),
         s3_secure: bool = typer.Option(False, envvar="WEFTBOARD_S3_SECURE"),
         s3_prefix: str = typer.Option("", envvar="WEFTBOARD_S3_PREFIX"),
-        blob_dir: Path | None = typer.Option(None, help="Read blobs from a local blob directory (same machine)."),
+        blob_dir: Path | None = typer.Option(None, envvar="WEFTBOARD_BLOB_DIR", help=BLOB_DIR_HELP),
         scrub_interval_s: float = typer.Option(3600.0, envvar="WEFTBOARD_SCRUB_INTERVAL_S",
                                                help="Re-hash what the island serves this often (0: never); a "
                                                     "damaged version is quarantined and fetched again."),
@@ -127,25 +169,38 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
     ) -> None:
         """Serve RUN through ENGINE with version-aware requests, following the board."""
+        modes = [m.value for m in ActivationMode]
+        if activation not in modes:
+            usage_error("--activation", f"must be {' or '.join(modes)}, not {activation!r}")
+        mode = ActivationMode(activation)
+        host, port = check_host_port("--listen", listen)
+        host = host or "127.0.0.1"
         configure(json=log_json)
-        host, _, port = listen.rpartition(":")
-        mode = require_mode(activation)
-        store = None
-        if s3_endpoint:
-            store = S3BlobStore(s3_endpoint, s3_access_key or "", s3_secret_key or "", s3_bucket or "",
-                                secure=s3_secure, prefix=s3_prefix)
-        elif blob_dir is not None:
-            store = LocalDirBlobStore(blob_dir)
+        check_port_free("--listen", host.strip("[]"), port)
+        store: BlobStore | None = None
+        try:
+            if s3_endpoint:
+                store = S3BlobStore(s3_endpoint, s3_access_key or "", s3_secret_key or "", s3_bucket or "",
+                                    secure=s3_secure, prefix=s3_prefix)
+            elif blob_dir is not None:
+                store = LocalDirBlobStore(blob_dir)
+        except OSError as exc:  # a blob directory that cannot be made
+            startup_error("sidecar did not start", exc)
 
         async def main() -> None:
             try:
                 island = await start_island(
                     board=board, token=token, run=run, island_id=island_id, engine=engine, engine_url=engine_url,
-                    checkpoint_dir=dir / "checkpoint", cache_dir=dir / "cache", mode=mode, host=host or "127.0.0.1",
-                    port=int(port), blob_store=store, default_deadline_s=deadline_ms / 1000.0, tls=tls_config,
+                    checkpoint_dir=dir / "checkpoint", cache_dir=dir / "cache", mode=mode, host=host,
+                    port=port, blob_store=store, default_deadline_s=deadline_ms / 1000.0, tls=tls_config,
                     engine_api_key=engine_api_key, scrub_interval_s=scrub_interval_s,
                 )
-            except WeftboardError as exc:
+            except (WeftboardError, OSError) as exc:  # start_island closed what it had opened; the store is ours
+                if store is not None:
+                    await store.close()
+                if isinstance(exc, OSError):  # a directory that cannot be made, a port taken since the check
+                    log.debug("sidecar could not start", exc_info=True)
+                    startup_error("sidecar did not start", exc)
                 typer.echo(f"sidecar did not start: {type(exc).__name__}: {exc}", err=True)
                 raise typer.Exit(1) from None
             typer.echo(f"sidecar for run {run} serving on {island.url} (engine {engine}, activation {mode.value}; "

@@ -10,6 +10,11 @@ Invariants:
 - SIGTERM and SIGINT end the follow loop cleanly: the current step either completes (its
   swap is atomic) or leaves nothing behind, a last heartbeat says DRAINING, and the
   process exits 0.
+- Blobs come from S3 directly (``s3_endpoint``), else from a local blob directory the board
+  also uses (``blob_dir``: a board serving no blob URLs, ``--blob-http-port -1``, on the same
+  filesystem), else through the URLs the board presigns.
+- The island directory is made before anything is opened, so a directory that cannot be made
+  raises ``OSError`` with nothing left to close.
 - With ``events=True`` every verified version is printed to stdout as one JSON line
   (``{"event": "applied", "version": N, "t": <unix time>, ...}``) for benchmarks and tests.
 """
@@ -27,7 +32,7 @@ from pathlib import Path
 import structlog
 import torch
 
-from weftboard.board.blobs import S3BlobStore
+from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
 from weftboard.board.blobs.transfer import FAST_RECONNECT
 from weftboard.board.client import BoardClient, TlsConfig
 from weftboard.proto.v1 import board_pb2 as pb
@@ -55,6 +60,7 @@ class LocalFollowerConfig:
     s3_bucket: str | None = None
     s3_secure: bool = False
     s3_prefix: str = ""
+    blob_dir: Path | None = None  # a local blob directory the board shares (no S3 endpoint given)
     destination: str = "dir"  # "dir": checkpoint directory; "memory": live tensors in this process
     heartbeat_s: float = 5.0
     lease_s: int = 15
@@ -85,11 +91,13 @@ async def _destination(cfg: LocalFollowerConfig, client: BoardClient) -> Destina
 
 async def run_local_follower(cfg: LocalFollowerConfig) -> int:
     """Follow until SIGTERM/SIGINT (or ``exit_at_version``); the exit code."""
-    store = None
+    cfg.dir.mkdir(parents=True, exist_ok=True)
+    store: BlobStore | None = None
     if cfg.s3_endpoint:
         store = S3BlobStore(cfg.s3_endpoint, cfg.s3_access_key or "", cfg.s3_secret_key or "", cfg.s3_bucket or "",
                             secure=cfg.s3_secure, region="us-east-1", prefix=cfg.s3_prefix)
-    cfg.dir.mkdir(parents=True, exist_ok=True)
+    elif cfg.blob_dir is not None:
+        store = LocalDirBlobStore(cfg.blob_dir)
     client = BoardClient(cfg.board, cfg.token, tls=cfg.tls, options=FAST_RECONNECT)
     progress = ProgressReporter(rich=cfg.progress) if cfg.progress is not False else None
     metrics = IslandMetrics(cfg.run)
@@ -102,7 +110,7 @@ async def run_local_follower(cfg: LocalFollowerConfig) -> int:
         if metrics_port is not None:
             log.info("serving metrics", url=f"http://{cfg.metrics_host}:{metrics_port}/metrics")
         log.info("island starting", island=cfg.island_id, run=cfg.run, board=cfg.board, held=sub.held_version,
-                 destination=cfg.destination, blobs="s3" if store else "presigned")
+                 destination=cfg.destination, blobs=store.describe() if store else "presigned")
         if cfg.events:
             _emit({"event": "started", "island": cfg.island_id, "held": sub.held_version, "t": time.time(),
                    "metrics_port": metrics_port})

@@ -19,6 +19,7 @@ import pytest
 from boardkit import make_run, publish
 from typer.testing import CliRunner
 
+from weftboard.board.auth import bootstrap_id
 from weftboard.board.blobs import LocalDirBlobStore, S3BlobStore
 from weftboard.board.cli import build_app
 from weftboard.board.client import BoardClient
@@ -146,7 +147,8 @@ def test_serve_embedded_then_client_commands(tmp_path: Path) -> None:
     # A restart on the same data dir keeps history (append-only Redis) and the admin token.
     again = Served(data_dir)
     try:
-        assert "read from" in again.banner and admin in again.banner
+        # read back, not generated: named by its file and public id, never printed again
+        assert "read from" in again.banner and admin not in again.banner and bootstrap_id(admin) in again.banner
         hist = again.cli("history", "demo")
         assert hist.returncode == 0 and "4" in hist.stdout
         assert "head 4" in again.cli("status", "demo").stdout
