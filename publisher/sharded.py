@@ -84,6 +84,7 @@ from weftboard.publisher.commit import upload_and_note, upload_and_stage
 from weftboard.publisher.job import RECENT_VERSIONS, PublishHandle
 from weftboard.publisher.metrics import PublisherMetrics
 from weftboard.publisher.model_files import collect_model_files, open_run
+from weftboard.publisher.model_state import module_state
 from weftboard.publisher.sharded_exchange import exchange_slices
 from weftboard.publisher.sharded_layout import (
     RankHeader,
@@ -140,7 +141,9 @@ def _held(name: str, value: Any) -> tuple[torch.Tensor, tuple[int, ...], tuple[t
 
 
 def _held_state(model_or_state: Any) -> dict[str, tuple]:
-    state = model_or_state.state_dict() if isinstance(model_or_state, torch.nn.Module) else model_or_state
+    """Each tensor's (local part, full shape, its place); a module's weights as ``module_state``
+    reads them (wrappers removed, tied weights once), a state dict as given."""
+    state = module_state(model_or_state) if isinstance(model_or_state, torch.nn.Module) else model_or_state
     if not isinstance(state, Mapping):
         raise InvalidArgument(f"publish() takes an nn.Module or a state dict, not {type(state).__name__}")
     return {name: _held(name, value) for name, value in state.items()}
