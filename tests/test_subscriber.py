@@ -166,6 +166,11 @@ async def test_run_follows_new_versions_and_signals(board, local_store, tmp_path
                     assert await publish() == v
                 assert await sub.wait_for_version(4, 20) == 4
                 assert sub.version_changed.is_set()
+                # READY follows the version: after the CATCHING_UP report's round trip
+                for _ in range(200):
+                    if sub.state == pb.ISLAND_STATE_READY:
+                        break
+                    await asyncio.sleep(0.05)
                 assert seen == [1, 2, 3, 4] and sub.head == 4 and sub.state == pb.ISLAND_STATE_READY
                 assert bits_equal(dest.tensors, views[4])
             finally:

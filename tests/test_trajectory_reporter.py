@@ -102,7 +102,10 @@ async def test_an_oversized_record_is_refused_alone_and_batches_stay_within_a_ca
     naming it), so the records around it still arrive; a batch larger than one call's byte
     budget goes in several calls."""
     from weftboard.proto import errors
-    from weftboard.proto.limits import MAX_TRAJECTORY_BATCH_BYTES, MAX_TRAJECTORY_RECORD_BYTES
+    from weftboard.proto.limits import (
+        MAX_TRAJECTORY_BATCH_BYTES,
+        MAX_TRAJECTORY_RECORD_BYTES,
+    )
 
     admin = BoardClient(board.address, board.admin_token)
     reporter = TrajectoryReporter(admin, flush_interval_s=0.05, batch_size=500)
