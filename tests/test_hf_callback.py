@@ -14,19 +14,17 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import trl
 from datasets import Dataset
+from distkit import run_ranks
 from pubsubkit import WARM_KERNELS, bits_equal, first_difference, follow_each
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -46,6 +44,7 @@ from transformers import (
 
 from weftboard.board.blobs.localdir import LocalDirBlobStore
 from weftboard.board.client import BoardClient
+from weftboard.board.embedded import free_port
 from weftboard.proto.errors import InvalidArgument
 from weftboard.publisher import WeftboardCallback
 from weftboard.publisher.hf_callback import VERSION_LOG_KEY
@@ -277,12 +276,6 @@ def test_the_publisher_package_never_imports_transformers_itself() -> None:
 # -- a sharded job: every rank publishes through the callback ----------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sharded_rank(rank: int, world: int, cfg: dict[str, Any]) -> None:
     """One rank: a tiny Llama under FSDP2, AdamW steps, the callback's hooks at each step."""
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415  (child process only)
@@ -330,19 +323,10 @@ async def test_a_sharded_job_publishes_through_the_callback_on_every_rank(board,
     out = tmp_path / "out"
     out.mkdir()
     cfg = {"board": board.address, "token": board.admin_token, "blobs": str(local_store.root), "out": str(out),
-           "steps": 2, "port": _free_port()}
+           "steps": 2, "port": free_port()}
 
     def spawn() -> list[int | None]:
-        ctx = mp.spawn(_sharded_rank, args=(2, cfg), nprocs=2, join=False)
-        end = time.monotonic() + 150
-        for p in ctx.processes:
-            p.join(max(0.1, end - time.monotonic()))
-        hung = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
-        for r in hung:
-            ctx.processes[r].kill()
-            ctx.processes[r].join(10)
-        assert not hung, f"rank(s) {hung} still running after 150s (killed)"
-        return [p.exitcode for p in ctx.processes]
+        return run_ranks(_sharded_rank, 2, (2, cfg), deadline_s=150)
 
     assert await asyncio.to_thread(spawn) == [0, 0]
     reports = [json.loads((out / f"report-{r}.json").read_text()) for r in range(2)]
