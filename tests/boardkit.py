@@ -7,6 +7,8 @@ publisher does, so the board's existence and size checks run for real.
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 
 import xxhash
 
@@ -69,3 +71,19 @@ async def publish(client, blobs, run: str, versions, **kw) -> list[pb.VersionRec
         record = await make_record(blobs, run, v, **kw)
         out.append((await client.commit_version(record)).record)
     return out
+
+
+def read_serve_banner(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> str:
+    """The banner a ``weftboard serve`` subprocess printed (through its ``data dir`` line); fails
+    the test with what it printed if it exits first or prints none within ``timeout_s``."""
+    assert proc.stdout is not None and proc.stderr is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"serve exited early ({proc.wait()}):\n{''.join(lines)}\n{proc.stderr.read()}")
+        lines.append(line)
+        if line.startswith("data dir"):
+            return "".join(lines)
+    raise AssertionError(f"no banner within {timeout_s}s:\n{''.join(lines)}")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from boardkit import make_run, publish
+from boardkit import make_run, publish, read_serve_banner
 from typer.testing import CliRunner
 
 from weftboard.board.auth import bootstrap_id
@@ -47,19 +47,7 @@ class Served:
             [*WEFTBOARD, "serve", "--listen", self.address, *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
         )
-        self.banner = self._read_banner(timeout_s)
-
-    def _read_banner(self, timeout_s: float) -> str:
-        lines: list[str] = []
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise AssertionError(f"serve exited early ({self.proc.wait()}):\n{''.join(lines)}\n{self.proc.stderr.read()}")
-            lines.append(line)
-            if line.startswith("data dir"):
-                return "".join(lines)
-        raise AssertionError(f"no banner within {timeout_s}s:\n{''.join(lines)}")
+        self.banner = read_serve_banner(self.proc, timeout_s)
 
     def cli(self, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
         env = dict(self.env, WEFTBOARD_BOARD=self.address)

@@ -18,12 +18,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import typer
+from boardkit import read_serve_banner
 from pubsubkit import Trainer
 from typer.testing import CliRunner
 
@@ -160,7 +160,7 @@ def test_serve_creates_a_missing_bucket_and_serves(s3_server: ManagedProcess, re
     bucket = f"wb-start-{uuid.uuid4().hex[:12]}"
     proc = _serve_s3(redis_url, tmp_path, s3_server.endpoint, s3_server.access_key, s3_server.secret_key, bucket)
     try:
-        banner = _read_banner(proc)
+        banner = read_serve_banner(proc)
         assert f"s3://{bucket}/" in banner, banner
     finally:
         code, _ = _stop(proc)
@@ -170,20 +170,6 @@ def test_serve_creates_a_missing_bucket_and_serves(s3_server: ManagedProcess, re
 # ---------------------------------------------------------------------------
 # serve's banner and the admin token
 # ---------------------------------------------------------------------------
-
-
-def _read_banner(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> str:
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"serve exited early ({proc.wait()}):\n{''.join(lines)}\n{proc.stderr.read()}")
-        lines.append(line)
-        if line.startswith("data dir"):
-            return "".join(lines)
-    raise AssertionError(f"no banner within {timeout_s}s:\n{''.join(lines)}")
 
 
 def _stop(proc: subprocess.Popen[str]) -> tuple[int, str]:
@@ -203,7 +189,7 @@ def _banner(redis_url: str, data_dir: Path, *args: str, **env: str) -> tuple[str
          "--blob-http-port", "-1", "--data-dir", str(data_dir), *args[args.index("serve") + 1:]],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(**env))
     try:
-        banner = _read_banner(proc)
+        banner = read_serve_banner(proc)
     finally:
         code, rest = _stop(proc)
     assert code == 0, rest

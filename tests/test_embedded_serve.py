@@ -20,6 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import xxhash
+from boardkit import read_serve_banner
 from safetensors.torch import load_file
 
 from weftboard.board.blob_http import BlobHttpServer
@@ -143,19 +144,6 @@ def _env(data_dir: Path) -> dict[str, str]:
     return env
 
 
-def _read_banner(proc: subprocess.Popen[str], timeout_s: float = 60.0) -> str:
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"serve exited early ({proc.wait()}):\n{''.join(lines)}\n{proc.stderr.read()}")
-        lines.append(line)
-        if line.startswith("data dir"):
-            return "".join(lines)
-    raise AssertionError(f"no banner within {timeout_s}s:\n{''.join(lines)}")
-
-
 def _island_root(version_dir: Path) -> str:
     tensors: dict = {}
     for f in sorted(version_dir.glob("*.safetensors")):
@@ -183,7 +171,7 @@ def no_flag_board(tmp_path_factory: pytest.TempPathFactory, warm_kernels: object
     board = subprocess.Popen([*WEFTBOARD, "serve", "--listen", address], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
     try:
-        banner = _read_banner(board)
+        banner = read_serve_banner(board)
         admin = re.search(r"admin token\s+(\S+)", banner).group(1)
         yield NoFlagBoard(address, admin, env, banner)
     finally:
