@@ -115,6 +115,44 @@ def _peft_state(peft_model: nn.Module) -> dict[str, Any]:
             elif prefix not in done:  # the merged tensors take the place of the wrapper's first ones
                 done.add(prefix)
                 out.update(_merged(prefix, wrappers[prefix]))
+    return _tied_to_merged(out, state, wrappers)
+
+
+def _alias_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _tied_to_merged(out: dict[str, Any], state: Mapping[str, Any], wrappers: Mapping[str, nn.Module]) -> dict[str, Any]:
+    """``out`` with every name tied to a merged weight (the same tensor as its base weight: an
+    embedding tied to an adapted output head) holding that merged tensor, as ``merge_and_unload``
+    leaves them (it merges in place, into the shared storage), so ``drop_aliases`` keeps one name.
+    A tied tensor with an adapter under two of its names cannot be merged once: refused."""
+    merged: dict[tuple, tuple[str, torch.Tensor]] = {}  # the base weight's alias key -> (name, merged)
+    for key, value in out.items():
+        prefix = _owner(key, wrappers)
+        if prefix is None or not isinstance(value, torch.Tensor):
+            continue
+        rest = key[len(prefix) + 1:] if prefix else key
+        original = state.get(f"{prefix}.base_layer.{rest}" if prefix else f"base_layer.{rest}")
+        if isinstance(original, torch.Tensor) and original.numel():
+            alias = _alias_key(original)
+            if alias in merged and merged[alias][1] is not value:
+                raise InvalidArgument(f"cannot publish the merged weights of {merged[alias][0]!r} and {key!r}: "
+                                      "they are one tied tensor with an adapter under each name")
+            merged[alias] = (key, value)
+        copied = state.get(f"{prefix}.original_module.{rest}" if prefix else f"original_module.{rest}")
+        if isinstance(copied, torch.Tensor) and copied.numel():  # a modules_to_save copy of a tied tensor
+            tied = [k for k, v in out.items() if k != key and isinstance(v, torch.Tensor) and v.numel()
+                    and _alias_key(v) == _alias_key(copied)]
+            if tied:
+                raise InvalidArgument(f"cannot publish PEFT module {prefix!r}: it trains a copy (modules_to_save) of "
+                                      f"a tensor tied to {tied[0]!r}, so the served model would no longer be tied; "
+                                      "untie them, or adapt the tensor with LoRA instead")
+    if not merged:
+        return out
+    for key, value in out.items():
+        if isinstance(value, torch.Tensor) and value.numel() and (hit := merged.get(_alias_key(value))) is not None:
+            out[key] = hit[1]
     return out
 
 

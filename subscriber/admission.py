@@ -42,6 +42,7 @@ class VersionState:
         self.head = 0
         self.error: str | None = None
         self.withdrawn: str | None = None  # why the engine's weights are no verified version, else None
+        self.withdrawals = 0  # how many times ``withdraw`` was called: a request spanning one sees it change
         self.caught_up_once = False
         self.activated_at: dict[int, float] = {}
         self._changed = asyncio.Condition()
@@ -79,6 +80,7 @@ class VersionState:
         readiness says why, until a version is activated (``set_held``)."""
         self.held = 0
         self.error = self.withdrawn = message
+        self.withdrawals += 1  # counted here, at once: a version activated right after cannot hide it
         await self._notify()
 
     async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:

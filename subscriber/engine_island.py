@@ -140,6 +140,9 @@ async def _engine_trouble(adapter: HttpEngineAdapter) -> tuple[str, bool] | None
         answer = await adapter.call("GET", "/health", timeout_s=min(adapter.timeout_s, 5.0))
     except ApplyError as exc:
         return f"it does not answer its health check: {exc}", False
+    except ValueError as exc:  # a 2xx whose JSON does not parse: it answers, without a version to read
+        log.warning("the engine's health answer is not JSON", error=str(exc))
+        return None
     version = answer.get("version") if isinstance(answer, dict) else None
     served = adapter.served_version()
     if isinstance(version, int) and served > 0 and version != served:

@@ -25,7 +25,7 @@ Invariants:
   ``version_end`` when the response is complete: a request is attributed to the versions
   it actually ran on. An exact-version request never spans an activation (the gate).
 - An answer whose request ran while the island withdrew its version (``VersionState.withdrawn``
-  set, or set and cleared again, meanwhile: counted by ``_watch_withdrawals``) is never served
+  set, or set and cleared again, meanwhile: ``VersionState.withdrawals`` changed) is never served
   nor reported: 503 ``no_verified_version``. Once a stream's headers are sent no second answer
   is possible: a withdrawal, or an engine stream that breaks off, ends it with the error event
   ``{"error": {"code", "message"}, "weftboard": {...}}`` and no ``[DONE]``.
@@ -62,7 +62,6 @@ from aiohttp import web
 
 from weftboard.proto.errors import DeadlineExceeded, InvalidArgument, WeftboardError
 from weftboard.subscriber.admission import AdmissionGate, Ticket, VersionState
-from weftboard.subscriber.cancel import cancel_and_wait
 from weftboard.subscriber.engines.http import engine_session
 from weftboard.subscriber.metrics import IslandMetrics
 from weftboard.subscriber.sidecar_request import (  # noqa: F401 - re-exported: the sidecar's request vocabulary
@@ -210,8 +209,6 @@ class Sidecar:
         self.rejected = 0
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        self.withdrawals = 0  # times the island's version was withdrawn since ``start`` (``_watch_withdrawals``)
-        self._watcher: asyncio.Task | None = None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -234,15 +231,12 @@ class Sidecar:
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         port = self._runner.addresses[0][1]
-        self._watcher = asyncio.create_task(self._watch_withdrawals(), name=f"withdrawals-{self.config.island_id}")
         self.url = f"http://{self.config.host}:{port}"
         if self.reporter is not None:
             self.reporter.start()
         return self.url
 
     async def stop(self) -> None:
-        if self._watcher is not None:
-            await cancel_and_wait([self._watcher])
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -313,23 +307,13 @@ class Sidecar:
         return web.json_response(body, status=status, headers={"Retry-After": str(max(1, math.ceil(retry))),
                                                             **labels})
 
-    async def _watch_withdrawals(self) -> None:
-        """Count each withdrawal of the island's version (``VersionState.withdraw``), so a request
-        running across one is caught even when a version was activated again before it ended."""
-        while True:
-            while not await self.state.wait_for(lambda: self.state.withdrawn is not None, 3600.0):
-                pass
-            self.withdrawals += 1
-            while not await self.state.wait_for(lambda: self.state.withdrawn is None, 3600.0):
-                pass
-
     def _withdrawn_since(self, withdrawals: int) -> str | None:
-        """Why the answer of a request admitted when ``self.withdrawals`` was ``withdrawals`` must not
+        """Why the answer of a request admitted when ``state.withdrawals`` was ``withdrawals`` must not
         be served: the island withdrew its version while it ran (in ``in_place`` mode it went on
         computing on weights nobody vouches for). None when it did not."""
         if self.state.withdrawn is not None:
             return f"the island serves no verified version: {self.state.withdrawn}"
-        if self.withdrawals != withdrawals:
+        if self.state.withdrawals != withdrawals:
             return "the island withdrew its version while the request ran (it has activated one again since)"
         return None
 
@@ -404,7 +388,7 @@ class Sidecar:
         if self.metrics is not None:
             self.metrics.request(plan.constraint, "admitted")
         started = time.monotonic()
-        start_version, withdrawals = self.state.held, self.withdrawals
+        start_version, withdrawals = self.state.held, self.state.withdrawals
         usage = Usage()
         try:
             response = await self._forward(request, plan, start_version, usage, withdrawals)

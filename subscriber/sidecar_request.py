@@ -6,8 +6,8 @@ admits it. A request names them in headers (``X-Weftboard-Version``, ``X-Weftboa
 ``weftboard_deadline_ms``, ``weftboard_labels``).
 
 Invariants:
-- The ``weftboard_*`` body fields are removed from the body that goes to the engine; a body
-  field wins over its header.
+- The ``weftboard_*`` body fields are removed from the body that goes to the engine; the body's
+  version constraint wins over the header's, the header's deadline over the body's.
 - A malformed field raises ``InvalidArgument`` naming it (the sidecar answers 400); a deadline
   is a finite number of milliseconds (``nan`` and ``inf`` are refused).
 """

@@ -227,3 +227,17 @@ async def test_in_place_request_across_an_activation_that_withdraws_is_not_serve
         await asyncio.sleep(1.0)  # the engine's loader thread ends
         await island.stop()
         await server.stop()
+
+
+async def test_a_withdrawal_undone_at_once_is_still_counted() -> None:
+    """``withdraw`` then ``set_held`` with no yield between them (a reload right after an engine
+    loss): a request admitted before still sees that the weights it ran on were withdrawn."""
+    from weftboard.subscriber.admission import VersionState
+
+    state = VersionState()
+    await state.set_held(3)
+    admitted = state.withdrawals
+    await state.withdraw("the engine restarted")
+    await state.set_held(3)
+    assert state.withdrawn is None and state.held == 3
+    assert state.withdrawals == admitted + 1
