@@ -16,9 +16,10 @@ Invariants (what makes Watch gap-free and duplicate-free):
 - A feed stops when its last subscriber leaves; a new subscriber starts a fresh one.
 - The events stream, read from the feed's cursor, is what a feed delivers; a notification only
   says when to read. A feed clears its wake-up before each read, so a commit during a read
-  wakes it again, and it reads at least every ``poll_s`` seconds, so a lost notification (the
-  listener reconnecting; a replica of an older board that does not publish) costs latency,
-  never an event. The listener wakes every feed when it (re)subscribes.
+  wakes it again, and it reads at least every ``poll_s`` seconds while the listener is not
+  subscribed (every ``QUIET_POLL_S`` while it is), so a lost notification (the listener
+  reconnecting; a replica of an older board that does not publish) costs latency, never an
+  event. The listener wakes every feed when it (re)subscribes and when it loses its connection.
 - Every board replica runs its own feeds over the same durable stream (on a Redis Cluster,
   the node of the run's slot), so watchers on any replica see every commit once, in order;
   replicas share nothing else.
@@ -82,7 +83,8 @@ FeedItem = Union[FeedEvent, StagedEvent, "_Tick", BaseException]
 
 
 MAX_TICK_S = 0.25  # the longest pause between two passes of a feed's ticker
-POLL_S = 1.0  # a feed reads its run's events at least this often, notified or not
+POLL_S = 1.0  # a feed reads its run's events at least this often while notifications are down
+QUIET_POLL_S = 30.0  # ... and this often while the listener is subscribed (a notification may still be lost)
 LISTEN_BACKOFF_S = 0.25  # the first pause before the commit listener subscribes again
 MAX_LISTEN_BACKOFF_S = 5.0
 XREAD_COUNT = 1000  # the most events one XREAD of a feed hands to every mailbox at once
@@ -192,10 +194,12 @@ class RunFeed:
     idle stream costs no Redis round trip. Idle detection is one ticker per feed rather
     than a timer per stream re-armed on every event (a thousand streams)."""
 
-    def __init__(self, store: RedisStore, run: str, poll_s: float, tick_s: float) -> None:
+    def __init__(self, store: RedisStore, run: str, poll_s: float, tick_s: float,
+                 listening: asyncio.Event | None = None) -> None:
         self.store = store
         self.run = run
         self.poll_s = poll_s
+        self.listening = listening  # set while notifications come (``FanOut``): the poll can be slow
         self.wake = asyncio.Event()  # set by ``FanOut``'s listener when the run committed
         self.tick_s = tick_s
         self.head = 0
@@ -266,8 +270,9 @@ class RunFeed:
                     for sub in tuple(self.subs):
                         sub.queue.put_nowait(event)
                 if len(entries) < XREAD_COUNT:  # caught up: wait for the run's next commit
+                    notified = self.listening is not None and self.listening.is_set()
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), self.poll_s)
+                        await asyncio.wait_for(self.wake.wait(), max(self.poll_s, QUIET_POLL_S) if notified else self.poll_s)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001
@@ -323,7 +328,7 @@ class FanOut:
         if feed is None or feed.task is None or feed.task.done():
             if feed is not None:
                 feed.cancel()
-            feed = RunFeed(self.store, run, self.poll_s, self.tick_s)
+            feed = RunFeed(self.store, run, self.poll_s, self.tick_s, self.listening)
             self._feeds[run] = feed
             feed.start()
         sub = Subscription(feed, interval_s, staged=staged)

@@ -225,8 +225,11 @@ class RedisStore:
         self.blocking = open_redis(self.target, socket_timeout_s=BLOCKING_LIMIT_S + socket_timeout_s,
                                    connect_timeout_s=socket_timeout_s, max_connections=max_connections)
         # Pub/Sub connections (the commits listener; a hint listener per run whose watchers ask for
-        # staged parts) each hold a connection while they listen: on a client of their own, so
-        # that however many runs are watched they never take a connection a request needs.
+        # staged parts) each hold a connection while they listen: on a single Redis, from a client
+        # of their own, so that however many runs are watched they never take a connection a
+        # request needs. On a cluster they come from the request client's node pools: its slot
+        # map is the one the board's commands keep current across a failover (a client that only
+        # subscribes never refreshes its own), so a listener that reconnects finds the new master.
         self.pubsub_redis = open_redis(self.target, socket_timeout_s=socket_timeout_s,
                                        connect_timeout_s=socket_timeout_s, max_connections=PUBSUB_MAX_CONNECTIONS)
         self._commit = self.redis.register_script(COMMIT_LUA)
@@ -412,20 +415,18 @@ class RedisStore:
     async def staged_listener(self, run: str) -> aioredis.client.PubSub | ClusterPubSub:
         """A Pub/Sub connection for ``k_staged(run)`` (the caller subscribes and closes it); in a
         cluster, on the node serving the run's slot, where the board publishes its hints."""
-        client = self.pubsub_redis
-        if isinstance(client, RedisCluster):
-            await client.initialize()  # the slot map, which a client learns on its first command
-            return client.pubsub(node=client.get_node_from_key(k_staged(run)), ignore_subscribe_messages=True)
-        return client.pubsub(ignore_subscribe_messages=True)
+        if isinstance(self.redis, RedisCluster):
+            await self.redis.initialize()  # (a no-op once the board's first command has run)
+            return self.redis.pubsub(node=self.redis.get_node_from_key(k_staged(run)), ignore_subscribe_messages=True)
+        return self.pubsub_redis.pubsub(ignore_subscribe_messages=True)
 
     async def commits_listener(self) -> aioredis.client.PubSub | ClusterPubSub:
         """A Pub/Sub connection for ``COMMITS_CHANNEL`` (the caller subscribes and closes it); in a
         cluster, on the node serving the channel's name, which hears every node's commits."""
-        client = self.pubsub_redis
-        if isinstance(client, RedisCluster):
-            await client.initialize()  # the slot map, which a client learns on its first command
-            return client.pubsub(node=client.get_node_from_key(COMMITS_CHANNEL))
-        return client.pubsub()
+        if isinstance(self.redis, RedisCluster):
+            await self.redis.initialize()  # (a no-op once the board's first command has run)
+            return self.redis.pubsub(node=self.redis.get_node_from_key(COMMITS_CHANNEL))
+        return self.pubsub_redis.pubsub()
 
     async def events_from(self, run: str, cursor: bytes, count: int) -> list[tuple[bytes, dict]]:
         """Up to ``count`` entries of the run's events stream after the entry id ``cursor``, at

@@ -83,7 +83,7 @@ def apply_patch_(tensors: Mapping[str, torch.Tensor], data: bytes | bytearray | 
     targets = [(_checked_target(tensors, e), e) for e in c.entries]
     once = _SharedMemory()
     steps = [(t, e, _parsed_step(t, e, c.streams[e["name"]])) for t, e in targets
-             if e["mode"] != "empty" and once.first(t, e["name"])]
+             if e["mode"] != "empty" and once.writer(t, e["name"]) == e["name"]]
     applied = _applied_patch(c.header, c.entries)
     batched = [(t, e, s) for t, e, s in steps if isinstance(s, context_huffman.ContextHuffmanStream)]
     try:
@@ -109,7 +109,8 @@ def apply_patch_arriving_(tensors: Mapping[str, torch.Tensor], parts: Sequence[A
     header is checked whole, and every target against it, before any write of that part
     (and against the parts read before it: same transition, no tensor twice); then each
     tensor's stream is checked (xxh3-64) and applied as soon as it has arrived, and
-    ``on_tensor(name)`` is called after each changed tensor is written. Any failure (a
+    ``on_tensor(name)`` is called after each changed tensor is written (also for a name sharing
+    its memory, written once with the first). Any failure (a
     damaged stream, a download that gave up) undoes every write of this call, in every part,
     before it is raised. The caller still owes each part's digest check before trusting the
     result.
@@ -118,6 +119,8 @@ def apply_patch_arriving_(tensors: Mapping[str, torch.Tensor], parts: Sequence[A
         raise InvalidArgument("a patch has at least one part")
     applied: AppliedPatch | None = None
     once = _SharedMemory()
+    aliases: dict[str, list[str]] = {}  # a written name -> the names sharing its memory, told with it
+    done_names: set[str] = set()
     heads = {i: (0, min(8, blob.size)) for i, blob in enumerate(parts)}  # what a part's header awaits
     header_len: dict[int, int] = {}
     # Awaited tensor streams: (part, span, target, entry).
@@ -135,8 +138,10 @@ def apply_patch_arriving_(tensors: Mapping[str, torch.Tensor], parts: Sequence[A
                     _, _, target, entry = awaited_streams[k - len(awaited_heads)]
                     _write_step(applied, target, entry, _parsed_step(target, entry, blob.wait(*span)))
                     written.add(k - len(awaited_heads))
+                    done_names.add(entry["name"])
                     if on_tensor is not None:
-                        on_tensor(entry["name"])
+                        for name in (entry["name"], *aliases.pop(entry["name"], ())):
+                            on_tensor(name)
                 elif i not in header_len:
                     header_len[i] = header_length(blob.wait(*span), blob.size)
                     heads[i] = (8, 8 + header_len[i])
@@ -144,8 +149,15 @@ def apply_patch_arriving_(tensors: Mapping[str, torch.Tensor], parts: Sequence[A
                     header, entries, spans = parse_container_header(blob.wait(*span), blob.size)
                     targets = [(_checked_target(tensors, e), e) for e in entries]
                     applied = _applied_patch(header, entries) if applied is None else _with_part(applied, header, entries)
-                    streams += [(i, spans[e["name"]], t, e) for t, e in targets
-                                if e["mode"] != "empty" and once.first(t, e["name"])]
+                    for t, e in targets:
+                        owner = once.writer(t, e["name"]) if e["mode"] != "empty" else None
+                        if owner == e["name"]:
+                            streams.append((i, spans[e["name"]], t, e))
+                        elif owner is not None and owner in done_names:  # its memory is written already
+                            if on_tensor is not None:
+                                on_tensor(e["name"])
+                        elif owner is not None:  # written with its owner's stream: told then
+                            aliases.setdefault(owner, []).append(e["name"])
                     del heads[i]
             streams = [s for j, s in enumerate(awaited_streams) if j not in written] + streams
     except BaseException:
@@ -201,9 +213,9 @@ class _SharedMemory:
     def __init__(self) -> None:
         self._spans: dict[tuple[str, int], list[tuple[int, int, str]]] = {}  # per storage, sorted, disjoint
 
-    def first(self, target: torch.Tensor, name: str) -> bool:
-        """Whether ``target`` is written for entry ``name``: False for memory an earlier entry
-        writes; ``InvalidArgument`` for memory that overlaps one in part."""
+    def writer(self, target: torch.Tensor, name: str) -> str:
+        """The entry whose stream writes ``target``'s memory: ``name`` itself, or the earlier entry
+        that writes the same memory; ``InvalidArgument`` for memory that overlaps one in part."""
         size = target.element_size()
         start = target.untyped_storage().data_ptr() + target.storage_offset() * size
         span = (start, start + target.numel() * size, name)
@@ -211,12 +223,12 @@ class _SharedMemory:
         at = bisect.bisect_left(spans, span)
         for s, e, other in spans[max(at - 1, 0):at + 1]:  # the spans are disjoint: only neighbours can meet it
             if (s, e) == span[:2]:
-                return False
+                return other
             if s < span[1] and span[0] < e:
                 raise InvalidArgument(f"destination tensors {other!r} and {name!r} overlap in memory without "
                                       "being the same tensor; a patch cannot write both")
         spans.insert(at, span)
-        return True
+        return name
 
 
 def _checked_target(tensors: Mapping[str, torch.Tensor], entry: Mapping[str, Any]) -> torch.Tensor:

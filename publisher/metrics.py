@@ -11,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -52,8 +53,8 @@ class PublisherMetrics:
             self.uploaded_bytes.labels(run, kind)
         for histogram in (self.blocked_seconds, self.snapshot_seconds, self.commit_latency):
             histogram.labels(run)
-        if pending is not None:
-            self.pending.labels(run).set_function(pending)
+        if pending is not None:  # held weakly: the endpoint's thread must not keep its publisher alive
+            self.pending.labels(run).set_function(_weakly(pending))
         self.endpoint = MetricsEndpoint(r)
 
     @property
@@ -84,3 +85,16 @@ class PublisherMetrics:
         self.blocked_seconds.labels(self.run).observe(blocked_s)
         self.snapshot_seconds.labels(self.run).observe(snapshot_s)
         self.commit_latency.labels(self.run).observe(latency_s)
+
+
+def _weakly(fn: Callable[[], float]) -> Callable[[], float]:
+    """``fn`` (a bound method: a weak reference to its object), or 0 once the object is gone."""
+    if not hasattr(fn, "__self__"):
+        return fn
+    ref = weakref.WeakMethod(fn)  # type: ignore[arg-type]
+
+    def call() -> float:
+        method = ref()
+        return method() if method is not None else 0
+
+    return call

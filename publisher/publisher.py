@@ -80,12 +80,13 @@ __all__ = ["Publisher", "PublishHandle"]
 log = structlog.get_logger("weftboard.publisher")
 
 
-def _abandon(run: str, jobs: Pipeline, loop: asyncio.AbstractEventLoop,
-             pools: tuple[concurrent.futures.Executor, ...], work_dir: Path | None) -> None:
+def _abandon(run: str, jobs: Pipeline, loop: asyncio.AbstractEventLoop, pools: tuple[concurrent.futures.Executor, ...],
+             work_dir: Path | None, metrics: PublisherMetrics) -> None:
     """Close a publisher that was not closed, without waiting (its finalizer; it must not hold
-    the publisher): the versions not committed are aborted, the loop and pools stop, and its own
-    work dir is removed."""
+    the publisher): the versions not committed are aborted, the loop, pools and metrics endpoint
+    stop, and its own work dir is removed."""
     log.info("closing a publisher that was not closed", run=run)
+    metrics.stop()
     jobs.close()
     if not loop.is_closed():
         loop.call_soon_threadsafe(loop.stop)
@@ -203,8 +204,8 @@ class Publisher:
         self._uploader: Uploader | None = None
         self._worker: asyncio.Task | None = None
         self._finalizer = weakref.finalize(
-            self, _abandon, self.run, self._jobs, self._loop,
-            (self._snapshot_pool, self._hash_pool, self._encode_pool), self.work_dir if self._own_work_dir else None)
+            self, _abandon, self.run, self._jobs, self._loop, (self._snapshot_pool, self._hash_pool, self._encode_pool),
+            self.work_dir if self._own_work_dir else None, self.metrics)
 
     # -- public API --------------------------------------------------------------------
 

@@ -174,9 +174,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             usage_error("--activation", f"must be {' or '.join(modes)}, not {activation!r}")
         mode = ActivationMode(activation)
         host, port = check_host_port("--listen", listen)
+        host = host.strip("[]")  # an IPv6 address binds without its brackets
         host = host or "127.0.0.1"
         configure(json=log_json)
-        check_port_free("--listen", host.strip("[]"), port)
+        check_port_free("--listen", host, port)
         store: BlobStore | None = None
         try:
             if s3_endpoint:

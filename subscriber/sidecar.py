@@ -231,7 +231,8 @@ class Sidecar:
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
         port = self._runner.addresses[0][1]
-        self.url = f"http://{self.config.host}:{port}"
+        host = self.config.host
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         if self.reporter is not None:
             self.reporter.start()
         return self.url

@@ -36,7 +36,9 @@ def test_a_tensor_under_two_names_takes_the_patch_once(encoding: str, arriving: 
     if arriving:
         blob = ArrivingBytes(len(data))
         blob.put(0, data)
-        applied = apply_patch_arriving_(tensors, [blob], timeout_s=5)
+        told: list[str] = []
+        applied = apply_patch_arriving_(tensors, [blob], on_tensor=told.append, timeout_s=5)
+        assert sorted(told) == ["embed", "lm_head"]  # both rehashed by a destination: both are new
     else:
         applied = apply_patch_(tensors, data)
     assert torch.equal(tied.view(torch.int16), new.view(torch.int16))

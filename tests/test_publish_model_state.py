@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -185,10 +186,11 @@ class FakeIA3(nn.Module):
 # -- PEFT itself -------------------------------------------------------------------------------
 
 
-def _tiny_llama() -> nn.Module:
+def _tiny_llama(tied: bool = False) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=tied)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -217,6 +219,31 @@ def test_a_peft_model_publishes_what_merge_and_unload_gives() -> None:
     dora = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(InvalidArgument, match=r"'model\.layers\.0\.self_attn\.q_proj'.*DoRA"):
         publishable_state(dora)
+
+
+@pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
+def test_a_tied_tensor_with_an_adapter_is_published_once_merged(target: str) -> None:
+    """Tied embeddings with LoRA on one of the two names: ``merge_and_unload`` merges into the
+    shared storage, so both names hold the merged weight, published once under the first name."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_tiny_llama(tied=True), peft.LoraConfig(r=4, target_modules=["q_proj", target]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(torch.randn_like(p))
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    got = master_state(model)
+    assert "lm_head.weight" not in got and "model.embed_tokens.weight" in got
+    assert all(torch.equal(got[n], want[n]) for n in got), [n for n in got if not torch.equal(got[n], want[n])]
+    assert torch.equal(got["model.embed_tokens.weight"], want["lm_head.weight"])
+
+
+def test_a_trained_copy_of_a_tied_tensor_is_refused() -> None:
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_tiny_llama(tied=True), peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                                          modules_to_save=["lm_head"]))
+    with pytest.raises(InvalidArgument, match=r"'lm_head'.*tied to 'model\.embed_tokens\.weight'"):
+        master_state(model)
 
 
 # -- a publisher that is not closed ------------------------------------------------------------
@@ -315,3 +342,18 @@ def test_the_callback_closes_its_publisher_when_on_train_begin_fails(monkeypatch
     assert weft.publisher is None
     assert len(opened) == 1 and opened[0]._jobs.closed
     assert not opened[0].work_dir.exists()
+
+
+def test_a_publisher_with_a_metrics_endpoint_left_open_is_closed_when_it_is_garbage() -> None:
+    """The endpoint's gauge reads the publisher weakly, so it does not keep it alive; the
+    finalizer stops the endpoint too."""
+    import urllib.request
+
+    pub = Publisher("127.0.0.1:1", "left-open-metrics", metrics_port=0)
+    work_dir, port, ref = pub.work_dir, pub.metrics.port, weakref.ref(pub)
+    assert port
+    del pub
+    gc.collect()
+    assert ref() is None and not work_dir.exists()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)

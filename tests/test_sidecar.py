@@ -583,3 +583,17 @@ def test_rename_base_models_leaves_what_it_cannot_read():
     odd_entries = {"data": [7, {"id": ["not", "a", "name"]}, {"id": "base"}, {"id": "x", "parent": {"a": 1}}]}
     assert rename_base_models(odd_entries, "m") == {
         "data": [7, {"id": ["not", "a", "name"]}, {"id": "m"}, {"id": "x", "parent": {"a": 1}}]}
+
+
+async def test_a_sidecar_listens_on_an_ipv6_address() -> None:
+    """``--listen [::1]:PORT``: the host binds without its brackets, and the URL has them."""
+    state = VersionState()
+    sidecar = Sidecar(SidecarConfig("http://127.0.0.1:1", "run-a", "island-1", host="::1"), state,
+                      AdmissionGate(ActivationMode.DRAIN), None)
+    url = await sidecar.start()
+    try:
+        assert url.startswith("http://[::1]:")
+        async with aiohttp.ClientSession() as session, session.get(url + "/health/live") as resp:
+            assert resp.status == 200
+    finally:
+        await sidecar.stop()

@@ -102,8 +102,9 @@ class Uploader:
     ``timeout_s`` is the floor of every PUT's limit and ``min_bytes_per_s`` the slowest rate
     it must still complete at (``attempt_timeout_s``); ``retry_deadline_s`` how long transient
     failures are retried beyond one attempt's limit (the backoff
-    before the next attempt, 0.1-5 s, comes out of it). A trainer on a slow link (say 10 Mbit/s)
-    passes ``min_bytes_per_s`` below its rate (``1 << 20``)."""
+    before the next attempt, 0.1-5 s, comes out of it). The publishers build theirs with the
+    defaults (links down to about 17 Mbit/s); one on a slower link needs ``min_bytes_per_s`` below
+    its rate, which they do not expose yet."""
 
     def __init__(self, run: str, client, store=None, *, timeout_s: float = 600.0,
                  min_bytes_per_s: float = DEFAULT_MIN_BYTES_PER_S,
