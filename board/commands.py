@@ -52,7 +52,7 @@ from weftboard.board.bench.bench_board import BenchParams, run_bench
 from weftboard.board.bench.bench_replicas import ReplicaParams, run_replica_bench
 from weftboard.board.channel import TlsConfig, client_tls
 from weftboard.board.client import BoardClient
-from weftboard.board.config import BoardSettings
+from weftboard.board.config import BoardSettings, split_host_port
 from weftboard.board.config_file import environment_wins
 from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_data_dir
 from weftboard.board.logs import configure
@@ -144,10 +144,10 @@ def usage_error(option: str, message: str) -> NoReturn:
 
 def check_host_port(option: str, value: str) -> tuple[str, int]:
     """``value`` as (host, port) for ``option`` (host may be empty; port 0..65535), else a usage error."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        usage_error(option, f"{value!r} must be host:port, e.g. 127.0.0.1:8100")
-    return host, int(port)
+    try:
+        return split_host_port(value)
+    except ValueError as exc:
+        usage_error(option, str(exc))
 
 
 def startup_error(what: str, exc: OSError) -> NoReturn:

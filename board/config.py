@@ -30,6 +30,15 @@ from weftboard.proto.errors import InvalidArgument
 __all__ = ["ADMIN_TOKEN_FILE", "DEFAULT_LISTEN", "BoardSettings", "default_data_dir"]
 
 
+def split_host_port(value: str) -> tuple[str, int]:
+    """(host, port) of ``host:port`` (the host may be empty or a bracketed IPv6 address; port
+    0..65535); ``ValueError`` otherwise."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} must be host:port, e.g. 127.0.0.1:8100")
+    return host, int(port)
+
+
 class BoardSettings(BaseSettings):
     """Settings of ``weftboard serve``; see deploy/README.md for a table of the variables."""
 
@@ -67,8 +76,11 @@ class BoardSettings(BaseSettings):
     @field_validator("listen")
     @classmethod
     def _listen_has_port(cls, value: str) -> str:
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        try:
+            host = split_host_port(value)[0]
+        except ValueError:
+            host = ""
+        if not host:
             raise ValueError(f"listen {value!r} must be host:port, e.g. 0.0.0.0:7420")
         return value
 
