@@ -141,16 +141,7 @@ class Authenticator:
     async def _retire_bootstrap_tokens(self, configured: set[str]) -> None:
         """Revoke every stored bootstrap token whose id is not in ``configured``: only ids with
         the bootstrap prefix whose record also carries the bootstrap name."""
-        stored = []
-        async for key in self.store.redis.scan_iter(match=f"wb:{{tokens}}:id:{BOOTSTRAP_PREFIX}*", count=1000):
-            token_id = (key.decode() if isinstance(key, bytes) else key).rpartition(":id:")[2]
-            if token_id not in configured and token_id.startswith(BOOTSTRAP_PREFIX):
-                stored.append(token_id)
-        stale = []
-        for token_id in sorted(stored):
-            name = await self.store.redis.hget(f"wb:{{tokens}}:id:{token_id}", "name")
-            if name is not None and name.decode() == BOOTSTRAP_NAME:
-                stale.append(token_id)
+        stale = [t for t in await self.store.token_ids(BOOTSTRAP_PREFIX, BOOTSTRAP_NAME) if t not in configured]
         if not stale:
             return
         if not configured:

@@ -535,6 +535,18 @@ class RedisStore:
             return None
         return TokenInfo(token_id.decode(), info[b"name"].decode(), int(info[b"role"]))
 
+    async def token_ids(self, id_prefix: str, name: str) -> list[str]:
+        """The ids, sorted, of stored tokens whose id starts with ``id_prefix`` and whose name is ``name``."""
+        ids = []
+        async for key in self.redis.scan_iter(match=f"wb:{{tokens}}:id:{id_prefix}*", count=1000):
+            ids.append((key.decode() if isinstance(key, bytes) else key).rpartition(":id:")[2])
+        named = []
+        for token_id in sorted(ids):
+            stored = await self.redis.hget(f"wb:{{tokens}}:id:{token_id}", "name")
+            if stored is not None and stored.decode() == name:
+                named.append(token_id)
+        return named
+
     async def revoke_token(self, token_id: str) -> None:
         info = await self.redis.hgetall(f"wb:{{tokens}}:id:{token_id}")
         if not info:
