@@ -137,7 +137,7 @@ async def _engine_trouble(adapter: HttpEngineAdapter) -> tuple[str, bool] | None
     else None: it does not answer ``/health`` (maybe a busy moment), or it answers with a ``version``
     (the reference engine does) other than the served one (certain: it restarted)."""
     try:
-        answer = await adapter.call("GET", "/health", timeout_s=min(adapter.timeout_s, 5.0))
+        answer = await adapter.health_answer()
     except ApplyError as exc:
         return f"it does not answer its health check: {exc}", False
     except ValueError as exc:  # a 2xx whose JSON does not parse: it answers, without a version to read

@@ -139,9 +139,13 @@ class HttpEngineAdapter(EngineAdapter):
             self.mark_unverified(f"{what} was cancelled; the engine may still be changing its weights")
             raise
 
+    async def health_answer(self) -> Any:
+        """The engine's answer to its health endpoint (within 5 s at most), else ApplyError."""
+        return await self.call("GET", "/health", timeout_s=min(self.timeout_s, 5.0))
+
     async def health(self) -> bool:
         try:
-            await self.call("GET", "/health", timeout_s=min(self.timeout_s, 5.0))
+            await self.health_answer()
         except ApplyError:
             return False
         return True
