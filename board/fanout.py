@@ -60,6 +60,7 @@ from typing import Union
 
 import structlog
 
+from weftboard.board.aio import within
 from weftboard.board.store import COMMITS_CHANNEL, RedisStore, event_record, k_staged
 from weftboard.proto.v1 import board_pb2 as pb
 
@@ -272,7 +273,7 @@ class RunFeed:
                 if len(entries) < XREAD_COUNT:  # caught up: wait for the run's next commit
                     notified = self.listening is not None and self.listening.is_set()
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), max(self.poll_s, QUIET_POLL_S) if notified else self.poll_s)
+                        await within(self.wake.wait(), max(self.poll_s, QUIET_POLL_S) if notified else self.poll_s)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001

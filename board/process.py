@@ -28,6 +28,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from weftboard.board.aio import within
 from weftboard.board.auth import Authenticator
 from weftboard.board.blob_http import BlobHttpServer
 from weftboard.board.blobs import LocalDirBlobStore
@@ -151,7 +152,7 @@ async def _watch_redis(store: RedisStore, health_servicer: Any, every_s: float) 
     while True:
         await asyncio.sleep(every_s)
         try:
-            await asyncio.wait_for(store.ping(), every_s)
+            await within(store.ping(), every_s)
             ok = True
         except (Unavailable, asyncio.TimeoutError):
             ok = False

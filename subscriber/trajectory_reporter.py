@@ -15,9 +15,10 @@ Invariants:
   (counted in ``failed``, logged), so it never takes its batch down with it; a batch goes to
   the board in calls of at most ``MAX_TRAJECTORY_BATCH_BYTES``, each sent and counted alone.
 - ``stop`` flushes what is queued, bounded by a timeout. It cancels the sender until it has
-  ended: on Python < 3.12 ``asyncio.wait_for`` returns a result that arrived together with a
-  cancellation and drops the cancellation, which once left a stopping island waiting forever
-  on a sender that had gone back to waiting for records.
+  ended; the sender's waits never drop a cancellation (on Python < 3.12 ``asyncio.wait_for``
+  returns a result that arrived together with a cancellation and drops the cancellation,
+  which once left a stopping island waiting on a sender gone back to waiting for records),
+  and a record taken off the queue as the cancellation came is kept for ``stop`` to send.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 
 import structlog
 
+from weftboard.board.aio import within
 from weftboard.proto.errors import DeadlineExceeded, Unavailable, WeftboardError
 from weftboard.proto.limits import (
     MAX_TRAJECTORY_BATCH,
@@ -143,11 +145,27 @@ class TrajectoryReporter:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            try:
-                batch.append(await asyncio.wait_for(self._queue.get(), remaining))
-            except asyncio.TimeoutError:  # (TimeoutError from 3.11 on)
+            record = await self._get_within(remaining)
+            if record is None:
                 break
+            batch.append(record)
         return batch
+
+    async def _get_within(self, timeout_s: float) -> pb.TrajectoryRecord | None:
+        """The next queued record within ``timeout_s``, else None. A record taken off the queue
+        as the caller is cancelled goes into ``_pending`` before the cancellation goes on (so
+        ``stop`` sends it), and the cancellation is never dropped (``asyncio.wait_for`` on
+        Python < 3.12 drops one that arrives with its result)."""
+        getter = asyncio.ensure_future(self._queue.get())
+        try:
+            done, _ = await asyncio.wait({getter}, timeout=timeout_s)
+        except asyncio.CancelledError:
+            if await _ended(getter) is not None:
+                self._pending.append(getter.result())
+            raise
+        if not done:
+            return await _ended(getter)
+        return getter.result()
 
     async def _send(self, batch: list[pb.TrajectoryRecord]) -> None:
         """Send until the board takes the batch, in calls of at most ``MAX_TRAJECTORY_BATCH_BYTES``
@@ -184,16 +202,23 @@ class TrajectoryReporter:
             batch = []
             while not self._queue.empty() and len(batch) < self.batch_size:
                 batch.append(self._queue.get_nowait())
-            await asyncio.wait_for(self._send(batch), max(deadline - time.monotonic(), 0.1))
+            await within(self._send(batch), max(deadline - time.monotonic(), 0.1))
 
     async def stop(self, timeout_s: float = 5.0) -> None:
         if self._task is not None:
             task, self._task = self._task, None
-            await cancel_and_wait([task])  # (a cancellation wait_for dropped leaves it running)
+            await cancel_and_wait([task])
         try:
             if self._pending:
                 batch, self._pending = self._pending, []
-                await asyncio.wait_for(self._send(batch), timeout_s)
+                await within(self._send(batch), timeout_s)
             await self.flush(timeout_s)
         except (TimeoutError, WeftboardError) as exc:
             log.warning("trajectory flush at stop incomplete", error=str(exc), queued=self._queue.qsize())
+
+
+async def _ended(getter: asyncio.Future) -> pb.TrajectoryRecord | None:
+    """Cancel a queue ``getter`` and wait for it: the record it had already taken, else None."""
+    getter.cancel()
+    await asyncio.wait({getter})
+    return None if getter.cancelled() else getter.result()
