@@ -15,28 +15,43 @@ Invariants:
   (by default the cache TTL, through the same cached lookup), so one made on another replica
   ends it within the TTL plus that interval. It ends as UNAUTHENTICATED.
 - Configured admin tokens are stored as ``bootstrap-<sha256 prefix>`` (name
-  ``bootstrap-admin``); at startup, stored bootstrap tokens no longer configured are revoked
-  (logged by id), so a rotated-out admin token stops working. Tokens minted through
-  ``CreateToken`` (random hex ids) are never touched. A board started with no admin token
-  configured retires nothing (it would lock every admin out); it names what stays valid.
-  Replicas must share their admin tokens: rotate by configuring old and new on every replica,
-  then dropping the old one (a replica started with only the new one retires the old at once).
+  ``bootstrap-admin``), only with auth on (with auth off nothing is written). Each start takes
+  a number (``RedisStore.next_bootstrap_start``) and stores its configured tokens stamped with
+  it; the stored bootstrap tokens it does not configure are revoked (logged by id) only if
+  their stamp is older than its number, atomically: the last start wins whatever the timing
+  of replicas started with different configs, and a start never retires the tokens a later
+  start configured, so the tokens of the latest start always stay valid (a start that
+  overlaps a later one may leave its own stored beside them, until the next start). That
+  retirement is soft: a later start configuring the token again brings it back. Tokens
+  minted through ``CreateToken`` (random hex ids) are never touched. A board started with no
+  admin token configured retires nothing (it would lock every admin out); it names what
+  stays valid.
+- ``RevokeToken`` of a bootstrap token retires its id for good: no start stores it again
+  (``PUT_UNLESS_RETIRED_LUA``); a start whose configured admin tokens are all so retired
+  refuses to start (``FailedPrecondition``: configure a new one) rather than serve with no
+  admin token.
+- Rotation: configure old and new on every replica, then drop the old one. The first start
+  with only the new one retires the old; a replica restarted later with both brings it back
+  until every replica runs the new config (the last start wins). The new one stays valid
+  throughout: every start configures it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import secrets
 import time
 from collections.abc import Sequence
 
 import structlog
 
-from weftboard.board.store import RedisStore, TokenInfo, token_hash
+from weftboard.board.store import RedisStore
+from weftboard.board.store_tokens import TokenInfo, token_hash
 from weftboard.proto.errors import (
+    FailedPrecondition,
     InvalidArgument,
-    NotFound,
     PermissionDenied,
     Unauthenticated,
 )
@@ -75,6 +90,7 @@ log = structlog.get_logger(__name__)
 
 BOOTSTRAP_PREFIX = "bootstrap-"
 BOOTSTRAP_NAME = "bootstrap-admin"
+_BOOTSTRAP_ID = re.compile(BOOTSTRAP_PREFIX + "[0-9a-f]{12}")
 
 ROLE_NAMES = {PUBLISHER: "PUBLISHER", ISLAND: "ISLAND", READER: "READER", ADMIN: "ADMIN"}
 
@@ -93,6 +109,10 @@ def bootstrap_id(token: str) -> str:
     """The id ``bootstrap`` stores a configured admin token under (never that of a minted token:
     ``new_token`` ids are bare hex)."""
     return BOOTSTRAP_PREFIX + hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+def is_bootstrap_id(token_id: str) -> bool:
+    return _BOOTSTRAP_ID.fullmatch(token_id) is not None
 
 
 def bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
@@ -129,34 +149,56 @@ class Authenticator:
         return self.cache_ttl_s if self.stream_recheck_s is None else self.stream_recheck_s
 
     async def bootstrap(self, admin_tokens: Sequence[str]) -> None:
-        """Store configured admin tokens (hashed) so they work on every board replica, and
-        retire the stored bootstrap tokens that are no longer configured."""
+        """Store configured admin tokens (hashed) so they work on every board replica, stamped
+        with this start's number, and revoke the stored bootstrap tokens it does not configure
+        whose stamp is older. Nothing at all with auth off. Raises ``FailedPrecondition`` when
+        every configured token was revoked through ``RevokeToken`` (retired for good)."""
+        if not self.enabled:
+            return
         for token in admin_tokens:
             if len(token) < 16:
                 raise InvalidArgument("an admin token must be at least 16 characters; generate one with secrets")
-        for token in admin_tokens:
-            await self.store.put_token(bootstrap_id(token), BOOTSTRAP_NAME, ADMIN, token)
-        await self._retire_bootstrap_tokens({bootstrap_id(token) for token in admin_tokens})
-
-    async def _retire_bootstrap_tokens(self, configured: set[str]) -> None:
-        """Revoke every stored bootstrap token whose id is not in ``configured``: only ids with
-        the bootstrap prefix whose record also carries the bootstrap name."""
-        stale = [t for t in await self.store.token_ids(BOOTSTRAP_PREFIX, BOOTSTRAP_NAME) if t not in configured]
-        if not stale:
-            return
+        configured = {bootstrap_id(token): token for token in admin_tokens}
         if not configured:
-            log.warning("no admin token is configured: the stored bootstrap admin tokens stay valid; configure one "
-                        "to retire them, or revoke them with RevokeToken", token_ids=stale)
+            stored = await self.store.token_ids(BOOTSTRAP_PREFIX, BOOTSTRAP_NAME)
+            if stored:
+                log.warning("no admin token is configured: the stored bootstrap admin tokens stay valid; configure "
+                            "one to retire them, or revoke them with RevokeToken", token_ids=stored)
             return
-        retired = []
+        start = await self.store.next_bootstrap_start()
+        refused = [token_id for token_id, token in configured.items()
+                   if not await self.store.put_bootstrap_token(token_id, BOOTSTRAP_NAME, ADMIN, token, start)]
+        if len(refused) == len(configured):
+            raise FailedPrecondition(
+                f"every configured admin token ({', '.join(refused)}) was revoked through RevokeToken and stays "
+                "revoked, so this board would have no admin token: configure a new admin token (at least 16 "
+                "characters; generate one with secrets) and drop the revoked ones"
+            )
+        if refused:
+            log.warning("configured admin tokens were revoked through RevokeToken and stay revoked; drop them "
+                        "from the config", token_ids=refused)
+        await self._retire_bootstrap_tokens(set(configured), start)
+
+    async def _retire_bootstrap_tokens(self, configured: set[str], start: int) -> None:
+        """Revoke every stored bootstrap token whose id is not in ``configured`` (only ids with
+        the bootstrap prefix whose record also carries the bootstrap name) unless a start
+        numbered ``start`` or later configured it."""
+        stale = [t for t in await self.store.token_ids(BOOTSTRAP_PREFIX, BOOTSTRAP_NAME) if t not in configured]
+        retired, kept = [], []
         for token_id in stale:
-            try:
-                await self.revoke(token_id)
-            except NotFound:  # another replica retired it first
-                continue
-            retired.append(token_id)
+            outcome = await self.store.revoke_bootstrap_if_older(token_id, start)
+            if outcome:
+                self._forget(token_id)
+                retired.append(token_id)
+            elif outcome is False:
+                kept.append(token_id)
+            # None: gone already (another replica's start retired it)
         if retired:
-            log.warning("retired admin tokens no longer configured", token_ids=retired)
+            log.warning("retired admin tokens this start does not configure (a later start that configures them "
+                        "brings them back)", token_ids=retired, start=start)
+        if kept:
+            log.warning("kept admin tokens this start does not configure: a later start configures them",
+                        token_ids=kept, start=start)
 
     async def authorize(self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None) -> TokenInfo | None:
         """The caller's token info; raises Unauthenticated / PermissionDenied. None when auth is off."""
@@ -205,7 +247,17 @@ class Authenticator:
         return token_id, token
 
     async def revoke(self, token_id: str) -> None:
-        await self.store.revoke_token(token_id)
+        """Revoke a token (``RevokeToken``). A bootstrap token's id is retired for good, stored
+        now or not (a start may have retired it softly): no start stores it again."""
+        for_good = is_bootstrap_id(token_id)
+        stored = await self.store.revoke_token(token_id, for_good=for_good)
+        if for_good:
+            log.warning("admin token retired for good: no start stores it again; drop it from the config",
+                        token_id=token_id, was_stored=stored)
+        self._forget(token_id)
+
+    def _forget(self, token_id: str) -> None:
+        """Drop ``token_id`` from the cache and end the streams this board serves with it."""
         self._cache = {k: v for k, v in self._cache.items() if not (v[1] and v[1].token_id == token_id)}
         for future in self._revocations.pop(token_id, ()):
             if not future.done():

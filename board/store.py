@@ -22,9 +22,9 @@ Redis Cluster slot and the commit script touches one slot only):
 - ``wb:{run}:orphans``           hash: blob key -> size of staged parts whose version was committed
                                  without them (a publisher that restarted mid-version); GC deletes them
 - ``wb:{run}:uploads``           hash: upload id -> JSON of a multipart upload (``board/uploads.py``)
-- ``wb:{tokens}:id:<id>``        hash: name, role, hash (sha256 hex of the token)
-- ``wb:{tokens}:hash:<sha256>``  token id, for lookup by the presented token
-  (one hash tag for all tokens, so creating and revoking stay one-slot transactions)
+- ``wb:{tokens}:...``            tokens: by id, by hash, bootstrap start numbers and ids retired
+  for good (``board/store_tokens.py``; one hash tag for all tokens, so creating and revoking
+  stay one-slot transactions)
 
 Invariants:
 - Every script, pipeline and multi-key command names keys of ONE hash tag (a run, or
@@ -42,7 +42,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,6 +66,7 @@ from weftboard.board.store_scripts import (
     FORGET_ISLANDS_LUA,
     SETTLE_STAGED_LUA,
 )
+from weftboard.board.store_tokens import TokenStore
 from weftboard.proto.commit import CommitReport, StoreResult
 from weftboard.proto.errors import NotFound, Unavailable
 from weftboard.proto.v1 import board_pb2 as pb
@@ -150,10 +150,6 @@ COMMITS_CHANNEL = "wb:commits"
 PUBSUB_MAX_CONNECTIONS = 10_000  # Redis's own default limit of clients
 
 
-def token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 def canonical_record(record: pb.VersionRecord) -> bytes:
     """Deterministic bytes of a record with the board's field cleared: what a retry must repeat."""
     copy = pb.VersionRecord()
@@ -177,13 +173,6 @@ class RunState:
 
 
 @dataclass(frozen=True)
-class TokenInfo:
-    token_id: str
-    name: str
-    role: int
-
-
-@dataclass(frozen=True)
 class IslandRow:
     status: pb.IslandStatus
     last_seen_ms: int
@@ -199,8 +188,8 @@ _COMMIT_RESULT = {
 }
 
 
-class RedisStore:
-    """Async access to the board's Redis keys.
+class RedisStore(TokenStore):
+    """Async access to the board's Redis keys (tokens: ``TokenStore``).
 
     Connection failures surface as redis-py exceptions (``REDIS_ERRORS``), which the RPC
     guard turns into UNAVAILABLE; ``ping`` raises ``Unavailable`` itself.
@@ -513,48 +502,6 @@ class RedisStore:
         if not ids:
             return 0
         return int(await self.redis.xack(k_traj(run), group, *ids))
-
-    # -- tokens -----------------------------------------------------------
-
-    async def put_token(self, token_id: str, name: str, role: int, token: str) -> None:
-        digest = token_hash(token)
-        await self._pipeline(
-            lambda p: (
-                p.hset(f"wb:{{tokens}}:id:{token_id}", mapping={"name": name, "role": role, "hash": digest}),
-                p.set(f"wb:{{tokens}}:hash:{digest}", token_id),
-            ),
-            transaction=True,
-        )
-
-    async def lookup_token(self, token: str) -> TokenInfo | None:
-        token_id = await self.redis.get(f"wb:{{tokens}}:hash:{token_hash(token)}")
-        if token_id is None:
-            return None
-        info = await self.redis.hgetall(f"wb:{{tokens}}:id:{token_id.decode()}")
-        if not info:
-            return None
-        return TokenInfo(token_id.decode(), info[b"name"].decode(), int(info[b"role"]))
-
-    async def token_ids(self, id_prefix: str, name: str) -> list[str]:
-        """The ids, sorted, of stored tokens whose id starts with ``id_prefix`` and whose name is ``name``."""
-        ids = []
-        async for key in self.redis.scan_iter(match=f"wb:{{tokens}}:id:{id_prefix}*", count=1000):
-            ids.append((key.decode() if isinstance(key, bytes) else key).rpartition(":id:")[2])
-        named = []
-        for token_id in sorted(ids):
-            stored = await self.redis.hget(f"wb:{{tokens}}:id:{token_id}", "name")
-            if stored is not None and stored.decode() == name:
-                named.append(token_id)
-        return named
-
-    async def revoke_token(self, token_id: str) -> None:
-        info = await self.redis.hgetall(f"wb:{{tokens}}:id:{token_id}")
-        if not info:
-            raise NotFound(f"token id {token_id!r} does not exist (already revoked?)")
-        await self._pipeline(
-            lambda p: (p.delete(f"wb:{{tokens}}:id:{token_id}"), p.delete(f"wb:{{tokens}}:hash:{info[b'hash'].decode()}")),
-            transaction=True,
-        )
 
     # -- helpers ----------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The board's Redis scripts: each one atomic step on the keys of one run (one cluster slot).
+"""The board's Redis scripts: each one atomic step on the keys of one run, or of the tokens (one cluster slot).
 
 Invariants: a script names only keys it is given (``KEYS``), all of one hash tag; the commit
 script is the only writer of a version, and writes on every path that answers for a record
@@ -98,4 +98,33 @@ for _, name in ipairs(stale) do
   redis.call('ZREM', KEYS[3], name)
 end
 return #stale
+"""
+
+
+# Stores a configured (bootstrap) admin token unless its id was retired for good (revoked
+# through RevokeToken), stamped with the number of the start storing it; a larger stamp (a
+# later start configures it too) stays. KEYS: the token's id hash, its hash key, the retired
+# set. ARGV: token id, name, role, sha256 hex, start number. Returns 1 stored, 0 refused.
+PUT_UNLESS_RETIRED_LUA = """
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then return 0 end
+local start = redis.call('HGET', KEYS[1], 'start')
+if not start or tonumber(start) < tonumber(ARGV[5]) then start = ARGV[5] end
+redis.call('HSET', KEYS[1], 'name', ARGV[2], 'role', ARGV[3], 'hash', ARGV[4], 'start', start)
+redis.call('SET', KEYS[2], ARGV[1])
+return 1
+"""
+
+
+# Revokes a bootstrap token that a start does not configure, only if its stamp is older than
+# that start's number (a token without a stamp, stored before stamps existed, is older than
+# every start): a start never retires what a later start configured. KEYS: the token's id
+# hash, its hash key. ARGV: start number, sha256 hex the caller read, token id. Returns 1
+# revoked, 0 kept (a start at least as new configured it), -1 gone (or stored anew since read).
+REVOKE_IF_OLDER_LUA = """
+local record = redis.call('HMGET', KEYS[1], 'hash', 'start')
+if not record[1] or record[1] ~= ARGV[2] then return -1 end
+if tonumber(record[2] or '0') >= tonumber(ARGV[1]) then return 0 end
+redis.call('DEL', KEYS[1])
+if redis.call('GET', KEYS[2]) == ARGV[3] then redis.call('DEL', KEYS[2]) end
+return 1
 """
