@@ -21,9 +21,10 @@ command prints one JSON document on stdout (``board/report.py`` names its keys) 
 only to stderr.
 
 ``serve``'s process (embedded services, the start-up checks, the banner, the stop order) is
-board/serving.py. Its usage errors exit 2 with one line naming the setting; what stops it from
-serving at start-up (Redis or S3 away or refusing the credentials, a directory it cannot make,
-a port taken) exits 1 with one line, after stopping whatever it had started.
+board/serving.py. It exits 2 with one line on what only a changed setting cures: a usage error
+(naming the setting), Redis or S3 refusing the credentials, an admin token refused; and 1
+with one line on what may pass (Redis or S3 not answering, a directory it cannot make, a
+port taken), after stopping whatever it had started.
 
 Usage errors of the island's commands print one line naming the option and exit 2
 (``usage_error``).
@@ -68,7 +69,7 @@ from weftboard.board.report import (
     when,
 )
 from weftboard.board.serving import serve_until_signal
-from weftboard.proto.errors import WeftboardError
+from weftboard.proto.errors import DeadlineExceeded, Unavailable, WeftboardError
 from weftboard.proto.v1 import board_pb2 as pb
 
 # Piped output (grep, CI logs) gets full-width lines instead of an 80-column squeeze.
@@ -254,7 +255,9 @@ def serve(
         serve_until_signal(settings, token_source=admin_token_source(ctx, given))
     except WeftboardError as exc:
         err.print(f"[red]cannot serve[/red] ({exc.grpc_code_name}): {exc}", highlight=False)
-        raise typer.Exit(1) from None
+        # 1: a service that may come back (a supervisor restarts the board); 2: what only a
+        # changed setting cures (credentials refused, an admin token revoked or too short)
+        raise typer.Exit(1 if isinstance(exc, (Unavailable, DeadlineExceeded)) else 2) from None
     except OSError as exc:
         log.debug("serve could not start", exc_info=True)
         startup_error("cannot serve", exc)

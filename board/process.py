@@ -39,7 +39,7 @@ from weftboard.board.logs import quiet_undelivered_responses
 from weftboard.board.metrics import BoardMetrics
 from weftboard.board.rpc_guard import add_board_to_server
 from weftboard.board.store import RedisStore
-from weftboard.proto.errors import InvalidArgument, Unavailable
+from weftboard.proto.errors import InvalidArgument, PermissionDenied, Unavailable
 from weftboard.proto.v1 import board_pb2 as pb
 
 log = structlog.get_logger(__name__)
@@ -154,7 +154,7 @@ async def _watch_redis(store: RedisStore, health_servicer: Any, every_s: float) 
         try:
             await within(store.ping(), every_s)
             ok = True
-        except (Unavailable, asyncio.TimeoutError):
+        except (Unavailable, PermissionDenied, asyncio.TimeoutError):
             ok = False
         if ok != serving:
             serving = ok
@@ -192,6 +192,9 @@ async def start_board(config: BoardConfig, *, blobs: Any = None) -> RunningBoard
     except (asyncio.TimeoutError, Unavailable) as exc:
         await store.close()
         raise Unavailable(f"cannot start the board: Redis at {store.target.redacted} does not answer ({exc})") from None
+    except PermissionDenied as exc:
+        await store.close()
+        raise PermissionDenied(f"cannot start the board: {exc}") from None
     auth = Authenticator(store, enabled=config.auth)
     if config.auth and not config.all_admin_tokens():
         log.warning("auth is on but no admin token is configured; only tokens already in Redis will work")

@@ -7,8 +7,8 @@ Invariants:
   and their start-up never blocks a running loop.
 - An S3 blob store must answer with working credentials before the board starts: its bucket
   is created if it is missing and a probe key is looked up; a store that cannot be reached or
-  refuses the credentials raises (``Unavailable`` / ``PermissionDenied``), so ``serve`` exits 1
-  instead of serving a board whose every publish would fail.
+  refuses the credentials raises (``Unavailable`` / ``PermissionDenied``), so ``serve`` exits
+  (1 / 2) instead of serving a board whose every publish would fail.
 - The banner names everything that was started: addresses, data paths, log files. It prints
   the admin token itself only when this start generated it (and stored it in the data dir);
   a token given by flag, environment, config file or read back from the data dir is named by

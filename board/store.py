@@ -48,7 +48,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterPubSub, RedisCluster
+from redis.exceptions import AuthenticationError as RedisAuthenticationError
 from redis.exceptions import (
+    AuthenticationWrongNumberOfArgsError,
     ClusterError,
     RedisClusterException,
     ResponseError,
@@ -68,7 +70,7 @@ from weftboard.board.store_scripts import (
 )
 from weftboard.board.store_tokens import TokenStore
 from weftboard.proto.commit import CommitReport, StoreResult
-from weftboard.proto.errors import NotFound, Unavailable
+from weftboard.proto.errors import NotFound, PermissionDenied, Unavailable
 from weftboard.proto.v1 import board_pb2 as pb
 
 # Redis unreachable, or a cluster between two states (a failover, a slot moving): retry later.
@@ -241,8 +243,12 @@ class RedisStore(TokenStore):
         return {}
 
     async def ping(self) -> None:
+        """Raise ``Unavailable`` while Redis does not answer, ``PermissionDenied`` when it refuses
+        the credentials (a wrong or missing password: no retry will cure that)."""
         try:
             await self.redis.ping()
+        except (RedisAuthenticationError, AuthenticationWrongNumberOfArgsError) as exc:
+            raise PermissionDenied(f"Redis at {self.target.redacted} refused the credentials: {exc}") from None
         except REDIS_ERRORS as exc:
             raise Unavailable(f"Redis at {self.target.redacted} is unreachable: {exc}") from None
 

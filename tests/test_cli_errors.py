@@ -1,6 +1,7 @@
 """The command line's surface where it meets mistakes and secrets: usage errors exit 2 with one
 line naming the option; what stops a command starting (a directory under a file, a port taken,
-S3 away or refusing the credentials) exits 1 with one line and leaves nothing open; the serve
+S3 away) exits 1 with one line and leaves nothing open, and so does what only a changed
+setting cures (S3 or Redis refusing the credentials), with exit 2; the serve
 banner never prints an admin token the operator supplied; a config file's top-level client
 certificate and ``listen`` never configure ``serve``; and ``weftboard subscribe --blob-dir``
 follows a board that serves no blob URLs (``--blob-http-port -1``).
@@ -12,12 +13,14 @@ of their own; pure usage errors run in-process through typer's CliRunner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -31,7 +34,7 @@ from weftboard.board.auth import bootstrap_id
 from weftboard.board.cli import build_app
 from weftboard.board.config_file import config_default_map
 from weftboard.board.defaults import ADMIN_TOKEN_FILE
-from weftboard.board.embedded import ManagedProcess, free_port
+from weftboard.board.embedded import ManagedProcess, free_port, redis_server_binary
 from weftboard.proto.errors import InvalidArgument
 from weftboard.publisher.publisher import Publisher
 
@@ -135,8 +138,9 @@ def _serve_s3(redis_url: str, tmp_path: Path, endpoint: str, access: str, secret
 
 
 @pytest.mark.parametrize("fault", ["wrong-secret", "unreachable"])
-def test_serve_exits_1_when_s3_is_away_or_refuses_the_credentials(fault: str, s3_server: ManagedProcess,
-                                                                  redis_url: str, tmp_path: Path) -> None:
+def test_serve_exits_2_when_s3_refuses_the_credentials_and_1_when_it_is_away(fault: str, s3_server: ManagedProcess,
+                                                                             redis_url: str, tmp_path: Path) -> None:
+    """Exit 1 may pass (a supervisor restarts the board), exit 2 only a changed setting cures."""
     assert s3_server.access_key and s3_server.secret_key and s3_server.bucket
     endpoint = s3_server.endpoint if fault == "wrong-secret" else f"127.0.0.1:{free_port()}"
     secret = "not-the-secret" if fault == "wrong-secret" else s3_server.secret_key
@@ -146,13 +150,40 @@ def test_serve_exits_1_when_s3_is_away_or_refuses_the_credentials(fault: str, s3
     finally:
         if proc.returncode is None:
             proc.kill()
-    assert proc.returncode == 1, out + err
+    assert proc.returncode == (2 if fault == "wrong-secret" else 1), out + err
     assert "is serving" not in out, out
     assert "Traceback" not in err, err
     # urllib3 logs each retry of an unreachable endpoint; the error itself is one line
     (line,) = [line for line in err.splitlines() if line.startswith("cannot serve")]
     expected = "PERMISSION_DENIED" if fault == "wrong-secret" else "UNAVAILABLE"
     assert line.startswith(f"cannot serve ({expected})") and secret not in err, err
+
+
+@pytest.mark.parametrize("password", ["wrong", None])
+def test_serve_exits_2_when_redis_refuses_the_credentials(password: str | None, tmp_path: Path) -> None:
+    """A Redis with a password, asked with a wrong one or none: the board does not start, names
+    PERMISSION_DENIED without the password, and exits 2 (before, 1: a restart loop)."""
+    port = free_port()
+    redis = subprocess.Popen([str(redis_server_binary()), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--requirepass", "the-right-one", "--dir", str(tmp_path)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        auth = f":{password}@" if password else ""
+        result = _run("serve", "--listen", f"127.0.0.1:{free_port()}", "--redis-url", f"redis://{auth}127.0.0.1:{port}/0",
+                      "--admin-token", "a" * 24, "--blob-http-port", "-1", "--data-dir", str(tmp_path / "data"))
+    finally:
+        redis.kill()
+        redis.wait()
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = _one_line(result.stderr)
+    assert line.startswith("cannot serve (PERMISSION_DENIED)") and "the-right-one" not in line, line
+    assert password is None or f":{password}@" not in line, line
 
 
 def test_serve_creates_a_missing_bucket_and_serves(s3_server: ManagedProcess, redis_url: str, tmp_path: Path) -> None:
