@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,9 @@ import pytest
 from aiohttp import web
 from enginekit import CatchAllServer
 
+from weftboard.board.embedded import free_port
 from weftboard.proto.errors import ApplyError
+from weftboard.subscriber.engines import sglang
 from weftboard.subscriber.engines.base import ActivationMode
 from weftboard.subscriber.engines.factory import make_adapter
 
@@ -253,5 +256,47 @@ async def test_sglang_drain_never_pauses_the_engine(recorder, tmp_path):
         assert [c["path"] for c in recorder.calls] == ["/update_weights_from_disk"] * 2
         assert [c["json"]["weight_version"] for c in recorder.calls] == ["1", "2"]
         assert adapter.served_version() == 2
+    finally:
+        await adapter.close()
+
+
+async def test_sglang_warm_up_waits_for_an_engine_still_starting(monkeypatch) -> None:
+    """A sidecar started beside its engine: nothing listens at first, then the engine answers
+    503 while it loads, then it serves; warm-up waits through both (before, the first refused
+    connection ended the sidecar's start with exit 1, which its systemd unit does not restart)."""
+    monkeypatch.setattr(sglang, "_WARM_UP_RETRY_S", 0.05)
+    port = free_port()
+    loading = True
+
+    async def models(request: web.Request) -> web.Response:
+        if loading:
+            return web.Response(status=503, text="loading")
+        return web.json_response(MODELS)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    adapter = make_adapter("sglang", f"http://127.0.0.1:{port}", timeout_s=2, load_timeout_s=30)
+    try:
+        warm = asyncio.create_task(adapter.warm_up())
+        await asyncio.sleep(0.3)
+        assert not warm.done()  # no engine yet: still asking
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.sleep(0.3)
+        assert not warm.done()  # loading: still asking
+        loading = False
+        await asyncio.wait_for(warm, 10)
+        assert adapter.served_model_name == "Qwen/Qwen2.5-0.5B"
+    finally:
+        await adapter.close()
+        await runner.cleanup()
+
+
+async def test_sglang_warm_up_gives_up_after_the_load_timeout() -> None:
+    adapter = make_adapter("sglang", f"http://127.0.0.1:{free_port()}", timeout_s=1, load_timeout_s=0.5)
+    try:
+        with pytest.raises(ApplyError, match="unreachable.*while it started"):
+            await adapter.warm_up()
     finally:
         await adapter.close()

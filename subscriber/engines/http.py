@@ -29,6 +29,10 @@ from weftboard.proto.errors import ApplyError
 from weftboard.subscriber.engines.base import EngineAdapter
 
 
+class EngineUnreachable(ApplyError):
+    """No connection to the engine: the call never reached it (down, or not listening yet)."""
+
+
 class EngineNoAnswer(ApplyError):
     """A call went out and no answer came back (timed out, connection lost): what the engine did is unknown."""
 
@@ -107,7 +111,8 @@ class HttpEngineAdapter(EngineAdapter):
                     return await resp.json(content_type=None)
                 return text
         except aiohttp.ClientConnectorError as exc:  # no connection: the request never reached the engine
-            raise ApplyError(f"{self.kind} engine at {self.engine_url} unreachable for {method} {path}: {exc}") from exc
+            raise EngineUnreachable(f"{self.kind} engine at {self.engine_url} unreachable for {method} {path}: {exc}"
+                                    ) from exc
         except aiohttp.ClientError as exc:  # the request may have reached it; its answer did not come back
             raise EngineNoAnswer(f"{self.kind} engine at {self.engine_url} unreachable for {method} {path}: {exc}") from exc
         except TimeoutError as exc:

@@ -29,6 +29,7 @@ ignores the waiting queue while paused. With ``--admin-api-key``, that key is th
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -37,12 +38,19 @@ import structlog
 
 from weftboard.proto.errors import ApplyError
 from weftboard.subscriber.engines.base import ActivationMode, require_mode
-from weftboard.subscriber.engines.http import HttpEngineAdapter
+from weftboard.subscriber.engines.http import (
+    EngineErrorAnswer,
+    EngineNoAnswer,
+    EngineUnreachable,
+    HttpEngineAdapter,
+)
 
 log = structlog.get_logger(__name__)
 
 #: ``/pause_generation`` mode per activation mode; None: no pause (the engine's update lock drains)
 PAUSE_MODE: dict[ActivationMode, str | None] = {ActivationMode.DRAIN: None, ActivationMode.IN_PLACE: "retract"}
+_WARM_UP_RETRY_S = 1.0  # how often a starting engine is asked for its model's name
+_WARM_UP_LOG_S = 30.0  # how often the wait for it is logged
 
 
 class SglangAdapter(HttpEngineAdapter):
@@ -62,10 +70,26 @@ class SglangAdapter(HttpEngineAdapter):
         self._paused = False  # whether resume has a /pause_generation to undo
 
     async def warm_up(self) -> float:
-        """Record the name the engine serves its model under, before a load renames it."""
+        """Record the name the engine serves its model under, before a load renames it. An
+        engine still starting (no connection, no answer, or an error status while it loads: a
+        sidecar started beside its engine) is asked again every ``_WARM_UP_RETRY_S`` until
+        ``load_timeout_s`` has passed, logged now and then; after that the last error is raised."""
         started = time.monotonic()
-        if self.served_model_name is None:
-            self.served_model_name = first_model_id(await self.call("GET", "/v1/models"), self.engine_url)
+        next_log = started
+        while self.served_model_name is None:
+            try:
+                answer = await self.call("GET", "/v1/models")
+            except (EngineUnreachable, EngineNoAnswer, EngineErrorAnswer) as exc:
+                waited = time.monotonic() - started
+                if waited >= self.load_timeout_s:
+                    raise ApplyError(f"{exc} (asked for {waited:.0f} s while it started)") from None
+                if time.monotonic() >= next_log:
+                    log.info("waiting for the sglang engine to answer", engine=self.engine_url,
+                             waited_s=round(waited), error=str(exc))
+                    next_log = time.monotonic() + _WARM_UP_LOG_S
+                await asyncio.sleep(_WARM_UP_RETRY_S)
+                continue
+            self.served_model_name = first_model_id(answer, self.engine_url)  # an answer without one: at once
         return time.monotonic() - started
 
     async def pause(self, mode: ActivationMode) -> None:
