@@ -4,11 +4,13 @@ names ``save_pretrained`` (or PEFT's ``merge_and_unload``) would give them.
 - Wrappers are removed: ``torch.compile``'s ``OptimizedModule`` (``_orig_mod``), and the
   ``module`` of ``DistributedDataParallel`` / ``DataParallel`` (``unwrap``).
 - A PEFT model publishes its merged weights under the base model's names, computed beside the
-  training model, which is never modified: a LoRA layer's ``base_layer`` weight plus the delta
-  (``get_delta_weight``) of each active adapter, summed in float32 and cast back to the base
-  weight's dtype; a ``modules_to_save`` wrapper its active copy; adapter-only tensors are
-  dropped. Whatever cannot be merged exactly this way (DoRA and other LoRA variants, LoRA biases,
-  quantized or sharded base layers, non-LoRA tuners, prompt learning, stacked adapters) raises
+  training model, which is never modified: a LoRA layer's ``base_layer`` weight with the delta
+  (``get_delta_weight``) of each active adapter added in turn, in the weight's dtype, as peft's
+  ``merge`` does (``weight += delta``; an ``Embedding``'s delta cast to the weight's dtype first),
+  so a bf16 weight is rounded once per adapter and the bytes are ``merge_and_unload``'s; a
+  ``modules_to_save`` wrapper its active copy; adapter-only tensors are dropped. Whatever
+  cannot be merged exactly this way (DoRA and other LoRA variants, LoRA biases, quantized or
+  sharded base layers, non-LoRA tuners, prompt learning, stacked adapters) raises
   ``InvalidArgument`` naming the module: wrong weights are never published.
 - A tensor under several names (tied weights) is published once, under its first name
   (``drop_aliases``), as ``save_pretrained`` saves it.
@@ -216,14 +218,19 @@ def _merged_lora(prefix: str, layer: nn.Module) -> dict[str, torch.Tensor]:
         if (getattr(layer, "lora_bias", None) or {}).get(adapter):
             raise _refuse(prefix, layer, f"adapter {adapter!r} trains a LoRA bias")
     if adapters:
-        merged = weight.to(torch.float32, copy=True)
+        # peft's merge (merge_and_unload, safe_merge=False), op for op, on a copy: each adapter's
+        # delta added in place in the weight's dtype; Linear adds the delta as it is (an in-place
+        # add computes in the wider dtype and rounds once), Embedding casts the delta first.
+        embedding = getattr(layer, "lora_embedding_A", None) or {}
+        merged = weight.clone()
         for adapter in adapters:
             delta = layer.get_delta_weight(adapter)
             if tuple(delta.shape) != tuple(weight.shape):
                 raise _refuse(prefix, layer, f"adapter {adapter!r}'s delta is {tuple(delta.shape)}, the weight "
                                              f"{tuple(weight.shape)}")
-            merged += delta.to(device=merged.device, dtype=torch.float32)
-        own["weight"] = merged.to(weight.dtype)
+            delta = delta.to(merged.device)
+            merged += delta.to(merged.dtype) if adapter in embedding else delta
+        own["weight"] = merged
     return own
 
 

@@ -138,17 +138,17 @@ def test_a_lora_model_publishes_merged_weights_under_the_base_names(dtype: torch
     assert _names(got) == list(Tiny().state_dict())  # base names, no base_layer, no lora_*
     for name in ("q_proj", "v_proj"):
         layer = getattr(base, name)
-        want = layer.base_layer.weight.float()
-        for adapter in ("default", "other"):
-            want = want + layer.get_delta_weight(adapter).float()
-        assert torch.equal(got[f"{name}.weight"], want.to(dtype))
+        want = layer.base_layer.weight.detach().clone()
+        for adapter in ("default", "other"):  # added in turn in the weight's dtype, as peft merges
+            want += layer.get_delta_weight(adapter).detach()
+        assert torch.equal(got[f"{name}.weight"], want)
         assert got[f"{name}.weight"].dtype == dtype
     assert torch.equal(got["q_proj.bias"], base.q_proj.base_layer.bias)
     assert torch.equal(got["embed.weight"], base.embed.weight)
     after = peft_model.state_dict()
     assert all(torch.equal(before[n], after[n]) for n in before)  # the training model is untouched
     base.q_proj.active_adapters = ["default"]  # only the active adapters merge
-    want = (base.q_proj.base_layer.weight.float() + base.q_proj.get_delta_weight("default").float()).to(dtype)
+    want = base.q_proj.base_layer.weight.detach() + base.q_proj.get_delta_weight("default").detach()
     assert torch.equal(master_state(peft_model)["q_proj.weight"], want)
     base.q_proj.disable_adapters = True
     assert torch.equal(master_state(peft_model)["q_proj.weight"], base.q_proj.base_layer.weight)
@@ -219,6 +219,42 @@ def test_a_peft_model_publishes_what_merge_and_unload_gives() -> None:
     dora = peft.get_peft_model(_tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(InvalidArgument, match=r"'model\.layers\.0\.self_attn\.q_proj'.*DoRA"):
         publishable_state(dora)
+
+
+@pytest.mark.parametrize(("dtype", "adapter_dtype"), [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                   (torch.float32, torch.float32)])
+def test_two_active_adapters_publish_the_bytes_merge_and_unload_gives(dtype: torch.dtype,
+                                                                      adapter_dtype: torch.dtype) -> None:
+    """Two LoRA adapters active on the same Linear and Embedding modules: peft merges them one
+    after another into the weight in the weight's dtype (an Embedding's delta cast to it first),
+    so a bf16 weight is rounded once per adapter; the published bytes are exactly those."""
+    peft = pytest.importorskip("peft")
+
+    def config() -> Any:
+        return peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "embed_tokens"])
+
+    autocast = adapter_dtype == torch.float32  # peft's default: a bf16 model's adapters in float32
+    model = peft.get_peft_model(_tiny_llama().to(dtype), config(), adapter_name="first",
+                                autocast_adapter_dtype=autocast)
+    model.add_adapter("second", config(), autocast_adapter_dtype=autocast)
+    model.base_model.set_adapter(["first", "second"])  # both active: merge_and_unload merges both
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p, dtype=torch.float32).to(adapter_dtype))  # trained: B is not zero
+    layers = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    assert len(layers) == 5 and all(list(m.active_adapters) == ["first", "second"] for m in layers)
+    assert all(m.base_layer.weight.dtype == dtype for m in layers)
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {adapter_dtype}
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    only_first = copy.deepcopy(model).merge_and_unload(adapter_names=["first"]).state_dict()
+    merged = [n for n in want if not torch.equal(want[n], only_first[n])]
+    assert len(merged) == 5 and "model.embed_tokens.weight" in merged  # the second adapter is merged too
+    got = master_state(model)
+    assert list(got) == list(want)
+    differ = [n for n in want if got[n].dtype != want[n].dtype or got[n].shape != want[n].shape
+              or not torch.equal(got[n].contiguous().view(torch.uint8), want[n].contiguous().view(torch.uint8))]
+    assert not differ, differ
 
 
 @pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
