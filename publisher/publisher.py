@@ -52,6 +52,7 @@ from typing import Any
 import structlog
 import torch
 
+from weftboard.board.blobs import transfer
 from weftboard.board.blobs.transfer import DEFAULT_PART_BYTES, FAST_RECONNECT, Uploader
 from weftboard.board.channel import TlsConfig, client_tls
 from weftboard.board.client import BoardClient
@@ -123,6 +124,7 @@ class Publisher:
         part_bytes: int | None = None,
         parts_during_read: bool = True,
         upload_part_bytes: int = DEFAULT_PART_BYTES,  # without blob_store: larger blobs go up in parts of this
+        upload_min_bytes_per_s: float | None = None,  # the slowest upload rate a PUT's limit allows (None: 2 MiB/s)
         tls: TlsConfig | bool | None = None,
         tls_ca: str | Path | None = None,
         tls_cert: str | Path | None = None,
@@ -133,6 +135,7 @@ class Publisher:
         metrics_host: str = "127.0.0.1",
     ) -> None:
         self.run = check_name("run", run)
+        self._upload_kw = transfer.uploader_options(part_bytes=upload_part_bytes, min_bytes_per_s=upload_min_bytes_per_s)
         self.model_files = collect_model_files(self.run, model_files)  # config, tokenizer: publisher/model_files.py
         # TLS to the board (board/channel.py); the files are read here, so a missing one fails now, named
         self._tls = client_tls(tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, server_name=server_name)
@@ -161,7 +164,6 @@ class Publisher:
         self.timeout_s = timeout_s
         self.part_bytes = part_bytes
         self.parts_during_read = parts_during_read  # or after the read, bulk first (parts.FinishAhead)
-        self._upload_part_bytes = upload_part_bytes
         self._parts_wanted = False  # the board's word at the last commit (for part_bytes=None)
         self.run_labels = dict(run_labels or {})
         self._resume_state = resume_state
@@ -378,7 +380,7 @@ class Publisher:
         if self._client is None:
             self._client = BoardClient(self._address, self._token, tls=self._tls, timeout_s=self.timeout_s,
                                        options=FAST_RECONNECT)
-            self._uploader = Uploader(self.run, self._client, self.blob_store, part_bytes=self._upload_part_bytes)
+            self._uploader = Uploader(self.run, self._client, self.blob_store, **self._upload_kw)
             self._wake = asyncio.Event()
             self._worker = asyncio.create_task(self._commit_worker())
         if master is None:

@@ -67,7 +67,7 @@ from weftboard.board.blobs.transfer import (
     DEFAULT_PART_BYTES,
     FAST_RECONNECT,
     Uploader,
-    check_part_bytes,
+    uploader_options,
     with_retries,
 )
 from weftboard.board.channel import TlsConfig, client_tls
@@ -153,7 +153,8 @@ class ShardedPublisher:
     """One per rank; every rank of ``group`` calls each method in the same order.
 
     ``collective_timeout_s``: how long a rank waits for the others at each exchange and gather
-    (a rank that died makes the others fail after it). TLS options as ``Publisher``'s."""
+    (a rank that died makes the others fail after it). TLS and upload options (``upload_part_bytes``,
+    ``upload_min_bytes_per_s``) as ``Publisher``'s."""
 
     def __init__(self, board: str, run: str, *, token: str | None = None, served_format: Any = None,
                  blob_store: Any = None, anchor_every: int = 50, max_pending: int = 2,
@@ -162,11 +163,11 @@ class ShardedPublisher:
                  group: dist.ProcessGroup | None = None, tls: TlsConfig | bool | None = None,
                  tls_ca: str | Path | None = None, tls_cert: str | Path | None = None,
                  tls_key: str | Path | None = None, server_name: str | None = None,
-                 upload_part_bytes: int = DEFAULT_PART_BYTES, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1") -> None:
+                 upload_part_bytes: int = DEFAULT_PART_BYTES, upload_min_bytes_per_s: float | None = None,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
         if encoding not in codec.ENCODINGS:
             raise InvalidArgument(f"unknown patch encoding {encoding!r}; expected one of {codec.ENCODINGS}")
-        check_part_bytes(upload_part_bytes)
+        upload_options = uploader_options(part_bytes=upload_part_bytes, min_bytes_per_s=upload_min_bytes_per_s)
         self.spec = served_format if served_format is not None else ServedFormatSpec("bf16")
         if not isinstance(self.spec, ServedFormatSpec) or self.spec.kind not in ELEMENTWISE_KINDS:
             raise InvalidArgument(f"sharded publishing needs an elementwise served format ({', '.join(ELEMENTWISE_KINDS)}), "
@@ -179,7 +180,7 @@ class ShardedPublisher:
         self._tls = client_tls(tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, server_name=server_name)
         self.projector = Projector(self.spec)
         self.blob_store = blob_store
-        self._upload_part_bytes = upload_part_bytes
+        self._upload_kw = upload_options
         self.anchor_every = anchor_every
         self.encoding = encoding
         self.timeout_s = timeout_s
@@ -326,7 +327,7 @@ class ShardedPublisher:
         if self._client is None:
             self._client = BoardClient(self.address, self.token, tls=self._tls, timeout_s=self.timeout_s,
                                        options=FAST_RECONNECT)
-            self._uploader = Uploader(self.run, self._client, self.blob_store, part_bytes=self._upload_part_bytes)
+            self._uploader = Uploader(self.run, self._client, self.blob_store, **self._upload_kw)
 
     async def _open(self, held: dict[str, tuple]) -> int:
         """Rank 0: create or open the run; returns its head."""

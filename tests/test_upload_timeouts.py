@@ -2,24 +2,30 @@
 sends (``timeout_s`` plus the bytes at ``min_bytes_per_s``), and the retry deadline outlasts one
 attempt, so a blob on a slow link goes up and an attempt that ran out its limit is tried again
 rather than failing the publisher. The limits are scaled down through the Uploader's parameters.
+A publisher on a slow link sets the rate (``upload_min_bytes_per_s``), checked when it is made.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 from boardkit import digest_of
 
 from weftboard.board.blobs import LocalDirBlobStore, transfer
 from weftboard.board.blobs.multipart import MIN_PART_BYTES
-from weftboard.board.blobs.transfer import Uploader
+from weftboard.board.blobs.transfer import Uploader, uploader_options
 from weftboard.proto.errors import InvalidArgument, Unavailable
 from weftboard.proto.names import blob_key
+from weftboard.publisher.publisher import Publisher
+from weftboard.publisher.sharded import ShardedPublisher
 
 GIB = 1 << 30
 
@@ -136,3 +142,70 @@ async def test_presigned_parts_get_limits_for_their_share_of_the_link() -> None:
     # Two parts at once share the link: each gets twice the time its own bytes need.
     assert limits == {1: [2.5], 2: [2.5, 2.5], 3: [2.5]}
     assert completed == [[(1, "etag1"), (2, "etag2"), (3, "etag3")]]
+
+
+# -- the publishers' upload_min_bytes_per_s ----------------------------------------------------
+
+SLOW = 1 << 20  # 1 MiB/s: what a trainer on a 10 Mbit/s link passes
+
+
+def test_uploader_options_carry_the_rate_floor_or_the_default() -> None:
+    assert uploader_options() == {"part_bytes": transfer.DEFAULT_PART_BYTES,
+                                  "min_bytes_per_s": transfer.DEFAULT_MIN_BYTES_PER_S}
+    options = uploader_options(part_bytes=MIN_PART_BYTES, min_bytes_per_s=SLOW)
+    assert options == {"part_bytes": MIN_PART_BYTES, "min_bytes_per_s": SLOW}
+    assert Uploader("r", client=None, store=object(), **options).attempt_timeout_s(5 * GIB) == 600.0 + 5 * 1024
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), "fast", True])
+@pytest.mark.parametrize("cls", [Publisher, ShardedPublisher])
+def test_a_bad_upload_rate_floor_is_refused_when_the_publisher_is_made(tmp_path: Path, cls: type, bad: Any) -> None:
+    """Named as the publisher's option, before the publisher starts threads or makes its work
+    dir (a sharded one needs no process group: the option is checked first)."""
+    threads = {t.ident for t in threading.enumerate()}
+    work_dir = tmp_path / "work"
+    with pytest.raises(InvalidArgument, match=r"^upload_min_bytes_per_s must be > 0 .*got"):
+        cls("127.0.0.1:1", "r", work_dir=work_dir, upload_min_bytes_per_s=bad)
+    assert {t.ident for t in threading.enumerate()} <= threads
+    assert not work_dir.exists()
+    with pytest.raises(InvalidArgument, match="^min_bytes_per_s must be > 0"):  # the uploader's own check
+        Uploader("r", client=None, store=object(), min_bytes_per_s=bad)
+
+
+def test_the_callback_forwards_the_upload_rate_floor() -> None:
+    pytest.importorskip("transformers")
+    from weftboard.publisher.hf_callback import WeftboardCallback  # noqa: PLC0415
+
+    callback = WeftboardCallback("127.0.0.1:1", "r", upload_min_bytes_per_s=SLOW)
+    assert callback.options == {"upload_min_bytes_per_s": SLOW}
+
+
+@pytest.mark.parametrize("floor", [SLOW, None])
+@pytest.mark.usefixtures("warm_kernels")  # pubsubkit.WARM_KERNELS, for this test only: it publishes
+@pytest.mark.timeout(600)
+async def test_a_publishers_upload_rate_floor_sets_its_uploads_limits(board, local_store, tmp_path: Path,
+                                                                     floor: float | None) -> None:
+    state = {"w": torch.randn(16, 8), "b": torch.randn(8)}
+    rate = floor or transfer.DEFAULT_MIN_BYTES_PER_S
+    shard = 5 * GIB
+
+    def plain() -> Uploader:
+        with Publisher(board.address, "plain", token=board.admin_token, blob_store=local_store,
+                       work_dir=tmp_path / "plain", upload_min_bytes_per_s=floor) as pub:
+            pub.publish(state, step=0).result()
+            return pub._uploader
+
+    def sharded() -> Uploader:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+        try:
+            with ShardedPublisher(board.address, "sharded", token=board.admin_token, blob_store=local_store,
+                                  work_dir=tmp_path / "sharded", upload_min_bytes_per_s=floor) as pub:
+                pub.publish(state, step=0).result()
+                return pub._uploader
+        finally:
+            dist.destroy_process_group()
+
+    for publish in (plain, sharded):
+        uploader = await asyncio.to_thread(publish)  # it uploaded the version's anchor through this uploader
+        assert uploader.min_bytes_per_s == rate
+        assert uploader.attempt_timeout_s(shard) == 600.0 + shard / rate  # 600 s + 5120 s at 1 MiB/s

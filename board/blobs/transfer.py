@@ -19,15 +19,18 @@ Invariants:
   of such a PUT is that limit plus ``retry_deadline_s`` (120 s; the backoff comes out of it),
   so a first attempt that ran out its limit is tried once more before the upload fails as
   ``Unavailable``; no wait is unbounded (an upload ends within twice that deadline).
+  Publishers set ``min_bytes_per_s`` with their ``upload_min_bytes_per_s`` option
+  (``uploader_options``, checked when the publisher is made).
 """
 
 from __future__ import annotations
 
 import asyncio
+import numbers
 import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import structlog
 
@@ -93,6 +96,22 @@ _COMPLETE_BYTES_PER_S = 64 << 20
 PartPut = Callable[..., Awaitable[str]]
 
 
+def check_min_bytes_per_s(value: float, name: str = "min_bytes_per_s") -> float:
+    """``value`` if it is a rate above 0 (bytes per second), else ``InvalidArgument`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise InvalidArgument(f"{name} must be > 0 (an upload's limit is never unbounded), got {value!r}")
+    return value
+
+
+def uploader_options(*, part_bytes: int = DEFAULT_PART_BYTES, min_bytes_per_s: float | None = None) -> dict[str, Any]:
+    """The keyword arguments of a publisher's ``Uploader``, from its ``upload_part_bytes`` and
+    ``upload_min_bytes_per_s`` options (None: ``DEFAULT_MIN_BYTES_PER_S``), checked now, so a
+    publisher refuses a bad one when it is made, naming its own option."""
+    return {"part_bytes": check_part_bytes(part_bytes),
+            "min_bytes_per_s": DEFAULT_MIN_BYTES_PER_S if min_bytes_per_s is None
+            else check_min_bytes_per_s(min_bytes_per_s, "upload_min_bytes_per_s")}
+
+
 class Uploader:
     """Uploads content-addressed blobs of one run (``store`` given: direct; else presigned).
 
@@ -103,8 +122,8 @@ class Uploader:
     it must still complete at (``attempt_timeout_s``); ``retry_deadline_s`` how long transient
     failures are retried beyond one attempt's limit (the backoff
     before the next attempt, 0.1-5 s, comes out of it). The publishers build theirs with the
-    defaults (links down to about 17 Mbit/s); one on a slower link needs ``min_bytes_per_s`` below
-    its rate, which they do not expose yet."""
+    defaults (links down to about 17 Mbit/s) unless given ``upload_min_bytes_per_s``, which one
+    on a slower link sets below its rate (``uploader_options``)."""
 
     def __init__(self, run: str, client, store=None, *, timeout_s: float = 600.0,
                  min_bytes_per_s: float = DEFAULT_MIN_BYTES_PER_S,
@@ -116,9 +135,7 @@ class Uploader:
             raise InvalidArgument(f"parallel_parts must be >= 1, got {parallel_parts}")
         if not timeout_s > 0:
             raise InvalidArgument(f"timeout_s must be > 0, got {timeout_s}")
-        if not min_bytes_per_s > 0:
-            raise InvalidArgument(f"min_bytes_per_s must be > 0 (an upload's limit is never unbounded), "
-                                  f"got {min_bytes_per_s}")
+        check_min_bytes_per_s(min_bytes_per_s)
         if not retry_deadline_s > 0:
             raise InvalidArgument(f"retry_deadline_s must be > 0 (it holds the backoff before the next "
                                   f"attempt), got {retry_deadline_s}")
@@ -164,7 +181,8 @@ class Uploader:
                     raise DeadlineExceeded(
                         f"the upload of {size} bytes to {key} took over {limit_s:.0f}s (timeout_s "
                         f"{self.timeout_s:g} + the bytes at min_bytes_per_s {self.min_bytes_per_s:g}); "
-                        "on a slower link give the uploader a lower min_bytes_per_s") from None
+                        "on a slower link give the uploader a lower min_bytes_per_s "
+                        "(a publisher's upload_min_bytes_per_s)") from None
 
             await with_retries(f"upload of {key}", direct, deadline_s=self._retry_deadline_s(limit_s))
             return key
