@@ -11,9 +11,10 @@ Invariants:
   Redis on every call; a revocation made on this board drops the cache entry at once,
   one made elsewhere takes effect within the TTL.
 - A server stream outlives its first check: a revocation made on the board serving it ends
-  it at once (``revocation``); the guard also re-checks its token every ``stream_recheck_s``
-  (by default the cache TTL, through the same cached lookup), so one made on another replica
-  ends it within the TTL plus that interval. It ends as UNAUTHENTICATED.
+  it at once (``revocation``); one task per token with open streams (however many) re-checks
+  it every ``stream_recheck_s`` (by default the cache TTL, through the same cached lookup), so
+  one made on another replica ends them within the TTL plus that interval; the task ends with
+  its token's last stream. The streams end as UNAUTHENTICATED.
 - Configured admin tokens are stored as ``bootstrap-<sha256 prefix>`` (name
   ``bootstrap-admin``), only with auth on (with auth off nothing is written). Each start takes
   a number (``RedisStore.next_bootstrap_start``) and stores its configured tokens stamped with
@@ -39,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import re
 import secrets
@@ -142,6 +144,7 @@ class Authenticator:
             self.stream_recheck_s = stream_recheck_s
         self._cache: dict[str, tuple[float, TokenInfo | None]] = {}
         self._revocations: dict[str, set[asyncio.Future[None]]] = {}
+        self._rechecks: dict[str, asyncio.Task[None]] = {}  # one per token with open streams
 
     @property
     def recheck_every_s(self) -> float:
@@ -224,10 +227,22 @@ class Authenticator:
         """``token``'s info, None once unknown or revoked (the cached lookup)."""
         return None if token is None else await self._lookup(token)
 
-    def revocation(self, token_id: str) -> asyncio.Future[None]:
-        """A future done when this board revokes ``token_id``; ``forget_revocation`` it after."""
+    def revocation(self, info: TokenInfo, token: str) -> asyncio.Future[None]:
+        """A future done once ``token`` (whose info is ``info``) is revoked: at once when this
+        board revokes it, else when a re-check finds it gone; ``forget_revocation`` it after.
+
+        One re-check task per token, shared by all its open streams, looks it up every
+        ``recheck_every_s`` (0: never) while any of them waits; it runs in a fresh context (not
+        the first stream's), ends with the last waiter, and a lookup that fails (Redis away)
+        ends nothing: the stream was authorized, and its own Redis reads report an outage."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._revocations.setdefault(token_id, set()).add(future)
+        self._revocations.setdefault(info.token_id, set()).add(future)
+        if self.recheck_every_s > 0 and info.token_id not in self._rechecks:
+            # a task copies the context it is made in: here a fresh one (create_task's context=
+            # is Python 3.11+)
+            self._rechecks[info.token_id] = contextvars.Context().run(
+                asyncio.get_running_loop().create_task, self._recheck(info.token_id, token),
+                name=f"token-recheck-{info.token_id}")
         return future
 
     def forget_revocation(self, token_id: str, future: asyncio.Future[None]) -> None:
@@ -236,6 +251,28 @@ class Authenticator:
             waiting.discard(future)
             if not waiting:
                 del self._revocations[token_id]
+                recheck = self._rechecks.pop(token_id, None)
+                if recheck is not None:
+                    recheck.cancel()
+
+    async def _recheck(self, token_id: str, token: str) -> None:
+        """While streams of ``token_id`` wait: look ``token`` up every ``recheck_every_s``, and
+        once it is gone end them all (``_forget``)."""
+        try:
+            while self._revocations.get(token_id):
+                await asyncio.sleep(self.recheck_every_s)
+                try:
+                    if await self.current(token) is not None:
+                        continue
+                except Exception as exc:  # noqa: BLE001 - a transient lookup failure ends nothing
+                    log.warning("stream token re-check failed; its streams go on", token_id=token_id,
+                                error=f"{type(exc).__name__}: {exc}")
+                    continue
+                self._forget(token_id)
+                return
+        finally:
+            if self._rechecks.get(token_id) is asyncio.current_task():
+                del self._rechecks[token_id]
 
     async def create(self, name: str, role: int) -> tuple[str, str]:
         if role not in ROLE_NAMES:
@@ -262,6 +299,9 @@ class Authenticator:
         for future in self._revocations.pop(token_id, ()):
             if not future.done():
                 future.set_result(None)
+        recheck = self._rechecks.pop(token_id, None)
+        if recheck is not None and recheck is not asyncio.current_task():
+            recheck.cancel()
 
     async def _lookup(self, token: str) -> TokenInfo | None:
         key = token_hash(token)

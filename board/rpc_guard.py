@@ -143,10 +143,10 @@ class RpcGuard:
                                  context: grpc.aio.ServicerContext) -> Any:
         """Run a stream handler as a task of its own, ended as UNAUTHENTICATED (the handler
         cancelled, its ``finally`` run) once its caller's token is revoked: at once when this
-        board revokes it, else at the next re-check, every ``recheck_every_s``, through the
-        cached lookup (one Redis read per token per TTL however many streams share it). A
-        re-check Redis cannot answer ends nothing: the stream was authorized, and its own
-        Redis reads report an outage.
+        board revokes it, else at the next re-check, every ``recheck_every_s``, by one task per
+        token however many streams share it (``Authenticator.revocation``). A re-check Redis
+        cannot answer ends nothing: the stream was authorized, and its own Redis reads report
+        an outage.
 
         With auth off the handler runs in this task, as a unary one does."""
         if not self.auth.enabled:
@@ -160,26 +160,15 @@ class RpcGuard:
         if info is None:  # revoked since ``enter``
             work.close()
             raise Unauthenticated(f"the token presented to {method} is unknown or revoked")
-        every_s = self.auth.recheck_every_s if self.auth.recheck_every_s > 0 else None
-        revoked = self.auth.revocation(info.token_id)
+        revoked = self.auth.revocation(info, token)  # (re-checked by one task per token)
         task = asyncio.ensure_future(work)
         try:
-            while True:
-                await asyncio.wait((task, revoked), timeout=every_s, return_when=asyncio.FIRST_COMPLETED)
-                if task.done():
-                    return task.result()
-                if not revoked.done():
-                    try:
-                        if await self.auth.current(token) is not None:
-                            continue
-                    except Exception as exc:  # noqa: BLE001 - a transient lookup failure ends nothing
-                        code, message = status_of(method, exc, self.redis_url)
-                        log.warning("stream token re-check failed; the stream goes on", code=code.name,
-                                    detail=message)
-                        continue
-                raise Unauthenticated(
-                    f"the token was revoked while its {method} stream was open; ask an admin for a token"
-                )
+            await asyncio.wait((task, revoked), return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            raise Unauthenticated(
+                f"the token was revoked while its {method} stream was open; ask an admin for a token"
+            )
         finally:
             self.auth.forget_revocation(info.token_id, revoked)
             if not task.done():

@@ -112,3 +112,44 @@ async def test_bootstrap_without_admin_tokens_retires_nothing(redis_url):
         assert (await store.lookup_token("lookalike-" + "d" * 20)).token_id == "bootstrap-lookalike"
     finally:
         await store.close()
+
+
+def _rechecks() -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith("token-recheck-") and not t.done()]
+
+
+async def test_streams_of_one_token_share_one_recheck_that_ends_them_all(fast_recheck, board_factory, local_store):
+    """Three watches with one token on replica B: one re-check task for the token, not a wake-up
+    per stream; a revocation through replica A ends all three, and no re-check task outlives them."""
+    a = await board_factory(blobs=local_store)
+    b = await board_factory(blobs=local_store, admin_token=a.admin_token)
+    async with BoardClient(a.address, a.admin_token) as admin:
+        await admin.create_run(make_run("shared"))
+        await publish(admin, local_store, "shared", [1])
+        minted = await admin.create_token("island-shared", pb.ROLE_ISLAND)
+        other = await admin.create_token("island-other", pb.ROLE_ISLAND)
+        async with BoardClient(b.address, minted.token) as island, BoardClient(b.address, other.token) as bystander:
+            queues = [asyncio.Queue() for _ in range(4)]
+            tasks = [asyncio.create_task(_watch_versions(island, "shared", q)) for q in queues[:3]]
+            tasks.append(asyncio.create_task(_watch_versions(bystander, "shared", queues[3])))
+            try:
+                for q in queues:
+                    assert await asyncio.wait_for(q.get(), 10) == 1
+                await asyncio.sleep(RECHECK_S * 3)
+                assert len(_rechecks()) == 2  # one per token, however many streams
+                await admin.revoke_token(minted.token_id)
+                for task in tasks[:3]:
+                    with pytest.raises(errors.Unauthenticated, match="revoked"):
+                        await asyncio.wait_for(task, 2.0 + RECHECK_S + 3)
+                assert not tasks[3].done()  # another token's stream goes on
+                assert len(_rechecks()) == 1
+                tasks[3].cancel()
+                await asyncio.gather(tasks[3], return_exceptions=True)
+                deadline = time.monotonic() + 5
+                while _rechecks():  # the last stream of a token gone: its re-check ends
+                    assert time.monotonic() < deadline, _rechecks()
+                    await asyncio.sleep(0.05)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
