@@ -110,6 +110,18 @@ def _drop_temporaries(folder: Path) -> None:
                 stale.unlink(missing_ok=True)
 
 
+def _read_record(directory: Path) -> VersionTarget:
+    """The version record a version's folder was written with (``META_NAME``)."""
+    meta = json.loads((directory / META_NAME).read_text())
+    return VersionTarget(
+        version=int(meta["version"]),
+        root_digest=meta["root_digest"],
+        tensor_digests=meta["tensor_digests"],
+        layout=[TensorEntry(n, d, tuple(s)) for n, d, s in meta["layout"]],
+        labels=meta.get("labels", {}),
+    )
+
+
 def _fsync(path: Path) -> None:
     """Flush a file's data, or a directory's entries (a rename is durable only then), to disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -192,6 +204,21 @@ class CheckpointDirDestination:
 
     def current_dir(self) -> Path | None:
         return self.current.resolve() if self._held else None
+
+    async def held_target(self) -> VersionTarget | None:
+        """The stored record (``weftboard.json``) of the held version, read on a worker thread
+        (``HoldsTarget``: an engine loads the folder as that version), else None."""
+        async with self._lock:  # no swap meanwhile: the record is the held version's
+            if not self._held:
+                return None
+            directory = self.current.resolve()
+            try:
+                target = await asyncio.to_thread(_read_record, directory)
+            except (OSError, ValueError, KeyError) as exc:
+                raise CorruptData(f"the record of version {self._held} in {directory} cannot be read: {exc}") from exc
+            if target.version != self._held:
+                raise CorruptData(f"{directory} holds version {self._held} but its record says {target.version}")
+            return target
 
     async def load_anchor(self, shards: Sequence[Path], target: VersionTarget) -> None:
         async with self._lock:
@@ -447,13 +474,7 @@ class CheckpointDirDestination:
             return
         directory = self.current.resolve()
         try:
-            meta = json.loads((directory / META_NAME).read_text())
-            target = VersionTarget(
-                version=int(meta["version"]),
-                root_digest=meta["root_digest"],
-                tensor_digests=meta["tensor_digests"],
-                layout=[TensorEntry(n, d, tuple(s)) for n, d, s in meta["layout"]],
-            )
+            target = _read_record(directory)
             with _Mapped(directory, writable=False) as mapped:
                 self._digests = verify_tensors(mapped.tensors, target)
             self._held = target.version

@@ -44,7 +44,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 import structlog
 
@@ -68,6 +68,14 @@ log = structlog.get_logger(__name__)
 #: first and longest wait between two tries to resume an engine left paused
 RESUME_RETRY_S = 0.5
 RESUME_RETRY_MAX_S = 15.0
+
+
+class HoldsTarget(Protocol):
+    """What the checkpoint folder of an engine in its own process also does (``CheckpointDirDestination``)."""
+
+    async def held_target(self) -> VersionTarget | None:
+        """The stored record of the held version (read off the event loop), else None."""
+        ...
 
 
 class EngineDestination:
@@ -177,11 +185,18 @@ class EngineDestination:
 
     async def activate_held(self) -> int:
         """After a restart: make the engine serve the verified checkpoint already on disk
-        (engines in their own process only), so the island resumes without a download."""
+        (engines in their own process only), so the island resumes without a download. It goes in
+        as a version (``adapter.load_version`` with the folder's stored record: vLLM's workers
+        verify and bind it, and a full reload reties a tied head), never as a bare reload."""
         held = self.inner.held_version()
         if self.in_process or held == 0 or held == self.adapter.served_version():
             return self.held_version()
-        await self._activate_checkpoint(held)
+        target = await cast(HoldsTarget, self.inner).held_target()  # the folder's version now
+        if target is None or target.version == self.adapter.served_version():
+            return self.held_version()
+        assert self.checkpoint_dir is not None
+        checkpoint_dir = self.checkpoint_dir
+        await self._activate(target.version, lambda: self.adapter.load_version(checkpoint_dir, target))
         return self.held_version()
 
     async def engine_lost(self, reason: str) -> None:
@@ -206,12 +221,6 @@ class EngineDestination:
         """The engine takes the verified patch in place where its adapter can, else the folder whole."""
         how = await self.adapter.activate_patch(patch, target, checkpoint_dir)
         log.debug("engine updated", version=target.version, engine=self.adapter.kind, how=how)
-
-    async def _activate_checkpoint(self, version: int) -> None:
-        """Make the engine load the verified checkpoint the inner destination holds."""
-        assert self.checkpoint_dir is not None
-        checkpoint_dir = self.checkpoint_dir
-        await self._activate(version, lambda: self.adapter.load_checkpoint(checkpoint_dir, version))
 
     async def _activate(self, version: int, change: Callable[[], Awaitable[None]]) -> None:
         """Pause the engine, make the change, record the held version, resume: the only

@@ -21,7 +21,8 @@ Invariants:
   stops answering (``ENGINE_MISSES`` probes in a row), or reports a version other than the one the island loaded (the reference
   engine's ``/health`` says; it restarted on its start-up weights), is withdrawn at once (503,
   ``adapter.mark_unverified``), and once it answers again the verified folder is loaded into it
-  (``activate_held``). Probes overlapping an activation are not judged.
+  (``activate_held``). Probes overlapping an activation are not judged. A restart whose first
+  ``activate_held`` fails still starts: the watch begins with the engine lost and loads it again.
 - A task that ends before ``stop()`` (a fatal error) is logged at once, and ``failed()``
   returns its error, so ``weftboard sidecar`` exits instead of serving a stale version.
 """
@@ -151,10 +152,10 @@ async def _engine_trouble(adapter: HttpEngineAdapter) -> tuple[str, bool] | None
 
 
 async def _watch_engine(adapter: HttpEngineAdapter, destination: EngineDestination, gate: AdmissionGate,
-                        every_s: float = ENGINE_WATCH_S) -> None:
+                        every_s: float = ENGINE_WATCH_S, *, lost: bool = False) -> None:
     """Withdraw the island when its engine is lost (``_engine_trouble``); load the verified folder
-    into it again once it answers."""
-    lost = False
+    into it again once it answers. ``lost``: from the start (the island's first load of the held
+    version failed)."""
     misses = 0
     while True:
         await asyncio.sleep(every_s)
@@ -213,6 +214,7 @@ async def start_island(
         gate = AdmissionGate(mode)
         metrics = IslandMetrics(run)  # one registry for the island: its subscriber, engine and sidecar
         in_process = None
+        engine_lost = False  # the held version did not go into the engine at start: the watch reloads it
         if engine == "reference" and not engine_url:
             config = reference_config if reference_config is not None else await reference_config_of_run(client, run)
             in_process = ReferenceEngine(config, token_delay_s=token_delay_s)
@@ -233,7 +235,12 @@ async def start_island(
             destination = EngineDestination(adapter, gate, state, on_disk, checkpoint_dir=on_disk.current,
                                             metrics=metrics)
             if on_disk.held_version():  # a restart: serve the verified checkpoint on disk first
-                await destination.activate_held()
+                try:
+                    await destination.activate_held()
+                except (WeftboardError, OSError) as exc:  # recorded by the activation; the engine watch retries
+                    log.error("loading the verified version on disk into the engine failed; the island starts "
+                              "without it", version=on_disk.held_version(), error=str(exc))
+                    engine_lost = True
         subscriber = Subscriber(client, run, destination, island_id=island_id, blob_store=blob_store,
                                 cache_dir=cache_dir, heartbeat_s=heartbeat_s, metrics=metrics)
         reporter = TrajectoryReporter(client) if report_trajectories else None
@@ -254,7 +261,8 @@ async def start_island(
         if scrub_interval_s > 0:
             tasks.append(asyncio.create_task(scrubber.run(), name=f"scrub-{island_id}"))
         if isinstance(adapter, HttpEngineAdapter) and engine_watch_s > 0:  # an engine in its own process
-            tasks.append(asyncio.create_task(_watch_engine(adapter, destination, gate, engine_watch_s),
+            tasks.append(asyncio.create_task(_watch_engine(adapter, destination, gate, engine_watch_s,
+                                                           lost=engine_lost),
                                              name=f"engine-watch-{island_id}"))
         for task in tasks:
             task.add_done_callback(_log_end)

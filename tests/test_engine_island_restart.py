@@ -3,19 +3,30 @@
 It comes back on its start-up weights: the island must not go on labelling its answers with the
 version it loaded before. The engine watch (``engine_island._watch_engine``) withdraws the island
 (503) when the engine stops answering or reports another version, and loads the verified folder
-into it once it answers again.
+into it once it answers again. A restart whose first load of the held version fails still starts
+the island: the watch reloads it. The held version goes in as a version (``load_version`` with the
+folder's record: vLLM's workers verify and bind it), not as a bare reload.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 
+from test_destinations import _anchor, _target
+from test_engine_adapters import RecordingEngine
 from test_failed_activation import FolderIsland
-from test_sidecar import PROMPT, SMALL, call
+from test_sidecar import PROMPT, SMALL, call, versions_of
 
-from weftboard.subscriber.engine_island import _watch_engine
+from weftboard.subscriber.admission import AdmissionGate, VersionState
+from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
+from weftboard.subscriber.engine_destination import EngineDestination
+from weftboard.subscriber.engine_island import _watch_engine, start_island
+from weftboard.subscriber.engines.base import ActivationMode
 from weftboard.subscriber.engines.reference import ReferenceHttpAdapter
+from weftboard.subscriber.engines.vllm import VllmAdapter
+from weftboard.subscriber.engines.vllm_worker import target_to_json
 from weftboard.subscriber.reference_engine.engine import ReferenceEngine
 from weftboard.subscriber.reference_engine.openai_api import serve_engine
 
@@ -83,4 +94,66 @@ async def test_an_engine_restarted_between_two_probes_is_caught_by_its_version(t
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
         await island.stop()
+        await server.stop()
+
+
+async def _folder_holding(root: Path, v: int) -> CheckpointDirDestination:
+    """A checkpoint folder that holds version ``v`` (as an island left it before a restart)."""
+    weights = versions_of(v)[v]
+    folder = CheckpointDirDestination(root)
+    await folder.load_anchor(_anchor(root.parent / f"anchor-{v}", weights), _target(weights, v))
+    return folder
+
+
+async def test_the_held_version_goes_into_a_vllm_engine_verified_not_as_a_bare_reload(tmp_path: Path) -> None:
+    folder = await _folder_holding(tmp_path / "ckpt", 2)
+    target = await folder.held_target()
+    assert target is not None and target.version == 2
+    engine = await RecordingEngine().start()
+    engine.rpc_answers["weftboard_attach"] = {"results": [
+        {"rank": 0, "status": "ok", "root": target.root_digest, "version": 2}]}
+    adapter = VllmAdapter(engine.url, timeout_s=5)
+    state = VersionState()
+    dest = EngineDestination(adapter, AdmissionGate(ActivationMode.DRAIN), state, folder, checkpoint_dir=folder.current)
+    try:
+        assert await dest.activate_held() == 2
+        rpcs = [c["json"] for c in engine.calls if c["path"] == "/collective_rpc"]
+        assert rpcs == [{"method": "weftboard_attach", "kwargs": {
+            "checkpoint_dir": str(folder.current), "target": target_to_json(target)}}]
+        assert state.held == 2 and adapter.served_version() == 2
+    finally:
+        await adapter.close()
+        await engine.stop()
+
+
+async def test_a_failed_load_of_the_held_version_at_start_does_not_end_the_start(tmp_path: Path) -> None:
+    """The engine refuses the first load of the version on disk: the island starts anyway, in
+    error and serving nothing, and the engine watch loads the verified folder once it can."""
+    await _folder_holding(tmp_path / "ckpt", 2)
+    engine = ReferenceEngine(SMALL)
+    server = await serve_engine(engine)
+    load = engine.load_checkpoint_dir
+    refused: list[Path] = []
+
+    def refuse_once(directory: Path) -> None:
+        if not refused:
+            refused.append(directory)
+            raise OSError("disk read error")
+        load(directory)
+
+    engine.load_checkpoint_dir = refuse_once  # type: ignore[method-assign]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        board = f"127.0.0.1:{s.getsockname()[1]}"  # no board there: the island starts without one
+    island = None
+    try:
+        island = await start_island(board=board, token=None, run="run-a", island_id="i1", engine="reference",
+                                    engine_url=server.url, checkpoint_dir=tmp_path / "ckpt",
+                                    cache_dir=tmp_path / "cache", engine_watch_s=0.1, scrub_interval_s=0)
+        assert refused  # the first load was refused, and the island started nevertheless
+        assert await island.state.wait_for(lambda: island.state.held == 2 and island.state.error is None, 10.0)
+        assert engine.version == 2 and island.adapter.served_version() == 2
+    finally:
+        if island is not None:
+            await island.stop()
         await server.stop()

@@ -8,15 +8,21 @@
 - Staging waits while any worker is still at it (tensor-parallel workers finish apart).
 - Only an answer saying the worker extension is missing turns patches in place off; a warm-up
   that got no clear answer leaves them on and the next ``prepare_patch`` asks again.
+- Every full reload (``load_checkpoint``, however reached) reties the tied output head before the
+  version is served; a failed retie vouches for nothing, unless no warm-up confirmed the extension
+  and the engine answers it has none (a warning, the reload stands). ``load_version`` asks again
+  about an unknown extension first, and takes the engine's own reload where ``attach`` is missing.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+import structlog
 from aiohttp import web
 from enginekit import CatchAllServer
 
@@ -47,6 +53,8 @@ class FakeVllm(CatchAllServer):
 
     def __init__(self) -> None:
         self.rpcs: list[str] = []
+        self.seen: list[str] = []  # every request in order: the worker method, else the path
+        self.on_rpc: dict[str, Callable[[], None]] = {}  # called when the method arrives
         self.rpc_status: dict[str, tuple[int, str]] = {}
         self.rpc_seq: dict[str, list[dict[str, Any]]] = {}
         self.rpc_answers: dict[str, dict[str, Any]] = {}
@@ -54,9 +62,13 @@ class FakeVllm(CatchAllServer):
 
     async def _handle(self, request: web.Request) -> web.Response:
         if request.path != "/collective_rpc":
+            self.seen.append(request.path)
             return web.json_response(self.path_answers.get(request.path, {}))
         method = json.loads(await request.read())["method"]
         self.rpcs.append(method)
+        self.seen.append(method)
+        if method in self.on_rpc:
+            self.on_rpc[method]()
         if method in self.rpc_status:
             status, text = self.rpc_status[method]
             return web.Response(status=status, text=text)
@@ -87,7 +99,6 @@ WEIGHT_CHANGES = {
     "reload_weights": lambda a, d: a.load_checkpoint(d, 2),
     "weftboard_attach": lambda a, d: a.attach(d, V2),
     "weftboard_adopt": lambda a, d: a.adopt(d, V2),
-    "weftboard_retie": lambda a, d: a.reload(d, 2),
 }
 
 
@@ -246,3 +257,104 @@ async def test_a_prefix_cache_reset_answered_unsuccessful_vouches_for_no_version
     engine.path_answers["/reset_prefix_cache"] = {"success": True}
     await adapter.load_checkpoint(tmp_path, 2)
     assert adapter.served_version() == 2
+
+
+# -- a full reload reties the tied output head ------------------------------------------------
+
+NOT_IMPLEMENTED = "NotImplementedError: Method 'weftboard_{}' is not implemented."
+
+
+async def _confirm_extension(engine: FakeVllm, adapter: VllmAdapter) -> None:
+    engine.rpc_answers["weftboard_warm_up"] = _results({"status": "ok", "seconds": 0.1})
+    assert await adapter.warm_up() == 0.1
+
+
+async def test_a_full_reload_reties_the_head_before_the_version_is_served(engine, adapter, tmp_path):
+    served_at_retie: list[int] = []
+    engine.on_rpc["weftboard_retie"] = lambda: served_at_retie.append(adapter.served_version())
+    await adapter.load_checkpoint(tmp_path, 2)
+    assert engine.seen == ["weftboard_detach", "reload_weights", "weftboard_retie", "/reset_prefix_cache"]
+    assert served_at_retie == [1]  # the new version counts only once the head is prepared again
+    assert adapter.served_version() == 2 and adapter.unverified is None
+
+
+async def test_a_full_reload_by_load_version_reties_too(engine, adapter, tmp_path):
+    adapter.in_place = False  # an engine whose warm-up found no extension: versions are full reloads
+    await adapter.load_version(tmp_path, V2)
+    assert engine.rpcs[-2:] == ["reload_weights", "weftboard_retie"]
+    assert adapter.served_version() == 2
+
+
+@pytest.mark.parametrize("confirmed,answer", [
+    (True, (500, NOT_IMPLEMENTED.format("retie"))),  # confirmed: even a "missing" answer is a failure
+    (True, (500, "RuntimeError: CPU kernel packing failed")),
+    (True, {"status": "error", "error": "packing failed"}),
+    (False, (500, "RuntimeError: CPU kernel packing failed")),  # says nothing of the extension
+], ids=["confirmed-missing", "confirmed-500", "confirmed-error-status", "unconfirmed-500"])
+async def test_a_failed_retie_vouches_for_no_version(engine, adapter, tmp_path, confirmed, answer):
+    if confirmed:
+        await _confirm_extension(engine, adapter)
+    if isinstance(answer, tuple):
+        engine.rpc_status["weftboard_retie"] = answer
+    else:
+        engine.rpc_answers["weftboard_retie"] = _results(_ok(V2), answer)
+    with pytest.raises(ApplyError):
+        await adapter.load_checkpoint(tmp_path, 2)
+    assert adapter.served_version() == 0
+    assert "tied output head was not prepared again" in (adapter.unverified or "")
+    assert "/reset_prefix_cache" not in engine.seen
+
+
+@pytest.mark.parametrize("answer", [
+    (500, NOT_IMPLEMENTED.format("retie")),
+    (404, '{"detail": "Not Found"}'),
+    {"success": True},  # results no extension gives
+], ids=["not-implemented", "no-route", "no-results"])
+async def test_a_retie_missing_before_the_extension_is_confirmed_serves_with_a_warning(engine, adapter, tmp_path,
+                                                                                         answer):
+    if isinstance(answer, tuple):
+        engine.rpc_status["weftboard_retie"] = answer
+    else:
+        engine.rpc_answers["weftboard_retie"] = answer
+    with structlog.testing.capture_logs() as logs:
+        await adapter.load_checkpoint(tmp_path, 2)
+        await adapter.load_checkpoint(tmp_path, 3)
+    assert adapter.served_version() == 3 and adapter.unverified is None
+    warned = [e for e in logs if "cannot retie" in e["event"]]
+    assert len(warned) == 1 and warned[0]["log_level"] == "warning"  # once, not at every reload
+
+
+async def test_load_version_asks_again_about_an_unknown_extension_first(engine, adapter, tmp_path):
+    engine.rpc_status["weftboard_warm_up"] = (503, "Service Unavailable")
+    assert await adapter.warm_up() == 0.0  # no clear answer: the extension is unknown
+    del engine.rpc_status["weftboard_warm_up"]
+    engine.rpc_answers["weftboard_warm_up"] = _results({"status": "ok", "seconds": 0.1})
+    engine.rpc_answers["weftboard_attach"] = _results(_ok(V2), _ok(V2))
+    engine.rpcs.clear()
+    await adapter.load_version(tmp_path, V2)
+    assert engine.rpcs == ["weftboard_warm_up", "weftboard_attach"]  # verified and bound, not a bare reload
+    assert adapter.served_version() == 2
+
+
+@pytest.mark.parametrize("answer", [
+    (500, NOT_IMPLEMENTED.format("attach")),
+    (404, '{"detail": "Not Found"}'),
+], ids=["not-implemented", "no-route"])
+async def test_an_attach_answered_missing_falls_back_to_the_engines_own_reload(engine, adapter, tmp_path, answer):
+    await _confirm_extension(engine, adapter)
+    engine.rpc_status["weftboard_attach"] = answer
+    engine.rpc_status["weftboard_retie"] = (500, NOT_IMPLEMENTED.format("retie"))  # restarted without it
+    engine.rpcs.clear()
+    await adapter.load_version(tmp_path, V2)
+    assert engine.rpcs == ["weftboard_attach", "weftboard_detach", "reload_weights", "weftboard_retie"]
+    assert adapter.served_version() == 2 and adapter.unverified is None
+
+
+async def test_an_attach_refused_for_another_reason_does_not_fall_back(engine, adapter, tmp_path):
+    await _confirm_extension(engine, adapter)
+    engine.rpc_status["weftboard_attach"] = (500, "RuntimeError: out of memory")
+    engine.rpcs.clear()
+    with pytest.raises(ApplyError, match="out of memory"):
+        await adapter.load_version(tmp_path, V2)
+    assert engine.rpcs == ["weftboard_attach"]
+    assert adapter.served_version() == 0  # an error answer to a weight change: the outcome is unknown

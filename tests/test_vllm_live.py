@@ -7,7 +7,9 @@ resumes, while clients keep sending requests; then the engine's greedy tokens an
 log-probs for fixed prompts must equal those it gives after its own full reload of that
 version's checkpoint from disk, and its live weights must be bit for bit the version's verified
 bytes (the deep digest). For the last version a freshly started engine on the full checkpoint
-folder must agree too. Versions are encoded with the codec's ``encode_patch``, bf16, AdamW-like
+folder must agree too. The model ties its output head to its embedding: a full reload from disk
+(vLLM's ``reload_weights`` loads nothing into the tied head) must still answer like the version it
+loaded, never with the previous version's head. Versions are encoded with the codec's ``encode_patch``, bf16, AdamW-like
 steps; the last test publishes the same versions through a real board and follows them with a
 real island and sidecar in front of the same engine.
 """
@@ -163,7 +165,7 @@ async def test_every_version_in_place_equals_a_full_load(kit: Kit) -> None:
             with Load(kit.live) as load:
                 await adapter.pause(ActivationMode.IN_PLACE)
                 try:
-                    await adapter.reload(version.folder, version.target.version)
+                    await adapter.load_checkpoint(version.folder, version.target.version)
                 finally:
                     await adapter.resume()
             assert not load.failed, load.failed[:3]
@@ -365,3 +367,37 @@ async def test_fresh_engine_on_the_last_version_agrees(kit: Kit) -> None:
         await adapter.close()
     finally:
         fresh.stop()
+
+
+async def test_a_full_reload_of_a_tied_model_serves_the_new_head(kit: Kit) -> None:
+    """From version ``VERSIONS`` (its tied head packed for the CPU kernels), the engine's own reload
+    of version 1 from disk, by ``load_checkpoint`` and by ``load_version`` with patches in place
+    off, answers exactly as version 1 did (a stale head would keep ``VERSIONS``'s log-probs)."""
+    if VERSIONS not in kit.outputs or 1 not in kit.outputs:
+        pytest.skip("needs test_every_version_in_place_equals_a_full_load (the reference answers)")
+    assert kit.outputs[1] != kit.outputs[VERSIONS]
+    last, first = kit.versions[VERSIONS], kit.versions[1]
+    adapter = VllmAdapter(kit.live.url, timeout_s=120)
+    try:
+        assert await adapter.warm_up() >= 0
+
+        async def paused(change) -> None:  # noqa: ANN001 - a coroutine function
+            await adapter.pause(ActivationMode.IN_PLACE)
+            try:
+                await change()
+            finally:
+                await adapter.resume()
+
+        await paused(lambda: adapter.attach(last.folder, last.target))  # the head packed for VERSIONS
+        assert answers(kit.live) == kit.outputs[VERSIONS]
+        await paused(lambda: adapter.load_checkpoint(first.folder, first.target.version))
+        assert adapter.served_version() == 1
+        assert answers(kit.live) == kit.outputs[1], "a full reload served the previous version's tied head"
+        await paused(lambda: adapter.attach(last.folder, last.target))
+        assert answers(kit.live) == kit.outputs[VERSIONS]
+        adapter.in_place = False  # an engine without patches in place: every version is the engine's reload
+        await paused(lambda: adapter.load_version(first.folder, first.target))
+        assert adapter.served_version() == 1
+        assert answers(kit.live) == kit.outputs[1], "load_version's full reload served the previous tied head"
+    finally:
+        await adapter.close()

@@ -98,7 +98,7 @@ async def _measure(server: vllm_kit.VllmServer, versions: list[vllm_kit.Version]
             after_patch = ask()
             reload_load = _Load(server, clients)
             time.sleep(0.2)
-            reload_s, reload_write_s, _ = await _timed_swap(adapter, lambda version=version: adapter.reload(
+            reload_s, reload_write_s, _ = await _timed_swap(adapter, lambda version=version: adapter.load_checkpoint(
                 version.folder, version.target.version))
             reload_load.finish()
             after_reload = ask()

@@ -15,9 +15,14 @@ Endpoints used (``vllm/entrypoints/rl/online/api_router.py`` and ``serve/dev``):
   ``weftboard_commit`` (paused: write it into the live parameters); ``weftboard_apply_patch``
   (both at once); ``weftboard_attach`` (a verified checkpoint folder whole, through vLLM's
   loader); ``weftboard_detach``/``weftboard_adopt`` around the engine's own ``reload_weights``
-  from disk (``load_checkpoint``); ``weftboard_digest``.
+  from disk (``load_checkpoint``), which is always followed by ``weftboard_retie`` (vLLM's reload
+  loads nothing into a tied output head: its packed CPU copy would stay on the old version);
+  ``weftboard_digest``.
 - ``POST /reset_prefix_cache`` after a change; ``POST /resume``; ``GET /health``.
 The requests of ``pause``, ``resume`` and ``load_checkpoint`` are pinned by tests/contracts/vllm.json.
+An engine started without the extension cannot retie: until a ``warm_up`` confirmed the extension,
+a retie answered "no such method" is logged once and the reload stands (a tied head served stale on
+CPU); once confirmed, a failed retie vouches for no version.
 
 Security: ``VLLM_SERVER_DEV_MODE`` exposes unauthenticated endpoints that change weights and
 run worker methods (``/collective_rpc``, ``/pause``, ``/update_weights``...); vLLM's
@@ -82,6 +87,10 @@ class VllmAdapter(HttpEngineAdapter):
     write_mode: str = "unknown"
     #: the record of the patch the workers staged (``prepare_patch``, as sent), else None
     _staged: str | None = None
+    #: True once a ``warm_up`` answered: the workers have the extension, so a failed retie is an error
+    _extension_confirmed = False
+    #: whether the warning that an engine without the extension serves a stale tied head was logged
+    _warned_stale_head = False
 
     async def pause(self, mode: ActivationMode) -> None:
         await self.call("POST", "/pause", params={"mode": _PAUSE_MODE[require_mode(mode)], "clear_cache": "true"},
@@ -92,7 +101,8 @@ class VllmAdapter(HttpEngineAdapter):
 
     async def load_checkpoint(self, directory: Path, version: int) -> None:
         """The engine's own reload of a whole checkpoint folder from disk (the workers first give
-        vLLM its layers back: what they vouched for is gone until ``adopt`` or ``attach``)."""
+        vLLM its layers back: what they vouched for is gone until ``adopt`` or ``attach``), then
+        the tied output head prepared again (``_retie``) before the version counts as served."""
         self._staged = None
         if self.in_place:
             try:
@@ -101,7 +111,36 @@ class VllmAdapter(HttpEngineAdapter):
                 log.warning("vllm workers did not detach before the reload", engine=self.engine_url, error=str(exc))
         await self.change_weights("POST", "/collective_rpc", what="collective_rpc reload_weights",
                                   json={"method": "reload_weights", "kwargs": {"weights_path": str(directory)}})
+        await self._retie(version)
         await self._changed_to(version)
+
+    async def _retie(self, version: int) -> None:
+        """After vLLM's ``reload_weights`` of ``version``: the workers tie the output head to the
+        embedding again and redo its kernel preparation (``weftboard_retie``). vLLM's reload loads
+        nothing into a tied head, so on CPU its packed copy stays on the old weights.
+
+        A failure leaves the new weights behind the old head: no version is vouched for. Except
+        where no ``warm_up`` confirmed the extension and the answer says it is missing: such an
+        engine cannot retie, so a warning (once) and the reload stands."""
+        what = f"the weights of version {version} are in but the tied output head was not prepared again"
+        try:
+            answers = await self._rpc("weftboard_retie", {})
+            bad = [a for a in answers if a.get("status") != "ok"]
+            if bad:
+                raise ApplyError(f"vllm engine at {self.engine_url}: weftboard_retie failed: {_errors(bad)}")
+        except ApplyError as exc:
+            if not self._extension_confirmed and _extension_missing(exc, "weftboard_retie"):
+                if not self._warned_stale_head:
+                    self._warned_stale_head = True
+                    log.warning("vllm engine without the weftboard worker extension cannot retie a tied output "
+                                "head after a reload: on CPU it serves the old head; start it with "
+                                "--worker-extension-cls " + WORKER_EXTENSION, engine=self.engine_url, error=str(exc))
+                return
+            self.mark_unverified(f"{what} (collective_rpc weftboard_retie): {exc}")
+            raise
+        except asyncio.CancelledError:
+            self.mark_unverified(f"{what}: collective_rpc weftboard_retie was cancelled")
+            raise
 
     async def _changed_to(self, version: int) -> None:
         """After the weights took ``version``: drop the prefix cache computed on the old ones, then
@@ -114,12 +153,6 @@ class VllmAdapter(HttpEngineAdapter):
             self.mark_unverified(f"the weights of version {version} are in but the old prefix cache stayed: {exc}")
             raise
         self.mark_served(version)
-
-    async def reload(self, directory: Path, version: int) -> None:
-        """``load_checkpoint`` and then the tied output head prepared again (``weftboard_retie``):
-        vLLM's reload leaves a tied head's packed CPU copy on the old version."""
-        await self.load_checkpoint(directory, version)
-        await self._rpc("weftboard_retie", {}, changes_weights=True)
 
     async def warm_up(self) -> float:
         """Compile the codec's kernels in every worker while the engine serves; the seconds it took.
@@ -146,6 +179,7 @@ class VllmAdapter(HttpEngineAdapter):
                         error=str(exc))
             return 0.0
         self._extension_unknown = False
+        self._extension_confirmed = True
         return max(float(a.get("seconds", 0.0)) for a in answers)
 
     def _patches_in_place(self) -> bool:
@@ -175,10 +209,23 @@ class VllmAdapter(HttpEngineAdapter):
         self.write_mode = _write_mode(answers)
 
     async def load_version(self, directory: Path, target: VersionTarget) -> None:
+        """``attach`` where the extension is there (asked again first when unknown), else, or
+        when ``attach`` answers that it is missing (an engine restarted without it), the
+        engine's own reload (``load_checkpoint``)."""
+        if self.in_place and self._extension_unknown:
+            await self.warm_up()  # the warm-up got no clear answer: ask again before choosing
         if self._patches_in_place():
-            await self.attach(directory, target)
-        else:
-            await self.load_checkpoint(directory, target.version)
+            try:
+                await self.attach(directory, target)
+                return
+            except ApplyError as exc:
+                if not _extension_missing(exc, "weftboard_attach"):
+                    raise
+                log.warning("vllm engine answered that the weftboard worker extension is missing; loading the "
+                            "version with its own reload", engine=self.engine_url, error=str(exc))
+                # not the engine whose extension a warm-up confirmed: ask again at the next version
+                self._extension_confirmed, self._extension_unknown = False, True
+        await self.load_checkpoint(directory, target.version)
 
     async def prepare_patch(self, patch: Path, target: VersionTarget) -> bool:
         """While the engine serves: every worker applies and verifies ``patch`` on its copy of the
