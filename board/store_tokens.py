@@ -24,6 +24,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -58,6 +59,7 @@ class TokenStore:
     """Token storage on ``self.redis`` (set by ``RedisStore``)."""
 
     redis: Any  # redis.asyncio.Redis or RedisCluster
+    _pipeline: Callable[..., Awaitable[list]]  # RedisStore's: build(pipe), then execute
 
     @cached_property
     def _put_unless_retired(self) -> Any:
@@ -67,19 +69,15 @@ class TokenStore:
     def _revoke_if_older(self) -> Any:
         return self.redis.register_script(REVOKE_IF_OLDER_LUA)
 
-    async def _transaction(self, build) -> list:
-        pipe = self.redis.pipeline(transaction=True)
-        build(pipe)
-        return await pipe.execute()
-
     async def put_token(self, token_id: str, name: str, role: int, token: str) -> None:
         """Store a minted token (``CreateToken``)."""
         digest = token_hash(token)
-        await self._transaction(
+        await self._pipeline(
             lambda p: (
                 p.hset(k_token_id(token_id), mapping={"name": name, "role": role, "hash": digest}),
                 p.set(k_token_hash(digest), token_id),
-            )
+            ),
+            transaction=True,
         )
 
     async def next_bootstrap_start(self) -> int:
@@ -143,5 +141,5 @@ class TokenStore:
             if for_good:
                 p.sadd(RETIRED_KEY, token_id)
 
-        await self._transaction(build)
+        await self._pipeline(build, transaction=True)
         return bool(info)

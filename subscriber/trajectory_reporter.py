@@ -219,6 +219,5 @@ class TrajectoryReporter:
 
 async def _ended(getter: asyncio.Future) -> pb.TrajectoryRecord | None:
     """Cancel a queue ``getter`` and wait for it: the record it had already taken, else None."""
-    getter.cancel()
-    await asyncio.wait({getter})
+    await cancel_and_wait([getter])
     return None if getter.cancelled() else getter.result()
