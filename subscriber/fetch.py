@@ -8,7 +8,8 @@ Invariants:
 - Anchor shards keep their checkpoint file names (``<cache>/<hex>/<name>``) so a
   destination can lay them out as an HF checkpoint directly.
 - With a blob store the island reads S3 with its own credentials; without, it uses the
-  presigned URL the board put in the plan.
+  presigned URL the board put in the plan, over one HTTP session per fetcher and event loop
+  (kept-alive connections, no new TCP and TLS handshake per blob) that ``close`` ends.
 - A blob of at most ``MAX_RANGED_BYTES`` (a patch) from a far store (its measured time to
   first byte at least ``RANGES_MIN_FIRST_BYTE_S``) is fetched as parallel byte ranges, the
   size coming from the record (no stat round trip); a failed ranged fetch starts over.
@@ -33,6 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import structlog
 
 from weftboard.board.blobs import fetch_url
@@ -131,6 +133,22 @@ class Fetcher:
         self.bytes_downloaded = 0
         self._last_key: str | None = None  # a blob known to exist, for probing the store's path
         self._busy: dict[Path, tuple[asyncio.Lock, int]] = {}  # cache file -> (its lock, fetches holding or awaiting it)
+        self._http: tuple[asyncio.AbstractEventLoop, aiohttp.ClientSession] | None = None  # presigned-URL downloads
+
+    def _url_session(self) -> aiohttp.ClientSession:
+        """The session this loop's presigned-URL downloads share, made on first use: a version's
+        blobs reuse its kept-alive connections. A session of another (ended) loop is dropped."""
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http[0] is not loop or self._http[1].closed:
+            self._http = (loop, aiohttp.ClientSession())
+        return self._http[1]
+
+    async def close(self) -> None:
+        """Close the presigned-URL downloads' connections; a later fetch opens new ones."""
+        if self._http is not None:
+            (loop, session), self._http = self._http, None
+            if loop is asyncio.get_running_loop():
+                await session.close()
 
     @contextlib.asynccontextmanager
     async def _exclusive(self, path: Path) -> AsyncIterator[None]:
@@ -220,7 +238,7 @@ class Fetcher:
                         self.timeout_s,
                     )
                 elif ref.url:
-                    await fetch_url(ref.url, part, offset, timeout_s=self.timeout_s)
+                    await fetch_url(ref.url, part, offset, timeout_s=self.timeout_s, session=self._url_session())
                 else:
                     raise PermissionDenied(
                         f"blob {ref.key}: no blob-store credentials and the plan carries no presigned URL"

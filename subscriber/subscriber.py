@@ -263,6 +263,7 @@ class Subscriber:
                 await asyncio.gather(hb, return_exceptions=True)
             await self.destination.close()  # its worker threads end with the following
             await self._forget_kept(set())
+            await self.fetcher.close()
 
     async def _follow(self) -> None:
         async with self._sync_lock:

@@ -136,6 +136,7 @@ async def test_a_cancelled_fetch_closes_its_connections_and_removes_its_part_fil
         finally:
             fetch.cancel()
             await asyncio.gather(fetch, return_exceptions=True)
+            await fetcher.close()
             if store is not None:
                 await store.close()
 

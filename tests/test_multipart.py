@@ -310,6 +310,7 @@ async def test_a_download_resumes_with_a_range_request(rig: Rig, tmp_path: Path)
         await fetcher.fetch(ref)
     part_file.write_bytes(data[:kept])  # resumed from a true prefix: verified
     final = await fetcher.fetch(ref)
+    await fetcher.close()
     assert final.read_bytes() == data
 
 

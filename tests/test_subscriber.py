@@ -378,6 +378,44 @@ async def test_two_fetches_of_one_blob_download_it_once_and_both_see_every_byte(
     assert fetcher._busy == {}
 
 
+async def test_presigned_url_downloads_share_kept_alive_connections_until_closed(tmp_path: Path) -> None:
+    """An island without blob-store credentials fetches a version's blobs over one HTTP
+    session: the second blob comes over the first one's connection (no new TCP or TLS
+    handshake on a long path); after ``close`` a fetch opens a new one."""
+    import xxhash
+
+    from weftboard.proto.domain import format_digest
+
+    blobs = {f"/b{i}": bytes((i * 31 + j) & 0xFF for j in range(50_000 + i)) for i in range(3)}
+    peers: list[tuple[str, int]] = []
+
+    async def get(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername"))
+        return web.Response(body=blobs[request.path])
+
+    app = web.Application()
+    app.router.add_get("/{name}", get)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    refs = [pb.BlobRef(key=f"runs/r/blobs/{name[1:]}", digest=format_digest(xxhash.xxh3_128(data).digest()),
+                       size=len(data), url=f"http://127.0.0.1:{port}{name}?X-Amz-Signature=s")
+            for name, data in blobs.items()]
+    fetcher = Fetcher(tmp_path / "cache", None)
+    try:
+        for ref, data in zip(refs[:2], blobs.values(), strict=False):
+            assert (await fetcher.fetch(ref)).read_bytes() == data
+        assert len(peers) == 2 and peers[0] == peers[1]  # one connection, kept alive
+        await fetcher.close()
+        assert (await fetcher.fetch(refs[2])).read_bytes() == blobs["/b2"]
+        assert len(peers) == 3 and peers[2] != peers[0]
+    finally:
+        await fetcher.close()
+        await runner.cleanup()
+
+
 async def test_fetch_takes_patches_in_parallel_ranges_and_anchor_shards_whole(s3_store, tmp_path: Path) -> None:
     import xxhash
 

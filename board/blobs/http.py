@@ -57,20 +57,24 @@ async def fetch_url(
     connect_timeout_s: float = 10.0,
     session: aiohttp.ClientSession | None = None,
 ) -> int:
-    """Download ``url`` into ``path`` (resuming at ``offset``); returns the object's size."""
+    """Download ``url`` into ``path`` (resuming at ``offset``); returns the object's size.
+    With ``session`` its kept-alive connections are reused (and it is left open); the timeouts
+    hold either way."""
     dest = Path(path)
     headers = {"Range": f"bytes={offset}-"} if offset > 0 else {}
     own = session is None
-    session = session or aiohttp.ClientSession(timeout=_timeout(timeout_s, connect_timeout_s))
+    timeout = _timeout(timeout_s, connect_timeout_s)
+    session = session or aiohttp.ClientSession(timeout=timeout)
     try:
-        async with session.get(url, headers=headers) as response:
+        async with session.get(url, headers=headers, timeout=timeout) as response:
             if response.status == 416 and offset > 0:
                 # Range starts at or past the end: complete already, or longer than the object.
                 match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
                 total = int(match.group(3)) if match else -1
                 if total == offset:
                     return total
-                return await fetch_url(url, dest, 0, timeout_s=timeout_s, session=session)
+                return await fetch_url(url, dest, 0, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
+                                       session=session)
             if response.status not in (200, 206):
                 _raise_for_status(response.status, url, await response.text(errors="replace"))
             start = offset if response.status == 206 else 0
