@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from enginekit import CatchAllServer
 from pubsubkit import WARM_KERNELS, Trainer, bits_equal, run_cli, zeros_like_layout
 from test_engine_adapters import RecordingEngine
 
@@ -389,19 +390,14 @@ async def test_presigned_url_downloads_share_kept_alive_connections_until_closed
     blobs = {f"/b{i}": bytes((i * 31 + j) & 0xFF for j in range(50_000 + i)) for i in range(3)}
     peers: list[tuple[str, int]] = []
 
-    async def get(request: web.Request) -> web.Response:
-        peers.append(request.transport.get_extra_info("peername"))
-        return web.Response(body=blobs[request.path])
+    class BlobServer(CatchAllServer):
+        async def _handle(self, request: web.Request) -> web.Response:
+            peers.append(request.transport.get_extra_info("peername"))
+            return web.Response(body=blobs[request.path])
 
-    app = web.Application()
-    app.router.add_get("/{name}", get)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    server = await BlobServer().start()
     refs = [pb.BlobRef(key=f"runs/r/blobs/{name[1:]}", digest=format_digest(xxhash.xxh3_128(data).digest()),
-                       size=len(data), url=f"http://127.0.0.1:{port}{name}?X-Amz-Signature=s")
+                       size=len(data), url=f"{server.url}{name}?X-Amz-Signature=s")
             for name, data in blobs.items()]
     fetcher = Fetcher(tmp_path / "cache", None)
     try:
@@ -413,7 +409,7 @@ async def test_presigned_url_downloads_share_kept_alive_connections_until_closed
         assert len(peers) == 3 and peers[2] != peers[0]
     finally:
         await fetcher.close()
-        await runner.cleanup()
+        await server.stop()
 
 
 async def test_fetch_takes_patches_in_parallel_ranges_and_anchor_shards_whole(s3_store, tmp_path: Path) -> None:
