@@ -167,7 +167,7 @@ class ShardedPublisher:
                  metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> None:
         if encoding not in codec.ENCODINGS:
             raise InvalidArgument(f"unknown patch encoding {encoding!r}; expected one of {codec.ENCODINGS}")
-        upload_options = uploader_options(part_bytes=upload_part_bytes, min_bytes_per_s=upload_min_bytes_per_s)
+        self._upload_kw = uploader_options(part_bytes=upload_part_bytes, min_bytes_per_s=upload_min_bytes_per_s)
         self.spec = served_format if served_format is not None else ServedFormatSpec("bf16")
         if not isinstance(self.spec, ServedFormatSpec) or self.spec.kind not in ELEMENTWISE_KINDS:
             raise InvalidArgument(f"sharded publishing needs an elementwise served format ({', '.join(ELEMENTWISE_KINDS)}), "
@@ -180,7 +180,6 @@ class ShardedPublisher:
         self._tls = client_tls(tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, server_name=server_name)
         self.projector = Projector(self.spec)
         self.blob_store = blob_store
-        self._upload_kw = upload_options
         self.anchor_every = anchor_every
         self.encoding = encoding
         self.timeout_s = timeout_s
