@@ -21,8 +21,8 @@ from weftboard.cuda import context_codec
 from weftboard.proto.errors import CorruptData, InvalidArgument
 
 FORMAT = "weftboard-patch"
-FORMAT_VERSION = 3  # 2 added the ``huffman`` mode, 3 the ``context_huffman`` mode
-READ_VERSIONS = (1, 2, 3)  # each version's patches are valid patches of the next
+FORMAT_VERSION = 4  # 2 added the ``huffman`` mode, 3 the ``context_huffman`` mode, 4 its empty pieces
+READ_VERSIONS = (1, 2, 3, 4)  # each version's patches are valid patches of the next
 # A writer stamps the lowest version that holds its modes (``format_version_for``), so a patch
 # without ``context_huffman`` streams stays readable by a version 2 island.
 ENCODINGS = ("default", "baseline", "context", "compact")
@@ -268,7 +268,8 @@ def read_patch_info(data: bytes | bytearray | memoryview) -> PatchInfo:
 
 
 def format_version_for(modes: Iterable[str]) -> int:
-    """The lowest format version whose readers know every one of ``modes``."""
+    """The lowest format version whose readers know every one of ``modes`` as this build writes
+    them (``context_huffman`` streams may hold version 4's empty pieces)."""
     return FORMAT_VERSION if "context_huffman" in set(modes) else 2
 
 

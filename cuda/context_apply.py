@@ -1,7 +1,8 @@
 """The decoder of ``context_huffman`` streams (``cuda/FORMAT.md`` 2.7): any number of tensors'
 streams in one compiled call, one parallel loop over all their tiles (``decode_batch``).
 
-How it is fast: a tile's classes come from vector compares of its old bits, each class's Rice
+How it is fast: a tile's classes come from vector compares of its old bits (a class whose
+every member changed, with no Rice piece, deposits its class mask whole), each class's Rice
 gaps are read from a 64-bit register topped up with one 8-byte load, four gaps a round with
 no check between them (a byte at a time only near the end of the piece, or for a code longer
 than the register holds), the tile's changed offsets are packed in order a block at a time
@@ -183,10 +184,16 @@ def decode_batch(buf_addr, buf_size, like_buf, old_addr, numels, like_old, first
             base[c + 1] = base[c] + (members[c] >> 6) + 2
         mb = np.zeros(base[ncls], np.uint64)
         p = d[dv + ntiles + ntiles + t]  # the tile's payload offset
+        every = np.zeros(ncls, np.bool_)  # classes whose every member changed (no Rice piece)
         for c in range(ncls):
             rend = p + d[dr + row + c]
             n = d[row + c]
-            if n:
+            if n == members[c] and rend == p:
+                if d[dk + row + c]:
+                    err = 9
+                    break
+                every[c] = True
+            elif n:
                 err = _rice_piece(buf, p, rend, d[dk + row + c], n, members[c], mb, base[c], tile)
                 if err:
                     break
@@ -197,6 +204,10 @@ def decode_batch(buf_addr, buf_size, like_buf, old_addr, numels, like_old, first
         chg = np.zeros(nblocks, np.uint64)  # the tile's changes, block by block
         for c in range(ncls):  # class by class: the member offset stays in a register
             if d[row + c] == 0:
+                continue
+            if every[c]:
+                for bi in range(nblocks):
+                    chg[bi] |= cls[c, bi]
                 continue
             off = 0
             b0 = base[c]

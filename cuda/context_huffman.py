@@ -5,7 +5,8 @@ symbols Huffman-coded in position order, each with its class's code.
 How it is fast: per block of 64 elements, one vector compare gives the change mask and one per
 threshold the class masks; ``pext`` packs each class's change bits into that class's member
 bitmap (``pdep`` puts them back when decoding), so no change needs a rank or a select. The
-Rice gaps are walked off those bitmaps, and the values are coded and decoded in one pass in
+Rice gaps are walked off those bitmaps (a class whose every member in a tile changed has no
+piece: format 4), and the values are coded and decoded in one pass in
 position order with a table lookup per symbol (the class's table, ``huffman``), never a
 branch per bit. Tiles are independent: one ``prange`` over the tiles of a whole batch of
 tensors (``encode_context_huffman_batch``; ``context_apply.decode_batch`` to decode) gives the
@@ -143,7 +144,7 @@ def _scan_batch(addr_a, addr_b, numels, like, first, thr, nthr, tile, rice_buf, 
         need = 0
         for c in range(ncls):
             n = nchg[c]
-            if n:
+            if n and n < members[c]:  # a class whose every member changed has no piece (k 0)
                 k = rice_k(members[c] - n, n)
                 ks[g, c] = k
                 need += ((((members[c] - n) >> k) + n * (k + 1)) >> 3) + 16  # + rice_put's slack
@@ -157,7 +158,7 @@ def _scan_batch(addr_a, addr_b, numels, like, first, thr, nthr, tile, rice_buf, 
             n = nchg[c]
             ns[g, c] = n
             rice_off[g, c] = p
-            if n == 0:
+            if n == 0 or n == members[c]:
                 continue
             j = 0
             for w in range((members[c] + 63) >> 6):  # the changed members' numbers, then their codes

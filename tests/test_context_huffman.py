@@ -5,8 +5,10 @@ What must hold: every pair round-trips bit for bit (in place, undone, and throug
 ascending positions) for bf16 and fp16 with escapes, NaNs, sign flips, dense tiles and partial
 blocks; ``pext``/``pdep`` and their portable loops agree; on a realistic optimizer step the stream
 is smaller than the ``huffman`` stream and the compact encoding writes it (the default encoding
-does not, and stamps format_version 2); the container accepts the mode only from format_version 3
-and only in the compact encoding; a damaged stream never leaves a tensor half-patched.
+does not, and stamps format_version 2); a class whose every member changed has no Rice piece
+(format_version 4), and format 3 patches still decode; the container accepts the mode only from
+format_version 3 and only in the compact encoding; a damaged stream never leaves a tensor
+half-patched.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def test_a_realistic_step_is_smaller_than_the_huffman_stream_and_the_compact_enc
     assert (default.format_version, default.tensors[0].mode) == (2, "huffman")  # readable by format 2 islands
     patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding="compact")
     info = read_patch_info(patch.data)
-    assert (info.format_version, info.encoding, info.tensors[0].mode) == (3, "compact", "context_huffman")
+    assert (info.format_version, info.encoding, info.tensors[0].mode) == (4, "compact", "context_huffman")
     assert info.tensors[0].stream_bytes == stream.size < default.tensors[0].stream_bytes
     target = {"w": old.clone()}
     applied = apply_patch_(target, patch.data)
@@ -239,7 +241,7 @@ def test_encode_patch_batches_keep_the_tensors_order_and_round_trip() -> None:
 
 def test_compact_parts_stamp_the_version_their_modes_need_and_join_into_the_highest() -> None:
     """A part without a ``context_huffman`` stream stays format 2; the join of the parts is
-    format 3 and applies bit for bit."""
+    format 4 and applies bit for bit."""
     from weftboard.cuda.codec import join_patches
 
     old, new = optimizer_step(50_000, torch.bfloat16, seed=11, steps=1)
@@ -250,9 +252,9 @@ def test_compact_parts_stamp_the_version_their_modes_need_and_join_into_the_high
     parts = [encode_patch(g, base_version=1, target_version=2, target_root=ROOT if i else "", encoding="compact").data
              for i, g in enumerate(groups)]
     infos = [read_patch_info(p) for p in parts]
-    assert [(i.format_version, i.tensors[0].mode) for i in infos] == [(3, "context_huffman"), (2, "huffman")]
+    assert [(i.format_version, i.tensors[0].mode) for i in infos] == [(4, "context_huffman"), (2, "huffman")]
     joined = join_patches(parts)
-    assert read_patch_info(joined).format_version == 3
+    assert read_patch_info(joined).format_version == 4
     live = {"w": old.clone(), "z": flat.clone()}
     apply_patch_(live, joined)
     assert torch.equal(bits_view(live["w"]), bits_view(new)) and torch.equal(bits_view(live["z"]), bits_view(bumped))

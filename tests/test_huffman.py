@@ -300,8 +300,8 @@ def test_a_version_1_header_cannot_name_the_huffman_mode() -> None:
     apply_patch_(target, v1.data)
     for name, want in v1.tensors("expected").items():
         assert torch.equal(bits_view(target[name]), bits_view(want)), name
-    with pytest.raises(CorruptData, match="format_version 4 is not supported"):
-        codec.read_patch_info(rewrite(huff, format_version=4))
+    with pytest.raises(CorruptData, match="format_version 5 is not supported"):
+        codec.read_patch_info(rewrite(huff, format_version=5))
 
 
 @pytest.mark.parametrize("count", [4000, 4001, 4002, 4003])

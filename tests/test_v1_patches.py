@@ -2,7 +2,8 @@
 
 The format 1 ``sparse`` stream (rANS-coded values) is read but no longer written: its writer
 was retired, and what it wrote lives on as the patches under tests/data/v1_patches (README
-there). Every committed patch fixture under tests/data must apply to exactly its expected
+there); format 3's ``context_huffman`` streams, from before format 4's empty pieces, as those
+under tests/data/v3_patches. Every committed patch fixture under tests/data must apply to exactly its expected
 tensors (and revert), and each of its streams must decode, with the two-step decoder and with
 the fused decode+apply kernel, to exactly the differences between its base and expected tensors.
 """
@@ -55,7 +56,7 @@ def test_every_stream_of_a_fixture_decodes_to_the_exact_differences(path) -> Non
             assert np.array_equal(a, b)
             continue
         stream = fx.stream(name)
-        dec = decode_stream(entry, stream, a if entry["mode"] == "context" else None)
+        dec = decode_stream(entry, stream, a if entry["mode"] in ("context", "context_huffman") else None)
         pos = np.flatnonzero(a != b)
         order = np.argsort(dec.positions)  # a context stream's positions come class by class
         assert np.array_equal(dec.positions[order], pos), name
