@@ -369,7 +369,7 @@ class Publisher:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._client.close()
+        await asyncio.gather(self._uploader.close(), self._client.close())
 
     # -- connect / resume ---------------------------------------------------------------
 

@@ -294,7 +294,7 @@ class ShardedPublisher:
         for task in list(self._staging):
             task.cancel()
         await asyncio.gather(*self._staging, return_exceptions=True)
-        await self._client.close()
+        await asyncio.gather(self._uploader.close(), self._client.close())  # its presigned PUTs' connections too
 
     def _setup(self, held: dict[str, tuple]) -> None:
         """Plan the slices with every rank and open the run (collective, on the first publish)."""

@@ -34,10 +34,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import structlog
 
-from weftboard.board.blobs import fetch_url
+from weftboard.board.blobs import LoopSession, fetch_url
 from weftboard.board.blobs.base import ChunkCallback
 from weftboard.board.blobs.transfer import with_retries
 from weftboard.cuda.anchors import file_digest
@@ -133,22 +132,11 @@ class Fetcher:
         self.bytes_downloaded = 0
         self._last_key: str | None = None  # a blob known to exist, for probing the store's path
         self._busy: dict[Path, tuple[asyncio.Lock, int]] = {}  # cache file -> (its lock, fetches holding or awaiting it)
-        self._http: tuple[asyncio.AbstractEventLoop, aiohttp.ClientSession] | None = None  # presigned-URL downloads
-
-    def _url_session(self) -> aiohttp.ClientSession:
-        """The session this loop's presigned-URL downloads share, made on first use: a version's
-        blobs reuse its kept-alive connections. A session of another (ended) loop is dropped."""
-        loop = asyncio.get_running_loop()
-        if self._http is None or self._http[0] is not loop or self._http[1].closed:
-            self._http = (loop, aiohttp.ClientSession())
-        return self._http[1]
+        self._http = LoopSession()  # presigned-URL downloads: a version's blobs reuse its connections
 
     async def close(self) -> None:
         """Close the presigned-URL downloads' connections; a later fetch opens new ones."""
-        if self._http is not None:
-            (loop, session), self._http = self._http, None
-            if loop is asyncio.get_running_loop():
-                await session.close()
+        await self._http.close()
 
     @contextlib.asynccontextmanager
     async def _exclusive(self, path: Path) -> AsyncIterator[None]:
@@ -238,7 +226,7 @@ class Fetcher:
                         self.timeout_s,
                     )
                 elif ref.url:
-                    await fetch_url(ref.url, part, offset, timeout_s=self.timeout_s, session=self._url_session())
+                    await fetch_url(ref.url, part, offset, timeout_s=self.timeout_s, session=self._http.get())
                 else:
                     raise PermissionDenied(
                         f"blob {ref.key}: no blob-store credentials and the plan carries no presigned URL"

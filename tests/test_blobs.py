@@ -455,3 +455,62 @@ async def test_s3_calls_do_not_queue_behind_the_loops_default_executor(s3_store:
     finally:
         release.set()
         await busy
+
+
+async def test_an_uploaders_presigned_puts_share_kept_alive_connections_until_closed(tmp_path: Path) -> None:
+    """A publisher without blob-store credentials PUTs a version's blobs and parts over one
+    HTTP session: every PUT after the first comes over the first one's connection (no new TCP
+    or TLS handshake per blob on a long path); after ``close`` an upload opens a new one."""
+    from types import SimpleNamespace
+
+    from aiohttp import web
+    from boardkit import digest_of
+    from enginekit import CatchAllServer
+
+    from weftboard.board.blobs.multipart import MIN_PART_BYTES
+    from weftboard.board.blobs.transfer import Uploader
+
+    peers: list[tuple[str, int]] = []
+    received: dict[str, bytes] = {}
+    completed: list[object] = []
+
+    class PutServer(CatchAllServer):
+        async def _handle(self, request: web.Request) -> web.Response:
+            peers.append(request.transport.get_extra_info("peername"))
+            received[request.path] = await request.content.read()  # not request.read(): parts pass 1 MiB
+            return web.Response(headers={"ETag": f'"{len(received)}"'})
+
+    server = await PutServer().start()
+
+    class Board:  # the presign calls a credential-less uploader makes
+        timeout_s = 10.0
+        async def presign_upload(self, run: str, digest: str, size: int) -> SimpleNamespace:
+            return SimpleNamespace(url=f"{server.url}/one/{digest[-8:]}?X-Amz-Signature=s")
+
+        async def start_upload(self, run: str, digest: str, size: int, part_bytes: int) -> SimpleNamespace:
+            return SimpleNamespace(upload_id="u", parts=[SimpleNamespace(part_number=n, url=f"{server.url}/part/{n}")
+                                                         for n in (1, 2, 3)])
+
+        async def complete_upload(self, run: str, upload_id: str, etags: object, *, timeout_s: float) -> None:
+            completed.append(etags)
+
+        async def abort_upload(self, run: str, upload_id: str) -> None:
+            raise AssertionError("an upload that completes is not aborted")
+
+    up = Uploader("r", Board(), part_bytes=MIN_PART_BYTES, parallel_parts=1)
+    small, other = _payload(1000), _payload(3000, seed=9)
+    big = _payload(2 * MIN_PART_BYTES + 100, seed=11)
+    (tmp_path / "other").write_bytes(other)
+    try:
+        await up.upload(digest_of(small), len(small), data=small)
+        await up.upload(digest_of(other), len(other), path=tmp_path / "other")
+        await up.upload(digest_of(big), len(big), data=big)
+        assert len(peers) == 5 and set(peers) == {peers[0]}  # two blobs and three parts, one connection
+        assert b"".join(received[f"/part/{n}"] for n in (1, 2, 3)) == big and len(completed) == 1
+        assert received[f"/one/{digest_of(other)[-8:]}"] == other
+        await up.close()
+        await up.upload(digest_of(small), len(small), data=small)
+        assert len(peers) == 6 and peers[5] != peers[0]
+    finally:
+        await up.close()
+        await server.stop()

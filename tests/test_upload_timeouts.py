@@ -129,7 +129,8 @@ async def test_presigned_parts_get_limits_for_their_share_of_the_link() -> None:
         async def abort_upload(self, run: str, upload_id: str) -> None:
             raise AssertionError("an upload that completes is not aborted")
 
-    async def put_part(url: str, *, path: Any, data: Any, offset: int, length: int, timeout_s: float) -> str:
+    async def put_part(url: str, *, path: Any, data: Any, offset: int, length: int, timeout_s: float,
+                       session: Any) -> str:
         number = int(url.rsplit("/", 1)[1])
         limits.setdefault(number, []).append(timeout_s)
         if number == 2 and len(limits[number]) == 1:

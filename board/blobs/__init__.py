@@ -1,17 +1,23 @@
 """Blob stores: the ``BlobStore`` port and its S3 and local-directory implementations.
 
 Import from here: ``from weftboard.board.blobs import BlobStore, S3BlobStore,
-LocalDirBlobStore, fetch_url, upload_url``.
+LocalDirBlobStore, LoopSession, fetch_url, upload_url``.
 """
 
 from weftboard.board.blobs.base import BlobStore, check_key
-from weftboard.board.blobs.http import fetch_url, upload_bytes_url, upload_url
+from weftboard.board.blobs.http import (
+    LoopSession,
+    fetch_url,
+    upload_bytes_url,
+    upload_url,
+)
 from weftboard.board.blobs.localdir import LocalDirBlobStore
 from weftboard.board.blobs.s3 import S3BlobStore
 
 __all__ = [
     "BlobStore",
     "LocalDirBlobStore",
+    "LoopSession",
     "S3BlobStore",
     "check_key",
     "fetch_url",

@@ -9,11 +9,14 @@ Invariants:
 - File I/O runs in worker threads so the caller's event loop keeps serving.
 - HTTP statuses map to weftboard errors: 403 -> UrlExpired (a PermissionDenied: expired or
   foreign URL), 404 -> NotFound, 5xx and network failures -> Unavailable.
+- Each helper takes a caller's ``session`` (kept open, its kept-alive connections reused:
+  ``LoopSession``) or opens and closes its own; the timeouts hold on every request either way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,6 +32,38 @@ _CONTENT_RANGE = re.compile(r"bytes (?:(\d+)-(\d+)|\*)/(\d+)")
 
 def _timeout(total_s: float | None, connect_s: float) -> aiohttp.ClientTimeout:
     return aiohttp.ClientTimeout(total=total_s, sock_connect=connect_s, sock_read=60.0)
+
+
+class LoopSession:
+    """One aiohttp session per event loop, made on first use and shared by every request made
+    through it there (a version's blobs reuse kept-alive connections: no new TCP and TLS
+    handshake per blob); a session of another (ended) loop is dropped. ``close`` ends it; a
+    later request opens a new one."""
+
+    def __init__(self) -> None:
+        self._held: tuple[asyncio.AbstractEventLoop, aiohttp.ClientSession] | None = None
+
+    def get(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._held is None or self._held[0] is not loop or self._held[1].closed:
+            self._held = (loop, aiohttp.ClientSession())
+        return self._held[1]
+
+    async def close(self) -> None:
+        if self._held is not None:
+            (loop, session), self._held = self._held, None
+            if loop is asyncio.get_running_loop():
+                await session.close()
+
+
+@contextlib.asynccontextmanager
+async def _session_for(session: aiohttp.ClientSession | None) -> AsyncIterator[aiohttp.ClientSession]:
+    """``session``, left open, or a session of this request's own, closed after it."""
+    if session is not None:
+        yield session
+        return
+    async with aiohttp.ClientSession() as own:
+        yield own
 
 
 def _redact(url: str) -> str:
@@ -62,11 +97,9 @@ async def fetch_url(
     hold either way."""
     dest = Path(path)
     headers = {"Range": f"bytes={offset}-"} if offset > 0 else {}
-    own = session is None
     timeout = _timeout(timeout_s, connect_timeout_s)
-    session = session or aiohttp.ClientSession(timeout=timeout)
     try:
-        async with session.get(url, headers=headers, timeout=timeout) as response:
+        async with _session_for(session) as http, http.get(url, headers=headers, timeout=timeout) as response:
             if response.status == 416 and offset > 0:
                 # Range starts at or past the end: complete already, or longer than the object.
                 match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
@@ -74,7 +107,7 @@ async def fetch_url(
                 if total == offset:
                     return total
                 return await fetch_url(url, dest, 0, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-                                       session=session)
+                                       session=http)
             if response.status not in (200, 206):
                 _raise_for_status(response.status, url, await response.text(errors="replace"))
             start = offset if response.status == 206 else 0
@@ -95,9 +128,6 @@ async def fetch_url(
     except asyncio.TimeoutError as exc:
         kept = await asyncio.to_thread(lambda: dest.stat().st_size if dest.exists() else 0)
         raise Unavailable(f"download of {_redact(url)} timed out; resume with offset={kept}") from exc
-    finally:
-        if own:
-            await session.close()
     if total >= 0 and written != total:
         raise Unavailable(f"download of {_redact(url)} stopped at byte {written} of {total}; resume with offset={written}")
     return written
@@ -111,23 +141,33 @@ def _open_at(dest: Path, start: int):
     return out
 
 
-async def _file_chunks(path: Path, offset: int = 0, length: int | None = None) -> AsyncIterator[bytes]:
-    """The file's bytes from ``offset`` on (``length`` of them, or to its end)."""
+def _read_chunk(handle, size: int, last: bool) -> bytes:
+    """Up to ``size`` bytes of ``handle`` (in a worker thread); closes it after the ``last`` read."""
+    try:
+        return handle.read(size)
+    finally:
+        if last:
+            handle.close()
+
+
+async def _file_chunks(path: Path, offset: int, length: int) -> AsyncIterator[bytes]:
+    """``length`` bytes of the file from ``offset``. The thread that reads the last chunk closes
+    the file: nothing is awaited after the last chunk is handed over, so aiohttp's body writer
+    is done when the response comes and the connection stays alive for the next request."""
     handle = await asyncio.to_thread(open, path, "rb")
     try:
         await asyncio.to_thread(handle.seek, offset)
         left = length
-        while left is None or left > 0:
-            chunk = await asyncio.to_thread(handle.read, _CHUNK if left is None else min(_CHUNK, left))
-            if not chunk:
-                if left:
-                    raise Unavailable(f"{path} ends {left} bytes before the part it is uploading")
-                return
-            if left is not None:
-                left -= len(chunk)
+        while left > 0:
+            want = min(_CHUNK, left)
+            chunk = await asyncio.to_thread(_read_chunk, handle, want, want == left)
+            if len(chunk) < want:
+                raise Unavailable(f"{path} ends {left - len(chunk)} bytes before the bytes it is uploading")
+            left -= want
             yield chunk
     finally:
-        await asyncio.to_thread(handle.close)
+        if not handle.closed:
+            await asyncio.to_thread(handle.close)
 
 
 async def upload_url(
@@ -141,21 +181,7 @@ async def upload_url(
     """PUT a local file to a presigned URL (streamed, with Content-Length); returns its size."""
     source = Path(path)
     size = await upload_source_size(source)
-    own = session is None
-    session = session or aiohttp.ClientSession(timeout=_timeout(timeout_s, connect_timeout_s))
-    try:
-        async with session.put(
-            url, data=_file_chunks(source), headers={"Content-Length": str(size)}
-        ) as response:
-            if response.status not in (200, 201, 204):
-                _raise_for_status(response.status, url, await response.text(errors="replace"))
-    except aiohttp.ClientError as exc:
-        raise Unavailable(f"cannot upload to {_redact(url)}: {without_queries(str(exc))}") from None
-    except asyncio.TimeoutError as exc:
-        raise Unavailable(f"upload to {_redact(url)} timed out") from exc
-    finally:
-        if own:
-            await session.close()
+    await _put(url, _file_chunks(source, 0, size), size, _timeout(timeout_s, connect_timeout_s), session, "")
     return size
 
 
@@ -167,32 +193,35 @@ async def upload_part_url(
     offset: int,
     length: int,
     timeout_s: float | None = 600.0,
+    session: aiohttp.ClientSession | None = None,
 ) -> str:
     """PUT bytes ``[offset, offset + length)`` of a file (``path``) or of ``data`` to a presigned
     URL of one part of a multipart upload; returns the ETag the store answered for it."""
     body = _file_chunks(Path(path), offset, length) if path is not None else memoryview(data)[offset:offset + length]
-    async with aiohttp.ClientSession(timeout=_timeout(timeout_s, 10.0)) as session:
-        try:
-            async with session.put(url, data=body, headers={"Content-Length": str(length)}) as response:
-                if response.status not in (200, 201, 204):
-                    _raise_for_status(response.status, url, await response.text(errors="replace"))
-                etag = response.headers.get("ETag", "")
-        except aiohttp.ClientError as exc:
-            raise Unavailable(f"cannot upload a part to {_redact(url)}: {without_queries(str(exc))}") from None
-        except asyncio.TimeoutError as exc:
-            raise Unavailable(f"upload of a part to {_redact(url)} timed out") from exc
+    etag = await _put(url, body, length, _timeout(timeout_s, 10.0), session, " a part")
     if not etag:
         raise Unavailable(f"{_redact(url)} answered the part's PUT without an ETag; PUT it again")
     return etag
 
 
-async def upload_bytes_url(url: str, data: bytes, *, timeout_s: float = 120.0) -> int:
+async def upload_bytes_url(url: str, data: bytes, *, timeout_s: float = 120.0,
+                           session: aiohttp.ClientSession | None = None) -> int:
     """PUT bytes to a presigned URL; returns their size."""
-    async with aiohttp.ClientSession(timeout=_timeout(timeout_s, 10.0)) as session:
-        try:
-            async with session.put(url, data=data) as response:
-                if response.status not in (200, 201, 204):
-                    _raise_for_status(response.status, url, await response.text(errors="replace"))
-        except aiohttp.ClientError as exc:
-            raise Unavailable(f"cannot upload to {_redact(url)}: {without_queries(str(exc))}") from None
+    await _put(url, data, len(data), _timeout(timeout_s, 10.0), session, "")
     return len(data)
+
+
+async def _put(url: str, body, length: int, timeout: aiohttp.ClientTimeout, session: aiohttp.ClientSession | None,
+               what: str) -> str:
+    """One PUT of ``length`` bytes (``what``: "" or " a part", for messages); returns the ETag
+    answered ("" if none)."""
+    try:
+        async with _session_for(session) as http, http.put(
+                url, data=body, headers={"Content-Length": str(length)}, timeout=timeout) as response:
+            if response.status not in (200, 201, 204):
+                _raise_for_status(response.status, url, await response.text(errors="replace"))
+            return response.headers.get("ETag", "")
+    except aiohttp.ClientError as exc:
+        raise Unavailable(f"cannot upload{what} to {_redact(url)}: {without_queries(str(exc))}") from None
+    except asyncio.TimeoutError as exc:
+        raise Unavailable(f"upload{' of' + what if what else ''} to {_redact(url)} timed out") from exc

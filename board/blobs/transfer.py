@@ -11,6 +11,8 @@ Invariants:
   each retried on its own (with a fresh URL once its own expired), and an upload that fails
   is aborted (``AbortUpload``), so nothing is left under the key; one the publisher could not
   abort (its process died) is aborted by the board's garbage collection once stale.
+- An uploader's presigned PUTs share one HTTP session per event loop (kept-alive
+  connections, not a TCP and TLS handshake per blob or part) until ``close``.
 - Transient failures (``Unavailable``, deadlines, connection errors) are retried with
   exponential backoff and jitter up to a total deadline; anything else is raised at once.
 - Every PUT has an explicit limit that grows with its bytes (``Uploader.attempt_timeout_s``):
@@ -34,7 +36,12 @@ from typing import Any, TypeVar
 
 import structlog
 
-from weftboard.board.blobs.http import upload_bytes_url, upload_part_url, upload_url
+from weftboard.board.blobs.http import (
+    LoopSession,
+    upload_bytes_url,
+    upload_part_url,
+    upload_url,
+)
 from weftboard.board.blobs.multipart import (
     DEFAULT_PART_BYTES,
     check_part_bytes,
@@ -116,7 +123,8 @@ class Uploader:
     """Uploads content-addressed blobs of one run (``store`` given: direct; else presigned).
 
     Without a store, a blob over ``part_bytes`` goes up in parts of that size, ``parallel_parts``
-    at a time, each PUT made by ``put_part`` (``upload_part_url``; a test may wrap it).
+    at a time, each PUT made by ``put_part`` (``upload_part_url``, given the shared ``session``;
+    a test may wrap it). ``close`` ends the presigned PUTs' connections.
 
     ``timeout_s`` is the floor of every PUT's limit and ``min_bytes_per_s`` the slowest rate
     it must still complete at (``attempt_timeout_s``); ``retry_deadline_s`` how long transient
@@ -148,6 +156,11 @@ class Uploader:
         self.part_bytes = part_bytes
         self.parallel_parts = parallel_parts
         self.put_part = put_part
+        self._http = LoopSession()  # presigned PUTs: kept-alive connections, not a handshake per blob
+
+    async def close(self) -> None:
+        """Close the presigned PUTs' connections; a later upload opens new ones."""
+        await self._http.close()
 
     def attempt_timeout_s(self, nbytes: int, *, sharing: int = 1) -> float:
         """The limit of one PUT of ``nbytes``: ``timeout_s`` plus the bytes at ``min_bytes_per_s``,
@@ -196,9 +209,9 @@ class Uploader:
         async def presigned() -> None:
             grant = await self.client.presign_upload(self.run, digest, size)
             if path is not None:
-                await upload_url(grant.url, path, timeout_s=limit_s)
+                await upload_url(grant.url, path, timeout_s=limit_s, session=self._http.get())
             else:
-                await upload_bytes_url(grant.url, data, timeout_s=limit_s)
+                await upload_bytes_url(grant.url, data, timeout_s=limit_s, session=self._http.get())
 
         await with_retries(f"presigned upload of {key}", presigned, deadline_s=self._retry_deadline_s(limit_s))
         return key
@@ -219,7 +232,7 @@ class Uploader:
             async def attempt() -> str:
                 try:
                     return await self.put_part(urls[number], path=path, data=data, offset=offset, length=length,
-                                               timeout_s=limit_s)
+                                               timeout_s=limit_s, session=self._http.get())
                 except UrlExpired as exc:
                     fresh = await self.client.presign_upload_parts(self.run, upload_id, [number])
                     urls[number] = fresh.parts[0].url
