@@ -283,15 +283,17 @@ class Authenticator:
         await self.store.put_token(token_id, name, role, token)
         return token_id, token
 
-    async def revoke(self, token_id: str) -> None:
-        """Revoke a token (``RevokeToken``). A bootstrap token's id is retired for good, stored
-        now or not (a start may have retired it softly): no start stores it again."""
+    async def revoke(self, token_id: str) -> bool:
+        """Revoke a token (``RevokeToken``); returns whether a token was stored under the id. A
+        bootstrap token's id is retired for good, stored now or not (a start may have retired it
+        softly): no start stores it again."""
         for_good = is_bootstrap_id(token_id)
         stored = await self.store.revoke_token(token_id, for_good=for_good)
         if for_good:
             log.warning("admin token retired for good: no start stores it again; drop it from the config",
                         token_id=token_id, was_stored=stored)
         self._forget(token_id)
+        return stored
 
     def _forget(self, token_id: str) -> None:
         """Drop ``token_id`` from the cache and end the streams this board serves with it."""

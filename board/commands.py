@@ -426,8 +426,11 @@ def token_revoke(
     """Revoke a token (admin); it stops working at once on this board, within seconds on others."""
 
     async def body(client: Any) -> None:
-        await client.revoke_token(token_id)
-        out.print(f"revoked {token_id}", highlight=False)
+        if (await client.revoke_token(token_id)).was_stored:
+            out.print(f"revoked {token_id}", highlight=False)
+        else:  # a bootstrap id: retired for good all the same
+            out.print(f"no token was stored under {token_id} (retired by a later start, never configured, or "
+                      "mistyped); the id is retired for good: no start stores it again", highlight=False)
 
     run_client(board, token, body, tls_config)
 

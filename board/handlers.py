@@ -592,6 +592,6 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
     async def RevokeToken(self, request: pb.RevokeTokenRequest, context) -> pb.RevokeTokenResponse:
         if not request.token_id:
             raise InvalidArgument("token_id is empty")
-        await self.auth.revoke(request.token_id)
-        log.info("token revoked", token_id=request.token_id)
-        return pb.RevokeTokenResponse()
+        stored = await self.auth.revoke(request.token_id)
+        log.info("token revoked", token_id=request.token_id, was_stored=stored)
+        return pb.RevokeTokenResponse(was_stored=stored)

@@ -51,7 +51,7 @@ async def _works(address: str, token: str) -> bool:
 async def test_revoked_bootstrap_token_stays_revoked_after_a_restart(board_factory, redis_url):
     running = await board_factory(admin_token=Y, admin_tokens=(X,))
     async with BoardClient(running.address, Y) as admin:
-        await admin.revoke_token(bootstrap_id(X))
+        assert (await admin.revoke_token(bootstrap_id(X))).was_stored
     assert not await _works(running.address, X)
 
     await running.restart()  # the same config, X still in it
@@ -80,7 +80,7 @@ async def test_revoking_a_soft_retired_bootstrap_token_retires_it_for_good(redis
         await auth.bootstrap([X])
         await auth.bootstrap([Y])  # X soft-retired (not stored now)
         assert await store.lookup_token(X) is None
-        await auth.revoke(bootstrap_id(X))  # succeeds, and X can never come back
+        assert await auth.revoke(bootstrap_id(X)) is False  # succeeds (nothing was stored), and X can never come back
         with pytest.raises(errors.FailedPrecondition):
             await auth.bootstrap([X])
         with pytest.raises(errors.NotFound):

@@ -121,7 +121,11 @@ def test_serve_embedded_then_client_commands(tmp_path: Path) -> None:
         assert denied.returncode == 1 and "PERMISSION_DENIED" in denied.stderr
         dry = board.cli("gc", "demo", "--dry-run")
         assert dry.returncode == 0 and "would delete" in dry.stdout
-        assert board.cli("token", "revoke", token_id).returncode == 0
+        gone = board.cli("token", "revoke", token_id)
+        assert gone.returncode == 0 and f"revoked {token_id}" in gone.stdout
+        typo = board.cli("token", "revoke", "bootstrap-0123456789ab")  # a bootstrap id no start stored
+        assert typo.returncode == 0 and "no token was stored under bootstrap-0123456789ab" in typo.stdout
+        assert "retired for good" in typo.stdout and "revoked" not in typo.stdout
         revoked = board.cli("history", "demo", "--token", reader)
         assert revoked.returncode == 1 and "UNAUTHENTICATED" in revoked.stderr
         missing = board.cli("history", "no-such-run")

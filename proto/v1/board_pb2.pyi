@@ -799,5 +799,7 @@ class RevokeTokenRequest(_message.Message):
     def __init__(self, token_id: _Optional[str] = ...) -> None: ...
 
 class RevokeTokenResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("was_stored",)
+    WAS_STORED_FIELD_NUMBER: _ClassVar[int]
+    was_stored: bool
+    def __init__(self, was_stored: _Optional[bool] = ...) -> None: ...
