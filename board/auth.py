@@ -31,7 +31,8 @@ Invariants:
   (``PUT_UNLESS_RETIRED_LUA``); a start whose configured admin tokens are all so retired
   refuses to start (``FailedPrecondition``: configure a new one) rather than serve with no
   admin token.
-- Rotation: configure old and new on every replica, then drop the old one. The first start
+- Rotation: configure old and new on every replica (``serve --admin-token NEW
+  --previous-admin-token OLD``), then drop the old one. The first start
   with only the new one retires the old; a replica restarted later with both brings it back
   until every replica runs the new config (the last start wins). The new one stays valid
   throughout: every start configures it.

@@ -232,6 +232,9 @@ def serve(
     blob_public_url: str | None = typer.Option(None, help="base URL others reach it at, e.g. behind a proxy "
                                                           "(env WEFTBOARD_BLOB_PUBLIC_URL)"),
     admin_token: str | None = typer.Option(None, help="admin token (env WEFTBOARD_ADMIN_TOKEN); unset: generated and stored in the data dir"),
+    previous_admin_token: str | None = typer.Option(None, help="the admin token being rotated out, kept valid beside "
+                                                                "--admin-token until a start without it (env "
+                                                                "WEFTBOARD_PREVIOUS_ADMIN_TOKEN)"),
     auth: bool | None = typer.Option(None, "--auth/--no-auth", help="bearer-token auth (env WEFTBOARD_AUTH; default on)"),
     metrics_port: int | None = typer.Option(None, help="Prometheus port, 0 picks one (env WEFTBOARD_METRICS_PORT)"),
     metrics_host: str | None = typer.Option(None, help="(env WEFTBOARD_METRICS_HOST; default 127.0.0.1)"),

@@ -57,6 +57,7 @@ class BoardSettings(BaseSettings):
     blob_dir: Path | None = Field(None, description="local blob store root (default: <data_dir>/blobs)")
     data_dir: Path = Field(default_factory=default_data_dir)
     admin_token: SecretStr | None = None
+    previous_admin_token: SecretStr | None = Field(None, description="an admin token kept valid beside admin_token while every replica moves to the new one (rotation); needs admin_token")
     auth: bool = True
     metrics_port: int | None = Field(None, description="Prometheus /metrics port; unset disables, 0 picks one")
     metrics_host: str = "127.0.0.1"

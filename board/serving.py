@@ -45,6 +45,7 @@ from weftboard.board.config import (
 )
 from weftboard.board.embedded import start_redis, start_seaweedfs
 from weftboard.board.process import BoardConfig, start_board, tune_gc_for_serving
+from weftboard.proto.errors import InvalidArgument
 
 banner_out = Console(soft_wrap=True)  # the serve banner: long lines kept whole
 
@@ -117,6 +118,10 @@ async def serve_async(settings: BoardSettings, embedded: Embedded, data_dir: Pat
     board = None
     try:
         admin_token = settings.secret("admin_token")
+        previous = settings.previous_admin_token.get_secret_value() if settings.previous_admin_token else None
+        if previous and not admin_token:
+            raise InvalidArgument("--previous-admin-token (WEFTBOARD_PREVIOUS_ADMIN_TOKEN) keeps the admin token being "
+                                  "rotated out valid beside the new one: give the new one with --admin-token too")
         token_note, generated = f"given by {token_source}", False
         if settings.auth and not admin_token:
             admin_token, token_path, generated = load_or_create_admin_token(data_dir)
@@ -125,7 +130,7 @@ async def serve_async(settings: BoardSettings, embedded: Embedded, data_dir: Pat
         config = BoardConfig(
             listen=settings.listen,
             redis_url=embedded.redis_url,
-            admin_token=admin_token if settings.auth else None,
+            admin_tokens=tuple(t for t in (admin_token, previous) if t) if settings.auth else (),  # the new one first
             auth=settings.auth,
             metrics_port=settings.metrics_port,
             metrics_host=settings.metrics_host,
@@ -150,6 +155,9 @@ async def serve_async(settings: BoardSettings, embedded: Embedded, data_dir: Pat
             lines.append(("metrics", f"http://{settings.metrics_host}:{board.metrics_port}/metrics"))
         if settings.auth and admin_token:
             lines.append(admin_token_line(admin_token, token_note, generated))
+            if previous:
+                lines.append(("previous admin token", f"valid until a start without it; not shown (token id "
+                                                      f"{bootstrap_id(previous)})"))
         else:
             lines.append(("auth", "OFF: every caller is admin (--no-auth)"))
         lines.append(("data dir", str(data_dir)))

@@ -160,3 +160,59 @@ async def test_minted_token_revocation_does_not_retire(board, redis_url):
         assert await r.smembers("wb:{tokens}:retired") == set()
     finally:
         await r.aclose()
+
+
+async def _serve_once(settings, redis_url: str, tmp_path, monkeypatch, check) -> list[str]:
+    """``weftboard serve``'s process body on ``redis_url`` until ``check(address)`` is done;
+    returns the banner's lines."""
+    from weftboard.board import serving
+    from weftboard.board.blobs import LocalDirBlobStore
+
+    stop, seen, banner = asyncio.Event(), {}, []
+    embedded = serving.Embedded(redis_url=redis_url, blobs=LocalDirBlobStore(tmp_path / "blobs"))
+    monkeypatch.setattr(serving, "print_banner", lambda lines: banner.extend(f"{k}: {v}" for k, v in lines))
+    task = asyncio.create_task(serving.serve_async(settings, embedded, tmp_path, ready=seen.update, stop_event=stop))
+    while not seen and not task.done():
+        await asyncio.sleep(0.05)
+    if task.done():
+        await task  # raises what the start raised
+    try:
+        await check(seen["address"])
+    finally:
+        stop.set()
+        await task
+    return banner
+
+
+async def test_serve_keeps_the_previous_admin_token_valid_until_a_start_without_it(redis_url, tmp_path, monkeypatch):
+    """Rotation with the plain ``weftboard serve``: a start given both tokens keeps both valid
+    (the banner names the previous one by id, never the token); the next start given only the
+    new one retires the old."""
+    from weftboard.board.config import BoardSettings
+
+    both = BoardSettings(listen="127.0.0.1:0", admin_token=Y, previous_admin_token=X, blob_http_port=-1)
+
+    async def both_work(address: str) -> None:
+        assert await _works(address, X) and await _works(address, Y)
+
+    banner = await _serve_once(both, redis_url, tmp_path, monkeypatch, both_work)
+    assert any(line.startswith("previous admin token:") and bootstrap_id(X) in line for line in banner), banner
+    assert not any(X in line or Y in line for line in banner)
+
+    async def old_retired(address: str) -> None:
+        assert await _works(address, Y) and not await _works(address, X)
+
+    await _serve_once(BoardSettings(listen="127.0.0.1:0", admin_token=Y, blob_http_port=-1), redis_url, tmp_path,
+                      monkeypatch, old_retired)
+
+
+async def test_a_previous_admin_token_without_a_new_one_is_refused(redis_url, tmp_path, monkeypatch):
+    from weftboard.board.config import BoardSettings
+
+    alone = BoardSettings(listen="127.0.0.1:0", previous_admin_token=X, blob_http_port=-1)
+
+    async def never(address: str) -> None:
+        raise AssertionError("a board started with only a previous admin token")
+
+    with pytest.raises(errors.InvalidArgument, match="give the new one with --admin-token"):
+        await _serve_once(alone, redis_url, tmp_path, monkeypatch, never)
