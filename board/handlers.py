@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import re
 from typing import Any
 
 import structlog
@@ -70,7 +69,6 @@ from weftboard.proto.v1 import board_pb2_grpc as pb_grpc
 
 log = structlog.get_logger(__name__)
 
-MAX_PAGE = 1000
 MAX_PAGE_BYTES = 16 << 20  # a ListVersions page ends before this many bytes of records (the limit is 64 MiB)
 CONSUME_CHUNK = 100  # trajectories read per XREADGROUP: a reply ends within MAX_PAGE_BYTES + 100 records
 PLAN_INDEX_CHUNK = 256  # PlanCatchUp's index reads, from the target down: a chunk or two near the head
@@ -78,20 +76,6 @@ MAX_PRESIGN_S = 3600
 DEFAULT_PRESIGN_S = 900
 MAX_BLOCK_MS = 60_000
 EXPIRED_VISIBLE_MS = 3_600_000
-# A Redis stream entry id: two unsigned 64-bit decimals (ASCII digits; the range is checked apart).
-_STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
-
-
-def _is_stream_id(value: str) -> bool:
-    parts = _STREAM_ID.fullmatch(value)
-    return parts is not None and all(int(p) < 1 << 64 for p in parts.groups())
-
-
-def _page_size(value: int) -> int:
-    if value > MAX_PAGE:
-        raise InvalidArgument(f"page_size {value} is too large; at most {MAX_PAGE} (0 means 100)")
-    return value or 100
-
 
 class BoardsOwnBlobs:
     """The board's blob store, as the servicer calls it with the board's credentials."""
@@ -165,7 +149,7 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
         return await self.store.get_run(request.run)
 
     async def ListRuns(self, request: pb.ListRunsRequest, context) -> pb.ListRunsResponse:
-        size = _page_size(request.page_size)
+        size = validate.page_size(request.page_size)
         if request.page_token:
             check_name("page_token", request.page_token)
         names = await self.store.list_runs(request.page_token, size + 1)
@@ -320,7 +304,7 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
 
     async def ListVersions(self, request: pb.ListVersionsRequest, context) -> pb.ListVersionsResponse:
         run = await self._run_and_state(request.run)
-        size = _page_size(request.page_size)
+        size = validate.page_size(request.page_size)
         oldest = max(run.oldest_available, 1)
         first = request.from_version or oldest
         last = request.to_version or run.head
@@ -353,11 +337,9 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
         return pb.ListVersionsResponse(versions=versions, next_page_token=str(upto + 1) if upto < last else "")
 
     async def Watch(self, request: pb.WatchRequest, context) -> None:
-        """Writes WatchEvent messages, or the feed's pre-serialized WatchEvent bytes
-        (rpc_guard.add_board_to_server registers a serializer that passes bytes through).
-
-        A coroutine that calls ``context.write`` rather than an async generator: with a
-        thousand streams, every layer of generator resumption per event shows up."""
+        """Writes WatchEvent messages, or the feed's pre-serialized WatchEvent bytes (rpc_guard
+        registers a serializer that passes bytes through), from a coroutine calling ``context.write``:
+        with a thousand streams, every layer of async-generator resumption per event shows up."""
         write = context.write
         run = await self._run_and_state(request.run)
         interval_ms = request.progress_interval_ms or self.default_progress_ms
@@ -560,7 +542,7 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
         check_name("run", request.run)
         check_name("group", request.group)
         for i, entry_id in enumerate(request.ids):
-            if not _is_stream_id(entry_id):
+            if not validate.is_stream_id(entry_id):
                 raise InvalidArgument(f"ids[{i}] {entry_id!r} is not a stream entry id from ConsumeTrajectories")
         await self.store.get_run(request.run)
         return pb.AckTrajectoriesResponse(acked=await self.store.ack(request.run, request.group, list(request.ids)))

@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from weftboard.proto import convert
@@ -23,6 +24,22 @@ from weftboard.proto.names import check_name
 from weftboard.proto.records import check_blob_ref as check_domain_blob_ref
 from weftboard.proto.records import check_record as check_domain_record
 from weftboard.proto.v1 import board_pb2 as pb
+
+MAX_PAGE = 1000
+# A Redis stream entry id: two unsigned 64-bit decimals (ASCII digits; the range is checked apart).
+_STREAM_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")
+
+
+def is_stream_id(value: str) -> bool:
+    parts = _STREAM_ID.fullmatch(value)
+    return parts is not None and all(int(p) < 1 << 64 for p in parts.groups())
+
+
+def page_size(value: int) -> int:
+    """A List call's page size: 0 means 100, more than ``MAX_PAGE`` is refused."""
+    if value > MAX_PAGE:
+        raise InvalidArgument(f"page_size {value} is too large; at most {MAX_PAGE} (0 means 100)")
+    return value or 100
 
 
 def check_run(run: pb.Run) -> None:
