@@ -283,9 +283,11 @@ class BoardClient:
         reconnect: bool = True,
         max_backoff_s: float = 5.0,
         staged_parts: bool = False,
+        presign: bool = False,
     ) -> AsyncIterator[pb.WatchEvent]:
         """Every version committed after ``after_version`` in order, plus Progress events
-        (and, with ``staged_parts``, StagedPart hints for the version after the last one).
+        (and, with ``staged_parts``, StagedPart hints for the version after the last one, each
+        with a presigned GET URL for its blob with ``presign``).
 
         Reconnects with jittered exponential backoff when the board is unreachable,
         resuming after the last version yielded. Other errors (OUT_OF_RANGE below the
@@ -298,7 +300,7 @@ class BoardClient:
             moved = False
             call = self._stub.Watch(
                 pb.WatchRequest(run=run, after_version=last, progress_interval_ms=progress_interval_ms,
-                                staged_parts=staged_parts),
+                                staged_parts=staged_parts, presign=presign),
                 metadata=self._metadata,
             )
             try:

@@ -11,7 +11,8 @@ Invariants:
   (the commit rule, and the status of each refusal, are stated there).
 - Watch sends history from XRANGE, then live events from the run's shared feed, never
   a version twice and never with a gap (see fanout.py). Staged-part hints go only to
-  watchers that asked, and only for versions after the last one sent.
+  watchers that asked (with a presigned URL to those that asked for one), and only for
+  versions after the last one sent.
 - StagePart checks the part exists (so an island's download finds it), notes it and relays
   the hint; an anchor file (a named blob) is only noted, so GC collects it if its version
   commits without it. A commit checks every blob it names, taking a note younger than
@@ -375,7 +376,7 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
                     raise Unavailable(f"the board lost its Redis feed for run {request.run!r}; reconnect and resume")
                 elif isinstance(item, StagedEvent):
                     if item.version > last:  # never a hint for a version this stream has sent
-                        await write(item.payload)
+                        await write(await self._presigned(item.payload) if request.presign else item.payload)
                 elif item.version <= last:
                     continue
                 elif item.version > last + 1:  # fill a hole from the durable log
@@ -387,6 +388,12 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
         finally:
             self.metrics.watch_streams.dec()
             self.fanout.unsubscribe(sub)
+
+    async def _presigned(self, payload: bytes) -> pb.WatchEvent:
+        """A staged-part hint with a presigned GET URL for its blob ("" where the store cannot)."""
+        event = pb.WatchEvent.FromString(payload)
+        event.staged.blob.url = await self.blobs.presign_get(event.staged.blob.key, DEFAULT_PRESIGN_S) or ""
+        return event
 
     async def _replay(self, run: str, last: int, upto: int | None, write) -> int:
         """Write versions after ``last`` (up to ``upto``, or all) from the durable log, each the

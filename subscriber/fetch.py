@@ -8,8 +8,9 @@ Invariants:
 - Anchor shards keep their checkpoint file names (``<cache>/<hex>/<name>``) so a
   destination can lay them out as an HF checkpoint directly.
 - With a blob store the island reads S3 with its own credentials; without, it uses the
-  presigned URL the board put in the plan, over one HTTP session per fetcher and event loop
-  (kept-alive connections, no new TCP and TLS handshake per blob) that ``close`` ends.
+  presigned URL the board put in the plan or hint (``UrlReader``: one HTTP session per
+  fetcher and event loop, kept-alive connections, that ``close`` ends). Either way the same
+  rules below hold, the reader's measured time to first byte judging the path.
 - A blob of at most ``MAX_RANGED_BYTES`` (a patch) from a far store (its measured time to
   first byte at least ``RANGES_MIN_FIRST_BYTE_S``) is fetched as parallel byte ranges, the
   size coming from the record (no stat round trip); a failed ranged fetch starts over.
@@ -36,7 +37,7 @@ from typing import Any
 
 import structlog
 
-from weftboard.board.blobs import LoopSession, fetch_url
+from weftboard.board.blobs import UrlReader
 from weftboard.board.blobs.base import ChunkCallback
 from weftboard.board.blobs.transfer import with_retries
 from weftboard.cuda.anchors import file_digest
@@ -131,12 +132,13 @@ class Fetcher:
         self.ranges = ranges  # byte ranges on parallel connections for a fresh download of one blob
         self.bytes_downloaded = 0
         self._last_key: str | None = None  # a blob known to exist, for probing the store's path
+        self._last_url = ""  # ... and its presigned URL, without a store
         self._busy: dict[Path, tuple[asyncio.Lock, int]] = {}  # cache file -> (its lock, fetches holding or awaiting it)
-        self._http = LoopSession()  # presigned-URL downloads: a version's blobs reuse its connections
+        self.urls = UrlReader()  # presigned-URL downloads: a version's blobs reuse its connections
 
     async def close(self) -> None:
         """Close the presigned-URL downloads' connections; a later fetch opens new ones."""
-        await self._http.close()
+        await self.urls.close()
 
     @contextlib.asynccontextmanager
     async def _exclusive(self, path: Path) -> AsyncIterator[None]:
@@ -152,26 +154,31 @@ class Fetcher:
             else:
                 self._busy[path] = (lock, users - 1)
 
+    def first_byte_s(self) -> float | None:
+        """The blob store's (or, without one, the presigned URLs') measured time to first byte."""
+        return (self.store if self.store is not None else self.urls).first_byte_s()
+
     def far(self) -> bool:
-        """Whether the blob store is far enough for parallel ranges (and applying while
+        """Whether the blobs are far enough for parallel ranges (and applying while
         downloading) to pay: each range is one more request, which on a short path (same host
         or datacenter) costs more than the single connection's ramp-up it saves. Unknown (no
-        download yet): assume far. False without a store (presigned URLs)."""
-        if self.store is None:
-            return False
-        first_byte = self.store.first_byte_s()
+        download yet): assume far."""
+        first_byte = self.first_byte_s()
         return first_byte is None or first_byte >= RANGES_MIN_FIRST_BYTE_S
 
     async def measure(self, probes: int = PROBES) -> None:
         """Sample the store's time to first byte with ``probes`` small requests, so ``far()``
         judges the path rather than one large download's wait (a large object's first byte
-        also waits on the store's disk). Needs one blob fetched before; a failed probe leaves
-        the judgement as it was."""
-        if self.store is None or self._last_key is None:
+        also waits on the store's disk). Needs one blob fetched before (without a store, its
+        URL; an expired one fails the probe); a failed probe leaves the judgement as it was."""
+        if self._last_key is None or (self.store is None and not self._last_url):
             return
         for _ in range(probes):
             try:
-                await self.store.probe_first_byte(self._last_key)
+                if self.store is not None:
+                    await self.store.probe_first_byte(self._last_key)
+                else:
+                    await self.urls.probe_first_byte(self._last_url)
             except WeftboardError as exc:
                 log.info("probing the blob store failed", key=self._last_key, error=str(exc))
                 return
@@ -196,7 +203,7 @@ class Fetcher:
             if cached == ref.size and await asyncio.to_thread(file_digest, final) == ref.digest:
                 if on_chunk is not None:
                     await asyncio.to_thread(_replay, final, 0, ref.size, on_chunk)
-                self._last_key = ref.key
+                self._last_key, self._last_url = ref.key, ref.url
                 return final
             await asyncio.to_thread(final.unlink, missing_ok=True)
         part = final.with_name(final.name + ".part")
@@ -216,21 +223,19 @@ class Fetcher:
                 offset = await asyncio.to_thread(_resume_offset, part, ref.size)
                 if offset == ref.size:
                     return
-                if self.store is not None:
-                    ranges = self.ranges if ref.size <= MAX_RANGED_BYTES and self.far() else 1
-                    if on_chunk is not None and offset:  # a resumed download: its prefix is on disk
-                        await asyncio.to_thread(_replay, part, 0, offset, on_chunk)
-                    streamed = on_chunk is not None
-                    await asyncio.wait_for(
-                        self.store.download_to(ref.key, part, offset, size=ref.size, ranges=ranges, on_chunk=on_chunk),
-                        self.timeout_s,
-                    )
-                elif ref.url:
-                    await fetch_url(ref.url, part, offset, timeout_s=self.timeout_s, session=self._http.get())
-                else:
+                if self.store is None and not ref.url:
                     raise PermissionDenied(
                         f"blob {ref.key}: no blob-store credentials and the plan carries no presigned URL"
                     )
+                reader, source = (self.store, ref.key) if self.store is not None else (self.urls, ref.url)
+                ranges = self.ranges if ref.size <= MAX_RANGED_BYTES and self.far() else 1
+                if on_chunk is not None and offset:  # a resumed download: its prefix is on disk
+                    await asyncio.to_thread(_replay, part, 0, offset, on_chunk)
+                streamed = on_chunk is not None
+                await asyncio.wait_for(
+                    reader.download_to(source, part, offset, size=ref.size, ranges=ranges, on_chunk=on_chunk),
+                    self.timeout_s,
+                )
 
             await with_retries(f"download of {ref.key}", attempt, deadline_s=self.timeout_s)
         size = (await asyncio.to_thread(part.stat)).st_size
@@ -245,7 +250,7 @@ class Fetcher:
                 f"{ref.size} bytes hashing to {ref.digest}"
             )
         await asyncio.to_thread(os.replace, part, final)
-        self._last_key = ref.key
+        self._last_key, self._last_url = ref.key, ref.url
         if on_chunk is not None and not streamed:
             await asyncio.to_thread(_replay, final, 0, size, on_chunk)
         return final

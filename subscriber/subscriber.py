@@ -21,7 +21,7 @@ Invariants:
 - Steps of a plan are applied strictly in order; later steps download while earlier ones
   apply, bounded by ``parallel`` concurrent transfers.
 - Staged parts (hints sent while a version is still being encoded) are asked for only from a
-  far blob store (``Fetcher.far``). Nothing of them is used before the version commits, and
+  far blob store (``Fetcher.far``), with presigned URLs without one. Nothing of them is used before the version commits, and
   then only the parts its record names; older ones are dropped once a version is held. A
   download is never started twice for one blob: the plan's step takes over a running one.
 - A bad blob or a failed apply is never served. Recovery is: refetch with a fresh plan, then
@@ -279,7 +279,7 @@ class Subscriber:
         await self.fetcher.measure()
         hints = self.fetcher.far()
         watch = self.client.watch(self.run_name, after_version=self.held_version, progress_interval_ms=1000,
-                                  staged_parts=hints)
+                                  staged_parts=hints, presign=self.blob_store is None)
         async with contextlib.aclosing(watch) as events:
             async for event in events:
                 kind = event.WhichOneof("event")
@@ -297,7 +297,7 @@ class Subscriber:
                         await self.sync_to(self.head)
                 if self.fetcher.far() is not hints:
                     log.info("blob store distance judged anew; watching again", island=self.island_id,
-                             far=not hints, first_byte_s=self.fetcher.store.first_byte_s())
+                             far=not hints, first_byte_s=self.fetcher.first_byte_s())
                     return
 
     # -- 2. plan: the steps from the held version to the wanted one ---------------------------
@@ -478,8 +478,9 @@ class Subscriber:
 
     def _prefetch(self, part: pb.StagedPart) -> None:
         """Start downloading a staged part of a version after the held one (a hint)."""
-        if (self.blob_store is None or part.version <= self.held_version or part.blob.digest in self._prefetched
-                or len(self._prefetched) >= MAX_PREFETCHED or part.blob.size > MAX_PREFETCH_BYTES):
+        if ((self.blob_store is None and not part.blob.url) or part.version <= self.held_version
+                or part.blob.digest in self._prefetched or len(self._prefetched) >= MAX_PREFETCHED
+                or part.blob.size > MAX_PREFETCH_BYTES):
             return
         self._prefetched[part.blob.digest] = self._start_download(part.version, part.blob)
 

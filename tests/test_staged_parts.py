@@ -22,6 +22,7 @@ from pubsubkit import (
     zeros_like_layout,
 )
 
+from weftboard.board.blobs import fetch_url
 from weftboard.board.client import BoardClient
 from weftboard.cuda.codec import join_patches, read_patch_info
 from weftboard.proto.v1 import board_pb2 as pb
@@ -35,8 +36,10 @@ pytestmark = WARM_KERNELS
 PART_BYTES = 2048
 
 
-async def _watch_all(client: BoardClient, run: str, until: int, out: list[pb.WatchEvent]) -> None:
-    async for event in client.watch(run, after_version=1, staged_parts=True, progress_interval_ms=5000):
+async def _watch_all(client: BoardClient, run: str, until: int, out: list[pb.WatchEvent], *,
+                     presign: bool = False) -> None:
+    async for event in client.watch(run, after_version=1, staged_parts=True, progress_interval_ms=5000,
+                                    presign=presign):
         out.append(event)
         if event.WhichOneof("event") == "version" and event.version.version >= until:
             return
@@ -243,9 +246,88 @@ def test_the_cutter_ships_disjoint_parts_of_about_part_bytes_and_the_rest_on_flu
         PartCutter(2, "default", 0, ship)
 
 
+async def test_an_island_without_credentials_downloads_presigned_staged_parts_early(
+    board_factory, s3_store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An island with no blob-store credentials asks for hints with presigned URLs (a watch
+    that does not ask gets none): while the commit is held back it downloads every hinted part
+    through its URL and still serves the previous version; after the commit it holds the new
+    version bit for bit, the staged parts downloaded once."""
+    board = await board_factory(blobs=s3_store)
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+    release = threading.Event()
+    holding = threading.Event()
+
+    async with BoardClient(board.address, board.admin_token) as client:
+        pub = Publisher(board.address, "u", token=board.admin_token, blob_store=s3_store, part_bytes=PART_BYTES)
+        try:
+            trainer.step()
+            views[1] = trainer.served()
+            await asyncio.to_thread(lambda: (pub.publish(trainer.model, step=1), pub.flush()))
+            dest = LiveTensorsDestination(zeros_like_layout(views[1]))
+            sub = Subscriber(client, "u", dest, island_id="signed", blob_store=None,
+                             cache_dir=tmp_path / "cache", heartbeat=False)
+            sub.fetcher.far = lambda: True  # type: ignore[method-assign]  (loopback S3 is near)
+            following = asyncio.ensure_future(sub.run())
+            await sub.wait_for_version(1, 30)
+            plain: list[pb.WatchEvent] = []
+            signed: list[pb.WatchEvent] = []
+            watchers = [asyncio.ensure_future(_watch_all(client, "u", 2, plain)),
+                        asyncio.ensure_future(_watch_all(client, "u", 2, signed, presign=True))]
+            await asyncio.sleep(0.5)  # every watch stream is open
+
+            real_commit = pub._client.commit_version
+            held: list[pb.VersionRecord] = []
+
+            async def held_commit(record: pb.VersionRecord) -> Any:
+                held.append(record)
+                holding.set()
+                await asyncio.to_thread(release.wait, 30)
+                return await real_commit(record)
+
+            monkeypatch.setattr(pub._client, "commit_version", held_commit)
+            trainer.step()
+            views[2] = trainer.served()
+            handle = await asyncio.to_thread(pub.publish, trainer.model, step=2)
+            await asyncio.to_thread(holding.wait, 30)
+            hinted = {b.digest for b in _patch_blobs(held[0])
+                      if not read_patch_info(await s3_store.get_bytes(b.key)).target_root}
+            assert len(hinted) >= 2
+            for _ in range(200):
+                if hinted <= set(sub._prefetched) and all(d.task.done() for d in sub._prefetched.values()):
+                    break
+                await asyncio.sleep(0.05)
+            assert hinted <= set(sub._prefetched) and all(d.task.done() for d in sub._prefetched.values())
+            assert all(d.ref.url and not d.task.exception() for d in sub._prefetched.values())
+            assert sub.held_version == 1 and bits_equal(dest.tensors, views[1])  # nothing applied early
+            downloaded_before = sub.fetcher.bytes_downloaded
+            release.set()
+            record = await asyncio.to_thread(handle.result, 30)
+            await sub.wait_for_version(2, 30)
+            assert bits_equal(dest.tensors, views[2]), first_difference(dest.tensors, views[2])
+            unstaged = [b for b in _patch_blobs(record) if b.digest not in hinted]
+            assert sub.fetcher.bytes_downloaded == downloaded_before + sum(b.size for b in unstaged)
+
+            await asyncio.wait_for(asyncio.gather(*watchers), 30)
+            unsigned_hints = [e.staged.blob for e in plain if e.WhichOneof("event") == "staged"]
+            signed_hints = [e.staged.blob for e in signed if e.WhichOneof("event") == "staged"]
+            assert {b.digest for b in unsigned_hints} == {b.digest for b in signed_hints} == hinted
+            assert not any(b.url for b in unsigned_hints)
+            for blob in signed_hints:  # each URL reads its own part
+                got = tmp_path / "via-url"
+                await fetch_url(blob.url, got)
+                assert got.read_bytes() == await s3_store.get_bytes(blob.key)
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+        finally:
+            release.set()
+            await asyncio.to_thread(pub.close)
+
+
 async def test_an_island_ignores_hints_it_cannot_use_or_afford(local_store, tmp_path: Path) -> None:
-    """Old versions, no blob-store credentials, parts too large to hold, and a flood beyond the
-    cap start no download; a usable hint starts one, and holding its version drops it."""
+    """Old versions, no blob-store credentials (and no URL), parts too large to hold, and a flood
+    beyond the cap start no download; a usable hint starts one, and holding its version drops it."""
     from weftboard.subscriber import subscriber as submod
 
     dest = LiveTensorsDestination({}, held_version=3)

@@ -1,12 +1,13 @@
 """Blob stores: the ``BlobStore`` port and its S3 and local-directory implementations.
 
 Import from here: ``from weftboard.board.blobs import BlobStore, S3BlobStore,
-LocalDirBlobStore, LoopSession, fetch_url, upload_url``.
+LocalDirBlobStore, LoopSession, UrlReader, fetch_url, upload_url``.
 """
 
 from weftboard.board.blobs.base import BlobStore, check_key
 from weftboard.board.blobs.http import (
     LoopSession,
+    UrlReader,
     fetch_url,
     upload_bytes_url,
     upload_url,
@@ -19,6 +20,7 @@ __all__ = [
     "LocalDirBlobStore",
     "LoopSession",
     "S3BlobStore",
+    "UrlReader",
     "check_key",
     "fetch_url",
     "upload_bytes_url",

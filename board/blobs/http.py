@@ -6,6 +6,11 @@ object; these helpers stream it to or from a local file with aiohttp.
 Invariants:
 - ``fetch_url`` resumes: with ``offset > 0`` it sends a Range request and appends; if the
   server ignores the range (200 instead of 206) the file is rewritten from byte 0.
+- ``UrlReader`` reads as a blob store does (``download_to``, ``first_byte_s``,
+  ``probe_first_byte``, a URL in place of a key): a fresh download of a known size may come
+  as parallel byte ranges into a preallocated file; one failed range stops the others and
+  empties the file (holes are no resumable prefix). ``on_chunk`` sees each chunk after it is
+  written, on the event loop's thread.
 - File I/O runs in worker threads so the caller's event loop keeps serving.
 - HTTP statuses map to weftboard errors: 403 -> UrlExpired (a PermissionDenied: expired or
   foreign URL), 404 -> NotFound, 5xx and network failures -> Unavailable.
@@ -16,17 +21,26 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import os
 import re
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
 
-from weftboard.board.blobs.base import upload_source_size, without_queries
+from weftboard.board.blobs.base import (
+    FIRST_BYTE_SAMPLES,
+    ChunkCallback,
+    upload_source_size,
+    without_queries,
+)
 from weftboard.proto.errors import NotFound, Unavailable, UrlExpired, WeftboardError
 
 _CHUNK = 1 << 20
+_MIN_RANGE = 256 << 10  # the smallest byte range worth its own connection (as the S3 store's)
 _CONTENT_RANGE = re.compile(r"bytes (?:(\d+)-(\d+)|\*)/(\d+)")
 
 
@@ -91,15 +105,21 @@ async def fetch_url(
     timeout_s: float | None = 600.0,
     connect_timeout_s: float = 10.0,
     session: aiohttp.ClientSession | None = None,
+    on_chunk: ChunkCallback | None = None,
+    on_headers: Callable[[float], None] | None = None,
 ) -> int:
     """Download ``url`` into ``path`` (resuming at ``offset``); returns the object's size.
     With ``session`` its kept-alive connections are reused (and it is left open); the timeouts
-    hold either way."""
+    hold either way. ``on_chunk(offset, data)`` after each chunk is written; ``on_headers``
+    gets the seconds the response's headers took."""
     dest = Path(path)
     headers = {"Range": f"bytes={offset}-"} if offset > 0 else {}
     timeout = _timeout(timeout_s, connect_timeout_s)
     try:
+        t0 = time.perf_counter()
         async with _session_for(session) as http, http.get(url, headers=headers, timeout=timeout) as response:
+            if on_headers is not None:
+                on_headers(time.perf_counter() - t0)
             if response.status == 416 and offset > 0:
                 # Range starts at or past the end: complete already, or longer than the object.
                 match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
@@ -107,7 +127,7 @@ async def fetch_url(
                 if total == offset:
                     return total
                 return await fetch_url(url, dest, 0, timeout_s=timeout_s, connect_timeout_s=connect_timeout_s,
-                                       session=http)
+                                       session=http, on_chunk=on_chunk, on_headers=on_headers)
             if response.status not in (200, 206):
                 _raise_for_status(response.status, url, await response.text(errors="replace"))
             start = offset if response.status == 206 else 0
@@ -118,9 +138,12 @@ async def fetch_url(
                 total = response.content_length if response.content_length is not None else -1
             out = await asyncio.to_thread(_open_at, dest, start)
             try:
+                written = start
                 async for chunk in response.content.iter_chunked(_CHUNK):
                     await asyncio.to_thread(out.write, chunk)
-                written = out.tell()
+                    if on_chunk is not None:
+                        on_chunk(written, chunk)
+                    written += len(chunk)
             finally:
                 await asyncio.to_thread(out.close)
     except aiohttp.ClientError as exc:
@@ -131,6 +154,120 @@ async def fetch_url(
     if total >= 0 and written != total:
         raise Unavailable(f"download of {_redact(url)} stopped at byte {written} of {total}; resume with offset={written}")
     return written
+
+
+class UrlReader:
+    """Downloads through presigned GET URLs, read as a blob store's are (``BlobStore``'s
+    ``download_to``, ``first_byte_s`` and ``probe_first_byte``, a URL in place of a key), over
+    one ``LoopSession`` that ``close`` ends: an island without blob-store credentials judges
+    its path and fetches a far one in parallel ranges like one with them."""
+
+    def __init__(self, *, connect_timeout_s: float = 10.0) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self._http = LoopSession()
+        self._first_byte: collections.deque[float] = collections.deque(maxlen=FIRST_BYTE_SAMPLES)
+
+    async def close(self) -> None:
+        await self._http.close()
+
+    def first_byte_s(self) -> float | None:
+        """The smallest of the last responses' waits for their headers (the path's floor), or
+        None before the first."""
+        return min(self._first_byte, default=None)
+
+    async def probe_first_byte(self, url: str, *, timeout_s: float = 30.0) -> None:
+        """Time one GET of the object's first byte as a sample of ``first_byte_s``."""
+        try:
+            t0 = time.perf_counter()
+            async with self._http.get().get(url, headers={"Range": "bytes=0-0"},
+                                            timeout=_timeout(timeout_s, self.connect_timeout_s)) as response:
+                waited = time.perf_counter() - t0
+                body = await response.read()
+                if response.status not in (200, 206):
+                    _raise_for_status(response.status, url, body.decode(errors="replace"))
+        except aiohttp.ClientError as exc:
+            raise Unavailable(f"cannot reach {_redact(url)}: {without_queries(str(exc))}") from None
+        except asyncio.TimeoutError as exc:
+            raise Unavailable(f"probing {_redact(url)} timed out") from exc
+        self._first_byte.append(waited)
+
+    async def download_to(self, url: str, path: Path | str, offset: int = 0, *, size: int | None = None,
+                          ranges: int = 1, on_chunk: ChunkCallback | None = None,
+                          timeout_s: float | None = 600.0) -> int:
+        """``BlobStore.download_to`` through ``url``: a fresh download of a known ``size``
+        (at least two ``_MIN_RANGE``) in up to ``ranges`` parallel byte ranges, else one
+        resumable stream; returns the object's size."""
+        parts = min(ranges, size // _MIN_RANGE) if size is not None and offset == 0 else 1
+        if parts <= 1:
+            return await fetch_url(url, path, offset, timeout_s=timeout_s, connect_timeout_s=self.connect_timeout_s,
+                                   session=self._http.get(), on_chunk=on_chunk, on_headers=self._first_byte.append)
+        dest = Path(path)
+        fd = await asyncio.to_thread(_preallocated, dest, size)
+        bounds = [size * i // parts for i in range(parts + 1)]
+        timeout = _timeout(timeout_s, self.connect_timeout_s)
+        tasks = [asyncio.ensure_future(self._range(url, fd, lo, hi, size, timeout, on_chunk))
+                 for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:  # one range failed (or the download was cancelled): the others stop
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            os.ftruncate(fd, 0)  # holes are not a resumable prefix: a retry starts over
+            raise
+        finally:
+            os.close(fd)
+        return size
+
+    async def _range(self, url: str, fd: int, lo: int, hi: int, total: int, timeout: aiohttp.ClientTimeout,
+                     on_chunk: ChunkCallback | None) -> None:
+        """Bytes ``[lo, hi)`` of the ``total``-byte object at ``url``, written at their offsets."""
+        pos = lo
+        try:
+            t0 = time.perf_counter()
+            async with self._http.get().get(url, headers={"Range": f"bytes={lo}-{hi - 1}"}, timeout=timeout) as response:
+                self._first_byte.append(time.perf_counter() - t0)
+                if response.status != 206:
+                    if response.status == 200:
+                        raise Unavailable(f"{_redact(url)} answered a byte range with the whole object (200)")
+                    _raise_for_status(response.status, url, await response.text(errors="replace"))
+                match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
+                if match is None or int(match.group(3)) != total:
+                    raise Unavailable(f"{_redact(url)} is not the {total}-byte object the record names "
+                                      f"(Content-Range {response.headers.get('Content-Range', '')!r})")
+                async for chunk in response.content.iter_chunked(_CHUNK):
+                    if pos + len(chunk) > hi:
+                        raise Unavailable(f"range {lo}-{hi} of {_redact(url)} returned more than {hi - lo} bytes")
+                    await _pwrite(fd, chunk, pos)
+                    if on_chunk is not None:
+                        on_chunk(pos, chunk)
+                    pos += len(chunk)
+        except aiohttp.ClientError as exc:
+            raise Unavailable(f"cannot download {_redact(url)}: {without_queries(str(exc))}") from None
+        except asyncio.TimeoutError as exc:
+            raise Unavailable(f"range {lo}-{hi} of {_redact(url)} timed out at byte {pos}") from exc
+        if pos != hi:
+            raise Unavailable(f"range {lo}-{hi} of {_redact(url)} stopped at byte {pos}")
+
+
+async def _pwrite(fd: int, data: bytes, pos: int) -> None:
+    """``os.pwrite`` on a worker thread; cancelled, it waits for that write to end first, so no
+    thread writes through ``fd`` once the download has closed it (its number may be reused)."""
+    write = asyncio.ensure_future(asyncio.to_thread(os.pwrite, fd, data, pos))
+    try:
+        await asyncio.shield(write)
+    except asyncio.CancelledError:
+        await asyncio.wait([write])
+        write.exception()  # retrieved: the cancellation is what goes on
+        raise
+
+
+def _preallocated(dest: Path, size: int) -> int:
+    """A descriptor for writing a ``size``-byte file at ``dest`` (made, or cut to size)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest, "wb") as out:
+        out.truncate(size)
+    return os.open(dest, os.O_WRONLY)
 
 
 def _open_at(dest: Path, start: int):

@@ -516,16 +516,18 @@ class ListVersionsResponse(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionRecord, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("run", "after_version", "progress_interval_ms", "staged_parts")
+    __slots__ = ("run", "after_version", "progress_interval_ms", "staged_parts", "presign")
     RUN_FIELD_NUMBER: _ClassVar[int]
     AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     STAGED_PARTS_FIELD_NUMBER: _ClassVar[int]
+    PRESIGN_FIELD_NUMBER: _ClassVar[int]
     run: str
     after_version: int
     progress_interval_ms: int
     staged_parts: bool
-    def __init__(self, run: _Optional[str] = ..., after_version: _Optional[int] = ..., progress_interval_ms: _Optional[int] = ..., staged_parts: _Optional[bool] = ...) -> None: ...
+    presign: bool
+    def __init__(self, run: _Optional[str] = ..., after_version: _Optional[int] = ..., progress_interval_ms: _Optional[int] = ..., staged_parts: _Optional[bool] = ..., presign: _Optional[bool] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("head", "server_time_ms")
