@@ -45,6 +45,8 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
         board_process: bool = typer.Option(False, "--board-process/--board-in-process",
                                            help="Run the board as its own process, as deployed, or on the bench's "
                                                 "event loop (sharing the trainer's and publisher's interpreter)."),
+        presigned: bool = typer.Option(False, "--presigned", help="Islands without S3 credentials: every blob through "
+                                                                  "the board's presigned URLs."),
     ) -> None:
         """Publish-to-applied on every island for patches vs full checkpoints; last line JSON."""
         if encoding not in ENCODINGS:
@@ -60,7 +62,7 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
         main_cli(params, islands, versions, destination, json_out, work_dir,
                  wan=wan, wan_rate_mbit=wan_rate_mbit, wan_rtt_ms=wan_rtt_ms, wan_slow_start=wan_slow_start,
                  wan_loss=wan_loss, warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes,
-                 board_process=board_process)
+                 board_process=board_process, presigned=presigned)
 
     @bench.command("publish")
     def bench_publish_cmd(

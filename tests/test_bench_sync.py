@@ -27,16 +27,17 @@ KEYS = {
 }
 
 
-@pytest.mark.parametrize("encoding,part_bytes,board", [("default", None, "--board-in-process"),
-                                                        ("context", 4096, "--board-process")])
-def test_bench_sync_smoke(tmp_path: Path, encoding: str, part_bytes: int | None, board: str) -> None:
+@pytest.mark.parametrize("encoding,part_bytes,board,presigned", [("default", None, "--board-in-process", False),
+                                                                  ("context", 4096, "--board-process", True)])
+def test_bench_sync_smoke(tmp_path: Path, encoding: str, part_bytes: int | None, board: str, presigned: bool) -> None:
     """The default parts (staged while an island asks for them), and (context) patches in
     parts of a set size staged before their commit, with the board on the bench's loop and in
-    its own process."""
+    its own process; islands with S3 credentials, and islands on the board's presigned URLs."""
     proc = subprocess.run(
         [sys.executable, "-m", "weftboard.board.cli", "bench", "sync", "--params", "1000000", "--islands", "2",
          "--versions", "2", "--warm-steps", "2", "--json", "--work-dir", str(tmp_path / "work"), "--encoding", encoding,
-         *(["--part-bytes", str(part_bytes)] if part_bytes is not None else []), board],
+         *(["--part-bytes", str(part_bytes)] if part_bytes is not None else []), board,
+         *(["--presigned"] if presigned else [])],
         capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -48,6 +49,7 @@ def test_bench_sync_smoke(tmp_path: Path, encoding: str, part_bytes: int | None,
         assert result["patch_parts_per_version"] > 1
     assert result["board"] == ("own process" if board == "--board-process" else "on the bench's event loop")
     assert result["islands"] == 2 and result["versions"] == 2
+    assert ("presigned" in result["island_blobs"]) is presigned
     assert result["params"] >= 1_000_000 * 0.8
     assert 0 < result["delta_bytes_per_version"] < result["full_bytes_per_version"]
     assert result["bytes_ratio"] == pytest.approx(result["full_bytes_per_version"] / result["delta_bytes_per_version"],

@@ -225,6 +225,7 @@ class BenchConfig:
     encoding: str = "default"  # the publisher's patch encoding
     part_bytes: int | None = None  # the publisher's staged patch parts (0: none; None: while islands ask)
     board_process: bool = False  # the board in its own process (default: on the bench's event loop)
+    presigned: bool = False  # islands without S3 credentials, reading through the board's presigned URLs
     network: Any = None  # an IslandNetwork (LoopbackNetwork by default)
     log: Any = None  # callable(str) for human-readable progress lines
 
@@ -317,10 +318,10 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             await asyncio.to_thread(h1.result, 300)
             say(f"version 1 (anchor) committed in {time.time() - t0:.2f}s; starting {cfg.islands} islands")
             for i in range(cfg.islands):
+                own = {} if cfg.presigned else {"s3_endpoint": net.s3_endpoint(i, s3.endpoint), "s3_access_key": s3.access_key,
+                                                "s3_secret_key": s3.secret_key, "s3_bucket": s3.bucket}
                 spec = IslandSpec(f"island-{i}", root / "islands" / f"island-{i}", net.board_address(i, board.address), RUN,
-                                  token=token, s3_endpoint=net.s3_endpoint(i, s3.endpoint), s3_access_key=s3.access_key,
-                                  s3_secret_key=s3.secret_key, s3_bucket=s3.bucket, destination=cfg.destination,
-                                  prefix=net.prefix(i))
+                                  token=token, destination=cfg.destination, prefix=net.prefix(i), **own)
                 islands.append(IslandProcess(spec))
             await asyncio.gather(*(isl.start() for isl in islands))
             await asyncio.gather(*(isl.wait_version(1, 300) for isl in islands))
@@ -430,6 +431,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "part_bytes": "auto" if cfg.part_bytes is None else cfg.part_bytes,
         "board": "own process" if cfg.board_process else "on the bench's event loop",
         "islands": cfg.islands,
+        "island_blobs": "the board's presigned URLs" if cfg.presigned else "S3 with their own credentials",
         "versions": len(results),
         "island_destination": cfg.destination,
         **net.describe(),
@@ -468,10 +470,11 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
 def main_cli(params: int, islands: int, versions: int, destination: str, json_out: bool, work_dir: Path | None,
              wan: bool = False, wan_rate_mbit: float = 100.0, wan_rtt_ms: float = 40.0,
              wan_slow_start: bool = True, wan_loss: float = WAN_LOSS, warm_steps: int = 30, trainer_gc: str = "manual",
-             encoding: str = "default", part_bytes: int | None = None, board_process: bool = False) -> dict:
+             encoding: str = "default", part_bytes: int | None = None, board_process: bool = False,
+             presigned: bool = False) -> dict:
     cfg = BenchConfig(params=params, islands=islands, versions=versions, destination=destination, work_dir=work_dir,
                       warm_steps=warm_steps, trainer_gc=trainer_gc, encoding=encoding, part_bytes=part_bytes,
-                      board_process=board_process)
+                      board_process=board_process, presigned=presigned)
     if wan:  # islands in network namespaces behind simulated WAN links (publisher/bench/wan)
         try:
             WanNetwork.check()
