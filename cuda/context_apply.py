@@ -39,18 +39,37 @@ _FULL_MASK = np.int64((1 << huffman.MAX_BITS) - 1)
 
 
 @nb.njit(cache=True, nogil=True)
-def value_tables(table):
-    """(the ``2**MAX_BITS`` entries, the first ``2**FAST_BITS``) of one class's decoder table
-    (``huffman.decoder_table``) as ``diff << 16 | escape << 4 | length`` (uint32), ``LONG``
-    in the first where the code is longer than FAST_BITS."""
-    sym2diff = np.zeros(NSYM, np.uint64)
-    for s in range(ESC):
-        mag = s // 2 + 1
-        sym2diff[s] = (65536 - mag) if s & 1 else mag
-    full = tile_decode.value_table(table, sym2diff)
-    fast = np.empty(1 << FAST_BITS, np.uint32)
-    for j in range(1 << FAST_BITS):
-        fast[j] = full[j] if (full[j] & np.uint32(15)) <= FAST_BITS else LONG
+def value_tables(lengths, present):
+    """(the ``2**MAX_BITS`` entries, the first ``2**FAST_BITS``) of one class's code (a table
+    ``huffman.read_table`` checked: complete, or one symbol of length 0) as ``diff << 16 |
+    escape << 4 | length`` (uint32). The first lookup holds every code of at most FAST_BITS bits,
+    and ``LONG`` where a longer code begins; the full table holds only the longer codes' entries,
+    the only ones a decoder looks up there (each of its indices whose first FAST_BITS bits
+    begin a longer code), so the tables take a few hundred stores, not ``2**MAX_BITS``."""
+    full = np.zeros(1 << huffman.MAX_BITS, np.uint32)
+    fast = np.zeros(1 << FAST_BITS, np.uint32)
+    codes = huffman.encoder_codes(lengths)
+    for s in range(NSYM):
+        d = lengths[s]
+        if d == 0 and not present[s]:
+            continue
+        if s == ESC:
+            entry = np.uint32(d) | np.uint32(16)
+        else:
+            mag = s // 2 + 1
+            entry = np.uint32(d) | (np.uint32((65536 - mag) if s & 1 else mag) << np.uint32(16))
+        if d == 0:  # the one symbol of a one-symbol code: every lookup, no bits
+            fast[:] = entry
+            full[:] = entry
+            continue
+        code = codes[s] & 0xFFFFFFFF  # its bits in stream order from the lowest
+        if d <= FAST_BITS:
+            for j in range(code, 1 << FAST_BITS, 1 << d):
+                fast[j] = entry
+        else:
+            fast[code & _FAST_MASK] = LONG
+            for j in range(code, 1 << huffman.MAX_BITS, 1 << d):
+                full[j] = entry
     return full, fast
 
 

@@ -425,7 +425,7 @@ def _parse(buf, numel, tile, changed):
     if err == 0:
         for c in range(ncls):
             if nsyms[c]:
-                f, q = value_tables(huffman.decoder_table(lengths[c], present[c]))
+                f, q = value_tables(lengths[c], present[c])
                 full[c << MAX_BITS:(c + 1) << MAX_BITS] = f
                 fast[c << FAST_BITS:(c + 1) << FAST_BITS] = q
     ntiles = ns.shape[0]

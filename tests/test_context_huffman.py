@@ -351,3 +351,32 @@ def test_one_patch_may_hold_streams_coded_with_different_tiles() -> None:
 
 def u16_t(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_value_tables_hold_every_entry_a_decoder_reads(seed: int) -> None:
+    """The class tables built from code lengths alone agree with the whole decoder table
+    (``huffman.decoder_table`` with each symbol's difference): the first lookup everywhere
+    (``LONG`` where a code longer than FAST_BITS begins), the full table wherever a first
+    lookup says ``LONG``; skewed, flat and one-symbol codes, with and without escapes."""
+    from weftboard.cuda import huffman, tile_decode
+    from weftboard.cuda.context_apply import FAST_BITS, LONG, value_tables
+    from weftboard.cuda.entropy import ESC, NSYM
+
+    rng = np.random.default_rng(seed)
+    for trial in range(40):
+        counts = np.zeros(NSYM, np.int64)
+        used = rng.choice(NSYM, size=1 if trial % 10 == 0 else int(rng.integers(2, NSYM + 1)), replace=False)
+        counts[used] = (rng.pareto(0.6 if trial % 2 else 2.0, used.size) * 50 + 1).astype(np.int64)
+        lengths = huffman.code_lengths(counts)
+        present = counts > 0
+        sym2diff = np.zeros(NSYM, np.uint64)
+        for s in range(ESC):
+            sym2diff[s] = (65536 - (s // 2 + 1)) if s & 1 else s // 2 + 1
+        whole = tile_decode.value_table(huffman.decoder_table(lengths, present), sym2diff)
+        full, fast = value_tables(lengths, present)
+        short = (whole & 15) <= FAST_BITS
+        assert np.array_equal(fast, np.where(short[:1 << FAST_BITS], whole[:1 << FAST_BITS], LONG))
+        read_full = np.tile(fast == LONG, (1 << huffman.MAX_BITS) >> FAST_BITS)
+        assert np.array_equal(full[read_full], whole[read_full])
+        assert lengths.max() <= FAST_BITS or read_full.any()
