@@ -133,6 +133,64 @@ async def test_parts_are_staged_before_the_commit_and_islands_follow_bitwise(boa
         assert not list((tmp_path / "c2").glob("joined-*")), "the joined container is removed after its apply"
 
 
+class _HeldCommits:
+    """The publisher's commits, which pass until ``hold()`` and are then held back until
+    ``release`` is set: ``held`` gets each record, ``holding`` is set when one waits."""
+
+    def __init__(self, pub: Publisher, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.pub, self.monkeypatch = pub, monkeypatch
+        self.release = threading.Event()
+        self.release.set()
+        self.holding = threading.Event()
+        self.held: list[pb.VersionRecord] = []
+
+    def hold(self) -> None:
+        """From now on (the publisher's client exists once it published), commits wait."""
+        self.release.clear()
+        self.holding.clear()
+        real_commit = self.pub._client.commit_version
+
+        async def held_commit(record: pb.VersionRecord) -> Any:
+            self.held.append(record)
+            self.holding.set()
+            await asyncio.to_thread(self.release.wait, 30)
+            return await real_commit(record)
+
+        self.monkeypatch.setattr(self.pub._client, "commit_version", held_commit)
+
+    async def publish_held(self, trainer: Trainer, views: dict[int, dict], pub: Publisher) -> Any:
+        """One more AdamW step published (``hold()`` first); its handle once its commit waits."""
+        trainer.step()
+        views[trainer.step_no] = trainer.served()
+        handle = await asyncio.to_thread(pub.publish, trainer.model, step=trainer.step_no)
+        await asyncio.to_thread(self.holding.wait, 30)
+        return handle
+
+
+async def _first_version_followed(trainer: Trainer, views: dict[int, dict], pub: Publisher, client: BoardClient,
+                                  run: str, blob_store: Any, cache: Path) -> tuple[Subscriber, asyncio.Future]:
+    """Version 1 published, and an island (live tensors, told its blobs are far, so it asks for
+    hints) following the run from it, its watch stream open."""
+    trainer.step()
+    views[1] = trainer.served()
+    await asyncio.to_thread(lambda: (pub.publish(trainer.model, step=1), pub.flush()))
+    sub = Subscriber(client, run, LiveTensorsDestination(zeros_like_layout(views[1])), island_id="early",
+                     blob_store=blob_store, cache_dir=cache, heartbeat=False)
+    sub.fetcher.far = lambda: True  # type: ignore[method-assign]  (hints are for far stores; loopback is near)
+    following = asyncio.ensure_future(sub.run())
+    await sub.wait_for_version(1, 30)
+    await asyncio.sleep(0.5)  # its watch stream is open
+    return sub, following
+
+
+async def _prefetched_all(sub: Subscriber, digests: set[str]) -> None:
+    """Wait (up to 10 s) until the island downloaded every one of ``digests`` early."""
+    for _ in range(200):
+        if digests <= set(sub._prefetched) and all(d.task.done() for d in sub._prefetched.values()):
+            return
+        await asyncio.sleep(0.05)
+
+
 async def test_an_island_downloads_staged_parts_early_and_applies_only_after_the_commit(
     board, local_store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -141,52 +199,27 @@ async def test_an_island_downloads_staged_parts_early_and_applies_only_after_the
     new version having downloaded each committed byte once; the bogus part is dropped."""
     trainer = Trainer(lr=1e-4)
     views: dict[int, dict] = {}
-    release = threading.Event()
-    holding = threading.Event()
 
     async with BoardClient(board.address, board.admin_token) as client:
         pub = Publisher(board.address, "q", token=board.admin_token, blob_store=local_store, part_bytes=PART_BYTES)
+        commits = _HeldCommits(pub, monkeypatch)
         try:
-            trainer.step()
-            views[1] = trainer.served()
-            await asyncio.to_thread(lambda: (pub.publish(trainer.model, step=1), pub.flush()))
-            dest = LiveTensorsDestination(zeros_like_layout(views[1]))
-            sub = Subscriber(client, "q", dest, island_id="early", blob_store=local_store,
-                             cache_dir=tmp_path / "cache", heartbeat=False)
-            sub.fetcher.far = lambda: True  # type: ignore[method-assign]  (hints are for far stores)
-            following = asyncio.ensure_future(sub.run())
-            await sub.wait_for_version(1, 30)
-            await asyncio.sleep(0.5)  # its watch stream is open
-
-            real_commit = pub._client.commit_version
-
-            held: list[pb.VersionRecord] = []
-
-            async def held_commit(record: pb.VersionRecord) -> Any:
-                held.append(record)
-                holding.set()
-                await asyncio.to_thread(release.wait, 30)
-                return await real_commit(record)
-
-            monkeypatch.setattr(pub._client, "commit_version", held_commit)
+            sub, following = await _first_version_followed(trainer, views, pub, client, "q", local_store,
+                                                            tmp_path / "cache")
+            dest = sub.destination
+            commits.hold()
             bogus = await upload(local_store, "q", b"a part no record will name")
             await client.stage_part("q", 2, bogus)
-            trainer.step()
-            views[2] = trainer.served()
-            handle = await asyncio.to_thread(pub.publish, trainer.model, step=2)
-            await asyncio.to_thread(holding.wait, 30)
+            handle = await commits.publish_held(trainer, views, pub)
             # Every part is uploaded and hinted before the commit; the downloads the hints
             # start finish while the commit waits.
-            hinted = {b.digest for b in _patch_blobs(held[0])
+            hinted = {b.digest for b in _patch_blobs(commits.held[-1])
                       if not read_patch_info(await local_store.get_bytes(b.key)).target_root} | {bogus.digest}
-            for _ in range(200):
-                if hinted <= set(sub._prefetched) and all(d.task.done() for d in sub._prefetched.values()):
-                    break
-                await asyncio.sleep(0.05)
+            await _prefetched_all(sub, hinted)
             assert bogus.digest in sub._prefetched and len(sub._prefetched) >= 3
             assert sub.held_version == 1 and bits_equal(dest.tensors, views[1])  # nothing applied early
             downloaded_before = sub.fetcher.bytes_downloaded
-            release.set()
+            commits.release.set()
             record = await asyncio.to_thread(handle.result, 30)
             await sub.wait_for_version(2, 30)
             assert bits_equal(dest.tensors, views[2]), first_difference(dest.tensors, views[2])
@@ -199,7 +232,62 @@ async def test_an_island_downloads_staged_parts_early_and_applies_only_after_the
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
         finally:
-            release.set()
+            commits.release.set()
+            await asyncio.to_thread(pub.close)
+
+
+async def test_an_island_without_credentials_downloads_presigned_staged_parts_early(
+    board_factory, s3_store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An island with no blob-store credentials asks for hints with presigned URLs (a watch
+    that does not ask gets none): while the commit is held back it downloads every hinted part
+    through its URL and still serves the previous version; after the commit it holds the new
+    version bit for bit, the staged parts downloaded once."""
+    board = await board_factory(blobs=s3_store)
+    trainer = Trainer(lr=1e-4)
+    views: dict[int, dict] = {}
+
+    async with BoardClient(board.address, board.admin_token) as client:
+        pub = Publisher(board.address, "u", token=board.admin_token, blob_store=s3_store, part_bytes=PART_BYTES)
+        commits = _HeldCommits(pub, monkeypatch)
+        try:
+            sub, following = await _first_version_followed(trainer, views, pub, client, "u", None, tmp_path / "cache")
+            dest = sub.destination
+            commits.hold()
+            plain: list[pb.WatchEvent] = []
+            signed: list[pb.WatchEvent] = []
+            watchers = [asyncio.ensure_future(_watch_all(client, "u", 2, plain)),
+                        asyncio.ensure_future(_watch_all(client, "u", 2, signed, presign=True))]
+            await asyncio.sleep(0.5)  # every watch stream is open
+            handle = await commits.publish_held(trainer, views, pub)
+            hinted = {b.digest for b in _patch_blobs(commits.held[-1])
+                      if not read_patch_info(await s3_store.get_bytes(b.key)).target_root}
+            assert len(hinted) >= 2
+            await _prefetched_all(sub, hinted)
+            assert hinted <= set(sub._prefetched) and all(d.task.done() for d in sub._prefetched.values())
+            assert all(d.ref.url and not d.task.exception() for d in sub._prefetched.values())
+            assert sub.held_version == 1 and bits_equal(dest.tensors, views[1])  # nothing applied early
+            downloaded_before = sub.fetcher.bytes_downloaded
+            commits.release.set()
+            record = await asyncio.to_thread(handle.result, 30)
+            await sub.wait_for_version(2, 30)
+            assert bits_equal(dest.tensors, views[2]), first_difference(dest.tensors, views[2])
+            unstaged = [b for b in _patch_blobs(record) if b.digest not in hinted]
+            assert sub.fetcher.bytes_downloaded == downloaded_before + sum(b.size for b in unstaged)
+
+            await asyncio.wait_for(asyncio.gather(*watchers), 30)
+            unsigned_hints = [e.staged.blob for e in plain if e.WhichOneof("event") == "staged"]
+            signed_hints = [e.staged.blob for e in signed if e.WhichOneof("event") == "staged"]
+            assert {b.digest for b in unsigned_hints} == {b.digest for b in signed_hints} == hinted
+            assert not any(b.url for b in unsigned_hints)
+            for blob in signed_hints:  # each URL reads its own part
+                got = tmp_path / "via-url"
+                await fetch_url(blob.url, got)
+                assert got.read_bytes() == await s3_store.get_bytes(blob.key)
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+        finally:
+            commits.release.set()
             await asyncio.to_thread(pub.close)
 
 
@@ -244,85 +332,6 @@ def test_the_cutter_ships_disjoint_parts_of_about_part_bytes_and_the_rest_on_flu
     assert [f.result() for _, f in cutter.parts] == list(range(1, len(shipped) + 1))
     with pytest.raises(InvalidArgument, match="part_bytes"):
         PartCutter(2, "default", 0, ship)
-
-
-async def test_an_island_without_credentials_downloads_presigned_staged_parts_early(
-    board_factory, s3_store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An island with no blob-store credentials asks for hints with presigned URLs (a watch
-    that does not ask gets none): while the commit is held back it downloads every hinted part
-    through its URL and still serves the previous version; after the commit it holds the new
-    version bit for bit, the staged parts downloaded once."""
-    board = await board_factory(blobs=s3_store)
-    trainer = Trainer(lr=1e-4)
-    views: dict[int, dict] = {}
-    release = threading.Event()
-    holding = threading.Event()
-
-    async with BoardClient(board.address, board.admin_token) as client:
-        pub = Publisher(board.address, "u", token=board.admin_token, blob_store=s3_store, part_bytes=PART_BYTES)
-        try:
-            trainer.step()
-            views[1] = trainer.served()
-            await asyncio.to_thread(lambda: (pub.publish(trainer.model, step=1), pub.flush()))
-            dest = LiveTensorsDestination(zeros_like_layout(views[1]))
-            sub = Subscriber(client, "u", dest, island_id="signed", blob_store=None,
-                             cache_dir=tmp_path / "cache", heartbeat=False)
-            sub.fetcher.far = lambda: True  # type: ignore[method-assign]  (loopback S3 is near)
-            following = asyncio.ensure_future(sub.run())
-            await sub.wait_for_version(1, 30)
-            plain: list[pb.WatchEvent] = []
-            signed: list[pb.WatchEvent] = []
-            watchers = [asyncio.ensure_future(_watch_all(client, "u", 2, plain)),
-                        asyncio.ensure_future(_watch_all(client, "u", 2, signed, presign=True))]
-            await asyncio.sleep(0.5)  # every watch stream is open
-
-            real_commit = pub._client.commit_version
-            held: list[pb.VersionRecord] = []
-
-            async def held_commit(record: pb.VersionRecord) -> Any:
-                held.append(record)
-                holding.set()
-                await asyncio.to_thread(release.wait, 30)
-                return await real_commit(record)
-
-            monkeypatch.setattr(pub._client, "commit_version", held_commit)
-            trainer.step()
-            views[2] = trainer.served()
-            handle = await asyncio.to_thread(pub.publish, trainer.model, step=2)
-            await asyncio.to_thread(holding.wait, 30)
-            hinted = {b.digest for b in _patch_blobs(held[0])
-                      if not read_patch_info(await s3_store.get_bytes(b.key)).target_root}
-            assert len(hinted) >= 2
-            for _ in range(200):
-                if hinted <= set(sub._prefetched) and all(d.task.done() for d in sub._prefetched.values()):
-                    break
-                await asyncio.sleep(0.05)
-            assert hinted <= set(sub._prefetched) and all(d.task.done() for d in sub._prefetched.values())
-            assert all(d.ref.url and not d.task.exception() for d in sub._prefetched.values())
-            assert sub.held_version == 1 and bits_equal(dest.tensors, views[1])  # nothing applied early
-            downloaded_before = sub.fetcher.bytes_downloaded
-            release.set()
-            record = await asyncio.to_thread(handle.result, 30)
-            await sub.wait_for_version(2, 30)
-            assert bits_equal(dest.tensors, views[2]), first_difference(dest.tensors, views[2])
-            unstaged = [b for b in _patch_blobs(record) if b.digest not in hinted]
-            assert sub.fetcher.bytes_downloaded == downloaded_before + sum(b.size for b in unstaged)
-
-            await asyncio.wait_for(asyncio.gather(*watchers), 30)
-            unsigned_hints = [e.staged.blob for e in plain if e.WhichOneof("event") == "staged"]
-            signed_hints = [e.staged.blob for e in signed if e.WhichOneof("event") == "staged"]
-            assert {b.digest for b in unsigned_hints} == {b.digest for b in signed_hints} == hinted
-            assert not any(b.url for b in unsigned_hints)
-            for blob in signed_hints:  # each URL reads its own part
-                got = tmp_path / "via-url"
-                await fetch_url(blob.url, got)
-                assert got.read_bytes() == await s3_store.get_bytes(blob.key)
-            following.cancel()
-            await asyncio.gather(following, return_exceptions=True)
-        finally:
-            release.set()
-            await asyncio.to_thread(pub.close)
 
 
 async def test_an_island_ignores_hints_it_cannot_use_or_afford(local_store, tmp_path: Path) -> None:

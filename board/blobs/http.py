@@ -212,11 +212,11 @@ class UrlReader:
         except BaseException:
             for task in tasks:  # one range failed (or the download was cancelled): the others stop
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)  # no write through fd is under way now
             os.ftruncate(fd, 0)  # holes are not a resumable prefix: a retry starts over
             raise
         finally:
-            os.close(fd)
+            os.close(fd)  # on the loop, as the ftruncate: calls on a descriptor, no path to look up
         return size
 
     async def _range(self, url: str, fd: int, lo: int, hi: int, total: int, timeout: aiohttp.ClientTimeout,
