@@ -11,8 +11,8 @@ Invariants:
   (the commit rule, and the status of each refusal, are stated there).
 - Watch sends history from XRANGE, then live events from the run's shared feed, never
   a version twice and never with a gap (see fanout.py). Staged-part hints go only to
-  watchers that asked (with a presigned URL to those that asked for one), and only for
-  versions after the last one sent.
+  watchers that asked (with a presigned URL to those that asked for one: ``signed_hints``),
+  and only for versions after the last one sent.
 - StagePart checks the part exists (so an island's download finds it), notes it and relays
   the hint; an anchor file (a named blob) is only noted, so GC collects it if its version
   commits without it. A commit checks every blob it names, taking a note younger than
@@ -40,6 +40,7 @@ from weftboard.board import model_files, validate
 from weftboard.board.auth import Authenticator
 from weftboard.board.fanout import TICK, FanOut, StagedEvent
 from weftboard.board.metrics import BoardMetrics
+from weftboard.board.signed_hints import SignedHints
 from weftboard.board.store import RedisStore, canonical_record, now_ms
 from weftboard.board.uploads import UploadRpcs
 from weftboard.proto import convert
@@ -115,6 +116,7 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
     ) -> None:
         self.store = store
         self.blobs = BoardsOwnBlobs(blobs)
+        self.signed_hints = SignedHints(self.blobs, DEFAULT_PRESIGN_S)  # one URL a part for every watcher
         self.auth = auth
         self.metrics = metrics
         self.fanout = fanout
@@ -376,7 +378,7 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
                     raise Unavailable(f"the board lost its Redis feed for run {request.run!r}; reconnect and resume")
                 elif isinstance(item, StagedEvent):
                     if item.version > last:  # never a hint for a version this stream has sent
-                        await write(await self._presigned(item.payload) if request.presign else item.payload)
+                        await write(await self.signed_hints.event(item.payload) if request.presign else item.payload)
                 elif item.version <= last:
                     continue
                 elif item.version > last + 1:  # fill a hole from the durable log
@@ -388,12 +390,6 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
         finally:
             self.metrics.watch_streams.dec()
             self.fanout.unsubscribe(sub)
-
-    async def _presigned(self, payload: bytes) -> pb.WatchEvent:
-        """A staged-part hint with a presigned GET URL for its blob ("" where the store cannot)."""
-        event = pb.WatchEvent.FromString(payload)
-        event.staged.blob.url = await self.blobs.presign_get(event.staged.blob.key, DEFAULT_PRESIGN_S) or ""
-        return event
 
     async def _replay(self, run: str, last: int, upto: int | None, write) -> int:
         """Write versions after ``last`` (up to ``upto``, or all) from the durable log, each the

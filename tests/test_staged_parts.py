@@ -240,7 +240,7 @@ async def test_an_island_without_credentials_downloads_presigned_staged_parts_ea
     board_factory, s3_store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An island with no blob-store credentials asks for hints with presigned URLs (a watch
-    that does not ask gets none): while the commit is held back it downloads every hinted part
+    that does not ask gets none; every watch that asks gets the same URL of a part): while the commit is held back it downloads every hinted part
     through its URL and still serves the previous version; after the commit it holds the new
     version bit for bit, the staged parts downloaded once."""
     board = await board_factory(blobs=s3_store)
@@ -266,6 +266,7 @@ async def test_an_island_without_credentials_downloads_presigned_staged_parts_ea
             await _prefetched_all(sub, hinted)
             assert hinted <= set(sub._prefetched) and all(d.task.done() for d in sub._prefetched.values())
             assert all(d.ref.url and not d.task.exception() for d in sub._prefetched.values())
+            island_urls = {digest: d.ref.url for digest, d in sub._prefetched.items()}
             assert sub.held_version == 1 and bits_equal(dest.tensors, views[1])  # nothing applied early
             downloaded_before = sub.fetcher.bytes_downloaded
             commits.release.set()
@@ -280,6 +281,7 @@ async def test_an_island_without_credentials_downloads_presigned_staged_parts_ea
             signed_hints = [e.staged.blob for e in signed if e.WhichOneof("event") == "staged"]
             assert {b.digest for b in unsigned_hints} == {b.digest for b in signed_hints} == hinted
             assert not any(b.url for b in unsigned_hints)
+            assert {b.digest: b.url for b in signed_hints} == island_urls  # one URL a part for every watcher
             for blob in signed_hints:  # each URL reads its own part
                 got = tmp_path / "via-url"
                 await fetch_url(blob.url, got)
