@@ -286,8 +286,8 @@ class BoardClient:
         presign: bool = False,
     ) -> AsyncIterator[pb.WatchEvent]:
         """Every version committed after ``after_version`` in order, plus Progress events
-        (and, with ``staged_parts``, StagedPart hints for the version after the last one, each
-        with a presigned GET URL for its blob with ``presign``).
+        (and, with ``staged_parts``, StagedPart hints for the version after the last one); with
+        ``presign``, hints and live version events carry presigned GET URLs of their blobs.
 
         Reconnects with jittered exponential backoff when the board is unreachable,
         resuming after the last version yielded. Other errors (OUT_OF_RANGE below the

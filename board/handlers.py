@@ -11,8 +11,8 @@ Invariants:
   (the commit rule, and the status of each refusal, are stated there).
 - Watch sends history from XRANGE, then live events from the run's shared feed, never
   a version twice and never with a gap (see fanout.py). Staged-part hints go only to
-  watchers that asked (with a presigned URL to those that asked for one: ``signed_hints``),
-  and only for versions after the last one sent.
+  watchers that asked, and only for versions after the last one sent. A watcher that asked
+  for presigned URLs gets them in its hints and live version events (``signed_events``).
 - StagePart checks the part exists (so an island's download finds it), notes it and relays
   the hint; an anchor file (a named blob) is only noted, so GC collects it if its version
   commits without it. A commit checks every blob it names, taking a note younger than
@@ -40,7 +40,7 @@ from weftboard.board import model_files, validate
 from weftboard.board.auth import Authenticator
 from weftboard.board.fanout import TICK, FanOut, StagedEvent
 from weftboard.board.metrics import BoardMetrics
-from weftboard.board.signed_hints import SignedHints
+from weftboard.board.signed_events import SignedEvents
 from weftboard.board.store import RedisStore, canonical_record, now_ms
 from weftboard.board.uploads import UploadRpcs
 from weftboard.proto import convert
@@ -116,7 +116,7 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
     ) -> None:
         self.store = store
         self.blobs = BoardsOwnBlobs(blobs)
-        self.signed_hints = SignedHints(self.blobs, DEFAULT_PRESIGN_S)  # one URL a part for every watcher
+        self.signed_events = SignedEvents(self.blobs, DEFAULT_PRESIGN_S)  # one signing an event for every watcher
         self.auth = auth
         self.metrics = metrics
         self.fanout = fanout
@@ -378,13 +378,13 @@ class BoardServicer(UploadRpcs, pb_grpc.BoardServicer):  # multipart uploads: up
                     raise Unavailable(f"the board lost its Redis feed for run {request.run!r}; reconnect and resume")
                 elif isinstance(item, StagedEvent):
                     if item.version > last:  # never a hint for a version this stream has sent
-                        await write(await self.signed_hints.event(item.payload) if request.presign else item.payload)
+                        await write(await self.signed_events.event(item.payload) if request.presign else item.payload)
                 elif item.version <= last:
                     continue
                 elif item.version > last + 1:  # fill a hole from the durable log
                     last = await self._replay(request.run, last, item.version, write)
-                else:
-                    await write(item.payload)  # serialized once by the feed for every watcher
+                else:  # serialized once by the feed for every watcher (and signed once for those asking)
+                    await write(await self.signed_events.event(item.payload) if request.presign else item.payload)
                     last = item.version
                 sub.wrote()
         finally:

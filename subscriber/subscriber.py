@@ -366,13 +366,14 @@ class Subscriber:
             log.info("model files fetched", island=self.island_id, run=self.run_name, files=fetched)
 
     def _direct_plan(self, record: pb.VersionRecord) -> pb.CatchUpPlan | None:
-        """The one-patch plan a watch event already describes (no PlanCatchUp round trip),
-        when the island holds the parent and reads blobs with its own credentials."""
+        """The one-patch plan a watch event describes (no PlanCatchUp round trip), when the island
+        holds the parent and reads blobs with its own credentials or the event has their URLs."""
         held = self.held_version
-        if self.blob_store is None or held == 0 or record.version != held + 1:
+        if held == 0 or record.version != held + 1:
             return None
         for a in record.artifacts:
-            if a.kind == pb.ARTIFACT_KIND_PATCH and a.base_version == held and a.blobs:
+            if (a.kind == pb.ARTIFACT_KIND_PATCH and a.base_version == held and a.blobs
+                    and (self.blob_store is not None or all(b.url for b in a.blobs))):
                 self._records[record.version] = record
                 return pb.CatchUpPlan(run=self.run_name, from_version=held, to_version=record.version, steps=[
                     pb.PlanStep(kind=pb.ARTIFACT_KIND_PATCH, from_version=held, to_version=record.version,
@@ -478,9 +479,8 @@ class Subscriber:
 
     def _prefetch(self, part: pb.StagedPart) -> None:
         """Start downloading a staged part of a version after the held one (a hint)."""
-        if ((self.blob_store is None and not part.blob.url) or part.version <= self.held_version
-                or part.blob.digest in self._prefetched or len(self._prefetched) >= MAX_PREFETCHED
-                or part.blob.size > MAX_PREFETCH_BYTES):
+        if ((self.blob_store is None and not part.blob.url) or part.version <= self.held_version or part.blob.digest
+                in self._prefetched or len(self._prefetched) >= MAX_PREFETCHED or part.blob.size > MAX_PREFETCH_BYTES):
             return
         self._prefetched[part.blob.digest] = self._start_download(part.version, part.blob)
 

@@ -239,8 +239,9 @@ async def test_an_island_downloads_staged_parts_early_and_applies_only_after_the
 async def test_an_island_without_credentials_downloads_presigned_staged_parts_early(
     board_factory, s3_store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An island with no blob-store credentials asks for hints with presigned URLs (a watch
-    that does not ask gets none; every watch that asks gets the same URL of a part): while the commit is held back it downloads every hinted part
+    """An island with no blob-store credentials asks for hints and version events with presigned
+    URLs (a watch that does not ask gets none; every watch that asks gets the same URL of a
+    part), and takes the version without asking for a plan: while the commit is held back it downloads every hinted part
     through its URL and still serves the previous version; after the commit it holds the new
     version bit for bit, the staged parts downloaded once."""
     board = await board_factory(blobs=s3_store)
@@ -269,10 +270,19 @@ async def test_an_island_without_credentials_downloads_presigned_staged_parts_ea
             island_urls = {digest: d.ref.url for digest, d in sub._prefetched.items()}
             assert sub.held_version == 1 and bits_equal(dest.tensors, views[1])  # nothing applied early
             downloaded_before = sub.fetcher.bytes_downloaded
+            plans: list[int] = []
+            real_plan = client.plan_catch_up
+
+            async def counted_plan(*args: Any, **kwargs: Any) -> pb.CatchUpPlan:
+                plans.append(kwargs.get("want_version", 0))
+                return await real_plan(*args, **kwargs)
+
+            monkeypatch.setattr(client, "plan_catch_up", counted_plan)
             commits.release.set()
             record = await asyncio.to_thread(handle.result, 30)
             await sub.wait_for_version(2, 30)
             assert bits_equal(dest.tensors, views[2]), first_difference(dest.tensors, views[2])
+            assert plans == []  # the version event's URLs made the plan: no PlanCatchUp round trip
             unstaged = [b for b in _patch_blobs(record) if b.digest not in hinted]
             assert sub.fetcher.bytes_downloaded == downloaded_before + sum(b.size for b in unstaged)
 
@@ -282,6 +292,9 @@ async def test_an_island_without_credentials_downloads_presigned_staged_parts_ea
             assert {b.digest for b in unsigned_hints} == {b.digest for b in signed_hints} == hinted
             assert not any(b.url for b in unsigned_hints)
             assert {b.digest: b.url for b in signed_hints} == island_urls  # one URL a part for every watcher
+            signed_record, = [e.version for e in signed if e.WhichOneof("event") == "version"]
+            unsigned_record, = [e.version for e in plain if e.WhichOneof("event") == "version"]
+            assert all(b.url for b in _patch_blobs(signed_record)) and not any(b.url for b in _patch_blobs(unsigned_record))
             for blob in signed_hints:  # each URL reads its own part
                 got = tmp_path / "via-url"
                 await fetch_url(blob.url, got)

@@ -41,6 +41,7 @@ from weftboard.proto.errors import NotFound, Unavailable, UrlExpired, WeftboardE
 
 _CHUNK = 1 << 20
 _MIN_RANGE = 256 << 10  # the smallest byte range worth its own connection (as the S3 store's)
+_RANGE_CHUNK = 64 << 10  # a range's bytes are written (and reported) in chunks of this size
 _CONTENT_RANGE = re.compile(r"bytes (?:(\d+)-(\d+)|\*)/(\d+)")
 
 
@@ -235,13 +236,16 @@ class UrlReader:
                 if match is None or int(match.group(3)) != total:
                     raise Unavailable(f"{_redact(url)} is not the {total}-byte object the record names "
                                       f"(Content-Range {response.headers.get('Content-Range', '')!r})")
-                async for chunk in response.content.iter_chunked(_CHUNK):
-                    if pos + len(chunk) > hi:
-                        raise Unavailable(f"range {lo}-{hi} of {_redact(url)} returned more than {hi - lo} bytes")
+                if response.content_length is not None and response.content_length != hi - lo:
+                    raise Unavailable(f"range {lo}-{hi} of {_redact(url)} answered {response.content_length} bytes")
+                while pos < hi:  # whole chunks: a write and a hop to its thread per 64 KiB, not per read
+                    chunk = await response.content.readexactly(min(_RANGE_CHUNK, hi - pos))
                     await _pwrite(fd, chunk, pos)
                     if on_chunk is not None:
                         on_chunk(pos, chunk)
                     pos += len(chunk)
+        except asyncio.IncompleteReadError as exc:
+            raise Unavailable(f"range {lo}-{hi} of {_redact(url)} stopped at byte {pos + len(exc.partial)}") from None
         except aiohttp.ClientError as exc:
             raise Unavailable(f"cannot download {_redact(url)}: {without_queries(str(exc))}") from None
         except asyncio.TimeoutError as exc:

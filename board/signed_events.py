@@ -1,12 +1,14 @@
-"""Staged-part hints with a presigned GET URL of their part, for the watchers that asked for one
-(islands without blob-store credentials): one URL a part for all such watchers of this board.
+"""Watch events with a presigned GET URL of every blob they name, for the watchers that asked
+for them (islands without blob-store credentials): a staged-part hint's part, and a committed
+version's blobs, so such an island takes the common one-patch step without asking the board for
+a plan. One signing an event for all such watchers of this board.
 
 Invariants:
-- A signed hint names the same part as the feed's hint; its URL is "" where the blob store
-  cannot presign.
-- A part's URL is made once and handed out for ``reuse_s`` (far below its lifetime,
-  ``expires_s``, so every watcher gets a URL valid for ``expires_s - reuse_s`` at least);
-  the latest ``max_kept`` hints are kept, so the signing work per version does not grow with the
+- A signed event is the feed's event with only the ``url`` of its blobs filled in ("" where
+  the blob store cannot presign).
+- An event's URLs are made once and handed out for ``reuse_s`` (far below their lifetime,
+  ``expires_s``, so every watcher gets URLs valid for ``expires_s - reuse_s`` at least); the
+  latest ``max_kept`` events are kept, so the signing work per version does not grow with the
   number of watchers.
 """
 
@@ -20,10 +22,10 @@ from typing import Any
 from weftboard.proto.v1 import board_pb2 as pb
 
 
-class SignedHints:
+class SignedEvents:
     def __init__(self, blobs: Any, expires_s: int, *, reuse_s: float = 60.0, max_kept: int = 1024) -> None:
         if not 0 < reuse_s < expires_s:
-            raise ValueError(f"a signed hint is reused for less than its URL lives: 0 < {reuse_s} < {expires_s}")
+            raise ValueError(f"a signed event is reused for less than its URLs live: 0 < {reuse_s} < {expires_s}")
         self.blobs = blobs
         self.expires_s = expires_s
         self.reuse_s = reuse_s
@@ -31,9 +33,9 @@ class SignedHints:
         self._kept: collections.OrderedDict[bytes, tuple[float, asyncio.Future[bytes]]] = collections.OrderedDict()
 
     async def event(self, payload: bytes) -> bytes:
-        """The serialized WatchEvent of the feed's hint ``payload``, its part's URL filled in;
-        watchers asking at once share one signing (a cancelled watcher does not cancel it, a
-        failed one is not kept)."""
+        """The feed's serialized WatchEvent ``payload`` with its blobs' URLs filled in; watchers
+        asking at once share one signing (a cancelled watcher does not cancel it, a failed one is
+        not kept)."""
         now = time.monotonic()
         kept = self._kept.get(payload)
         if kept is None or now - kept[0] >= self.reuse_s:
@@ -53,5 +55,10 @@ class SignedHints:
 
     async def _sign(self, payload: bytes) -> bytes:
         event = pb.WatchEvent.FromString(payload)
-        event.staged.blob.url = await self.blobs.presign_get(event.staged.blob.key, self.expires_s) or ""
+        kind = event.WhichOneof("event")
+        refs = ([event.staged.blob] if kind == "staged"
+                else [b for a in event.version.artifacts for b in a.blobs] if kind == "version" else [])
+        urls = await asyncio.gather(*(self.blobs.presign_get(ref.key, self.expires_s) for ref in refs))
+        for ref, url in zip(refs, urls, strict=True):
+            ref.url = url or ""
         return event.SerializeToString()
