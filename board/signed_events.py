@@ -8,7 +8,8 @@ Invariants:
   the blob store cannot presign).
 - An event's URLs are made once and handed out for ``reuse_s`` (far below their lifetime,
   ``expires_s``, so every watcher gets URLs valid for ``expires_s - reuse_s`` at least); the
-  latest ``max_kept`` events are kept, so the signing work per version does not grow with the
+  latest ``max_kept`` events are kept (64: a few versions' hints and records; a record of many
+  tensors is tens of KB, kept twice), so the signing work per version does not grow with the
   number of watchers.
 """
 
@@ -23,7 +24,7 @@ from weftboard.proto.v1 import board_pb2 as pb
 
 
 class SignedEvents:
-    def __init__(self, blobs: Any, expires_s: int, *, reuse_s: float = 60.0, max_kept: int = 1024) -> None:
+    def __init__(self, blobs: Any, expires_s: int, *, reuse_s: float = 60.0, max_kept: int = 64) -> None:
         if not 0 < reuse_s < expires_s:
             raise ValueError(f"a signed event is reused for less than its URLs live: 0 < {reuse_s} < {expires_s}")
         self.blobs = blobs
