@@ -21,9 +21,9 @@ Invariants:
 - Steps of a plan are applied strictly in order; later steps download while earlier ones
   apply, bounded by ``parallel`` concurrent transfers.
 - Staged parts (hints sent while a version is still being encoded) are asked for only from a
-  far blob store (``Fetcher.far``), with presigned URLs without one. Nothing of them is used before the version commits, and
-  then only the parts its record names; older ones are dropped once a version is held. A
-  download is never started twice for one blob: the plan's step takes over a running one.
+  far blob store (``Fetcher.far``; with presigned URLs without one). Nothing of them is used
+  before the version commits, and then only the parts its record names; older ones are dropped
+  once a version is held. A download is never started twice: the plan's step takes it over.
 - A bad blob or a failed apply is never served. Recovery is: refetch with a fresh plan, then
   a plan from nothing (an anchor); each failure is logged and heartbeated as ERROR. Only when
   all three fail does ``sync_to`` raise. A step whose bytes proved bad or missing (CorruptData,
