@@ -154,6 +154,11 @@ class Fetcher:
             else:
                 self._busy[path] = (lock, users - 1)
 
+    def _reader(self, key: str, url: str) -> tuple[Any, str]:
+        """What reads a blob, and what it names it by: the store and the key, or, without a
+        store, the presigned URLs' reader and the URL ("" when there is none)."""
+        return (self.store, key) if self.store is not None else (self.urls, url)
+
     def first_byte_s(self) -> float | None:
         """The blob store's (or, without one, the presigned URLs') measured time to first byte."""
         return (self.store if self.store is not None else self.urls).first_byte_s()
@@ -171,14 +176,14 @@ class Fetcher:
         judges the path rather than one large download's wait (a large object's first byte
         also waits on the store's disk). Needs one blob fetched before (without a store, its
         URL; an expired one fails the probe); a failed probe leaves the judgement as it was."""
-        if self._last_key is None or (self.store is None and not self._last_url):
+        if self._last_key is None:
+            return
+        reader, source = self._reader(self._last_key, self._last_url)
+        if not source:
             return
         for _ in range(probes):
             try:
-                if self.store is not None:
-                    await self.store.probe_first_byte(self._last_key)
-                else:
-                    await self.urls.probe_first_byte(self._last_url)
+                await reader.probe_first_byte(source)
             except WeftboardError as exc:
                 log.info("probing the blob store failed", key=self._last_key, error=str(exc))
                 return
@@ -227,7 +232,7 @@ class Fetcher:
                     raise PermissionDenied(
                         f"blob {ref.key}: no blob-store credentials and the plan carries no presigned URL"
                     )
-                reader, source = (self.store, ref.key) if self.store is not None else (self.urls, ref.url)
+                reader, source = self._reader(ref.key, ref.url)
                 ranges = self.ranges if ref.size <= MAX_RANGED_BYTES and self.far() else 1
                 if on_chunk is not None and offset:  # a resumed download: its prefix is on disk
                     await asyncio.to_thread(_replay, part, 0, offset, on_chunk)
