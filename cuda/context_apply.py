@@ -28,7 +28,7 @@ from weftboard.cuda import huffman, tile_decode
 from weftboard.cuda.bit_deposit import pdep64
 from weftboard.cuda.bitops import array_at, ctpop64, load_u64le
 from weftboard.cuda.context_codec import class_masks
-from weftboard.cuda.entropy import ESC, MAX_K, NSYM
+from weftboard.cuda.entropy import ESC, MAX_K, NSYM, diff16
 from weftboard.cuda.jit import parallel_kernel
 from weftboard.cuda.tile_blocks import pack_word
 
@@ -53,11 +53,7 @@ def value_tables(lengths, present):
         d = lengths[s]
         if d == 0 and not present[s]:
             continue
-        if s == ESC:
-            entry = np.uint32(d) | np.uint32(16)
-        else:
-            mag = s // 2 + 1
-            entry = np.uint32(d) | (np.uint32((65536 - mag) if s & 1 else mag) << np.uint32(16))
+        entry = tile_decode.value_entry(s, d, diff16(s) if s != ESC else 0)
         if d == 0:  # the one symbol of a one-symbol code: every lookup, no bits
             fast[:] = entry
             full[:] = entry

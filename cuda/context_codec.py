@@ -26,7 +26,7 @@ from weftboard.cuda import (
     tile_scan,
 )
 from weftboard.cuda.bitops import ctpop64, cttz64, mag_ge_mask64
-from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM, RANS_L
+from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM, RANS_L, diff16
 from weftboard.cuda.jit import parallel_kernel
 from weftboard.cuda.scratch import fresh_scratch
 
@@ -422,8 +422,7 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
         starts[t + 1] = starts[t] + totals[t]
     sym2diff = np.zeros(NSYM, np.uint16)
     for s in range(ESC):
-        mag = s // 2 + 1
-        sym2diff[s] = (65536 - mag) if s & 1 else mag
+        sym2diff[s] = diff16(s)
     for t in nb.prange(ntiles):
         if totals[t] == 0:
             continue

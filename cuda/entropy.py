@@ -67,6 +67,14 @@ def symbol(d, mask, wbits):
     return code if mag - np.uint64(1) < np.uint64(MAX_DELTA) else np.int64(ESC)
 
 
+@nb.njit(inline="always", cache=True)
+def diff16(s):
+    """The 16-bit difference of symbol ``s`` (not ESC): the inverse of ``symbol`` for 16-bit
+    elements, ``s // 2 + 1`` with the sign in the low bit."""
+    mag = s // 2 + 1
+    return (65536 - mag) if s & 1 else mag
+
+
 @nb.njit(cache=True, nogil=True)
 def _quantize_freqs(counts):
     freqs = np.zeros(NSYM, np.int64)

@@ -161,6 +161,15 @@ def _value_bits(buf, q, acc, nbits):
     return q + take, acc, nbits
 
 
+@nb.njit(inline="always", cache=True)
+def value_entry(s, length, diff):
+    """A value table's entry: ``diff << 16 | escape << 4 | length``, escape set (and no
+    difference: it is in the escape bytes) for ESC."""
+    if s == ESC:
+        return np.uint32(length) | np.uint32(16)
+    return np.uint32(length) | (np.uint32(diff) << np.uint32(16))
+
+
 @nb.njit(cache=True, nogil=True)
 def value_table(table, sym2diff):
     """``huffman.decoder_table`` with each symbol's difference in its entry, for 8- and
@@ -169,11 +178,7 @@ def value_table(table, sym2diff):
     out = np.empty(table.size, np.uint32)
     for j in range(table.size):
         s = np.int64(table[j] >> np.uint16(4))
-        ln = np.uint32(table[j] & np.uint16(15))
-        if s == ESC:
-            out[j] = ln | np.uint32(16)
-        else:
-            out[j] = ln | (np.uint32(sym2diff[s]) << np.uint32(16))
+        out[j] = value_entry(s, table[j] & np.uint16(15), sym2diff[s])
     return out
 
 
