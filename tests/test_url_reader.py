@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 from aiohttp import web
 
-from weftboard.board.blobs import S3BlobStore, UrlReader
+from weftboard.board.blobs import S3BlobStore, UrlReader, fetch_url
 from weftboard.board.embedded import free_port
 from weftboard.cuda.anchors import file_digest
 from weftboard.proto.errors import Unavailable, UrlExpired
@@ -89,8 +90,14 @@ async def _serving(handler: Callable[[web.Request], object]) -> AsyncIterator[st
         await runner.cleanup()
 
 
+def _range_asked(body: bytes, request: web.Request) -> tuple[int, int]:
+    """The first and last byte of ``body`` that ``request``'s Range asks for ("bytes=lo-hi" or "bytes=lo-")."""
+    lo, hi = request.headers["Range"].removeprefix("bytes=").split("-")
+    return int(lo), int(hi) if hi else len(body) - 1
+
+
 def _ranged(body: bytes, request: web.Request) -> web.Response:
-    lo, hi = (int(x) for x in request.headers["Range"].removeprefix("bytes=").split("-"))
+    lo, hi = _range_asked(body, request)
     return web.Response(status=206, body=body[lo:hi + 1],
                         headers={"Content-Range": f"bytes {lo}-{hi}/{len(body)}"})
 
@@ -166,6 +173,97 @@ async def test_a_range_answered_wrong_is_refused(tmp_path: Path, answer: str) ->
             with pytest.raises(Unavailable, match="200" if answer == "whole object" else "600000-byte"):
                 await reader.download_to(url, tmp_path / "o", size=len(body), ranges=2)
             assert (tmp_path / "o").stat().st_size == 0
+    finally:
+        await reader.close()
+
+
+def _descriptors_on(path: Path) -> int:
+    """How many of this process's descriptors are open on the file ``path``."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+            count += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+    return count
+
+
+async def _stalling(body: bytes, sent: int, request: web.Request) -> web.StreamResponse:
+    """The answer to ``request`` (whole or a range of ``body``) that sends its first ``sent``
+    bytes and then nothing."""
+    lo = 0
+    status = 200
+    headers = {}
+    if "Range" in request.headers:
+        lo, hi = _range_asked(body, request)
+        status = 206
+        headers["Content-Range"] = f"bytes {lo}-{hi}/{len(body)}"
+        body = body[:hi + 1]
+    response = web.StreamResponse(status=status, headers=headers)
+    response.content_length = len(body) - lo
+    await response.prepare(request)
+    await response.write(body[lo:lo + sent])
+    await asyncio.sleep(3600)
+    return response
+
+
+async def test_a_stalled_download_times_out_with_where_to_resume(tmp_path: Path) -> None:
+    """A stream that stalls part way is ``Unavailable`` within its limit, naming the offset
+    its file holds (the bytes written), and a download resumed there gives the blob; a ranged
+    download with one stalled range names that range and byte, and leaves an empty file and no
+    open descriptor behind."""
+    body = _payload(800_000)
+    stall = True
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        lo = int(request.headers.get("Range", "bytes=0-")[6:].split("-")[0])
+        if stall and lo == 0:
+            return await _stalling(body, 70_000, request)
+        return _ranged(body, request) if "Range" in request.headers else web.Response(body=body)
+
+    async with _serving(handler) as url:
+        dest = tmp_path / "o"
+        with pytest.raises(Unavailable, match="timed out; resume with offset=70000") as caught:
+            await fetch_url(url, dest, timeout_s=1.0)
+        assert "secret" not in str(caught.value)
+        assert dest.read_bytes() == body[:70_000]
+        assert await fetch_url(url, dest, offset=70_000) == len(body) and dest.read_bytes() == body
+
+        reader = UrlReader()
+        try:
+            with pytest.raises(Unavailable, match=r"range 0-400000 of .* timed out at byte 65536"):
+                await reader.download_to(url, dest, size=len(body), ranges=2, timeout_s=1.0)
+            assert dest.stat().st_size == 0 and _descriptors_on(dest) == 0
+            stall = False
+            assert await reader.download_to(url, dest, size=len(body), ranges=2) == len(body)
+            assert dest.read_bytes() == body
+        finally:
+            await reader.close()
+
+
+async def test_a_cancelled_ranged_download_closes_its_file_empty(tmp_path: Path) -> None:
+    """Cancelling a download whose ranges are part way leaves an empty file and no descriptor
+    open: the writes under way end and the file is closed before the cancellation goes on."""
+    body = _payload(800_000)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await _stalling(body, 100_000, request)
+
+    reader = UrlReader()
+    try:
+        async with _serving(handler) as url:
+            dest = tmp_path / "o"
+            written: list[int] = []
+            task = asyncio.ensure_future(reader.download_to(url, dest, size=len(body), ranges=2,
+                                                            on_chunk=lambda at, chunk: written.append(at)))
+            for _ in range(100):
+                if len(written) >= 2:
+                    break
+                await asyncio.sleep(0.02)
+            assert sorted(written) == [0, 400_000]  # each range wrote its first whole chunk
+            assert _descriptors_on(dest) == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert dest.stat().st_size == 0 and _descriptors_on(dest) == 0
     finally:
         await reader.close()
 

@@ -11,9 +11,11 @@ Invariants:
   as parallel byte ranges into a preallocated file; one failed range stops the others and
   empties the file (holes are no resumable prefix). ``on_chunk`` sees each chunk after it is
   written, on the event loop's thread.
-- File I/O runs in worker threads so the caller's event loop keeps serving.
+- File I/O runs in worker threads so the caller's event loop keeps serving; a cancelled download
+  waits for its threads' writes and its descriptor's close before it ends.
 - HTTP statuses map to weftboard errors: 403 -> UrlExpired (a PermissionDenied: expired or
-  foreign URL), 404 -> NotFound, 5xx and network failures -> Unavailable.
+  foreign URL), 404 -> NotFound, 5xx, network failures and timeouts -> Unavailable
+  (``_network_failures``), messages without the URL's signature.
 - Each helper takes a caller's ``session`` (kept open, its kept-alive connections reused:
   ``LoopSession``) or opens and closes its own; the timeouts hold on every request either way.
 """
@@ -26,7 +28,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -86,6 +88,19 @@ def _redact(url: str) -> str:
     return url.split("?", 1)[0]
 
 
+@contextlib.contextmanager
+def _network_failures(url: str, cannot: str, timed_out: Callable[[], str]) -> Iterator[None]:
+    """What aiohttp raises inside as ``Unavailable``: a ``ClientError`` as "``cannot`` URL: why"
+    (the URL and the error without their signatures), a timeout with ``timed_out()``'s message
+    (read when it happens: where to resume). weftboard's own errors pass unchanged."""
+    try:
+        yield
+    except aiohttp.ClientError as exc:
+        raise Unavailable(f"{cannot} {_redact(url)}: {without_queries(str(exc))}") from None
+    except asyncio.TimeoutError as exc:
+        raise Unavailable(timed_out()) from exc
+
+
 def _raise_for_status(status: int, url: str, body: str) -> None:
     where = _redact(url)
     snippet = body[:300].strip()
@@ -116,7 +131,9 @@ async def fetch_url(
     dest = Path(path)
     headers = {"Range": f"bytes={offset}-"} if offset > 0 else {}
     timeout = _timeout(timeout_s, connect_timeout_s)
-    try:
+    written = offset  # the file's bytes a resume keeps: the caller's prefix, then what was written
+    with _network_failures(url, "cannot download",
+                           lambda: f"download of {_redact(url)} timed out; resume with offset={written}"):
         t0 = time.perf_counter()
         async with _session_for(session) as http, http.get(url, headers=headers, timeout=timeout) as response:
             if on_headers is not None:
@@ -132,6 +149,7 @@ async def fetch_url(
             if response.status not in (200, 206):
                 _raise_for_status(response.status, url, await response.text(errors="replace"))
             start = offset if response.status == 206 else 0
+            written = start  # a 200 rewrites the file from byte 0
             if response.status == 206:
                 match = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
                 total = int(match.group(3)) if match else start + (response.content_length or 0)
@@ -139,7 +157,6 @@ async def fetch_url(
                 total = response.content_length if response.content_length is not None else -1
             out = await asyncio.to_thread(_open_at, dest, start)
             try:
-                written = start
                 async for chunk in response.content.iter_chunked(_CHUNK):
                     await asyncio.to_thread(out.write, chunk)
                     if on_chunk is not None:
@@ -147,11 +164,6 @@ async def fetch_url(
                     written += len(chunk)
             finally:
                 await asyncio.to_thread(out.close)
-    except aiohttp.ClientError as exc:
-        raise Unavailable(f"cannot download {_redact(url)}: {without_queries(str(exc))}") from None
-    except asyncio.TimeoutError as exc:
-        kept = await asyncio.to_thread(lambda: dest.stat().st_size if dest.exists() else 0)
-        raise Unavailable(f"download of {_redact(url)} timed out; resume with offset={kept}") from exc
     if total >= 0 and written != total:
         raise Unavailable(f"download of {_redact(url)} stopped at byte {written} of {total}; resume with offset={written}")
     return written
@@ -178,7 +190,7 @@ class UrlReader:
 
     async def probe_first_byte(self, url: str, *, timeout_s: float = 30.0) -> None:
         """Time one GET of the object's first byte as a sample of ``first_byte_s``."""
-        try:
+        with _network_failures(url, "cannot reach", lambda: f"probing {_redact(url)} timed out"):
             t0 = time.perf_counter()
             async with self._http.get().get(url, headers={"Range": "bytes=0-0"},
                                             timeout=_timeout(timeout_s, self.connect_timeout_s)) as response:
@@ -186,10 +198,6 @@ class UrlReader:
                 body = await response.read()
                 if response.status not in (200, 206):
                     _raise_for_status(response.status, url, body.decode(errors="replace"))
-        except aiohttp.ClientError as exc:
-            raise Unavailable(f"cannot reach {_redact(url)}: {without_queries(str(exc))}") from None
-        except asyncio.TimeoutError as exc:
-            raise Unavailable(f"probing {_redact(url)} timed out") from exc
         self._first_byte.append(waited)
 
     async def download_to(self, url: str, path: Path | str, offset: int = 0, *, size: int | None = None,
@@ -208,23 +216,25 @@ class UrlReader:
         timeout = _timeout(timeout_s, self.connect_timeout_s)
         tasks = [asyncio.ensure_future(self._range(url, fd, lo, hi, size, timeout, on_chunk))
                  for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        failed = False
         try:
             await asyncio.gather(*tasks)
         except BaseException:
+            failed = True
             for task in tasks:  # one range failed (or the download was cancelled): the others stop
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)  # no write through fd is under way now
-            os.ftruncate(fd, 0)  # holes are not a resumable prefix: a retry starts over
             raise
         finally:
-            os.close(fd)  # on the loop, as the ftruncate: calls on a descriptor, no path to look up
+            await _whole_on_thread(_release, fd, failed)  # emptied on failure: holes are no resumable prefix
         return size
 
     async def _range(self, url: str, fd: int, lo: int, hi: int, total: int, timeout: aiohttp.ClientTimeout,
                      on_chunk: ChunkCallback | None) -> None:
         """Bytes ``[lo, hi)`` of the ``total``-byte object at ``url``, written at their offsets."""
         pos = lo
-        try:
+        with _network_failures(url, "cannot download",
+                               lambda: f"range {lo}-{hi} of {_redact(url)} timed out at byte {pos}"):
             t0 = time.perf_counter()
             async with self._http.get().get(url, headers={"Range": f"bytes={lo}-{hi - 1}"}, timeout=timeout) as response:
                 self._first_byte.append(time.perf_counter() - t0)
@@ -239,31 +249,43 @@ class UrlReader:
                 if response.content_length is not None and response.content_length != hi - lo:
                     raise Unavailable(f"range {lo}-{hi} of {_redact(url)} answered {response.content_length} bytes")
                 while pos < hi:  # whole chunks: a write and a hop to its thread per 64 KiB, not per read
-                    chunk = await response.content.readexactly(min(_RANGE_CHUNK, hi - pos))
+                    try:
+                        chunk = await response.content.readexactly(min(_RANGE_CHUNK, hi - pos))
+                    except asyncio.IncompleteReadError as exc:
+                        raise Unavailable(f"range {lo}-{hi} of {_redact(url)} stopped at byte "
+                                          f"{pos + len(exc.partial)}") from None
                     await _pwrite(fd, chunk, pos)
                     if on_chunk is not None:
                         on_chunk(pos, chunk)
                     pos += len(chunk)
-        except asyncio.IncompleteReadError as exc:
-            raise Unavailable(f"range {lo}-{hi} of {_redact(url)} stopped at byte {pos + len(exc.partial)}") from None
-        except aiohttp.ClientError as exc:
-            raise Unavailable(f"cannot download {_redact(url)}: {without_queries(str(exc))}") from None
-        except asyncio.TimeoutError as exc:
-            raise Unavailable(f"range {lo}-{hi} of {_redact(url)} timed out at byte {pos}") from exc
-        if pos != hi:
-            raise Unavailable(f"range {lo}-{hi} of {_redact(url)} stopped at byte {pos}")
 
 
 async def _pwrite(fd: int, data: bytes, pos: int) -> None:
-    """``os.pwrite`` on a worker thread; cancelled, it waits for that write to end first, so no
-    thread writes through ``fd`` once the download has closed it (its number may be reused)."""
-    write = asyncio.ensure_future(asyncio.to_thread(os.pwrite, fd, data, pos))
+    """``os.pwrite`` on a worker thread, waited for to its end even when cancelled."""
+    await _whole_on_thread(os.pwrite, fd, data, pos)
+
+
+async def _whole_on_thread(fn: Callable[..., object], *args: object) -> None:
+    """``fn(*args)`` on a worker thread; cancelled, this waits for the call to end first, so no
+    thread still works on a descriptor once the download has closed it (its number may be
+    reused) and a descriptor is closed before the cancellation goes on."""
+    call = asyncio.ensure_future(asyncio.to_thread(fn, *args))
     try:
-        await asyncio.shield(write)
+        await asyncio.shield(call)
     except asyncio.CancelledError:
-        await asyncio.wait([write])
-        write.exception()  # retrieved: the cancellation is what goes on
+        await asyncio.wait([call])
+        if not call.cancelled():
+            call.exception()  # retrieved: the cancellation is what goes on
         raise
+
+
+def _release(fd: int, empty: bool) -> None:
+    """Close ``fd``, first cutting its file to 0 bytes when ``empty``."""
+    try:
+        if empty:
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
 
 
 def _preallocated(dest: Path, size: int) -> int:
@@ -356,13 +378,10 @@ async def _put(url: str, body, length: int, timeout: aiohttp.ClientTimeout, sess
                what: str) -> str:
     """One PUT of ``length`` bytes (``what``: "" or " a part", for messages); returns the ETag
     answered ("" if none)."""
-    try:
+    with _network_failures(url, f"cannot upload{what} to",
+                           lambda: f"upload{' of' + what if what else ''} to {_redact(url)} timed out"):
         async with _session_for(session) as http, http.put(
                 url, data=body, headers={"Content-Length": str(length)}, timeout=timeout) as response:
             if response.status not in (200, 201, 204):
                 _raise_for_status(response.status, url, await response.text(errors="replace"))
             return response.headers.get("ETag", "")
-    except aiohttp.ClientError as exc:
-        raise Unavailable(f"cannot upload{what} to {_redact(url)}: {without_queries(str(exc))}") from None
-    except asyncio.TimeoutError as exc:
-        raise Unavailable(f"upload{' of' + what if what else ''} to {_redact(url)} timed out") from exc
