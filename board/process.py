@@ -168,14 +168,18 @@ SERVING_GC_THRESHOLDS = (20_000, 20, 20)
 
 
 def tune_gc_for_serving() -> None:
-    """For a process whose only job is to serve (``weftboard serve``), called once its modules
-    are imported: what exists now is frozen out of the collector's generations, and the
-    youngest generation is collected every 20,000 allocations instead of 700.
+    """For a process weftboard runs as a service of its own (``weftboard serve``, and an
+    island's ``weftboard subscribe`` and ``sidecar``), called once its modules are imported:
+    what exists now is frozen out of the collector's generations, and the youngest generation
+    is collected every 20,000 allocations instead of 700.
 
     Why: with thousands of Watch streams, a commit puts thousands of write futures in flight at
     once; they outlive a young collection and push the collector into full passes over every
-    stream's objects and every module, a fifth of a replica's CPU during fan-out. Not for a host
-    that embeds a board in its own process (its collector is its own business)."""
+    stream's objects and every module, a fifth of a replica's CPU during fan-out. An island's
+    downloads allocate as fast (chunks, events, futures) over a heap of torch, numba and grpc
+    objects: collections took about a quarter of its CPU in ``bench sync --wan``
+    (``cuda/PERFORMANCE.md``). Not for a host that embeds a board or a ``Subscriber`` in its
+    own process (its collector is its own business)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(*SERVING_GC_THRESHOLDS)

@@ -11,7 +11,8 @@ after closing what was opened. Blobs come from S3 (``--s3-endpoint``), else from
 local blob directory (``--blob-dir``, ``WEFTBOARD_BLOB_DIR``: a board on the same filesystem
 serving no blob URLs, ``serve --blob-http-port -1``), else through URLs the board presigns.
 Island metrics (subscriber/metrics.py): the sidecar serves them at ``/metrics`` on its own port,
-``subscribe`` on ``--metrics-port``.
+``subscribe`` on ``--metrics-port``. Both are processes of their own: they tune the garbage
+collector as ``weftboard serve`` does (``board/process.py`` ``tune_gc_for_serving``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from weftboard.board.commands import (
     with_tls_flags,
 )
 from weftboard.board.logs import configure
+from weftboard.board.process import tune_gc_for_serving
 from weftboard.proto.errors import WeftboardError
 from weftboard.subscriber.bench import engine as bench_engine
 from weftboard.subscriber.engine_island import RunningIsland, start_island
@@ -125,6 +127,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             lease_s=lease_s, events=events, exit_at_version=exit_at_version, progress=progress, tls=tls_config,
             metrics_port=metrics_port, metrics_host=metrics_host,
         )
+        tune_gc_for_serving()  # this process only follows the run
         try:
             code = asyncio.run(run_local_follower(cfg))
         except WeftboardError as exc:  # what retrying cannot cure (a refused token): the reason, no traceback
@@ -208,4 +211,5 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                        f"metrics at {island.url}/metrics)")
             await serve_until_stopped(island, run)
 
+        tune_gc_for_serving()  # this process only serves the run
         asyncio.run(main())
