@@ -159,6 +159,10 @@ class Fetcher:
         store, the presigned URLs' reader and the URL ("" when there is none)."""
         return (self.store, key) if self.store is not None else (self.urls, url)
 
+    def can_read(self, ref: Any) -> bool:
+        """Whether ``ref`` can be downloaded: with the island's store, or through its URL."""
+        return bool(self._reader(ref.key, ref.url)[1])
+
     def first_byte_s(self) -> float | None:
         """The blob store's (or, without one, the presigned URLs') measured time to first byte."""
         return (self.store if self.store is not None else self.urls).first_byte_s()
@@ -228,7 +232,7 @@ class Fetcher:
                 offset = await asyncio.to_thread(_resume_offset, part, ref.size)
                 if offset == ref.size:
                     return
-                if self.store is None and not ref.url:
+                if not self.can_read(ref):
                     raise PermissionDenied(
                         f"blob {ref.key}: no blob-store credentials and the plan carries no presigned URL"
                     )

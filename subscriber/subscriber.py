@@ -373,7 +373,7 @@ class Subscriber:
             return None
         for a in record.artifacts:
             if (a.kind == pb.ARTIFACT_KIND_PATCH and a.base_version == held and a.blobs
-                    and (self.blob_store is not None or all(b.url for b in a.blobs))):
+                    and all(self.fetcher.can_read(b) for b in a.blobs)):
                 self._records[record.version] = record
                 return pb.CatchUpPlan(run=self.run_name, from_version=held, to_version=record.version, steps=[
                     pb.PlanStep(kind=pb.ARTIFACT_KIND_PATCH, from_version=held, to_version=record.version,
@@ -479,8 +479,9 @@ class Subscriber:
 
     def _prefetch(self, part: pb.StagedPart) -> None:
         """Start downloading a staged part of a version after the held one (a hint)."""
-        if ((self.blob_store is None and not part.blob.url) or part.version <= self.held_version or part.blob.digest
-                in self._prefetched or len(self._prefetched) >= MAX_PREFETCHED or part.blob.size > MAX_PREFETCH_BYTES):
+        if (not self.fetcher.can_read(part.blob) or part.version <= self.held_version
+                or part.blob.digest in self._prefetched or len(self._prefetched) >= MAX_PREFETCHED
+                or part.blob.size > MAX_PREFETCH_BYTES):
             return
         self._prefetched[part.blob.digest] = self._start_download(part.version, part.blob)
 
