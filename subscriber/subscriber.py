@@ -6,8 +6,8 @@
    start downloads early.
 2. plan: the steps from the held version (``sync_to``: the watch event's own one-patch plan,
    or the board's ``PlanCatchUp``).
-3. fetch: every blob of a step into the cache, size and digest verified (``_fetch_step``,
-   ``fetch.Fetcher``).
+3. fetch: every blob of a step into the cache, size and digest verified
+   (``downloads.Downloads``, ``fetch.Fetcher``).
 4. verify: the step's target from its version record, which the plan must agree with
    (``_step_target``).
 5. apply: the destination applies the step and verifies the result against the target
@@ -28,7 +28,7 @@ Invariants:
   a plan from nothing (an anchor); each failure is logged and heartbeated as ERROR. Only when
   all three fail does ``sync_to`` raise. A step whose bytes proved bad or missing (CorruptData,
   NotFound, OSError) has its cached blobs dropped; those of steps not applied otherwise (the
-  engine failed: ApplyError) stay cached (``_kept``) for a retry, whose fetch re-hashes them,
+  engine failed: ApplyError) stay cached (``Downloads.keep``) for a retry, whose fetch re-hashes them,
   until applied, a plan executes without them, or ``run()`` ends.
 - ``run()`` never misses a version: it watches from the held version and, when that falls
   out of retained history (OUT_OF_RANGE), catches up from an anchor and watches again.
@@ -44,7 +44,6 @@ import contextlib
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +64,9 @@ from weftboard.proto.errors import (
     WeftboardError,
 )
 from weftboard.proto.v1 import board_pb2 as pb
-from weftboard.subscriber.arriving import ArrivingBytes
 from weftboard.subscriber.destination import Destination, TensorEntry, VersionTarget
-from weftboard.subscriber.fetch import Fetcher, cache_path, fetch_all
+from weftboard.subscriber.downloads import Download, Downloads
+from weftboard.subscriber.fetch import Fetcher, cache_path
 from weftboard.subscriber.metrics import IslandMetrics
 from weftboard.subscriber.model_files import hold_model_files
 
@@ -81,8 +80,6 @@ _BAD_BYTES = (CorruptData, NotFound, OSError)  # a step failing so may have a da
 # invalid; retrying them would only hide a misconfiguration (UrlExpired is retried before these).
 FATAL_ERRORS = (Unauthenticated, PermissionDenied, InvalidArgument, AlreadyExists)
 RETRY_MAX_S = 30.0
-MAX_PREFETCHED = 64  # staged parts downloading or waiting for their commit; later hints are ignored
-MAX_PREFETCH_BYTES = 64 << 20  # a staged part is held in memory as it lands: a larger one waits for the commit
 
 
 def retry_delay_s(failures: int) -> float:
@@ -90,16 +87,6 @@ def retry_delay_s(failures: int) -> float:
     so islands do not meet an outage of the board with a retry every second (``run`` draws
     each wait between 3/4 of this and all of it, so that they do not retry in step either)."""
     return min(RETRY_MAX_S, 2.0 ** (max(failures, 1) - 1))
-
-
-@dataclass
-class _Download:
-    """One blob on its way into the cache, its bytes visible as they land."""
-
-    version: int  # the version whose step (or staged part) it belongs to
-    ref: pb.BlobRef
-    bytes: ArrivingBytes
-    task: asyncio.Future  # -> (final path, perf_counter time it was verified)
 
 
 class Subscriber:
@@ -132,6 +119,7 @@ class Subscriber:
         self.metrics = metrics or IslandMetrics(run)  # the island's, shared with its sidecar (metrics.py)
         self.metrics.follow(self)
         self.fetcher = Fetcher(Path(cache_dir), blob_store, parallel=parallel, on_bytes=self.metrics.downloaded)
+        self.downloads = Downloads(self.fetcher)  # staged parts by digest, and blobs kept for a retry
         self.heartbeat_s = heartbeat_s
         self.lease_s = lease_s
         self._heartbeat_enabled = heartbeat
@@ -148,8 +136,6 @@ class Subscriber:
         self._report_lock = asyncio.Lock()  # one status report in flight: the last sent is the newest
         self.applied_at: dict[int, float] = {}  # version -> time.time() when verified and held
         self._records: dict[int, pb.VersionRecord] = {}  # records already received (watch events)
-        self._prefetched: dict[str, _Download] = {}  # digest -> a staged part's download
-        self._kept: dict[str, pb.BlobRef] = {}  # digest -> a cached blob of a step not applied (module doc)
         # version -> where its sync spent the time: "seen" (unix time the watch event arrived),
         # "fetched_s" (plan to blobs on disk), "apply_s" (apply + verify; for a patch applied
         # while it downloaded, "streamed", only what came after its last byte); for logs and benchmarks.
@@ -176,7 +162,7 @@ class Subscriber:
 
     async def _changed(self, version: int) -> None:
         self.applied_at[version] = time.time()
-        self._drop_prefetched(upto=version)
+        self.downloads.drop_prefetched(upto=version)
         for old in [v for v in self.timings if v <= version - 64]:  # a follower runs for months
             del self.timings[old]
         self.version_changed.set()
@@ -257,12 +243,12 @@ class Subscriber:
                               failures=failures, retry_in_s=delay, held=self.held_version)
                     await asyncio.sleep(delay)
         finally:
-            self._drop_prefetched(upto=1 << 62)
+            self.downloads.drop_prefetched(upto=1 << 62)
             if hb is not None:
                 hb.cancel()
                 await asyncio.gather(hb, return_exceptions=True)
             await self.destination.close()  # its worker threads end with the following
-            await self._forget_kept(set())
+            await self.downloads.forget_kept(set())
             await self.fetcher.close()
 
     async def _follow(self) -> None:
@@ -284,7 +270,7 @@ class Subscriber:
             async for event in events:
                 kind = event.WhichOneof("event")
                 if kind == "staged":
-                    self._prefetch(event.staged)
+                    self.downloads.prefetch(event.staged, self.held_version)
                 elif kind == "version":
                     v = event.version.version
                     self.head = max(self.head, v)
@@ -384,7 +370,7 @@ class Subscriber:
         """Steps 3 to 6 for every step of ``plan``, in order; later steps download (3) while
         earlier ones apply (5)."""
         steps = list(plan.steps)
-        await self._forget_kept({b.digest for s in steps for b in s.blobs})
+        await self.downloads.forget_kept({b.digest for s in steps for b in s.blobs})
         if self.progress is not None:
             for s in steps:
                 self.progress.begin(s.to_version, "anchor" if s.kind == pb.ARTIFACT_KIND_ANCHOR else "patch",
@@ -393,7 +379,7 @@ class Subscriber:
         if self._applies_while_arriving(steps):
             await self._execute_arriving(steps[0], t_plan)
             return
-        downloads = [asyncio.ensure_future(self._fetch_step(s)) for s in steps]
+        downloads = [asyncio.ensure_future(self.downloads.fetch_step(s)) for s in steps]
         targets = [asyncio.ensure_future(self._step_target(s)) for s in steps]
         settled = 0  # steps applied, or whose blobs were dropped as bad; the rest keep theirs cached
         try:
@@ -406,13 +392,13 @@ class Subscriber:
                     await self._apply_step(step, paths, target)  # 5. apply, 6. activate
                 except _BAD_BYTES:
                     settled += 1
-                    await self._forget_step(step)
+                    await self.downloads.forget_step(step)
                     raise
                 settled += 1
-                await self._forget_step(step)
+                await self.downloads.forget_step(step)
                 await self._activated(step, fetched_s, time.perf_counter() - t0)
         finally:
-            self._kept.update((b.digest, b) for s in steps[settled:] for b in s.blobs)  # verified, for a retry
+            self.downloads.keep([b for s in steps[settled:] for b in s.blobs])  # verified, for a retry
             if self.progress is not None:
                 for s in steps:
                     self.progress.end(s.to_version)
@@ -429,75 +415,7 @@ class Subscriber:
         return (len(steps) == 1 and steps[0].kind == pb.ARTIFACT_KIND_PATCH
                 and self.destination.capabilities.applies_while_arriving and self.fetcher.far())
 
-    # -- 3. fetch: every blob of a step into the cache, its digest verified -------------------
-
-    def _start_download(self, version: int, ref: pb.BlobRef) -> _Download:
-        blob = ArrivingBytes(ref.size)
-
-        async def download() -> tuple[Path, float]:
-            try:
-                path = await self.fetcher.fetch(ref, on_chunk=blob.put)
-            except BaseException as exc:
-                blob.fail(exc if isinstance(exc, Exception) else ApplyError("the download was cancelled"))
-                raise
-            blob.verified()
-            return path, time.perf_counter()
-
-        return _Download(version, ref, blob, asyncio.ensure_future(download()))
-
-    def _download_for(self, step: pb.PlanStep, ref: pb.BlobRef) -> _Download:
-        """The download of one of ``step``'s blobs: a staged part's (same digest, same bytes),
-        if one runs or ran well."""
-        pre = self._prefetched.pop(ref.digest, None)
-        if pre is not None and not (pre.task.done() and (pre.task.cancelled() or pre.task.exception() is not None)):
-            return pre
-        return self._start_download(step.to_version, ref)
-
-    async def _fetched(self, step: pb.PlanStep, ref: pb.BlobRef) -> Path:
-        """The verified file of one of ``step``'s blobs (a staged part's download, if any)."""
-        if ref.digest in self._prefetched:
-            return (await self._download_for(step, ref).task)[0]
-        return await self.fetcher.fetch(ref)
-
-    async def _fetch_step(self, step: pb.PlanStep) -> list[Path]:
-        """The verified files of every blob of ``step``, downloaded at once; when one fails,
-        the others are stopped before the failure goes on (``fetch.fetch_all``)."""
-        return await fetch_all([self._fetched(step, b) for b in step.blobs])
-
-    async def _forget_step(self, step: pb.PlanStep) -> None:
-        """Drop a step's cached blobs: applied, or proved bad (a retry fetches them anew). On a
-        worker thread: removing an anchor's shards of several GB takes a while on some disks."""
-        for b in step.blobs:
-            self._kept.pop(b.digest, None)
-        await asyncio.to_thread(lambda: [self.fetcher.forget(b) for b in step.blobs])
-
-    async def _forget_kept(self, used: set[str]) -> None:
-        """Drop the kept blobs (``_kept``) that ``used`` does not name, on a worker thread."""
-        gone = [self._kept.pop(d) for d in [d for d in self._kept if d not in used]]
-        if gone:
-            await asyncio.to_thread(lambda: [self.fetcher.forget(b) for b in gone])
-
-    def _prefetch(self, part: pb.StagedPart) -> None:
-        """Start downloading a staged part of a version after the held one (a hint)."""
-        if (not self.fetcher.can_read(part.blob) or part.version <= self.held_version
-                or part.blob.digest in self._prefetched or len(self._prefetched) >= MAX_PREFETCHED
-                or part.blob.size > MAX_PREFETCH_BYTES):
-            return
-        self._prefetched[part.blob.digest] = self._start_download(part.version, part.blob)
-
-    def _drop_prefetched(self, upto: int) -> None:
-        """Cancel and forget the staged parts' downloads of versions up to ``upto``."""
-        for digest, pre in list(self._prefetched.items()):
-            if pre.version <= upto:
-                del self._prefetched[digest]
-                pre.task.cancel()
-
-                def forget(task: asyncio.Future, ref: pb.BlobRef = pre.ref) -> None:
-                    if not task.cancelled():
-                        task.exception()  # retrieved, not logged: nobody waits for this part
-                    self.fetcher.forget(ref)
-
-                pre.task.add_done_callback(forget)
+    # -- 3. fetch: every blob of a step into the cache, its digest verified (downloads.py) ----
 
     # -- 4. verify: what applying a step must produce -----------------------------------------
 
@@ -543,7 +461,7 @@ class Subscriber:
         """Steps 3 to 6 of one patch step at once: tensors are applied as its parts' bytes
         arrive (staged parts may have arrived already); the destination holds the version only
         after the fetcher verified every part and it verified the result."""
-        downloads = [self._download_for(step, ref) for ref in step.blobs]
+        downloads = [self.downloads.for_ref(step.to_version, ref) for ref in step.blobs]
         parts = [d.bytes for d in downloads]
         fetching = asyncio.ensure_future(asyncio.gather(*(d.task for d in downloads)))
         if self.progress is not None:
@@ -567,18 +485,13 @@ class Subscriber:
                 blob.fail(exc if isinstance(exc, Exception) else ApplyError("the step was cancelled"))
             await self._drop_arriving(step, downloads, fetching)
             raise
-        await self._forget_step(step)
+        await self.downloads.forget_step(step)
         # apply_s: what the apply added after the last byte arrived (the rest overlapped it);
         # fetched_s is 0 when staged parts were all here before the version committed.
         await self._activated(step, max(fetched_at - t_plan, 0.0), time.perf_counter() - fetched_at, arriving=True)
 
-    async def _drop_arriving(self, step: pb.PlanStep, downloads: list[_Download], fetching: asyncio.Future) -> None:
-        fetching.cancel()
-        for d in downloads:
-            d.task.cancel()
-        await asyncio.gather(fetching, *(d.task for d in downloads), return_exceptions=True)
-        for d in downloads:
-            self.fetcher.forget(d.ref)
+    async def _drop_arriving(self, step: pb.PlanStep, downloads: list[Download], fetching: asyncio.Future) -> None:
+        await self.downloads.drop(downloads, fetching)
         if self.progress is not None:
             self.progress.end(step.to_version)
 

@@ -186,7 +186,7 @@ async def _first_version_followed(trainer: Trainer, views: dict[int, dict], pub:
 async def _prefetched_all(sub: Subscriber, digests: set[str]) -> None:
     """Wait (up to 10 s) until the island downloaded every one of ``digests`` early."""
     for _ in range(200):
-        if digests <= set(sub._prefetched) and all(d.task.done() for d in sub._prefetched.values()):
+        if digests <= set(sub.downloads.prefetched) and all(d.task.done() for d in sub.downloads.prefetched.values()):
             return
         await asyncio.sleep(0.05)
 
@@ -216,7 +216,7 @@ async def test_an_island_downloads_staged_parts_early_and_applies_only_after_the
             hinted = {b.digest for b in _patch_blobs(commits.held[-1])
                       if not read_patch_info(await local_store.get_bytes(b.key)).target_root} | {bogus.digest}
             await _prefetched_all(sub, hinted)
-            assert bogus.digest in sub._prefetched and len(sub._prefetched) >= 3
+            assert bogus.digest in sub.downloads.prefetched and len(sub.downloads.prefetched) >= 3
             assert sub.held_version == 1 and bits_equal(dest.tensors, views[1])  # nothing applied early
             downloaded_before = sub.fetcher.bytes_downloaded
             commits.release.set()
@@ -228,7 +228,7 @@ async def test_an_island_downloads_staged_parts_early_and_applies_only_after_the
             assert len(unstaged) <= 1
             assert sub.fetcher.bytes_downloaded == downloaded_before + sum(b.size for b in unstaged)  # staged parts came once
             assert sum(b.size for b in parts) - sum(b.size for b in unstaged) + len(b"a part no record will name") <= downloaded_before
-            assert sub._prefetched == {}  # the unused hint's download is gone with version 2
+            assert sub.downloads.prefetched == {}  # the unused hint's download is gone with version 2
             following.cancel()
             await asyncio.gather(following, return_exceptions=True)
         finally:
@@ -265,9 +265,9 @@ async def test_an_island_without_credentials_downloads_presigned_staged_parts_ea
                       if not read_patch_info(await s3_store.get_bytes(b.key)).target_root}
             assert len(hinted) >= 2
             await _prefetched_all(sub, hinted)
-            assert hinted <= set(sub._prefetched) and all(d.task.done() for d in sub._prefetched.values())
-            assert all(d.ref.url and not d.task.exception() for d in sub._prefetched.values())
-            island_urls = {digest: d.ref.url for digest, d in sub._prefetched.items()}
+            assert hinted <= set(sub.downloads.prefetched) and all(d.task.done() for d in sub.downloads.prefetched.values())
+            assert all(d.ref.url and not d.task.exception() for d in sub.downloads.prefetched.values())
+            island_urls = {digest: d.ref.url for digest, d in sub.downloads.prefetched.items()}
             assert sub.held_version == 1 and bits_equal(dest.tensors, views[1])  # nothing applied early
             downloaded_before = sub.fetcher.bytes_downloaded
             plans: list[int] = []
@@ -352,7 +352,7 @@ def test_the_cutter_ships_disjoint_parts_of_about_part_bytes_and_the_rest_on_flu
 async def test_an_island_ignores_hints_it_cannot_use_or_afford(local_store, tmp_path: Path) -> None:
     """Old versions, no blob-store credentials (and no URL), parts too large to hold, and a flood
     beyond the cap start no download; a usable hint starts one, and holding its version drops it."""
-    from weftboard.subscriber import subscriber as submod
+    from weftboard.subscriber import downloads as dlmod
 
     dest = LiveTensorsDestination({}, held_version=3)
     sub = Subscriber(None, "r", dest, island_id="x", blob_store=local_store, cache_dir=tmp_path / "c", heartbeat=False)
@@ -361,21 +361,24 @@ async def test_an_island_ignores_hints_it_cannot_use_or_afford(local_store, tmp_
     def hint(version: int, blob: pb.BlobRef = part) -> pb.StagedPart:
         return pb.StagedPart(version=version, base_version=version - 1, blob=blob)
 
-    sub._prefetch(hint(3))  # the island holds 3 already
-    huge = pb.BlobRef(key=part.key, digest=part.digest, size=submod.MAX_PREFETCH_BYTES + 1)
-    sub._prefetch(hint(4, huge))
-    assert sub._prefetched == {}
-    Subscriber(None, "r", dest, island_id="y", blob_store=None, cache_dir=tmp_path / "d", heartbeat=False)._prefetch(hint(4))
-    sub._prefetch(hint(4))
-    sub._prefetch(hint(4))  # the same part twice: one download
-    assert list(sub._prefetched) == [part.digest]
-    path, _ = await sub._prefetched[part.digest].task
+    downloads = sub.downloads
+    downloads.prefetch(hint(3), sub.held_version)  # the island holds 3 already
+    huge = pb.BlobRef(key=part.key, digest=part.digest, size=dlmod.MAX_PREFETCH_BYTES + 1)
+    downloads.prefetch(hint(4, huge), sub.held_version)
+    assert downloads.prefetched == {}
+    no_creds = Subscriber(None, "r", dest, island_id="y", blob_store=None, cache_dir=tmp_path / "d", heartbeat=False)
+    no_creds.downloads.prefetch(hint(4), no_creds.held_version)  # no store and no URL: nothing to read it with
+    assert no_creds.downloads.prefetched == {}
+    downloads.prefetch(hint(4), sub.held_version)
+    downloads.prefetch(hint(4), sub.held_version)  # the same part twice: one download
+    assert list(downloads.prefetched) == [part.digest]
+    path, _ = await downloads.prefetched[part.digest].task
     assert path.read_bytes() == b"a staged part"
-    for i in range(submod.MAX_PREFETCHED + 5):
-        sub._prefetch(hint(5, pb.BlobRef(key=part.key, digest=f"xxh3-128:{i:032x}", size=part.size)))
-    assert len(sub._prefetched) == submod.MAX_PREFETCHED
-    sub._drop_prefetched(upto=5)
-    assert sub._prefetched == {}
+    for i in range(dlmod.MAX_PREFETCHED + 5):
+        downloads.prefetch(hint(5, pb.BlobRef(key=part.key, digest=f"xxh3-128:{i:032x}", size=part.size)), sub.held_version)
+    assert len(downloads.prefetched) == dlmod.MAX_PREFETCHED
+    downloads.drop_prefetched(upto=5)
+    assert downloads.prefetched == {}
     await asyncio.sleep(0.2)  # the cancelled downloads end and forget their files
     assert not path.exists()
 
