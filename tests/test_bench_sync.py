@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("warm_kernels"), pytest.
 KEYS = {
     "params", "islands", "versions", "delta_bytes_per_version", "full_bytes_per_version",
     "delta_sync_p50_s", "delta_sync_p99_s", "full_sync_p50_s", "speedup_p50", "bytes_ratio",
-    "trainer_blocked_s_per_version", "publisher_extra_memory_ratio", "bitwise_ok",
+    "trainer_blocked_s_per_version", "publisher_extra_memory_ratio", "bitwise_ok", "island_sync_p50_s",
+    "island_spread_p50_s",
 }
 
 
@@ -56,6 +57,9 @@ def test_bench_sync_smoke(tmp_path: Path, encoding: str, part_bytes: int | None,
                                                   rel=1e-3)
     assert result["trainer_gc"].startswith("manual")
     assert result["trainer_gc_s_per_step"] >= 0
+    # each island's own span: none is later than the last island's, which the figure is
+    assert 0 < result["island_sync_p50_s"] <= result["delta_sync_p50_s"] + 1e-4
+    assert 0 <= result["island_spread_p50_s"] <= result["delta_sync_p99_s"]
 
 
 def test_trainer_collector_manual_collects_young_at_boundaries_and_restores() -> None:

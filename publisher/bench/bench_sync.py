@@ -12,7 +12,9 @@ What it runs, all on this machine and one real S3 server (SeaweedFS started here
 
 Spans are from the trainer's publish call to the last island's "applied" (delta: verified
 against the version's root digest) or "loaded" (baseline), using wall clocks of the same
-machine. ``bytes_ratio`` (full checkpoint bytes over patch bytes) is what ``speedup_p50`` would
+machine. Beside them, each island's own span: ``island_sync_p50_s`` is the p50 over every
+(island, version), and ``island_spread_p50_s`` the p50 over versions of the last island's
+span minus the first's (with several islands on lossy links, the slowest sets the figure). ``bytes_ratio`` (full checkpoint bytes over patch bytes) is what ``speedup_p50`` would
 be if a sync cost only its bytes on the link. The first version of the delta run (the anchor
 every island starts from) is not a measured version: the measured ones are the steady state of
 patches.
@@ -351,6 +353,7 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 events = [isl.applied_event(handle.version) for isl in islands]
                 results[handle.version] = {
                     "sync_s": done - t_pub,
+                    "islands_s": [isl.applied()[handle.version] - t_pub for isl in islands],
                     "island_seen_s": statistics.fmean(e.get("seen", float("nan")) - t_pub for e in events),
                     "island_fetched_s": statistics.fmean(e.get("fetched_s", float("nan")) for e in events),
                     "island_apply_s": statistics.fmean(e.get("apply_s", float("nan")) for e in events), "blocked_s": handle.blocked_s, "read_s": handle.read_s,
@@ -359,7 +362,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                     "density": record.stats.density, "changed": record.stats.changed_elements,
                 }
                 say(f"v{handle.version}: patch {record.stats.patch_bytes / 1e6:.2f} MB, density {record.stats.density:.4%}, "
-                    f"blocked {handle.blocked_s:.3f}s, synced on {cfg.islands} islands in {done - t_pub:.2f}s")
+                    f"blocked {handle.blocked_s:.3f}s, synced on {cfg.islands} islands in {done - t_pub:.2f}s "
+                    f"(the first in {min(results[handle.version]['islands_s']):.2f}s)")
             drops_deltas = await _queue_drops(net)
             await asyncio.to_thread(pub.close)
             stages = [t for t in pub.timings if t.get("version") in results]
@@ -419,6 +423,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
             shutil.rmtree(root, ignore_errors=True)
 
     delta_sync = [r["sync_s"] for r in results.values()]
+    island_sync = [t for r in results.values() for t in r["islands_s"]]
+    spread = [max(r["islands_s"]) - min(r["islands_s"]) for r in results.values()]
     blocked = [r["blocked_s"] for r in results.values()]
     patch_bytes = [r["patch_bytes"] for r in results.values()]
     delta_p50 = _pct(delta_sync, 0.5)
@@ -443,6 +449,8 @@ async def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "full_bytes_per_version": full_bytes,
         "delta_sync_p50_s": round(delta_p50, 4),
         "delta_sync_p99_s": round(_pct(delta_sync, 0.99), 4),
+        "island_sync_p50_s": round(_pct(island_sync, 0.5), 4) if island_sync else None,
+        "island_spread_p50_s": round(_pct(spread, 0.5), 4) if spread else None,
         "full_sync_p50_s": round(full_p50, 4),
         "full_upload_p50_s": round(upload_p50, 4),
         "speedup_p50": round(full_p50 / delta_p50, 2) if delta_p50 > 0 else None,
