@@ -379,13 +379,13 @@ class Subscriber:
         if self._applies_while_arriving(steps):
             await self._execute_arriving(steps[0], t_plan)
             return
-        downloads = [asyncio.ensure_future(self.downloads.fetch_step(s)) for s in steps]
+        fetches = [asyncio.ensure_future(self.downloads.fetch_step(s)) for s in steps]
         targets = [asyncio.ensure_future(self._step_target(s)) for s in steps]
         settled = 0  # steps applied, or whose blobs were dropped as bad; the rest keep theirs cached
         try:
-            for step, download, target_f in zip(steps, downloads, targets, strict=True):
+            for step, fetch, target_f in zip(steps, fetches, targets, strict=True):
                 try:
-                    paths = await download  # 3. fetch
+                    paths = await fetch  # 3. fetch
                     fetched_s = time.perf_counter() - t_plan
                     target = await target_f  # 4. verify
                     t0 = time.perf_counter()
@@ -402,10 +402,10 @@ class Subscriber:
             if self.progress is not None:
                 for s in steps:
                     self.progress.end(s.to_version)
-            for f in (*targets, *downloads):
+            for f in (*targets, *fetches):
                 if not f.done():
                     f.cancel()
-            await asyncio.gather(*targets, *downloads, return_exceptions=True)
+            await asyncio.gather(*targets, *fetches, return_exceptions=True)
 
     def _applies_while_arriving(self, steps: list[pb.PlanStep]) -> bool:
         """Whether this plan is applied while it downloads: one patch (the step a following
@@ -461,9 +461,9 @@ class Subscriber:
         """Steps 3 to 6 of one patch step at once: tensors are applied as its parts' bytes
         arrive (staged parts may have arrived already); the destination holds the version only
         after the fetcher verified every part and it verified the result."""
-        downloads = [self.downloads.for_ref(step.to_version, ref) for ref in step.blobs]
-        parts = [d.bytes for d in downloads]
-        fetching = asyncio.ensure_future(asyncio.gather(*(d.task for d in downloads)))
+        transfers = [self.downloads.for_ref(step.to_version, ref) for ref in step.blobs]
+        parts = [d.bytes for d in transfers]
+        fetching = asyncio.ensure_future(asyncio.gather(*(d.task for d in transfers)))
         if self.progress is not None:
             fetching.add_done_callback(lambda f: f.cancelled() or f.exception() or self.progress.applying(step.to_version))
         try:
@@ -474,8 +474,8 @@ class Subscriber:
             # A stream failed its check: the parts' own digests tell whether one was damaged
             # after it was published (DigestMismatch, the precise report) or published so.
             await asyncio.wait([fetching])
-            causes = [d.task.exception() for d in downloads if d.task.done() and not d.task.cancelled()]
-            await self._drop_arriving(step, downloads, fetching)
+            causes = [d.task.exception() for d in transfers if d.task.done() and not d.task.cancelled()]
+            await self._drop_arriving(step, transfers, fetching)
             cause = next((c for c in causes if isinstance(c, DigestMismatch)), None)
             if cause is not None and cause is not exc:
                 raise cause from exc
@@ -483,15 +483,15 @@ class Subscriber:
         except BaseException as exc:
             for blob in parts:
                 blob.fail(exc if isinstance(exc, Exception) else ApplyError("the step was cancelled"))
-            await self._drop_arriving(step, downloads, fetching)
+            await self._drop_arriving(step, transfers, fetching)
             raise
         await self.downloads.forget_step(step)
         # apply_s: what the apply added after the last byte arrived (the rest overlapped it);
         # fetched_s is 0 when staged parts were all here before the version committed.
         await self._activated(step, max(fetched_at - t_plan, 0.0), time.perf_counter() - fetched_at, arriving=True)
 
-    async def _drop_arriving(self, step: pb.PlanStep, downloads: list[Download], fetching: asyncio.Future) -> None:
-        await self.downloads.drop(downloads, fetching)
+    async def _drop_arriving(self, step: pb.PlanStep, transfers: list[Download], fetching: asyncio.Future) -> None:
+        await self.downloads.drop(transfers, fetching)
         if self.progress is not None:
             self.progress.end(step.to_version)
 
