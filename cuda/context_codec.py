@@ -25,6 +25,7 @@ from weftboard.cuda import (
     tile_encode,
     tile_scan,
 )
+from weftboard.cuda.bit_deposit import pdep64
 from weftboard.cuda.bitops import ctpop64, cttz64, mag_ge_mask64
 from weftboard.cuda.entropy import ESC, MAX_DELTA, MAX_K, NSYM, RANS_L, diff16
 from weftboard.cuda.jit import parallel_kernel
@@ -101,31 +102,6 @@ def class_masks(a, bs, e, thr, cls, bi):
         cls[c, bi] = upper & ~ge
         upper = ge
     cls[thr.size, bi] = upper
-
-
-def _select_in_byte_table() -> np.ndarray:
-    table = np.zeros((256, 8), np.uint8)
-    for byte in range(256):
-        ones = [j for j in range(8) if byte >> j & 1]
-        table[byte, : len(ones)] = ones
-    return table
-
-
-_SELECT_IN_BYTE = _select_in_byte_table()  # [byte, g]: index of the bit with g set bits below it
-
-
-@nb.njit(inline="always", cache=True)
-def _select(m, g):
-    """Index of the set bit of ``m`` with ``g`` set bits below it (``g < popcount(m)``).
-    Halves the word without branches (which half holds the bit is a coin flip for the
-    predictor), then looks the bit up in its byte."""
-    base = np.uint64(0)
-    for w in (32, 16, 8):
-        pc = np.int64(ctpop64((m >> base) & np.uint64((1 << w) - 1)))
-        up = np.int64(g >= pc)
-        g -= pc * up
-        base += np.uint64(w * up)
-    return np.int64(base) + np.int64(_SELECT_IN_BYTE[np.int64((m >> base) & np.uint64(0xFF)), g])
 
 
 @nb.njit(inline="always", cache=True)
@@ -491,7 +467,7 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
                     cm = cls[c, bi]
                 if err:
                     break
-                bit = _select(cm, g)
+                bit = np.int64(cttz64(pdep64(np.uint64(1) << np.uint64(g), cm)))  # the g-th member left
                 cm &= (_ALL << np.uint64(bit)) << np.uint64(1)  # members after this one
                 out_off[o] = 64 * bi + bit
                 out_diff[o] = d
