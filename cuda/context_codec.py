@@ -467,7 +467,7 @@ def _decode(buf, old, numel, tile, thr, ns, ks, rice, rans, esc, offs, freq, cum
                     cm = cls[c, bi]
                 if err:
                     break
-                bit = np.int64(cttz64(pdep64(np.uint64(1) << np.uint64(g), cm)))  # the g-th member left
+                bit = np.int64(cttz64(pdep64(np.uint64(1) << np.uint64(g), cm)))  # cm's set bit with g below it
                 cm &= (_ALL << np.uint64(bit)) << np.uint64(1)  # members after this one
                 out_off[o] = 64 * bi + bit
                 out_diff[o] = d

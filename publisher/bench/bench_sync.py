@@ -14,9 +14,10 @@ Spans are from the trainer's publish call to the last island's "applied" (delta:
 against the version's root digest) or "loaded" (baseline), using wall clocks of the same
 machine. Beside them, each island's own span: ``island_sync_p50_s`` is the p50 over every
 (island, version), and ``island_spread_p50_s`` the p50 over versions of the last island's
-span minus the first's (with several islands on lossy links, the slowest sets the figure). ``bytes_ratio`` (full checkpoint bytes over patch bytes) is what ``speedup_p50`` would
-be if a sync cost only its bytes on the link. The first version of the delta run (the anchor
-every island starts from) is not a measured version: the measured ones are the steady state of
+span minus the first's (with several islands on lossy links, the slowest sets the figure).
+``bytes_ratio`` (full checkpoint bytes over patch bytes) is what ``speedup_p50`` would be if a
+sync cost only its bytes on the link. The first version of the delta run (the anchor every
+island starts from) is not a measured version: the measured ones are the steady state of
 patches.
 
 Memory: ``publisher_extra_memory_ratio`` is (peak RSS of this process while publishing -
