@@ -274,7 +274,7 @@ class RunFeed:
                     notified = self.listening is not None and self.listening.is_set()
                     with contextlib.suppress(asyncio.TimeoutError):
                         await within(self.wake.wait(), max(self.poll_s, QUIET_POLL_S) if notified else self.poll_s)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: closed, not run (see _listen)
             raise
         except BaseException as exc:  # noqa: BLE001
             log.warning("watch feed failed", run=self.run, error=str(exc))
@@ -301,6 +301,9 @@ class RunFeed:
                     if sub.staged:
                         sub.queue.put_nowait(event)
         except asyncio.CancelledError:
+            raise
+        except GeneratorExit:  # closed, not run (see _listen): nothing may be awaited
+            pubsub = None
             raise
         except BaseException as exc:  # noqa: BLE001 - hints are best effort; versions still flow
             log.warning("staged-part feed failed; hints stop until the next watcher", run=self.run, error=str(exc))
@@ -385,6 +388,9 @@ class FanOut:
                         if feed is not None:
                             feed.wake.set()
             except asyncio.CancelledError:
+                raise
+            except GeneratorExit:  # the coroutine is closed, not run (a task dropped with its loop):
+                pubsub = None  # awaiting now (a retry's sleep, the connection's close) is an error
                 raise
             except BaseException as exc:  # noqa: BLE001 - retried; feeds poll meanwhile
                 self.listening.clear()

@@ -80,3 +80,37 @@ async def test_a_commit_wakes_the_feed_and_a_lost_listener_comes_back(redis_url,
         for task in fanout.cancel_all():
             task.cancel()
         await store.close()
+
+
+async def _drive_until(coro, done, seconds: float) -> None:
+    """Run ``coro`` by hand, as a task would, until ``done()`` or ``seconds`` pass; it is left
+    suspended where it waits."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        yielded = coro.send(None)
+        if yielded is None:
+            await asyncio.sleep(0)
+        else:
+            await asyncio.wait([yielded], timeout=max(0.0, deadline - time.monotonic()))
+
+
+async def test_a_dropped_listener_or_hint_feed_closes_without_awaiting(redis_url):
+    """A feed's coroutine closed while it waits (its task dropped with a closed loop) ends at
+    once: before, the listener's retry (a sleep) and the feeds' connection close awaited after
+    GeneratorExit ("coroutine ignored GeneratorExit")."""
+    from weftboard.board.fanout import FanOut, RunFeed
+    from weftboard.board.store import RedisStore
+
+    store = RedisStore(redis_url)
+    fanout = FanOut(store, poll_s=60.0)
+    try:
+        listen = fanout._listen()
+        await _drive_until(listen, fanout.listening.is_set, 10)
+        assert fanout.listening.is_set()  # subscribed: waiting for a message
+        listen.close()  # raises RuntimeError if the coroutine awaits again
+        await store.create_run(make_run("hinted"))
+        staged = RunFeed(store, "hinted", 60.0, 0.05, fanout.listening)._run_staged()
+        await _drive_until(staged, lambda: False, 0.5)
+        staged.close()
+    finally:
+        await store.close()
