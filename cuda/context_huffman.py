@@ -44,7 +44,7 @@ from weftboard.cuda.context_codec import (
 from weftboard.cuda.entropy import ESC, MAX_DELTA, NSYM
 from weftboard.cuda.huffman import MAX_BITS
 from weftboard.cuda.jit import parallel_kernel, serial_kernels
-from weftboard.cuda.scratch import pooled
+from weftboard.cuda.scratch import LeasePool, pooled
 from weftboard.cuda.tile_assembly import assembly_bound, assembly_head, move_pieces
 from weftboard.cuda.tile_blocks import (
     VECTOR_COMPRESS,
@@ -513,8 +513,8 @@ def run_batch(streams: list[ContextHuffmanStream], olds: list[np.ndarray], write
     nthr = np.array([s.thr.size for s in streams], np.int64)
     for i, s in enumerate(streams):
         thr[i, :s.thr.size] = s.thr
-    off = np.empty(int(starts[-1]), np.uint16)
-    diff = np.empty(int(starts[-1]), np.uint16)
+    records = _RECORDS.take(4 * int(starts[-1])).view(np.uint16)  # reused once no result refers to it
+    off, diff = records[:int(starts[-1])], records[int(starts[-1]):]
     bufs = [s.buf for s in streams]
     errs, done = decode_batch(
         np.array([addr(b) for b in bufs], np.int64), np.array([b.size for b in bufs], np.int64), _LIKE_BUF,
@@ -543,6 +543,7 @@ def _thread_rows(tile: int) -> np.ndarray:
     return np.empty((nb.config.NUMBA_NUM_THREADS, tile + 64), np.uint16)
 
 
+_RECORDS = LeasePool()  # every run's (offset, difference) pairs: an apply's undo records
 _LIKE_BUF = np.frombuffer(b"", np.uint8)  # read-only, as the streams are (``decode.stream_array``)
 _LIKE_OLD = np.empty(0, np.uint16)
 _LIKE_DIR = np.empty(0, np.int64)

@@ -112,6 +112,30 @@ def test_a_realistic_step_is_smaller_than_the_huffman_stream_and_the_compact_enc
     assert np.array_equal(dec.positions, np.flatnonzero(a != b))
 
 
+def test_undo_records_held_by_earlier_applies_survive_later_applies() -> None:
+    # The records come from a pool (``scratch.LeasePool``) that hands a buffer out again only
+    # once no result refers to it: three chained steps applied with every result held, a
+    # fourth apply whose result is dropped at once (its buffer is free for the next), then the
+    # three reverted newest first give every step's bits back.
+    steps = [optimizer_step(300_000, torch.bfloat16, seed=7, steps=1)[0]]
+    for s in range(3):
+        steps.append((steps[-1].float() + 3e-6 * torch.sign(torch.randn(300_000, generator=torch.Generator().manual_seed(s)))).to(torch.bfloat16))
+    patches = [encode_patch([("w", a, b)], base_version=i + 1, target_version=i + 2, target_root=ROOT,
+                            encoding="compact").data for i, (a, b) in enumerate(zip(steps, steps[1:]))]
+    assert all(read_patch_info(p).tensors[0].mode == "context_huffman" for p in patches)
+    target = {"w": steps[0].clone()}
+    held = []
+    for i, p in enumerate(patches):
+        held.append(apply_patch_(target, p))
+        other = {"w": steps[i].clone()}
+        apply_patch_(other, p)  # dropped: its records go back to the pool
+        assert torch.equal(bits_view(other["w"]), bits_view(steps[i + 1]))
+        assert torch.equal(bits_view(target["w"]), bits_view(steps[i + 1]))
+    for i in reversed(range(len(held))):
+        held[i].revert()
+        assert torch.equal(bits_view(target["w"]), bits_view(steps[i]))
+
+
 def test_the_mode_is_refused_before_format_version_3_and_outside_the_compact_encoding() -> None:
     old, new = optimizer_step(20_000, torch.bfloat16, seed=6, steps=1)
     patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding="compact")
