@@ -2,10 +2,11 @@
 streams in one compiled call, one parallel loop over all their tiles (``decode_batch``).
 
 How it is fast: a tile's classes come from vector compares of its old bits (a class whose
-every member changed, with no Rice piece, deposits its class mask whole), each class's Rice
-gaps are read from a 64-bit register topped up with one 8-byte load, four gaps a round with
-no check between them (a byte at a time only near the end of the piece, or for a code longer
-than the register holds), the tile's changed offsets are packed in order a block at a time
+every member changed, with no Rice piece, deposits its class mask whole; a piece with k 0 is
+the class's member bitmap inverted, read 64 members a load), each other class's Rice gaps are
+read from a 64-bit register topped up with one 8-byte load, four gaps a round with no check
+between them (a byte at a time only near the end of the piece, or for a code longer than the
+register holds), the tile's changed offsets are packed in order a block at a time
 (compress-stores), and the values are read from a register four at a time, one load of the
 class's 512-entry table giving each code's length and difference (one change at a time, with
 the full 4096-entry table, for a code longer than ``FAST_BITS`` or an escape). One parallel
@@ -26,7 +27,7 @@ import numpy as np
 
 from weftboard.cuda import huffman, tile_decode
 from weftboard.cuda.bit_deposit import pdep64
-from weftboard.cuda.bitops import array_at, ctpop64, load_u64le
+from weftboard.cuda.bitops import array_at, ctpop64, cttz64, load_u64le
 from weftboard.cuda.context_codec import class_masks
 from weftboard.cuda.entropy import ESC, MAX_K, NSYM, diff16
 from weftboard.cuda.jit import parallel_kernel
@@ -135,6 +136,44 @@ def _rice_piece(buf, p, rend, k, n, members, mb, base, tile):
     return 0
 
 
+@nb.njit(cache=True, nogil=True)
+def _unary_piece(buf, p, rend, n, members, mb, base):
+    """``_rice_piece`` for k 0, 64 members a step: a gap of g is g one-bits and a zero-bit, so
+    the piece is the class's member bitmap inverted, up to its last change, then zero bits to
+    the byte. The same members set, and a piece refused where the gap by gap reader refuses
+    it: fewer than ``n`` changes (1), a change past the class (2), or more than the last
+    change's byte, or padding that is not zero (3)."""
+    nbits = 8 * (rend - p)
+    seen = 0
+    for w in range((rend - p + 7) >> 3):
+        at = p + 8 * w
+        if at + 8 <= rend:
+            word = load_u64le(buf, at)
+        else:
+            word = np.uint64(0)
+            for b in range(rend - at):
+                word |= np.uint64(buf[at + b]) << np.uint64(8 * b)
+        valid = min(64, nbits - 64 * w)
+        x = ~word & (np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - valid))
+        c = np.int64(ctpop64(x))
+        if seen + c >= n:  # the n-th change is in this word: only zero padding may follow it
+            top = np.int64(cttz64(pdep64(np.uint64(1) << np.uint64(n - seen - 1), x)))
+            pad = valid - top - 1  # the word's bits after the change: ones in x (zero padding)
+            if nbits - 64 * w - top - 1 >= 8 or (x >> np.uint64(top)) >> np.uint64(1) != (
+                    np.uint64(1) << np.uint64(pad)) - np.uint64(1) or (at + 8 < rend and buf[at + 8] != 0):
+                return 3
+            if 64 * w + top >= members:
+                return 2
+            mb[np.uint64(base + w)] = x & (np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(63 - top))
+            return 0
+        if c and 64 * w >= members:
+            return 2
+        if 64 * w < members:
+            mb[np.uint64(base + w)] = x
+        seen += c
+    return 1
+
+
 @parallel_kernel
 def decode_batch(buf_addr, buf_size, like_buf, old_addr, numels, like_old, first, thr, nthr, tile, dir_addr,
                  like_dir, full_addr, fast_addr, like_tab, starts, out_off, out_diff, write, pos_rows, lanes_like):
@@ -208,6 +247,8 @@ def decode_batch(buf_addr, buf_size, like_buf, old_addr, numels, like_old, first
                     err = 9
                     break
                 every[c] = True
+            elif n and d[dk + row + c] == 0:
+                err = _unary_piece(buf, p, rend, n, members[c], mb, base[c])
             elif n:
                 err = _rice_piece(buf, p, rend, d[dk + row + c], n, members[c], mb, base[c], tile)
                 if err:

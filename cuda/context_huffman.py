@@ -6,9 +6,9 @@ How it is fast: per block of 64 elements, one vector compare gives the change ma
 threshold the class masks; ``pext`` packs each class's change bits into that class's member
 bitmap (``pdep`` puts them back when decoding), so no change needs a rank or a select. The
 Rice gaps are walked off those bitmaps (a class whose every member in a tile changed has no
-piece: format 4), and the values are coded and decoded in one pass in
-position order with a table lookup per symbol (the class's table, ``huffman``), never a
-branch per bit. Tiles are independent: one ``prange`` over the tiles of a whole batch of
+piece: format 4; a piece with k 0 is the bitmap itself, inverted, stored 64 members at a
+time), and the values are coded and decoded in one pass in position order with a table
+lookup per symbol (the class's table, ``huffman``), never a branch per bit. Tiles are independent: one ``prange`` over the tiles of a whole batch of
 tensors (``encode_context_huffman_batch``; ``context_apply.decode_batch`` to decode) gives the
 same bytes for any number of threads and any batching.
 
@@ -31,7 +31,7 @@ import numpy as np
 
 from weftboard.cuda import entropy, huffman
 from weftboard.cuda.bit_deposit import pext64
-from weftboard.cuda.bitops import array_at, ctpop64
+from weftboard.cuda.bitops import array_at, ctlz64, ctpop64, store_u64le
 from weftboard.cuda.context_apply import FAST_BITS, decode_batch, value_tables
 from weftboard.cuda.context_codec import (
     MAX_THRESHOLDS,
@@ -160,10 +160,13 @@ def _scan_batch(addr_a, addr_b, numels, like, first, thr, nthr, tile, rice_buf, 
             rice_off[g, c] = p
             if n == 0 or n == members[c]:
                 continue
-            j = 0
-            for w in range((members[c] + 63) >> 6):  # the changed members' numbers, then their codes
-                j = pack_word(pos, j, 64 * w, mb[np.uint64(c * stride + w)], lanes_like)
-            p = rice_tile_grouped(pos, n, ks[g, c], rice_buf, p, codes, lens)
+            if ks[g, c] == 0:
+                p = _unary_put(mb, c * stride, members[c], rice_buf, p)
+            else:
+                j = 0
+                for w in range((members[c] + 63) >> 6):  # the changed members' numbers, then their codes
+                    j = pack_word(pos, j, 64 * w, mb[np.uint64(c * stride + w)], lanes_like)
+                p = rice_tile_grouped(pos, n, ks[g, c], rice_buf, p, codes, lens)
             rice_len[g, c] = p - rice_off[g, c]
         lut = np.zeros(256, np.int64)  # class * NSYM by the old bits' (x & 0x7FFF) >> 7
         for j in range(th.size):
@@ -191,6 +194,24 @@ def _scan_batch(addr_a, addr_b, numels, like, first, thr, nthr, tile, rice_buf, 
         hist[g, :ncls * NSYM] = h
         n_esc[g] = (qe - 2 * g * tile) >> 1
     return ns, ks, rice_off, rice_len, n_esc, over, hist
+
+
+@nb.njit(inline="always", cache=True)
+def _unary_put(mb, row, members, out, p):
+    """The Rice(0) piece of a class whose member bitmap is ``mb[row:]`` (some member changed),
+    at ``out[p:]``, 64 members a store: each gap's one-bits and zero-bit are the bitmap
+    inverted, up to the last change, then zero bits to the byte (``entropy.rice_put``'s bytes;
+    ``context_apply._unary_piece`` reads them). Up to 7 bytes past the piece are written (the
+    scan's ``need`` leaves 16). Returns the byte after the piece."""
+    w = (members - 1) >> 6
+    while mb[np.uint64(row + w)] == 0:
+        w -= 1
+    last = mb[np.uint64(row + w)]
+    top = 63 - np.int64(ctlz64(last))
+    for v in range(w):
+        store_u64le(out, p + 8 * v, ~mb[np.uint64(row + v)])
+    store_u64le(out, p + 8 * w, ~last & (np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(63 - top)))
+    return p + ((64 * w + top + 8) >> 3)
 
 
 @nb.njit(cache=True, nogil=True)

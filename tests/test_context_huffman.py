@@ -20,6 +20,7 @@ import torch
 from patchkit import optimizer_step, u16, with_header
 
 from weftboard.cuda import container, tile_encode
+from weftboard.cuda import context_apply as ca
 from weftboard.cuda import context_codec as cc
 from weftboard.cuda import context_huffman as ch
 from weftboard.cuda.bit_deposit import pdep64, pdep_portable, pext64, pext_portable
@@ -31,6 +32,7 @@ from weftboard.cuda.codec import (
     read_patch_info,
 )
 from weftboard.cuda.diff import bits_view
+from weftboard.cuda.tile_blocks import rice_tile_grouped
 from weftboard.proto.errors import CorruptData
 
 ROOT = "xxh3-128:" + "00" * 16
@@ -134,6 +136,53 @@ def test_undo_records_held_by_earlier_applies_survive_later_applies() -> None:
     for i in reversed(range(len(held))):
         held[i].revert()
         assert torch.equal(bits_view(target["w"]), bits_view(steps[i]))
+
+
+def _read_both(piece: np.ndarray, n: int, members: int) -> tuple[int, np.ndarray, int, np.ndarray]:
+    fast, slow = (np.zeros((members >> 6) + 2, np.uint64) for _ in range(2))
+    e_fast = ca._unary_piece(piece, 0, piece.size, n, members, fast, 0)
+    e_slow = ca._rice_piece(piece, 0, piece.size, 0, n, members, slow, 0, CODEC_TILE)
+    return e_fast, fast, e_slow, slow
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_class_with_k_0_is_written_and_read_as_its_inverted_member_bitmap(seed: int) -> None:
+    # Rice(0) codes a gap g as g one-bits and a zero-bit, so the piece is the member bitmap
+    # inverted up to the last change: the scan writes it 64 members a store and the decoder
+    # reads it so. Both must give the Rice writer's bytes and the gap-by-gap reader's members
+    # and verdicts, on valid pieces and on damaged ones (bits flipped, a byte cut or added,
+    # the count or the class size off by one).
+    rng = np.random.default_rng(seed)
+    verdicts = set()
+    for _ in range(60):
+        members = int(rng.integers(1, 900))
+        changed = rng.random(members) < rng.choice([0.03, 0.4, 0.8, 0.99])
+        changed[int(rng.integers(members))] = True
+        pos = np.flatnonzero(changed).astype(np.uint16)
+        n = pos.size
+        ref = np.zeros(members // 8 + 32, np.uint8)
+        end = rice_tile_grouped(pos, n, 0, ref, 0, np.zeros(n, np.uint32), np.zeros(n, np.uint32))
+        mb = np.zeros((members >> 6) + 2, np.uint64)
+        np.bitwise_or.at(mb, pos >> 6, np.left_shift(np.uint64(1), (pos & 63).astype(np.uint64)))
+        out = np.full_like(ref, 0xEE)
+        assert ch._unary_put(mb, 0, members, out, 0) == end
+        assert np.array_equal(out[:end], ref[:end])
+        piece = ref[:end].copy()
+        e_fast, fast, e_slow, slow = _read_both(piece, n, members)
+        assert e_fast == e_slow == 0 and np.array_equal(fast, mb) and np.array_equal(slow, mb)
+        flipped = piece.copy()
+        flipped[int(rng.integers(end))] ^= np.uint8(1 << int(rng.integers(8)))
+        for damaged, dn, dm in ((flipped, n, members), (piece[:-1], n, members),
+                                (np.append(piece, np.uint8(0)), n, members), (np.append(piece, np.uint8(1)), n, members),
+                                (piece, n + 1, members), (piece, n - 1, members), (piece, n, members - 1)):
+            if dn < 1 or dm < 1:
+                continue
+            e_fast, fast, e_slow, slow = _read_both(damaged.copy(), dn, dm)
+            assert e_fast == e_slow, (e_fast, e_slow)
+            verdicts.add(e_fast)
+            if e_fast == 0:
+                assert np.array_equal(fast, slow)
+    assert {0, 1, 2, 3} <= verdicts
 
 
 def test_the_mode_is_refused_before_format_version_3_and_outside_the_compact_encoding() -> None:
