@@ -40,6 +40,10 @@ def test_bench_codec_cli_prints_json_last_line() -> None:
     assert result["context_bound_bytes_per_change"] * 8 == pytest.approx(
         result["context_bound_position_bits_per_change"] + result["context_bound_value_bits_per_change"])
     assert all(result[k] > 0 for k in ("diff_encode_gbps", "decode_apply_gbps", "copy_gbps"))
+    for name in ("diff_encode", "decode_apply", "copy"):  # no round is faster than the best
+        assert 0 < result[f"{name}_gbps_median"] <= result[f"{name}_gbps"]
+    assert result["decode_apply_vs_copy_median"] == pytest.approx(
+        result["decode_apply_gbps_median"] / result["copy_gbps_median"])
 
 
 def test_bench_codec_quantized_format_reports_scales() -> None:
