@@ -247,10 +247,11 @@ def decode_batch(buf_addr, buf_size, like_buf, old_addr, numels, like_old, first
                     err = 9
                     break
                 every[c] = True
-            elif n and d[dk + row + c] == 0:
-                err = _unary_piece(buf, p, rend, n, members[c], mb, base[c])
             elif n:
-                err = _rice_piece(buf, p, rend, d[dk + row + c], n, members[c], mb, base[c], tile)
+                if d[dk + row + c] == 0:
+                    err = _unary_piece(buf, p, rend, n, members[c], mb, base[c])
+                else:
+                    err = _rice_piece(buf, p, rend, d[dk + row + c], n, members[c], mb, base[c], tile)
                 if err:
                     break
             p = rend

@@ -8,9 +8,10 @@ bitmap (``pdep`` puts them back when decoding), so no change needs a rank or a s
 Rice gaps are walked off those bitmaps (a class whose every member in a tile changed has no
 piece: format 4; a piece with k 0 is the bitmap itself, inverted, stored 64 members at a
 time), and the values are coded and decoded in one pass in position order with a table
-lookup per symbol (the class's table, ``huffman``), never a branch per bit. Tiles are independent: one ``prange`` over the tiles of a whole batch of
-tensors (``encode_context_huffman_batch``; ``context_apply.decode_batch`` to decode) gives the
-same bytes for any number of threads and any batching.
+lookup per symbol (the class's table, ``huffman``), never a branch per bit. Tiles are
+independent: one ``prange`` over the tiles of a whole batch of tensors
+(``encode_context_huffman_batch``; ``context_apply.decode_batch`` to decode) gives the same
+bytes for any number of threads and any batching.
 
 Invariants:
 - A class is a function of the old bits alone; a tile's class masks are computed before any

@@ -69,7 +69,7 @@ class LeasePool:
 
     Fresh memory is page-faulted on its first touch, and the faults of the 23 MB of undo
     records of the codec bench's compact apply, taken by two decoding threads, made that apply
-    34-57 ms instead of 27 (``PERFORMANCE.md``). The pool keeps up to ``keep`` base arrays of
+    34-62 ms instead of 27-29 (``PERFORMANCE.md``). The pool keeps up to ``keep`` base arrays of
     at most ``max_bytes`` together. A base is free when the pool holds the only reference to
     it: every numpy view of a base (slices, ``.view``, views of views) refers to the base
     itself, so a lease lasts exactly as long as any array made from it. Thread-safe."""

@@ -185,6 +185,30 @@ def test_a_class_with_k_0_is_written_and_read_as_its_inverted_member_bitmap(seed
     assert {0, 1, 2, 3} <= verdicts
 
 
+def test_a_damaged_k_0_piece_is_reported_as_a_rice_error_even_when_later_classes_decode() -> None:
+    # The decoder reads a tile's pieces class by class: a bad piece must end the tile there,
+    # whatever the later classes' pieces hold (a later good piece must not clear the error).
+    old, new = optimizer_step(300_000, torch.bfloat16, seed=11, steps=1)
+    a, b = u16(old), u16(new)
+    changed, stream, _ = ch.encode_context_huffman(a, b, cc.choose_thresholds(a, torch.bfloat16), CODEC_TILE)
+    parsed = ch.ContextHuffmanStream(stream, a.size, CODEC_TILE, changed)
+    ntiles, ncls = parsed.ns.shape
+    ks = parsed.flat[ntiles * ncls:2 * ntiles * ncls].reshape(ntiles, ncls)
+    rice = parsed.flat[2 * ntiles * ncls:3 * ntiles * ncls].reshape(ntiles, ncls)
+    offs = parsed.flat[3 * ntiles * ncls + 2 * ntiles:]
+    hits = [(t, c) for t in range(ntiles) for c in range(ncls - 1)
+            if ks[t, c] == 0 and rice[t, c] > 0 and (rice[t, c + 1:] > 0).any()]
+    assert hits, "no tile with a k 0 piece before another piece"
+    t, c = hits[0]
+    last = int(offs[t] + rice[t, :c + 1].sum()) - 1  # the piece's last byte: its padding's top bit
+    damaged = stream.copy()
+    damaged[last] |= 0x80
+    target = a.copy()
+    with pytest.raises(ch.BadStream, match=rf"tile {t} .*Rice"):
+        ch.apply_batch_([ch.ContextHuffmanStream(damaged, a.size, CODEC_TILE, changed)], [target])
+    assert np.array_equal(target, a)
+
+
 def test_the_mode_is_refused_before_format_version_3_and_outside_the_compact_encoding() -> None:
     old, new = optimizer_step(20_000, torch.bfloat16, seed=6, steps=1)
     patch = encode_patch([("w", old, new)], base_version=1, target_version=2, target_root=ROOT, encoding="compact")
