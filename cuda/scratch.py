@@ -76,11 +76,15 @@ class LeasePool:
 
     def __init__(self, keep: int = 4, max_bytes: int = KEPT_SCRATCH_BYTES) -> None:
         self.keep, self.max_bytes = keep, max_bytes
-        self._bases: list[np.ndarray] = []
+        self._bases: list[np.ndarray] = [np.empty(1, np.uint8)]
+        # What a base nothing else refers to counts, read the way ``_free`` reads it (Python
+        # 3.14 counts fewer references than before where it borrows them).
+        self._idle = sys.getrefcount(self._bases[0])
+        self._bases.clear()
         self._lock = threading.Lock()
 
     def _free(self, i: int) -> bool:
-        return sys.getrefcount(self._bases[i]) <= 2  # the list's reference and the argument's
+        return sys.getrefcount(self._bases[i]) <= self._idle
 
     def take(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of uint8 (uninitialised): a free pooled base's first bytes, else a new
