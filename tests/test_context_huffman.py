@@ -6,9 +6,11 @@ ascending positions) for bf16 and fp16 with escapes, NaNs, sign flips, dense til
 blocks; ``pext``/``pdep`` and their portable loops agree; on a realistic optimizer step the stream
 is smaller than the ``huffman`` stream and the compact encoding writes it (the default encoding
 does not, and stamps format_version 2); a class whose every member changed has no Rice piece
-(format_version 4), and format 3 patches still decode; the container accepts the mode only from
-format_version 3 and only in the compact encoding; a damaged stream never leaves a tensor
-half-patched.
+(format_version 4), and format 3 patches still decode; a class with Rice parameter 0 is written
+and read as its inverted member bitmap with the gap-by-gap coder's bytes, members and verdicts;
+the container accepts the mode only from format_version 3 and only in the compact encoding; a
+damaged stream never leaves a tensor half-patched; undo records held by earlier applies survive
+later applies.
 """
 
 from __future__ import annotations
