@@ -221,8 +221,7 @@ def run(
     # Every round times all four operations back to back and the best of each is kept, so a
     # burst of load on a shared machine hits the yardstick and the codec alike. Round 0 warms
     # up (JIT caches, allocator) and is not timed.
-    times = {"enc": math.inf, "apply": math.inf, "clone": math.inf, "copy": math.inf}
-    rounds: dict[str, list[float]] = {key: [] for key in times}
+    rounds: dict[str, list[float]] = {"enc": [], "apply": [], "clone": [], "copy": []}
     lossless = True
     patch = None
     for i in range(repeat + 1):
@@ -246,7 +245,6 @@ def run(
         lossless &= views_equal(target, old)
         if i:
             for key, value in (("enc", t_enc), ("apply", t_apply), ("clone", t_clone), ("copy", t_copy)):
-                times[key] = min(times[key], value)
                 rounds[key].append(value)
     del dsts
     assert patch is not None
@@ -258,7 +256,7 @@ def run(
     lossless &= views_equal(target, new)
     t_digest, _ = _best(functools.partial(_root_of, target), repeat)
     del target
-    t_enc, t_apply, t_clone, t_copy = times["enc"], times["apply"], times["clone"], times["copy"]
+    t_enc, t_apply, t_clone, t_copy = (min(rounds[key]) for key in ("enc", "apply", "clone", "copy"))
 
     bound_bits, _, _ = entropy_bound_bits(old, new)
     ctx_pos_bits, ctx_val_bits = context_bound_bits(old, new)
