@@ -535,8 +535,9 @@ def run_batch(streams: list[ContextHuffmanStream], olds: list[np.ndarray], write
     nthr = np.array([s.thr.size for s in streams], np.int64)
     for i, s in enumerate(streams):
         thr[i, :s.thr.size] = s.thr
-    records = _RECORDS.take(4 * int(starts[-1])).view(np.uint16)  # reused once no result refers to it
-    off, diff = records[:int(starts[-1])], records[int(starts[-1]):]
+    nchanges = int(starts[-1])
+    records = _RECORDS.take(4 * nchanges).view(np.uint16)  # reused once no result refers to it
+    off, diff = records[:nchanges], records[nchanges:]
     bufs = [s.buf for s in streams]
     errs, done = decode_batch(
         np.array([addr(b) for b in bufs], np.int64), np.array([b.size for b in bufs], np.int64), _LIKE_BUF,
