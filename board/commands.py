@@ -159,24 +159,33 @@ def startup_error(what: str, exc: OSError) -> NoReturn:
     raise typer.Exit(1)
 
 
-def with_tls_flags(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``command`` with the ``--tls*`` flags (``TLS_FLAGS``: the same names and variables for every
-    client command), which it receives as one ``tls_config: TlsConfig | None`` (None: plaintext).
-    typer reads the command's parameters from the signature this gives the wrapper."""
-    signature = inspect.signature(command, eval_str=True)
-    kept = [p for p in signature.parameters.values() if p.name != "tls_config"]
-    flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
-             for name, annotation, option in TLS_FLAGS]
+def with_flag_group(param: str, flags: tuple[tuple[str, Any, Any], ...],
+                    build: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A decorator giving a command the flags ``flags`` (name, annotation, typer option each),
+    which it receives as one keyword ``param``: ``build`` applied to the flags' values in that
+    order. typer reads the command's parameters from the signature this gives the wrapper."""
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(command, eval_str=True)
+        kept = [p for p in signature.parameters.values() if p.name != param]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+                 for name, annotation, option in flags]
 
-    @functools.wraps(command)
-    def with_tls(**kwargs: Any) -> Any:
-        config = tls_from_flags(*(kwargs.pop(name) for name, _, _ in TLS_FLAGS))
-        return command(tls_config=config, **kwargs)
+        @functools.wraps(command)
+        def with_group(**kwargs: Any) -> Any:
+            value = build(*(kwargs.pop(name) for name, _, _ in flags))
+            return command(**{param: value}, **kwargs)
 
-    exposed = signature.replace(parameters=[*kept, *flags])
-    with_tls.__signature__ = exposed  # type: ignore[attr-defined]
-    with_tls.__annotations__ = {p.name: p.annotation for p in exposed.parameters.values()}
-    return with_tls
+        exposed = signature.replace(parameters=[*kept, *added])
+        with_group.__signature__ = exposed  # type: ignore[attr-defined]
+        with_group.__annotations__ = {p.name: p.annotation for p in exposed.parameters.values()}
+        return with_group
+
+    return decorate
+
+
+#: ``command`` with the ``--tls*`` flags (``TLS_FLAGS``: the same names and variables for every
+#: client command), which it receives as one ``tls_config: TlsConfig | None`` (None: plaintext).
+with_tls_flags = with_flag_group("tls_config", TLS_FLAGS, tls_from_flags)
 
 
 def print_json(document: dict[str, Any]) -> None:

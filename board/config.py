@@ -23,6 +23,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
+from weftboard.board.blobs.s3 import DEFAULT_BUCKET
 from weftboard.board.defaults import ADMIN_TOKEN_FILE, DEFAULT_LISTEN, default_data_dir
 from weftboard.board.gc import DEFAULT_STAGED_GRACE_S, grace_of
 from weftboard.proto.errors import InvalidArgument
@@ -49,7 +50,7 @@ class BoardSettings(BaseSettings):
     s3_endpoint: str | None = Field(None, description="S3 endpoint (host:port or URL); empty uses a local blob dir")
     s3_access_key: str | None = None
     s3_secret_key: SecretStr | None = None
-    s3_bucket: str = "weftboard"
+    s3_bucket: str = DEFAULT_BUCKET
     s3_secure: bool = False
     s3_region: str | None = None
     s3_prefix: str = ""

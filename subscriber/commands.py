@@ -9,7 +9,9 @@ refused before anything starts, with one line naming the option and exit code 2;
 at start-up (an island directory that cannot be made, a port taken) is one line and exit code 1,
 after closing what was opened. Blobs come from S3 (``--s3-endpoint``), else from the board's
 local blob directory (``--blob-dir``, ``WEFTBOARD_BLOB_DIR``: a board on the same filesystem
-serving no blob URLs, ``serve --blob-http-port -1``), else through URLs the board presigns.
+serving no blob URLs, ``serve --blob-http-port -1``), else through URLs the board presigns: one
+group of flags for both commands (``with_blob_flags``), checked together before anything starts
+(``blob_source.py``; settings that do not fit together are a usage error, exit code 2).
 Island metrics (subscriber/metrics.py): the sidecar serves them at ``/metrics`` on its own port,
 ``subscribe`` on ``--metrics-port``. Both are processes of their own: they tune the garbage
 collector as ``weftboard serve`` does (``board/process.py`` ``tune_gc_for_serving``).
@@ -25,18 +27,21 @@ from pathlib import Path
 import structlog
 import typer
 
-from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
+from weftboard.board.blobs import BlobStore
+from weftboard.board.blobs.s3 import DEFAULT_BUCKET
 from weftboard.board.channel import TlsConfig
 from weftboard.board.commands import (
     check_host_port,
     startup_error,
     usage_error,
+    with_flag_group,
     with_tls_flags,
 )
 from weftboard.board.logs import configure
 from weftboard.board.process import tune_gc_for_serving
-from weftboard.proto.errors import WeftboardError
+from weftboard.proto.errors import InvalidArgument, WeftboardError
 from weftboard.subscriber.bench import engine as bench_engine
+from weftboard.subscriber.blob_source import PRESIGNED, IslandBlobSettings
 from weftboard.subscriber.engine_island import RunningIsland, start_island
 from weftboard.subscriber.engines.base import ActivationMode
 from weftboard.subscriber.local_follower import LocalFollowerConfig, run_local_follower
@@ -44,8 +49,45 @@ from weftboard.subscriber.local_follower import LocalFollowerConfig, run_local_f
 log = structlog.get_logger("weftboard.commands")
 
 DESTINATIONS = ("dir", "memory")
-BLOB_DIR_HELP = ("Read blobs from the board's local blob directory (same filesystem; for a board serving "
-                 "no blob URLs, --blob-http-port -1).")
+BLOBS_PANEL = "Blobs (default: the board's presigned URLs)"
+# The island commands' blob flags, in one group (``with_blob_flags``): name, annotation, option.
+BLOB_FLAGS: tuple[tuple[str, object, object], ...] = (
+    ("s3_endpoint", str | None, typer.Option(
+        None, envvar="WEFTBOARD_S3_ENDPOINT", rich_help_panel=BLOBS_PANEL,
+        help="Read blobs from S3 directly (host:port or URL); without it, presigned URLs from the board.")),
+    ("s3_access_key", str | None, typer.Option(None, envvar="WEFTBOARD_S3_ACCESS_KEY", rich_help_panel=BLOBS_PANEL,
+                                               help="With --s3-secret-key; neither: anonymous reads.")),
+    ("s3_secret_key", str | None, typer.Option(None, envvar="WEFTBOARD_S3_SECRET_KEY", rich_help_panel=BLOBS_PANEL)),
+    ("s3_bucket", str, typer.Option(DEFAULT_BUCKET, envvar="WEFTBOARD_S3_BUCKET", rich_help_panel=BLOBS_PANEL,
+                                    help="The board's bucket.")),
+    ("s3_secure", bool, typer.Option(False, envvar="WEFTBOARD_S3_SECURE", rich_help_panel=BLOBS_PANEL,
+                                     help="HTTPS to a host:port endpoint (a URL's scheme decides for itself).")),
+    ("s3_region", str | None, typer.Option(
+        None, envvar="WEFTBOARD_S3_REGION", rich_help_panel=BLOBS_PANEL,
+        help="The bucket's region for request signing; default: named by an AWS endpoint's host, else asked of "
+             "the store (GetBucketLocation).")),
+    ("s3_prefix", str, typer.Option("", envvar="WEFTBOARD_S3_PREFIX", rich_help_panel=BLOBS_PANEL,
+                                    help="The board's key prefix inside the bucket.")),
+    ("blob_dir", Path | None, typer.Option(
+        None, envvar="WEFTBOARD_BLOB_DIR", rich_help_panel=BLOBS_PANEL,
+        help="Read blobs from the board's local blob directory (same filesystem; for a board serving no blob "
+             "URLs, --blob-http-port -1).")),
+)
+
+
+def blob_settings_from_flags(*values: object) -> IslandBlobSettings:
+    """The blob flags as settings; settings that do not fit together (a key without its secret,
+    an endpoint and a directory, a bucket name S3 refuses) exit 2 with one line saying so."""
+    try:
+        return IslandBlobSettings(**{name: value for (name, _, _), value in zip(BLOB_FLAGS, values, strict=True)})
+    except InvalidArgument as exc:
+        usage_error("blob settings", str(exc))
+    except ImportError as exc:  # an S3 endpoint without the [s3] extra
+        usage_error("--s3-endpoint", str(exc))
+
+
+#: a command with the blob flags (``BLOB_FLAGS``), received as one ``blob_settings: IslandBlobSettings``
+with_blob_flags = with_flag_group("blob_settings", BLOB_FLAGS, blob_settings_from_flags)
 
 
 def check_port_free(option: str, host: str, port: int) -> None:
@@ -90,6 +132,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @app.command()
     @with_tls_flags
+    @with_blob_flags
     def subscribe(
         board: str = typer.Option(..., envvar="WEFTBOARD_BOARD", help="Board address host:port."),
         run: str = typer.Option(..., envvar="WEFTBOARD_RUN", help="Run to follow."),
@@ -97,13 +140,6 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         token: str | None = typer.Option(None, envvar="WEFTBOARD_TOKEN", help="Bearer token (ISLAND role)."),
         island_id: str = typer.Option("island", envvar="WEFTBOARD_ISLAND_ID"),
         region: str = typer.Option("local", envvar="WEFTBOARD_REGION"),
-        s3_endpoint: str | None = typer.Option(None, envvar="WEFTBOARD_S3_ENDPOINT", help="Read blobs from S3 directly; without it, presigned URLs from the board."),
-        s3_access_key: str | None = typer.Option(None, envvar="WEFTBOARD_S3_ACCESS_KEY"),
-        s3_secret_key: str | None = typer.Option(None, envvar="WEFTBOARD_S3_SECRET_KEY"),
-        s3_bucket: str | None = typer.Option(None, envvar="WEFTBOARD_S3_BUCKET"),
-        s3_secure: bool = typer.Option(False, envvar="WEFTBOARD_S3_SECURE"),
-        s3_prefix: str = typer.Option("", envvar="WEFTBOARD_S3_PREFIX"),
-        blob_dir: Path | None = typer.Option(None, envvar="WEFTBOARD_BLOB_DIR", help=BLOB_DIR_HELP),
         destination: str = typer.Option("dir", help="dir: HF checkpoint directory; memory: live tensors in this process."),
         heartbeat_s: float = typer.Option(5.0),
         lease_s: int = typer.Option(15),
@@ -115,6 +151,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                                 help="Serve Prometheus /metrics on this port (0 picks one)."),
         metrics_host: str = typer.Option("127.0.0.1", envvar="WEFTBOARD_METRICS_HOST", help="Host /metrics binds."),
         tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
+        blob_settings: IslandBlobSettings = PRESIGNED,  # the blob flags (with_blob_flags)
     ) -> None:
         """Follow RUN into a local checkpoint directory, verified, atomically replaced."""
         if destination not in DESTINATIONS:
@@ -122,8 +159,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         configure(json=log_json)
         cfg = LocalFollowerConfig(
             board=board, run=run, dir=dir, token=token, island_id=island_id, region=region,
-            s3_endpoint=s3_endpoint, s3_access_key=s3_access_key, s3_secret_key=s3_secret_key, s3_bucket=s3_bucket,
-            s3_secure=s3_secure, s3_prefix=s3_prefix, blob_dir=blob_dir, destination=destination, heartbeat_s=heartbeat_s,
+            blobs=blob_settings, destination=destination, heartbeat_s=heartbeat_s,
             lease_s=lease_s, events=events, exit_at_version=exit_at_version, progress=progress, tls=tls_config,
             metrics_port=metrics_port, metrics_host=metrics_host,
         )
@@ -140,6 +176,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
 
     @app.command()
     @with_tls_flags
+    @with_blob_flags
     def sidecar(
         board: str = typer.Option(..., envvar="WEFTBOARD_BOARD", help="Board address host:port."),
         run: str = typer.Option(..., envvar="WEFTBOARD_RUN", help="Run whose versions this island serves."),
@@ -157,19 +194,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         activation: str = typer.Option("drain", help="drain | in_place: how a new version is activated."),
         island_id: str = typer.Option("island", envvar="WEFTBOARD_ISLAND_ID"),
         deadline_ms: int = typer.Option(30_000, help="Default request deadline when a request names none."),
-        s3_endpoint: str | None = typer.Option(None, envvar="WEFTBOARD_S3_ENDPOINT",
-                                                  help="Read blobs from S3 directly; without it, presigned URLs."),
-        s3_access_key: str | None = typer.Option(None, envvar="WEFTBOARD_S3_ACCESS_KEY"),
-        s3_secret_key: str | None = typer.Option(None, envvar="WEFTBOARD_S3_SECRET_KEY"),
-        s3_bucket: str | None = typer.Option(None, envvar="WEFTBOARD_S3_BUCKET"),
-        s3_secure: bool = typer.Option(False, envvar="WEFTBOARD_S3_SECURE"),
-        s3_prefix: str = typer.Option("", envvar="WEFTBOARD_S3_PREFIX"),
-        blob_dir: Path | None = typer.Option(None, envvar="WEFTBOARD_BLOB_DIR", help=BLOB_DIR_HELP),
         scrub_interval_s: float = typer.Option(3600.0, envvar="WEFTBOARD_SCRUB_INTERVAL_S",
                                                help="Re-hash what the island serves this often (0: never); a "
                                                     "damaged version is quarantined and fetched again."),
         log_json: bool | None = typer.Option(None, envvar="WEFTBOARD_LOG_JSON"),
         tls_config: TlsConfig | None = None,  # the --tls* flags (with_tls_flags)
+        blob_settings: IslandBlobSettings = PRESIGNED,  # the blob flags (with_blob_flags)
     ) -> None:
         """Serve RUN through ENGINE with version-aware requests, following the board."""
         modes = [m.value for m in ActivationMode]
@@ -183,11 +213,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         check_port_free("--listen", host, port)
         store: BlobStore | None = None
         try:
-            if s3_endpoint:
-                store = S3BlobStore(s3_endpoint, s3_access_key or "", s3_secret_key or "", s3_bucket or "",
-                                    secure=s3_secure, prefix=s3_prefix)
-            elif blob_dir is not None:
-                store = LocalDirBlobStore(blob_dir)
+            store = blob_settings.open()
         except OSError as exc:  # a blob directory that cannot be made
             startup_error("sidecar did not start", exc)
 

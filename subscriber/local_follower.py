@@ -10,9 +10,9 @@ Invariants:
 - SIGTERM and SIGINT end the follow loop cleanly: the current step either completes (its
   swap is atomic) or leaves nothing behind, a last heartbeat says DRAINING, and the
   process exits 0.
-- Blobs come from S3 directly (``s3_endpoint``), else from a local blob directory the board
-  also uses (``blob_dir``: a board serving no blob URLs, ``--blob-http-port -1``, on the same
-  filesystem), else through the URLs the board presigns.
+- Blobs come from S3 directly, else from a local blob directory the board also uses (a board
+  serving no blob URLs, ``--blob-http-port -1``, on the same filesystem), else through the URLs
+  the board presigns (``cfg.blobs``: ``blob_source.py``).
 - The island directory is made before anything is opened, so a directory that cannot be made
   raises ``OSError`` with nothing left to close.
 - With ``events=True`` every verified version is printed to stdout as one JSON line
@@ -32,10 +32,10 @@ from pathlib import Path
 import structlog
 import torch
 
-from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
 from weftboard.board.blobs.transfer import FAST_RECONNECT
 from weftboard.board.client import BoardClient, TlsConfig
 from weftboard.proto.v1 import board_pb2 as pb
+from weftboard.subscriber.blob_source import PRESIGNED, IslandBlobSettings
 from weftboard.subscriber.checkpoint_dir import CheckpointDirDestination
 from weftboard.subscriber.destination import Destination
 from weftboard.subscriber.live_tensors import LiveTensorsDestination
@@ -54,13 +54,7 @@ class LocalFollowerConfig:
     token: str | None = None
     island_id: str = "island"
     region: str = "local"
-    s3_endpoint: str | None = None
-    s3_access_key: str | None = None
-    s3_secret_key: str | None = None
-    s3_bucket: str | None = None
-    s3_secure: bool = False
-    s3_prefix: str = ""
-    blob_dir: Path | None = None  # a local blob directory the board shares (no S3 endpoint given)
+    blobs: IslandBlobSettings = PRESIGNED  # S3, the board's blob directory, or presigned URLs
     destination: str = "dir"  # "dir": checkpoint directory; "memory": live tensors in this process
     heartbeat_s: float = 5.0
     lease_s: int = 15
@@ -92,12 +86,7 @@ async def _destination(cfg: LocalFollowerConfig, client: BoardClient) -> Destina
 async def run_local_follower(cfg: LocalFollowerConfig) -> int:
     """Follow until SIGTERM/SIGINT (or ``exit_at_version``); the exit code."""
     cfg.dir.mkdir(parents=True, exist_ok=True)
-    store: BlobStore | None = None
-    if cfg.s3_endpoint:
-        store = S3BlobStore(cfg.s3_endpoint, cfg.s3_access_key or "", cfg.s3_secret_key or "", cfg.s3_bucket or "",
-                            secure=cfg.s3_secure, region="us-east-1", prefix=cfg.s3_prefix)
-    elif cfg.blob_dir is not None:
-        store = LocalDirBlobStore(cfg.blob_dir)
+    store = cfg.blobs.open()
     client = BoardClient(cfg.board, cfg.token, tls=cfg.tls, options=FAST_RECONNECT)
     progress = ProgressReporter(rich=cfg.progress) if cfg.progress is not False else None
     metrics = IslandMetrics(cfg.run)

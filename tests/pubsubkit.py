@@ -126,6 +126,17 @@ async def follow_each(client: Any, run: str, store: Any, tmp: Path, views: dict[
         assert bits_equal(dest.tensors, views[v]), f"version {v}: {first_difference(dest.tensors, views[v])}"
 
 
+async def island_and_trainer_tokens(address: str, admin_token: str) -> tuple[str, str]:
+    """An ISLAND-role and a PUBLISHER-role token made by the board's admin."""
+    from weftboard.board.client import BoardClient
+    from weftboard.proto.v1 import board_pb2 as pb
+
+    async with BoardClient(address, admin_token) as admin:
+        island = (await admin.create_token("islands", pb.ROLE_ISLAND)).token
+        trainer = (await admin.create_token("trainer", pb.ROLE_PUBLISHER)).token
+    return island, trainer
+
+
 async def run_cli(*args: str, timeout_s: float = 90) -> tuple[int, str]:
     """``weftboard ARGS`` in a process of its own: its exit status and what it wrote to stderr."""
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "weftboard.board.cli", *args,

@@ -20,6 +20,7 @@ from pubsubkit import (
     Trainer,
     bits_equal,
     first_difference,
+    island_and_trainer_tokens,
     zeros_like_layout,
 )
 from safetensors.torch import load_file
@@ -66,9 +67,7 @@ class InProcessIsland:
 async def test_three_islands_follow_bitwise_with_crash_and_late_joiner(board_factory, s3_server, s3_store, tmp_path: Path) -> None:
     board = await board_factory(blobs=s3_store)
     run = "e2e"
-    async with BoardClient(board.address, board.admin_token) as admin:
-        island_token = (await admin.create_token("islands", pb.ROLE_ISLAND)).token
-        pub_token = (await admin.create_token("trainer", pb.ROLE_PUBLISHER)).token
+    island_token, pub_token = await island_and_trainer_tokens(board.address, board.admin_token)
     trainer = Trainer(lr=1e-4)
     views: dict[int, dict] = {}
     pub = Publisher(board.address, run, token=pub_token, blob_store=s3_store, anchor_every=3, anchor_patch_fraction=10.0)

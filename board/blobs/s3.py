@@ -68,11 +68,13 @@ if TYPE_CHECKING:
     import urllib3
 
 _MISSING = {"NoSuchKey", "NoSuchObject", "ResourceNotFound"}
-_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken"}
+# Refused requests that retrying cannot cure (the last: signed for a region other than the bucket's).
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AuthorizationHeaderMalformed"}
 _CHUNK = 1 << 20
 _WATCHED_CHUNK = 64 << 10  # with on_chunk: a reader waiting for bytes sees them sooner
 _MIN_RANGE = 256 << 10  # smallest byte range worth its own connection
 _DELETE_BATCH = 1000
+DEFAULT_BUCKET = "weftboard"  # the bucket a board and its islands use when none is named
 POOL_CONNECTIONS = 32  # per host: the urllib3 pool's size, and the store's threads for blocking calls
 PART_SIZE = 16 << 20
 MAX_PRESIGN_S = 7 * 24 * 3600
@@ -107,14 +109,24 @@ def _minio_api() -> _MinioApi:
                      (error.InvalidResponseError, error.ServerError), helpers.check_bucket_name)
 
 
-def _split_endpoint(endpoint: str, secure: bool) -> tuple[str, bool]:
-    """Accept ``host:port`` or a URL; a URL's scheme decides TLS."""
+def s3_location(endpoint: str, bucket: str, secure: bool = False) -> tuple[str, bool]:
+    """``(host, TLS)`` of ``endpoint`` (``host:port``, or a URL whose scheme decides TLS) once it
+    and the bucket's name are checked, else ``InvalidArgument`` saying what is wrong. Opens
+    nothing; needs the ``[s3]`` extra (the bucket-name rule is the minio client's)."""
     if "://" in endpoint:
         parts = urlsplit(endpoint)
         if parts.path not in ("", "/"):
             raise InvalidArgument(f"S3 endpoint {endpoint!r} must not contain a path")
-        return parts.netloc, parts.scheme == "https"
-    return endpoint, secure
+        host, secure = parts.netloc, parts.scheme == "https"
+    else:
+        host = endpoint
+    try:
+        _minio_api().check_bucket_name(bucket)
+    except ValueError:
+        raise InvalidArgument(
+            f"S3 bucket name {bucket!r} is invalid: 3-63 characters of lowercase letters, digits, '.' and '-'"
+        ) from None
+    return host, secure
 
 
 class S3BlobStore(BlobStore):
@@ -136,15 +148,9 @@ class S3BlobStore(BlobStore):
         if part_size < 5 << 20:
             raise InvalidArgument(f"S3 multipart parts must be at least 5 MiB, got {part_size}")
         self.part_size = part_size
-        host, self.secure = _split_endpoint(endpoint, secure)
+        host, self.secure = s3_location(endpoint, bucket, secure)
         self._api = api = _minio_api()
         urllib3 = api.urllib3
-        try:
-            api.check_bucket_name(bucket)
-        except ValueError:
-            raise InvalidArgument(
-                f"S3 bucket name {bucket!r} is invalid: 3-63 characters of lowercase letters, digits, '.' and '-'"
-            ) from None
         self.endpoint = host
         self.bucket = bucket
         self.region = region

@@ -44,10 +44,11 @@ class IslandSpec:
                "--board", self.board, "--run", self.run, "--dir", str(self.dir), "--island-id", self.island_id,
                "--destination", self.destination, "--events", "--no-progress", "--heartbeat-s", "1"]
         if self.s3_endpoint:
-            cmd += ["--s3-endpoint", self.s3_endpoint, "--s3-access-key", self.s3_access_key or "",
-                    "--s3-secret-key", self.s3_secret_key or "", "--s3-bucket", self.s3_bucket or ""]
-            if self.s3_prefix:
-                cmd += ["--s3-prefix", self.s3_prefix]
+            cmd += ["--s3-endpoint", self.s3_endpoint]
+            for flag, value in (("--s3-access-key", self.s3_access_key), ("--s3-secret-key", self.s3_secret_key),
+                                ("--s3-bucket", self.s3_bucket), ("--s3-prefix", self.s3_prefix)):
+                if value:  # unset: the command's default (no credentials: anonymous; the board's bucket)
+                    cmd += [flag, value]
         return cmd + list(self.extra_args)
 
 
