@@ -49,6 +49,7 @@ from weftboard.subscriber.local_follower import LocalFollowerConfig, run_local_f
 log = structlog.get_logger("weftboard.commands")
 
 DESTINATIONS = ("dir", "memory")
+REGION_HELP = "Where this island runs, as its heartbeats report it (weftboard fleet shows it)."
 BLOBS_PANEL = "Blobs (default: the board's presigned URLs)"
 # The island commands' blob flags, in one group (``with_blob_flags``): name, annotation, option.
 BLOB_FLAGS: tuple[tuple[str, object, object], ...] = (
@@ -139,7 +140,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         dir: Path = typer.Option(..., envvar="WEFTBOARD_DIR", help="Island directory: checkpoint/ (current -> versions/vN) and cache/."),
         token: str | None = typer.Option(None, envvar="WEFTBOARD_TOKEN", help="Bearer token (ISLAND role)."),
         island_id: str = typer.Option("island", envvar="WEFTBOARD_ISLAND_ID"),
-        region: str = typer.Option("local", envvar="WEFTBOARD_REGION"),
+        region: str = typer.Option("local", envvar="WEFTBOARD_REGION", help=REGION_HELP),
         destination: str = typer.Option("dir", help="dir: HF checkpoint directory; memory: live tensors in this process."),
         heartbeat_s: float = typer.Option(5.0),
         lease_s: int = typer.Option(15),
@@ -193,6 +194,7 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
                                  help="Island directory: checkpoint/ (for engines in their own process) and cache/."),
         activation: str = typer.Option("drain", help="drain | in_place: how a new version is activated."),
         island_id: str = typer.Option("island", envvar="WEFTBOARD_ISLAND_ID"),
+        region: str = typer.Option("local", envvar="WEFTBOARD_REGION", help=REGION_HELP),
         deadline_ms: int = typer.Option(30_000, help="Default request deadline when a request names none."),
         scrub_interval_s: float = typer.Option(3600.0, envvar="WEFTBOARD_SCRUB_INTERVAL_S",
                                                help="Re-hash what the island serves this often (0: never); a "
@@ -220,8 +222,8 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         async def main() -> None:
             try:
                 island = await start_island(
-                    board=board, token=token, run=run, island_id=island_id, engine=engine, engine_url=engine_url,
-                    checkpoint_dir=dir / "checkpoint", cache_dir=dir / "cache", mode=mode, host=host,
+                    board=board, token=token, run=run, island_id=island_id, region=region, engine=engine,
+                    engine_url=engine_url, checkpoint_dir=dir / "checkpoint", cache_dir=dir / "cache", mode=mode, host=host,
                     port=port, blob_store=store, default_deadline_s=deadline_ms / 1000.0, tls=tls_config,
                     engine_api_key=engine_api_key, scrub_interval_s=scrub_interval_s,
                 )

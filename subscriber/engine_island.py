@@ -189,6 +189,7 @@ async def start_island(
     token: str | None,
     run: str,
     island_id: str,
+    region: str = "local",
     engine: str = "reference",
     engine_url: str | None = None,
     reference_config: dict[str, Any] | None = None,
@@ -241,7 +242,7 @@ async def start_island(
                     log.error("loading the verified version on disk into the engine failed; the island starts "
                               "without it", version=on_disk.held_version(), error=str(exc))
                     engine_lost = True
-        subscriber = Subscriber(client, run, destination, island_id=island_id, blob_store=blob_store,
+        subscriber = Subscriber(client, run, destination, island_id=island_id, region=region, blob_store=blob_store,
                                 cache_dir=cache_dir, heartbeat_s=heartbeat_s, metrics=metrics)
         reporter = TrajectoryReporter(client) if report_trajectories else None
 

@@ -4,7 +4,8 @@ one line on the command line), the S3 region the one given or else the bucket's 
 assumed ``us-east-1``, which AWS refuses for a bucket elsewhere, as it did the shipped island
 example's eu-west-1 endpoint), a request signed for the wrong region refused as
 ``PermissionDenied`` (retrying cannot cure it), and a real ``weftboard subscribe`` reading a run
-from SeaweedFS with its own credentials and no region given."""
+from SeaweedFS with its own credentials and no region given. Both commands also take the
+island's own ``--region`` (where it runs, in its heartbeats)."""
 
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ async def follow(cfg):
     return 0
 
 async def start_island(**kwargs):
-    report(kwargs["blob_store"], None)
+    report(kwargs["blob_store"], kwargs["region"])
     raise Unavailable("no board in this test")
 
 commands.run_local_follower = follow
@@ -170,6 +171,16 @@ def test_a_key_without_its_secret_is_a_usage_error_before_anything_starts(comman
     assert not done.stdout.strip()  # neither the follower nor the island started
     assert "--s3-access-key needs --s3-secret-key" in done.stderr
     assert not (tmp_path / "island").exists()
+
+
+@pytest.mark.parametrize("command", ["subscribe", "sidecar"])
+def test_both_island_commands_report_the_region_they_are_given(command: str, tmp_path: Path) -> None:
+    """``--region``/``WEFTBOARD_REGION``: where the island runs, in its heartbeats (the sidecar's
+    said "local" whatever it was given before)."""
+    done = _island_command(command, ["--region", "eu-west"], tmp_path)
+    assert json.loads(done.stdout.splitlines()[0]) == ["eu-west"], done.stderr[-2000:]
+    done = _island_command(command, [], tmp_path, env={"WEFTBOARD_REGION": "ap-south"})
+    assert json.loads(done.stdout.splitlines()[0]) == ["ap-south"], done.stderr[-2000:]
 
 
 # -- a real island on S3 --------------------------------------------------------------------

@@ -102,8 +102,8 @@ async def test_island_and_publisher_metrics_match_what_happened(board, local_sto
     try:
         assert await asyncio.to_thread(publish_one) == 1
         island = await start_island(board=board.address, token=board.admin_token, run=run, island_id="m1",
-                                    cache_dir=tmp_path / "island", blob_store=local_store, heartbeat_s=0.5,
-                                    mode="in_place")
+                                    region="eu-west", cache_dir=tmp_path / "island", blob_store=local_store,
+                                    heartbeat_s=0.5, mode="in_place")
         await island.subscriber.wait_for_version(1, timeout_s=30)
         for expected in (2, 3):  # each a one-patch step the island takes as it is committed
             assert await asyncio.to_thread(publish_one) == expected
@@ -119,6 +119,8 @@ async def test_island_and_publisher_metrics_match_what_happened(board, local_sto
         async with BoardClient(board.address, board.admin_token) as client:
             head = (await client.get_head(run)).version
             records = [await client.get_version(run, v) for v in (1, 2, 3)]
+            fleet = {i.status.island_id: i.status for i in (await client.list_islands(run)).islands}
+        assert fleet["m1"].region == "eu-west"  # what its heartbeats report
         labels = {"run": run}
         assert head == 3
         assert value(samples, "weftboard_island_version", **labels) == head == island.subscriber.held_version
