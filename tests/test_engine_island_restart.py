@@ -5,7 +5,8 @@ version it loaded before. The engine watch (``engine_island._watch_engine``) wit
 (503) when the engine stops answering or reports another version, and loads the verified folder
 into it once it answers again. A restart whose first load of the held version fails still starts
 the island: the watch reloads it. The held version goes in as a version (``load_version`` with the
-folder's record: vLLM's workers verify and bind it), not as a bare reload.
+folder's record: vLLM's workers verify and bind it), not as a bare reload. vLLM's health answer
+says nothing of weights, so its probe asks the workers which version they hold.
 """
 
 from __future__ import annotations
@@ -121,6 +122,98 @@ async def test_the_held_version_goes_into_a_vllm_engine_verified_not_as_a_bare_r
         assert rpcs == [{"method": "weftboard_attach", "kwargs": {
             "checkpoint_dir": str(folder.current), "target": target_to_json(target)}}]
         assert state.held == 2 and adapter.served_version() == 2
+    finally:
+        await adapter.close()
+        await engine.stop()
+
+
+def _digest_answer(version: int, root: str | None) -> dict:
+    return {"results": [{"rank": 0, "status": "ok", "version": version, "root": root}]}
+
+
+async def test_a_vllm_engine_restarted_between_two_probes_is_caught_by_its_workers_version(tmp_path: Path) -> None:
+    """vLLM's ``/health`` says nothing of weights: while the workers hold the served version bound,
+    the probe asks them (``weftboard_digest``), and workers that came back with none (a restart
+    faster than a probe, on the engine's start-up weights) withdraw the island until the verified
+    folder is in again."""
+    folder = await _folder_holding(tmp_path / "ckpt", 2)
+    target = await folder.held_target()
+    assert target is not None
+    engine = await RecordingEngine().start()
+    engine.rpc_answers["weftboard_attach"] = {"results": [
+        {"rank": 0, "status": "ok", "root": target.root_digest, "version": 2}]}
+    engine.rpc_answers["weftboard_digest"] = _digest_answer(2, target.root_digest)
+    adapter = VllmAdapter(engine.url, timeout_s=5)
+    state = VersionState()
+    gate = AdmissionGate(ActivationMode.DRAIN)
+    dest = EngineDestination(adapter, gate, state, folder, checkpoint_dir=folder.current)
+    watch: asyncio.Task | None = None
+
+    def rpcs(method: str) -> int:
+        return sum(1 for c in engine.calls if c["path"] == "/collective_rpc" and c["json"]["method"] == method)
+
+    try:
+        assert await dest.activate_held() == 2 and state.held == 2
+        watch = asyncio.create_task(_watch_engine(adapter, dest, gate, every_s=0.05))
+        for _ in range(100):  # probes that find the workers on the served version change nothing
+            if rpcs("weftboard_digest") >= 3:
+                break
+            await asyncio.sleep(0.05)
+        assert rpcs("weftboard_digest") >= 3 and state.held == 2 and state.withdrawn is None
+
+        engine.rpc_answers["weftboard_digest"] = _digest_answer(0, None)  # restarted: the workers hold nothing
+        assert await state.wait_for(lambda: state.withdrawn is not None, 10.0)
+        assert "reports version 0 where the island loaded version 2" in (state.withdrawn or "")
+        assert adapter.served_version() == 0
+        engine.rpc_answers["weftboard_digest"] = _digest_answer(2, target.root_digest)  # what the reload binds
+        assert await state.wait_for(lambda: state.held == 2 and state.withdrawn is None, 10.0)
+        assert rpcs("weftboard_attach") == 2 and adapter.served_version() == 2  # the verified folder, verified
+    finally:
+        if watch is not None:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+        await adapter.close()
+        await engine.stop()
+
+
+async def test_the_probe_asks_no_worker_after_the_engines_own_reload_or_while_a_patch_stages(tmp_path: Path) -> None:
+    """The engine's own reload unbinds the workers (until ``adopt``): they hold no version then,
+    which is no restart, so the probe is ``/health`` alone. Nor does it ask while a patch is
+    staged: the workers' digest would wait for the staging inside the engine."""
+    target = _target(versions_of(3)[3], 3)
+    engine = await RecordingEngine().start()
+    engine.rpc_answers["weftboard_adopt"] = {"results": [
+        {"rank": 0, "status": "ok", "root": target.root_digest, "version": 3}]}
+    engine.rpc_answers["weftboard_digest"] = _digest_answer(3, target.root_digest)
+    engine.rpc_answers["weftboard_warm_up"] = {"results": [{"rank": 0, "status": "ok", "seconds": 0.0}]}
+    for method in ("weftboard_stage_patch", "weftboard_stage_status"):  # a staging that goes on
+        engine.rpc_answers[method] = {"results": [{"rank": 0, "status": "staging"}]}
+    adapter = VllmAdapter(engine.url, timeout_s=5, load_timeout_s=1.0)
+
+    def paths() -> list[str]:
+        return [c["json"]["method"] if c["path"] == "/collective_rpc" else c["path"] for c in engine.calls]
+
+    try:
+        await adapter.load_checkpoint(tmp_path / "ckpt", 3)
+        assert adapter.served_version() == 3
+        engine.calls.clear()
+        assert await adapter.health_answer() == {"success": True}
+        assert paths() == ["/health"]
+
+        await adapter.adopt(tmp_path / "ckpt", target)  # the workers bind the reloaded version
+        engine.calls.clear()
+        assert await adapter.health_answer() == {"version": 3}
+        assert paths() == ["/health", "weftboard_digest"]
+
+        staging = asyncio.create_task(adapter.prepare_patch(tmp_path / "p4.patch", _target(versions_of(4)[4], 4)))
+        while "weftboard_stage_patch" not in paths():
+            await asyncio.sleep(0.01)
+        engine.calls.clear()
+        assert await adapter.health_answer() == {"success": True}
+        assert paths().count("weftboard_digest") == 0
+        assert await staging is False  # never staged within the load timeout
+        engine.calls.clear()
+        assert await adapter.health_answer() == {"version": 3}  # staging over: asked again
     finally:
         await adapter.close()
         await engine.stop()

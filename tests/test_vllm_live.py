@@ -320,6 +320,7 @@ async def test_a_real_island_and_sidecar_follow_a_board_in_place(kit: Kit, board
             if load is None:  # from the first version held on (before it, the sidecar rightly answers 409)
                 load = SidecarLoad(island.url)
             assert await island.adapter.engine_digest(deep=True) == (published, record.root_digest)
+            assert await island.adapter.health_answer() == {"version": published}  # the watch's probe asks the workers
             assert island.adapter.write_mode == "direct"
             assert await _sidecar_answers(island.url) == kit.outputs[i], f"board version {published}"
         assert load is not None

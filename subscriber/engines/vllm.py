@@ -18,7 +18,9 @@ Endpoints used (``vllm/entrypoints/rl/online/api_router.py`` and ``serve/dev``):
   from disk (``load_checkpoint``), which is always followed by ``weftboard_retie`` (vLLM's reload
   loads nothing into a tied output head: its packed CPU copy would stay on the old version);
   ``weftboard_digest``.
-- ``POST /reset_prefix_cache`` after a change; ``POST /resume``; ``GET /health``.
+- ``POST /reset_prefix_cache`` after a change; ``POST /resume``; ``GET /health``, and while the
+  workers hold the served version bound, ``weftboard_digest`` in the same probe (``health_answer``:
+  a restarted engine's workers hold none).
 The requests of ``pause``, ``resume`` and ``load_checkpoint`` are pinned by tests/contracts/vllm.json.
 An engine started without the extension cannot retie: until a ``warm_up`` confirmed the extension,
 a retie answered "no such method" is logged once and the reload stands (a tied head served stale on
@@ -91,6 +93,24 @@ class VllmAdapter(HttpEngineAdapter):
     _extension_confirmed = False
     #: whether the warning that an engine without the extension serves a stale tied head was logged
     _warned_stale_head = False
+    #: the version the workers hold bound (``attach``, ``adopt``, a patch in place); 0 from the
+    #: engine's own reload until ``adopt``. The health probe asks them only while it is the served one.
+    _bound = 0
+    #: True while ``prepare_patch`` stages: a digest would wait inside the engine for the staging
+    _staging = False
+
+    async def health_answer(self) -> Any:
+        """``/health``, and while the workers hold the served version bound, the version they hold
+        (``{"version": v}``, as the reference engine answers): an engine restarted between two
+        probes answers its health check on its start-up weights with no version (0), so the island
+        sees the restart (``engine_island._engine_trouble``) instead of labelling those weights
+        with the version it had loaded. Each ask within 5 s, as the health check."""
+        answer = await super().health_answer()
+        served = self.served_version()
+        if not served or self._bound != served or self._staging:
+            return answer
+        version, _ = await self.engine_digest(timeout_s=min(self.timeout_s, 5.0))
+        return {"version": version}
 
     async def pause(self, mode: ActivationMode) -> None:
         await self.call("POST", "/pause", params={"mode": _PAUSE_MODE[require_mode(mode)], "clear_cache": "true"},
@@ -104,6 +124,7 @@ class VllmAdapter(HttpEngineAdapter):
         vLLM its layers back: what they vouched for is gone until ``adopt`` or ``attach``), then
         the tied output head prepared again (``_retie``) before the version counts as served."""
         self._staged = None
+        self._bound = 0
         if self.in_place:
             try:
                 await self._rpc("weftboard_detach", {})
@@ -198,6 +219,7 @@ class VllmAdapter(HttpEngineAdapter):
                                   changes_weights=True)
         self._require_ok(answers, target, what=f"loading {directory}", intact=intact)
         self.write_mode = _write_mode(answers)
+        self._bound = target.version
         await self._changed_to(target.version)
 
     async def adopt(self, directory: Path, target: VersionTarget) -> None:
@@ -207,6 +229,7 @@ class VllmAdapter(HttpEngineAdapter):
                                   changes_weights=True)
         self._require_ok(answers, target, what=f"adopting {directory}")
         self.write_mode = _write_mode(answers)
+        self._bound = target.version
 
     async def load_version(self, directory: Path, target: VersionTarget) -> None:
         """``attach`` where the extension is there (asked again first when unknown), else, or
@@ -236,12 +259,16 @@ class VllmAdapter(HttpEngineAdapter):
         if not self._patches_in_place():
             return False
         record = target_to_json(target)
-        answers = await self._rpc("weftboard_stage_patch", {"patch_path": str(patch), "target": record})
-        deadline = time.monotonic() + self.load_timeout_s
-        # workers finish apart (tensor parallel): wait while any is still at it
-        while any(a.get("status") == "staging" for a in answers) and time.monotonic() < deadline:
-            await asyncio.sleep(_STAGE_POLL_S)
-            answers = await self._rpc("weftboard_stage_status", {})
+        self._staging = True
+        try:
+            answers = await self._rpc("weftboard_stage_patch", {"patch_path": str(patch), "target": record})
+            deadline = time.monotonic() + self.load_timeout_s
+            # workers finish apart (tensor parallel): wait while any is still at it
+            while any(a.get("status") == "staging" for a in answers) and time.monotonic() < deadline:
+                await asyncio.sleep(_STAGE_POLL_S)
+                answers = await self._rpc("weftboard_stage_status", {})
+        finally:
+            self._staging = False
         if {a.get("status") for a in answers} != {"staged"}:
             log.info("the patch was not staged; it will be applied whole while paused", version=target.version,
                      answers=_errors(answers))
@@ -272,6 +299,7 @@ class VllmAdapter(HttpEngineAdapter):
         self.last_timings = {k: max(float(a.get(k, 0.0)) for a in answers) for k in ("apply_s", "install_s")}
         if statuses == {"ok"}:
             self._require_ok(answers, target, what=f"applying {patch.name}")
+            self._bound = target.version
             await self._changed_to(target.version)
             return "in_place"
         torn = "ok" in statuses or any(a.get("restored") is False for a in answers)  # workers on different bytes
@@ -295,10 +323,11 @@ class VllmAdapter(HttpEngineAdapter):
             raise
         return "full_load"
 
-    async def engine_digest(self, *, deep: bool = False) -> tuple[int, str | None]:
+    async def engine_digest(self, *, deep: bool = False, timeout_s: float | None = None) -> tuple[int, str | None]:
         """The version and root digest every worker holds (they must agree); ``deep`` first
-        compares every live parameter with the verified bytes, bit for bit."""
-        answers = await self._rpc("weftboard_digest", {"deep": deep})
+        compares every live parameter with the verified bytes, bit for bit. ``timeout_s``: the
+        answer's limit (default: the load timeout)."""
+        answers = await self._rpc("weftboard_digest", {"deep": deep}, timeout_s=timeout_s)
         bad = [a for a in answers if a.get("status") != "ok"]
         if bad:
             raise ApplyError(f"vllm engine at {self.engine_url}: {_errors(bad)}")
@@ -308,14 +337,17 @@ class VllmAdapter(HttpEngineAdapter):
         version, root = held.pop()
         return int(version or 0), root
 
-    async def _rpc(self, method: str, kwargs: dict[str, Any], *, changes_weights: bool = False) -> list[dict[str, Any]]:
-        """``method`` in every worker; ``changes_weights``: one without an answer, or answered with an
-        HTTP error, leaves no version vouched for (``change_weights``)."""
+    async def _rpc(self, method: str, kwargs: dict[str, Any], *, changes_weights: bool = False,
+                   timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """``method`` in every worker, answered within ``timeout_s`` (default: the load timeout);
+        ``changes_weights``: one without an answer, or answered with an HTTP error, leaves no
+        version vouched for (``change_weights``)."""
         body = {"method": method, "kwargs": kwargs}
         if changes_weights:
             answer = await self.change_weights("POST", "/collective_rpc", json=body, what=f"collective_rpc {method}")
         else:
-            answer = await self.call("POST", "/collective_rpc", json=body, timeout_s=self.load_timeout_s)
+            answer = await self.call("POST", "/collective_rpc", json=body,
+                                     timeout_s=self.load_timeout_s if timeout_s is None else timeout_s)
         results = answer.get("results") if isinstance(answer, dict) else None
         if not results or not all(isinstance(r, dict) for r in results):
             raise _NoExtension(f"vllm engine at {self.engine_url} answered {method} with {str(answer)[:300]}: is it "
