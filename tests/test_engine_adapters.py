@@ -90,6 +90,32 @@ async def test_sglang_model_info_request(recorder):
     try:
         await adapter.model_info()
         assert recorder.calls == expected("sglang", "model_info", None, Path("."), 0)
+        # an SGLang without /model_info (404): its older name, from then on
+        recorder.fail_paths["/model_info"] = (404, {"detail": "Not Found"})
+        recorder.answers["/get_model_info"] = {"weight_version": "3"}
+        recorder.calls.clear()
+        assert await adapter.model_info() == {"weight_version": "3"}
+        assert await adapter.model_info() == {"weight_version": "3"}
+        assert [c["path"] for c in recorder.calls] == ["/model_info", "/get_model_info", "/get_model_info"]
+    finally:
+        await adapter.close()
+
+
+async def test_sglang_health_reports_the_weight_version_each_load_set(recorder, tmp_path):
+    """SGLang's ``/health`` says nothing of weights; its ``weight_version`` does: each load sets
+    it to the island's version, and a restart puts the start-up one (``default``) back. Before
+    the first load, and on an SGLang that reports none, the health answer stands alone."""
+    adapter = make_adapter("sglang", recorder.url, timeout_s=5)
+    try:
+        assert await adapter.health_answer() == {"success": True}  # nothing served yet: /health alone
+        assert [c["path"] for c in recorder.calls] == ["/health"]
+        await activate(adapter, ActivationMode.DRAIN, tmp_path, 5)
+        recorder.answers["/model_info"] = {"weight_version": "5", "model_path": str(tmp_path)}
+        assert await adapter.health_answer() == {"version": 5}
+        recorder.answers["/model_info"] = {"weight_version": "default"}  # restarted on its start-up weights
+        assert await adapter.health_answer() == {"version": 0}
+        recorder.answers["/model_info"] = {"model_path": "m"}  # an SGLang without weight versions
+        assert await adapter.health_answer() == {"success": True}
     finally:
         await adapter.close()
 

@@ -6,7 +6,8 @@ version it loaded before. The engine watch (``engine_island._watch_engine``) wit
 into it once it answers again. A restart whose first load of the held version fails still starts
 the island: the watch reloads it. The held version goes in as a version (``load_version`` with the
 folder's record: vLLM's workers verify and bind it), not as a bare reload. vLLM's health answer
-says nothing of weights, so its probe asks the workers which version they hold.
+says nothing of weights, so its probe asks the workers which version they hold; SGLang's reads
+the weight version each load set.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from weftboard.subscriber.engine_destination import EngineDestination
 from weftboard.subscriber.engine_island import _watch_engine, start_island
 from weftboard.subscriber.engines.base import ActivationMode
 from weftboard.subscriber.engines.reference import ReferenceHttpAdapter
+from weftboard.subscriber.engines.sglang import SglangAdapter
 from weftboard.subscriber.engines.vllm import VllmAdapter
 from weftboard.subscriber.engines.vllm_worker import target_to_json
 from weftboard.subscriber.reference_engine.engine import ReferenceEngine
@@ -168,6 +170,45 @@ async def test_a_vllm_engine_restarted_between_two_probes_is_caught_by_its_worke
         engine.rpc_answers["weftboard_digest"] = _digest_answer(2, target.root_digest)  # what the reload binds
         assert await state.wait_for(lambda: state.held == 2 and state.withdrawn is None, 10.0)
         assert rpcs("weftboard_attach") == 2 and adapter.served_version() == 2  # the verified folder, verified
+    finally:
+        if watch is not None:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+        await adapter.close()
+        await engine.stop()
+
+
+async def test_an_sglang_engine_restarted_between_two_probes_is_caught_by_its_weight_version(tmp_path: Path) -> None:
+    """SGLang's ``/health`` says nothing of weights either: its ``weight_version``, which each load
+    sets to the island's version, is back at ``default`` after a restart; the island is withdrawn
+    until its verified folder is loaded again."""
+    folder = await _folder_holding(tmp_path / "ckpt", 2)
+    engine = await RecordingEngine().start()
+    engine.answers["/v1/models"] = {"data": [{"id": "base"}]}
+    engine.answers["/model_info"] = {"weight_version": "2"}
+    adapter = SglangAdapter(engine.url, timeout_s=5)
+    state = VersionState()
+    gate = AdmissionGate(ActivationMode.DRAIN)
+    dest = EngineDestination(adapter, gate, state, folder, checkpoint_dir=folder.current)
+    watch: asyncio.Task | None = None
+
+    def loads() -> int:
+        return sum(1 for c in engine.calls if c["path"] == "/update_weights_from_disk")
+
+    try:
+        assert await dest.activate_held() == 2 and loads() == 1
+        watch = asyncio.create_task(_watch_engine(adapter, dest, gate, every_s=0.05))
+        for _ in range(100):
+            if sum(1 for c in engine.calls if c["path"] == "/model_info") >= 3:
+                break
+            await asyncio.sleep(0.05)
+        assert state.held == 2 and state.withdrawn is None
+        engine.answers["/model_info"] = {"weight_version": "default"}  # restarted on its start-up weights
+        assert await state.wait_for(lambda: state.withdrawn is not None, 10.0)
+        assert "reports version 0 where the island loaded version 2" in (state.withdrawn or "")
+        engine.answers["/model_info"] = {"weight_version": "2"}  # what the reload sets
+        assert await state.wait_for(lambda: state.held == 2 and state.withdrawn is None, 10.0)
+        assert loads() == 2 and adapter.served_version() == 2
     finally:
         if watch is not None:
             watch.cancel()

@@ -1,7 +1,7 @@
 """SGLang adapter: a new version is loaded whole from the island's checkpoint folder.
 
 Requests (pinned by tests/contracts/sglang.json; read against SGLang 0.5.23's
-``srt/entrypoints/http_server.py``, ``srt/managers/io_struct.py``, ``tokenizer_manager.py``,
+``srt/entrypoints/http_server.py`` (``GET /model_info``, ``GET /health`` too), ``srt/managers/io_struct.py``, ``tokenizer_manager.py``,
 ``scheduler.py``):
 - ``in_place``: ``POST /pause_generation {"mode": "retract"}`` stops the scheduler between two
   steps and sends running requests back to its queue, KV freed; after ``POST
@@ -25,6 +25,8 @@ name instead. An engine an earlier island already renamed needs the name given.
 
 Needs ``/pause_generation`` with a ``mode`` (SGLang after 0.5.5) and a cache flush that
 ignores the waiting queue while paused. With ``--admin-api-key``, that key is the ``api_key``.
+The health probe also reads ``/model_info``'s ``weight_version``, which each load sets to the
+island's version and a restart resets: a restart between two probes is seen.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class SglangAdapter(HttpEngineAdapter):
         super().__init__(engine_url, timeout_s=timeout_s, load_timeout_s=load_timeout_s, api_key=api_key)
         self.served_model_name = served_model_name
         self._paused = False  # whether resume has a /pause_generation to undo
+        self._model_info_path = "/model_info"  # "/get_model_info" once an older SGLang answered 404
 
     async def warm_up(self) -> float:
         """Record the name the engine serves its model under, before a load renames it. An
@@ -128,8 +131,31 @@ class SglangAdapter(HttpEngineAdapter):
                              f"{directory}: {answer.get('message', 'no message')}")
         self.mark_served(version)
 
-    async def model_info(self) -> dict:
-        return await self.call("GET", "/get_model_info")
+    async def model_info(self, timeout_s: float | None = None) -> dict:
+        """SGLang's ``/model_info`` (``/get_model_info`` on an SGLang without it, after one 404)."""
+        if self._model_info_path == "/model_info":
+            try:
+                return await self.call("GET", "/model_info", timeout_s=timeout_s)
+            except EngineErrorAnswer as exc:
+                if exc.status != 404:
+                    raise
+                self._model_info_path = "/get_model_info"
+        return await self.call("GET", self._model_info_path, timeout_s=timeout_s)
+
+    async def health_answer(self) -> Any:
+        """``/health``, and once a version is served, the weight version SGLang reports as
+        ``{"version": v}`` (as the reference engine answers): each load sets it to the island's
+        version (``weight_version``), and an engine restarted between two probes reports its
+        start-up one (``default``: 0), so the island sees the restart. An SGLang that reports
+        none is judged by its health answer alone. Each ask within 5 s, as the health check."""
+        answer = await super().health_answer()
+        if not self.served_version():
+            return answer
+        info = await self.model_info(timeout_s=min(self.timeout_s, 5.0))
+        reported = info.get("weight_version") if isinstance(info, dict) else None
+        if reported is None:
+            return answer
+        return {"version": int(reported) if str(reported).isdigit() else 0}
 
 
 def first_model_id(answer: Any, engine_url: str) -> str:
