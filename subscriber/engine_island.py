@@ -19,8 +19,8 @@ Invariants:
   re-hashed against its record; a damaged version is quarantined and fetched again (scrub.py).
 - An engine in its own process is probed every ``engine_watch_s`` (``_watch_engine``): one that
   stops answering (``ENGINE_MISSES`` probes in a row), or reports a version other than the one the
-  island loaded (the reference engine's ``/health`` says, vLLM's workers when asked: it restarted
-  on its start-up weights), is withdrawn at once (503,
+  island loaded (the reference engine's ``/health`` says, vLLM's workers when asked, SGLang's
+  weight version: it restarted on its start-up weights), is withdrawn at once (503,
   ``adapter.mark_unverified``), and once it answers again the verified folder is loaded into it
   (``activate_held``). Probes overlapping an activation are not judged. A restart whose first
   ``activate_held`` fails still starts: the watch begins with the engine lost and loads it again.
