@@ -9,6 +9,7 @@ with ``torch.chunk`` over whole heads and rows. The real engine is in tests/test
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,6 +21,7 @@ from weftboard.cuda.anchors import write_checkpoint
 from weftboard.cuda.codec import encode_patch
 from weftboard.subscriber.bench.vllm_kit import version_record
 from weftboard.subscriber.destination import VersionTarget
+from weftboard.subscriber.engines import vllm_worker
 from weftboard.subscriber.engines.vllm_live import LiveParams
 from weftboard.subscriber.engines.vllm_params import Unplaceable, place_checkpoint
 from weftboard.subscriber.engines.vllm_worker import (
@@ -360,6 +362,38 @@ def test_the_worker_stages_then_commits_and_a_failed_write_is_put_back(tmp_path:
     monkeypatch.setattr(LiveParams, "write", real_write)
     assert worker.weftboard_apply_patch(str(patch2), target_to_json(v2))["status"] == "ok"
     assert worker.weftboard_digest(deep=True)["root"] == v2.root_digest
+
+
+def test_a_shallow_digest_answers_at_once_while_a_patch_stages(tmp_path: Path, monkeypatch) -> None:
+    """The island's health probe asks the workers for their version (not deep) every few seconds;
+    inside the engine that call must not wait for a staging under way, which may take seconds:
+    the staging patches the shadow's bytes, not the version and root the worker vouches for."""
+    versions = versions_on_disk(tmp_path, 1)
+    worker = FakeWorker(TinyVllmLlama())
+    folder, v0, _ = versions[0]
+    worker.weftboard_attach(str(folder), target_to_json(v0))
+    release = threading.Event()
+    real_apply = vllm_worker.apply_patch_
+
+    def slow_apply(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        release.wait(30)
+        return real_apply(*args, **kwargs)
+
+    monkeypatch.setattr(vllm_worker, "apply_patch_", slow_apply)
+    _, v1, patch1 = versions[1]
+    assert worker.weftboard_stage_patch(str(patch1), target_to_json(v1))["status"] == "staging"
+    try:
+        answers: list[dict] = []
+        probe = threading.Thread(target=lambda: answers.append(worker.weftboard_digest()))
+        probe.start()
+        probe.join(5)
+        assert answers and (answers[0]["status"], answers[0]["version"], answers[0]["root"]) == (
+            "ok", v0.version, v0.root_digest)
+        assert worker.weftboard_staged.thread.is_alive()  # the staging still runs
+    finally:
+        release.set()
+    worker.weftboard_staged.thread.join()
+    assert worker.weftboard_stage_status()["status"] == "staged"
 
 
 def test_a_commit_names_exactly_the_staged_record(tmp_path: Path) -> None:

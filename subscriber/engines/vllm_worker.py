@@ -127,8 +127,11 @@ class WeftboardWorkerExtension:
     """Mixed into vLLM's worker class; every public name starts with ``weftboard_``."""
 
     def weftboard_digest(self, deep: bool = False) -> dict[str, Any]:
+        """The version and root this worker holds; ``deep`` also compares the live parameters with
+        them (after a staging under way has settled). Not deep, it never waits: a staging patches
+        the shadow's bytes, not the version and root it vouches for (the island's health probe)."""
         staged: StagedPatch | None = getattr(self, "weftboard_staged", None)
-        if staged is not None and staged.thread is not None:
+        if deep and staged is not None and staged.thread is not None:
             staged.thread.join()  # the shadow is being patched: wait until it is settled
         if deep and staged is not None and staged.applied is not None:
             return self._weftboard_answer("staging", f"a patch to version {staged.record.version} is staged; "
