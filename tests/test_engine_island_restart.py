@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from test_destinations import _anchor, _target
@@ -133,6 +134,34 @@ def _digest_answer(version: int, root: str | None) -> dict:
     return {"results": [{"rank": 0, "status": "ok", "version": version, "root": root}]}
 
 
+async def _a_restart_between_two_probes(adapter, folder: CheckpointDirDestination, *, probes: Callable[[], int],
+                                        restart: Callable[[], None], reload: Callable[[], None]) -> None:
+    """The folder's version 2 activated and the engine watched: probes that find it change
+    nothing; once ``restart`` made the engine answer as a restarted one, the island is withdrawn,
+    and once ``reload`` made it answer as a reloaded one, the island holds version 2 again."""
+    state = VersionState()
+    gate = AdmissionGate(ActivationMode.DRAIN)
+    dest = EngineDestination(adapter, gate, state, folder, checkpoint_dir=folder.current)
+    assert await dest.activate_held() == 2
+    watch = asyncio.create_task(_watch_engine(adapter, dest, gate, every_s=0.05))
+    try:
+        for _ in range(100):
+            if probes() >= 3:
+                break
+            await asyncio.sleep(0.05)
+        assert probes() >= 3 and state.held == 2 and state.withdrawn is None
+        restart()
+        assert await state.wait_for(lambda: state.withdrawn is not None, 10.0)
+        assert "reports version 0 where the island loaded version 2" in (state.withdrawn or "")
+        assert adapter.served_version() == 0
+        reload()
+        assert await state.wait_for(lambda: state.held == 2 and state.withdrawn is None, 10.0)
+        assert adapter.served_version() == 2
+    finally:
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+
+
 async def test_a_vllm_engine_restarted_between_two_probes_is_caught_by_its_workers_version(tmp_path: Path) -> None:
     """vLLM's ``/health`` says nothing of weights: while the workers hold the served version bound,
     the probe asks them (``weftboard_digest``), and workers that came back with none (a restart
@@ -146,34 +175,17 @@ async def test_a_vllm_engine_restarted_between_two_probes_is_caught_by_its_worke
         {"rank": 0, "status": "ok", "root": target.root_digest, "version": 2}]}
     engine.rpc_answers["weftboard_digest"] = _digest_answer(2, target.root_digest)
     adapter = VllmAdapter(engine.url, timeout_s=5)
-    state = VersionState()
-    gate = AdmissionGate(ActivationMode.DRAIN)
-    dest = EngineDestination(adapter, gate, state, folder, checkpoint_dir=folder.current)
-    watch: asyncio.Task | None = None
 
     def rpcs(method: str) -> int:
         return sum(1 for c in engine.calls if c["path"] == "/collective_rpc" and c["json"]["method"] == method)
 
     try:
-        assert await dest.activate_held() == 2 and state.held == 2
-        watch = asyncio.create_task(_watch_engine(adapter, dest, gate, every_s=0.05))
-        for _ in range(100):  # probes that find the workers on the served version change nothing
-            if rpcs("weftboard_digest") >= 3:
-                break
-            await asyncio.sleep(0.05)
-        assert rpcs("weftboard_digest") >= 3 and state.held == 2 and state.withdrawn is None
-
-        engine.rpc_answers["weftboard_digest"] = _digest_answer(0, None)  # restarted: the workers hold nothing
-        assert await state.wait_for(lambda: state.withdrawn is not None, 10.0)
-        assert "reports version 0 where the island loaded version 2" in (state.withdrawn or "")
-        assert adapter.served_version() == 0
-        engine.rpc_answers["weftboard_digest"] = _digest_answer(2, target.root_digest)  # what the reload binds
-        assert await state.wait_for(lambda: state.held == 2 and state.withdrawn is None, 10.0)
-        assert rpcs("weftboard_attach") == 2 and adapter.served_version() == 2  # the verified folder, verified
+        await _a_restart_between_two_probes(
+            adapter, folder, probes=lambda: rpcs("weftboard_digest"),
+            restart=lambda: engine.rpc_answers.update(weftboard_digest=_digest_answer(0, None)),  # none held
+            reload=lambda: engine.rpc_answers.update(weftboard_digest=_digest_answer(2, target.root_digest)))
+        assert rpcs("weftboard_attach") == 2  # the verified folder, verified by the workers
     finally:
-        if watch is not None:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
         await adapter.close()
         await engine.stop()
 
@@ -187,32 +199,17 @@ async def test_an_sglang_engine_restarted_between_two_probes_is_caught_by_its_we
     engine.answers["/v1/models"] = {"data": [{"id": "base"}]}
     engine.answers["/model_info"] = {"weight_version": "2"}
     adapter = SglangAdapter(engine.url, timeout_s=5)
-    state = VersionState()
-    gate = AdmissionGate(ActivationMode.DRAIN)
-    dest = EngineDestination(adapter, gate, state, folder, checkpoint_dir=folder.current)
-    watch: asyncio.Task | None = None
 
-    def loads() -> int:
-        return sum(1 for c in engine.calls if c["path"] == "/update_weights_from_disk")
+    def calls(path: str) -> int:
+        return sum(1 for c in engine.calls if c["path"] == path)
 
     try:
-        assert await dest.activate_held() == 2 and loads() == 1
-        watch = asyncio.create_task(_watch_engine(adapter, dest, gate, every_s=0.05))
-        for _ in range(100):
-            if sum(1 for c in engine.calls if c["path"] == "/model_info") >= 3:
-                break
-            await asyncio.sleep(0.05)
-        assert state.held == 2 and state.withdrawn is None
-        engine.answers["/model_info"] = {"weight_version": "default"}  # restarted on its start-up weights
-        assert await state.wait_for(lambda: state.withdrawn is not None, 10.0)
-        assert "reports version 0 where the island loaded version 2" in (state.withdrawn or "")
-        engine.answers["/model_info"] = {"weight_version": "2"}  # what the reload sets
-        assert await state.wait_for(lambda: state.held == 2 and state.withdrawn is None, 10.0)
-        assert loads() == 2 and adapter.served_version() == 2
+        await _a_restart_between_two_probes(
+            adapter, folder, probes=lambda: calls("/model_info"),
+            restart=lambda: engine.answers.update({"/model_info": {"weight_version": "default"}}),
+            reload=lambda: engine.answers.update({"/model_info": {"weight_version": "2"}}))
+        assert calls("/update_weights_from_disk") == 2
     finally:
-        if watch is not None:
-            watch.cancel()
-            await asyncio.gather(watch, return_exceptions=True)
         await adapter.close()
         await engine.stop()
 
