@@ -144,9 +144,14 @@ class HttpEngineAdapter(EngineAdapter):
             self.mark_unverified(f"{what} was cancelled; the engine may still be changing its weights")
             raise
 
+    @property
+    def probe_timeout_s(self) -> float:
+        """How long each request of a health probe may take: ``timeout_s``, at most 5 s."""
+        return min(self.timeout_s, 5.0)
+
     async def health_answer(self) -> Any:
-        """The engine's answer to its health endpoint (within 5 s at most), else ApplyError."""
-        return await self.call("GET", "/health", timeout_s=min(self.timeout_s, 5.0))
+        """The engine's answer to its health endpoint (within ``probe_timeout_s``), else ApplyError."""
+        return await self.call("GET", "/health", timeout_s=self.probe_timeout_s)
 
     async def health(self) -> bool:
         try:

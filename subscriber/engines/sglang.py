@@ -147,11 +147,11 @@ class SglangAdapter(HttpEngineAdapter):
         ``{"version": v}`` (as the reference engine answers): each load sets it to the island's
         version (``weight_version``), and an engine restarted between two probes reports its
         start-up one (``default``: 0), so the island sees the restart. An SGLang that reports
-        none is judged by its health answer alone. Each ask within 5 s, as the health check."""
+        none is judged by its health answer alone. Each ask within ``probe_timeout_s``, as the health check."""
         answer = await super().health_answer()
         if not self.served_version():
             return answer
-        info = await self.model_info(timeout_s=min(self.timeout_s, 5.0))
+        info = await self.model_info(timeout_s=self.probe_timeout_s)
         reported = info.get("weight_version") if isinstance(info, dict) else None
         if reported is None:
             return answer

@@ -104,12 +104,12 @@ class VllmAdapter(HttpEngineAdapter):
         (``{"version": v}``, as the reference engine answers): an engine restarted between two
         probes answers its health check on its start-up weights with no version (0), so the island
         sees the restart (``engine_island._engine_trouble``) instead of labelling those weights
-        with the version it had loaded. Each ask within 5 s, as the health check."""
+        with the version it had loaded. Each ask within ``probe_timeout_s``, as the health check."""
         answer = await super().health_answer()
         served = self.served_version()
         if not served or self._bound != served or self._staging:
             return answer
-        version, _ = await self.engine_digest(timeout_s=min(self.timeout_s, 5.0))
+        version, _ = await self.engine_digest(timeout_s=self.probe_timeout_s)
         return {"version": version}
 
     async def pause(self, mode: ActivationMode) -> None:
