@@ -61,7 +61,9 @@ BLOB_FLAGS: tuple[tuple[str, object, object], ...] = (
     ("s3_secret_key", str | None, typer.Option(None, envvar="WEFTBOARD_S3_SECRET_KEY", rich_help_panel=BLOBS_PANEL)),
     ("s3_bucket", str, typer.Option(DEFAULT_BUCKET, envvar="WEFTBOARD_S3_BUCKET", rich_help_panel=BLOBS_PANEL,
                                     help="The board's bucket.")),
-    ("s3_secure", bool, typer.Option(False, envvar="WEFTBOARD_S3_SECURE", rich_help_panel=BLOBS_PANEL,
+    # --s3-insecure as `weftboard serve` spells it; --no-s3-secure, the name islands had first, still works
+    ("s3_secure", bool, typer.Option(False, "--s3-secure/--s3-insecure", " /--no-s3-secure", envvar="WEFTBOARD_S3_SECURE",
+                                     rich_help_panel=BLOBS_PANEL,
                                      help="HTTPS to a host:port endpoint (a URL's scheme decides for itself).")),
     ("s3_region", str | None, typer.Option(
         None, envvar="WEFTBOARD_S3_REGION", rich_help_panel=BLOBS_PANEL,

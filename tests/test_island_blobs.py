@@ -162,6 +162,11 @@ def test_both_island_commands_take_the_same_blob_flags_and_region(command: str, 
     # no region: the store asks (AWS hosts name theirs), nothing assumed
     done = _island_command(command, ["--s3-endpoint", "127.0.0.1:9000"], tmp_path)
     assert json.loads(done.stdout.splitlines()[0])[2] is None, done.stderr
+    # HTTPS to a host:port endpoint: --s3-secure, else --s3-insecure as `weftboard serve` spells it (or
+    # --no-s3-secure, the island commands' first name for it)
+    for flag, secure in (("--s3-secure", True), ("--s3-insecure", False), ("--no-s3-secure", False)):
+        done = _island_command(command, ["--s3-endpoint", "127.0.0.1:9000", flag], tmp_path)
+        assert done.stdout.strip() and json.loads(done.stdout.splitlines()[0])[4] is secure, (flag, done.stderr[-2000:])
 
 
 @pytest.mark.parametrize("command", ["subscribe", "sidecar"])
