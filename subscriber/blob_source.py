@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore, check_key
-from weftboard.board.blobs.s3 import DEFAULT_BUCKET, s3_location
+from weftboard.board.blobs import BlobStore, LocalDirBlobStore, S3BlobStore
+from weftboard.board.blobs.s3 import DEFAULT_BUCKET, key_prefix, s3_location
 from weftboard.proto.errors import InvalidArgument
 
 
@@ -42,11 +42,10 @@ class IslandBlobSettings:
             if self.blob_dir is not None:
                 raise InvalidArgument("give --s3-endpoint or --blob-dir, not both")
             s3_location(self.s3_endpoint, self.s3_bucket, self.s3_secure)
-            if self.s3_prefix.rstrip("/"):
-                try:
-                    check_key(self.s3_prefix.rstrip("/"))
-                except InvalidArgument as exc:
-                    raise InvalidArgument(f"--s3-prefix {self.s3_prefix!r} is not a key prefix: {exc}") from None
+            try:
+                key_prefix(self.s3_prefix)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"--s3-prefix {self.s3_prefix!r} is not a key prefix: {exc}") from None
 
     def open(self) -> BlobStore | None:
         """The store to read from (the caller closes it), or None for the board's presigned URLs.

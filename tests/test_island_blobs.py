@@ -39,6 +39,8 @@ from weftboard.subscriber.blob_source import PRESIGNED, IslandBlobSettings
     (dict(s3_endpoint="http://127.0.0.1:9000/bucket"), "must not contain a path"),
     (dict(s3_endpoint="127.0.0.1:9000", s3_bucket="ab"), "bucket name 'ab' is invalid"),
     (dict(s3_endpoint="127.0.0.1:9000", s3_prefix="runs/../other"), "--s3-prefix 'runs/../other'"),
+    # the store refused "/" only when it opened (after the command had started): now the settings do
+    (dict(s3_endpoint="127.0.0.1:9000", s3_prefix="/"), "--s3-prefix '/' is not a key prefix"),
 ])
 def test_settings_that_do_not_fit_together_are_refused_before_anything_opens(settings: dict, message: str) -> None:
     with pytest.raises(InvalidArgument, match=message.replace("(", r"\(")):

@@ -109,6 +109,15 @@ def _minio_api() -> _MinioApi:
                      (error.InvalidResponseError, error.ServerError), helpers.check_bucket_name)
 
 
+def key_prefix(prefix: str) -> str:
+    """``prefix`` as the store's keys begin with it: empty, or a key and one ``/`` (``runs`` and
+    ``runs/`` alike give ``runs/``); ``InvalidArgument`` for one that is no key (``/``, ``a//b``,
+    ``..``)."""
+    if not prefix:
+        return ""
+    return check_key(prefix.rstrip("/")) + "/"
+
+
 def s3_location(endpoint: str, bucket: str, secure: bool = False) -> tuple[str, bool]:
     """``(host, TLS)`` of ``endpoint`` (``host:port``, or a URL whose scheme decides TLS) once it
     and the bucket's name are checked, else ``InvalidArgument`` saying what is wrong. Opens
@@ -154,10 +163,7 @@ class S3BlobStore(BlobStore):
         self.endpoint = host
         self.bucket = bucket
         self.region = region
-        if prefix:
-            check_key(prefix.rstrip("/"))
-            prefix = prefix.rstrip("/") + "/"
-        self.prefix = prefix
+        self.prefix = key_prefix(prefix)
         self._http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
             maxsize=POOL_CONNECTIONS,
