@@ -2,7 +2,11 @@
 
 Each package contributes its commands through a ``commands`` module with a
 ``register(app, bench)`` function, so this file stays a table of contents and each
-package owns its own flags. ``weftboard --version`` prints the installed distribution's
+package owns its own flags. A ``commands`` module imports at its top only what its flags need
+(typer, the board's flag helpers), and each command imports what it runs in its body: building
+this table loads no torch, numba or numpy, so ``weftboard serve`` and the board's client
+commands start without them (tests/test_cli_board.py holds this).
+``weftboard --version`` prints the installed distribution's
 version (``importlib.metadata``) and exits before any command is resolved.
 
 ``weftboard --config FILE`` (or ``WEFTBOARD_CONFIG``) reads every command's options from a TOML

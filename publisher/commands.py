@@ -1,6 +1,9 @@
 """``weftboard bench sync`` (delta sync vs full checkpoints, islands on this machine),
 ``weftboard bench publish`` (sharded publishing vs a gather to rank 0) and ``weftboard bench
-chaos`` (the whole system under seeded faults, its history checked)."""
+chaos`` (the whole system under seeded faults, its history checked).
+
+Only what the flags need is imported here (``board/cli.py``: the command line loads no torch);
+each command imports its benchmark when it runs."""
 
 from __future__ import annotations
 
@@ -9,13 +12,8 @@ from pathlib import Path
 import typer
 
 from weftboard.board.logs import configure
-from weftboard.cuda.codec import ENCODINGS
-from weftboard.publisher.bench import bench_publish
-from weftboard.publisher.bench.bench_sync import main_cli
-from weftboard.publisher.bench.chaos import bench as chaos_bench
 from weftboard.publisher.bench.wan.bench import WAN_LOSS
 from weftboard.publisher.bench.wan.window import check_loss
-from weftboard.publisher.parts import SUGGESTED_PART_BYTES
 
 
 def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command only
@@ -39,9 +37,10 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
                                                       "steps, as large trainers run) or auto (Python's default)."),
         encoding: str = typer.Option("default", help="The publisher's patch encoding: default, compact (fewer bytes, slower), context or baseline."),
         part_bytes: int | None = typer.Option(None, help="Streams per staged patch part (0: one patch blob, "
-                                                            "nothing staged before the commit; default: "
-                                                            f"{SUGGESTED_PART_BYTES} while an island asks for parts "
-                                                            "(its blob store is far), else one blob)."),
+                                                            "nothing staged before the commit; default: the "
+                                                            "publisher's own size (SUGGESTED_PART_BYTES, a few hundred "
+                                                            "kB) while an island asks for parts (its blob store is "
+                                                            "far), else one blob)."),
         board_process: bool = typer.Option(False, "--board-process/--board-in-process",
                                            help="Run the board as its own process, as deployed, or on the bench's "
                                                 "event loop (sharing the trainer's and publisher's interpreter)."),
@@ -49,6 +48,12 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
                                                                   "the board's presigned URLs."),
     ) -> None:
         """Publish-to-applied on every island for patches vs full checkpoints; last line JSON."""
+        # imported when the command runs: the command line loads no torch (board/cli.py)
+        from weftboard.cuda.codec import ENCODINGS
+
+        # imported when the command runs: the command line loads no torch (board/cli.py)
+        from weftboard.publisher.bench.bench_sync import main_cli
+
         if encoding not in ENCODINGS:
             raise typer.BadParameter(f"choose one of {', '.join(ENCODINGS)}", param_hint="--encoding")
         if part_bytes is not None and part_bytes < 0:
@@ -77,6 +82,9 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
         """Per-rank blocking time and bytes of sharded publishing vs gather-to-rank-0; last line JSON."""
         if ranks < 1 or versions < 1:
             raise typer.BadParameter("--ranks and --versions must be >= 1")
+        # imported when the command runs: the command line loads no torch (board/cli.py)
+        from weftboard.publisher.bench import bench_publish
+
         configure(json=True, level="WARNING")
         bench_publish.main_cli(ranks, params, width, versions, json_out, work_dir, timeout_s)
 
@@ -97,6 +105,9 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
             raise typer.BadParameter("everysec or always", param_hint="--appendfsync")
         if duration <= 0 or islands < 1:
             raise typer.BadParameter("--duration and --islands must be positive")
+        # imported when the command runs: the command line loads no torch (board/cli.py)
+        from weftboard.publisher.bench.chaos import bench as chaos_bench
+
         configure(json=True, level="WARNING")
         shape = chaos_bench.SystemShape(islands=islands, appendfsync=appendfsync, publish_interval_s=publish_interval_s)
         params = chaos_bench.ChaosParams(duration_s=duration, seed=seed, shape=shape, work_dir=work_dir, keep=keep)

@@ -15,14 +15,18 @@ group of flags for both commands (``with_blob_flags``), checked together before 
 Island metrics (subscriber/metrics.py): the sidecar serves them at ``/metrics`` on its own port,
 ``subscribe`` on ``--metrics-port``. Both are processes of their own: they tune the garbage
 collector as ``weftboard serve`` does (``board/process.py`` ``tune_gc_for_serving``).
+Only what the flags need is imported here (the command line loads no torch, see
+``board/cli.py``); each command imports the island when it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import typer
@@ -40,11 +44,11 @@ from weftboard.board.commands import (
 from weftboard.board.logs import configure
 from weftboard.board.process import tune_gc_for_serving
 from weftboard.proto.errors import InvalidArgument, WeftboardError
-from weftboard.subscriber.bench import engine as bench_engine
 from weftboard.subscriber.blob_source import PRESIGNED, IslandBlobSettings
-from weftboard.subscriber.engine_island import RunningIsland, start_island
 from weftboard.subscriber.engines.base import ActivationMode
-from weftboard.subscriber.local_follower import LocalFollowerConfig, run_local_follower
+
+if TYPE_CHECKING:
+    from weftboard.subscriber.engine_island import RunningIsland
 
 log = structlog.get_logger("weftboard.commands")
 
@@ -131,7 +135,28 @@ async def serve_until_stopped(island: RunningIsland, run: str) -> None:
 
 
 def register(app: typer.Typer, bench: typer.Typer) -> None:
-    bench_engine.register(bench)
+    @bench.command("engine")
+    def bench_engine(
+        versions: int = typer.Option(8, "--versions", min=1),
+        hidden: int = typer.Option(1024, "--hidden", min=32, help="a multiple of 32"),
+        layers: int = typer.Option(12, "--layers", min=1),
+        engine_python: Path | None = typer.Option(
+            None, "--engine-python", envvar="WEFTBOARD_ENGINE_PYTHON",
+            help="the Python of an environment that has vLLM (a GPU build); default: a CPU one under ~/.cache"),
+        clients: int = typer.Option(3, "--clients", min=0, help="concurrent clients during the swaps"),
+        as_json: bool = typer.Option(False, "--json", help="print the result as JSON on the last line"),
+    ) -> None:
+        """vLLM in place (pause, patch, resume) against its own full reload, version by version."""
+        # imported when the command runs: the command line loads no torch (board/cli.py)
+        from weftboard.subscriber.bench import engine as engine_bench
+
+        result = engine_bench.run(versions=versions, hidden=hidden, layers=layers, clients=clients,
+                                  engine_python=engine_python,
+                                  say=(lambda line: typer.echo(line, err=True)) if as_json else typer.echo)
+        if as_json:
+            print(json.dumps(result))
+        else:
+            typer.echo(f"swap_speedup x{result['swap_speedup']:.2f}, requests failed {result['requests_failed']}")
 
     @app.command()
     @with_tls_flags
@@ -159,6 +184,12 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         """Follow RUN into a local checkpoint directory, verified, atomically replaced."""
         if destination not in DESTINATIONS:
             usage_error("--destination", f"must be dir or memory, not {destination!r}")
+        # imported when the command runs: the command line loads no torch (board/cli.py)
+        from weftboard.subscriber.local_follower import (
+            LocalFollowerConfig,
+            run_local_follower,
+        )
+
         configure(json=log_json)
         cfg = LocalFollowerConfig(
             board=board, run=run, dir=dir, token=token, island_id=island_id, region=region,
@@ -220,6 +251,9 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             store = blob_settings.open()
         except OSError as exc:  # a blob directory that cannot be made
             startup_error("sidecar did not start", exc)
+
+        # imported when the command runs: the command line loads no torch (board/cli.py)
+        from weftboard.subscriber.engine_island import start_island
 
         async def main() -> None:
             try:

@@ -247,6 +247,24 @@ def test_version_flag() -> None:
     assert result.stdout.strip() == f"weftboard {importlib.metadata.version('weftboard')}"
 
 
+def test_the_command_line_loads_no_torch_until_a_command_needs_it() -> None:
+    """Every command is registered without torch, numba or numpy (each command imports what it
+    runs), so ``weftboard serve`` and the board's client commands start in about a second; the
+    table still has every command, and a command that needs the codec gets it."""
+    probe = ("import json, sys, typer; from weftboard.board.cli import build_app\n"
+             "app = typer.main.get_command(build_app())\n"
+             "print(json.dumps([[m for m in ('torch', 'numba', 'numpy') if m in sys.modules],\n"
+             "                  sorted(app.commands), sorted(app.commands['bench'].commands)]))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    loaded, top, bench = json.loads(out.stdout)
+    assert loaded == []
+    assert {"serve", "history", "status", "fleet", "token", "gc", "warmup", "subscribe", "sidecar", "demo",
+            "bench"} <= set(top)
+    assert set(bench) == {"board", "codec", "formats", "engine", "sync", "publish", "chaos"}
+    result = CliRunner().invoke(build_app(), ["warmup", "--format", "nope"])
+    assert result.exit_code == 2 and "nope: choose from" in result.output  # the codec's own list of formats
+
+
 def test_invalid_settings_exit_2_with_a_message(tmp_path: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(build_app(), ["serve", "--listen", "nonsense"], env=_env(tmp_path))

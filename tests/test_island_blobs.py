@@ -111,9 +111,11 @@ async def test_a_request_signed_for_the_wrong_region_is_permission_denied_naming
 
 # -- the command line -----------------------------------------------------------------------
 
+# the real command line, with the follower and the island it would start replaced where the
+# commands import them when they run
 _RUN_COMMAND = """
 import json, sys
-import weftboard.subscriber.commands as commands
+from weftboard.subscriber import engine_island, local_follower
 from weftboard.board.cli import main
 from weftboard.proto.errors import Unavailable
 
@@ -132,8 +134,8 @@ async def start_island(**kwargs):
     report(kwargs["blob_store"], kwargs["region"])
     raise Unavailable("no board in this test")
 
-commands.run_local_follower = follow
-commands.start_island = start_island
+local_follower.run_local_follower = follow
+engine_island.start_island = start_island
 sys.argv = ["weftboard", *json.loads(sys.argv[1])]
 main()
 """

@@ -17,7 +17,7 @@ from weftboard.board.process import SERVING_GC_THRESHOLDS
 
 _RUN_COMMAND = """
 import gc, json, sys
-import weftboard.subscriber.commands as commands
+from weftboard.subscriber import engine_island, local_follower
 from weftboard.board.cli import main
 from weftboard.proto.errors import Unavailable
 
@@ -32,8 +32,8 @@ async def start_island(**kwargs):
     report()
     raise Unavailable("no board in this test")
 
-commands.run_local_follower = follow
-commands.start_island = start_island
+local_follower.run_local_follower = follow  # where the commands import them when they run
+engine_island.start_island = start_island
 sys.argv = ["weftboard", *json.loads(sys.argv[1])]
 main()
 """

@@ -24,7 +24,9 @@ PACKAGE_DIRS = {"proto": "weftboard.proto", "board": "weftboard.board", "publish
                 "subscriber": "weftboard.subscriber", "cuda": "weftboard.cuda"}
 GENERATED = REPO / "proto" / "v1"
 MAX_MODULE_LINES = 600
-MAX_LOCAL_IMPORTS = 30
+# optional dependencies, plus one in each command's body that needs torch (the command line
+# registers every command without it: ``board/cli.py``)
+MAX_LOCAL_IMPORTS = 35
 
 
 def _sources() -> list[Path]:

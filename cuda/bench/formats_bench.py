@@ -13,13 +13,11 @@ ulp, which is when recomputed scales rewrite a tensor).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import typer
 
 from weftboard.cuda import formats
 
@@ -100,18 +98,3 @@ def run(
     log(f"total {time.perf_counter() - t0:.1f}s")
     return rows
 
-
-def register(bench) -> None:
-    """Add ``bench formats`` to the CLI's bench group (called from weftboard.cuda.commands)."""
-    @bench.command("formats")
-    def bench_formats(
-        layers: int = typer.Option(2, "--layers", min=1),
-        hidden: int = typer.Option(256, "--hidden", min=128, help="a multiple of 128"),
-        steps: int = typer.Option(3, "--steps", min=1, help="AdamW steps (transitions measured)"),
-        lr: float = typer.Option(3e-6, "--lr"),
-        as_json: bool = typer.Option(False, "--json", help="print the rows as JSON on the last line"),
-    ) -> None:
-        """Patch density per scale policy (fixed, pow2) against recomputed scales, same steps."""
-        rows = run(layers=layers, hidden=hidden, intermediate=3 * hidden, steps=steps, lr=lr)
-        if as_json:
-            print(json.dumps(rows))

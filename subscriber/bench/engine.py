@@ -15,7 +15,6 @@ changed elements found, CPU kernels packed) while the engine serves, before the 
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import tempfile
 import threading
@@ -24,8 +23,6 @@ import urllib.error
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-
-import typer
 
 from weftboard.subscriber.bench import vllm_kit
 from weftboard.subscriber.engines.base import ActivationMode
@@ -165,24 +162,3 @@ def run(*, versions: int = 8, hidden: int = 1024, layers: int = 12, clients: int
     result["model"] = {"hidden": hidden, "layers": layers, "bytes": size}
     return result
 
-
-def register(bench: typer.Typer) -> None:
-    """Add ``bench engine`` to the CLI's bench group."""
-    @bench.command("engine")
-    def bench_engine(
-        versions: int = typer.Option(8, "--versions", min=1),
-        hidden: int = typer.Option(1024, "--hidden", min=32, help="a multiple of 32"),
-        layers: int = typer.Option(12, "--layers", min=1),
-        engine_python: Path | None = typer.Option(
-            None, "--engine-python", envvar="WEFTBOARD_ENGINE_PYTHON",
-            help="the Python of an environment that has vLLM (a GPU build); default: a CPU one under ~/.cache"),
-        clients: int = typer.Option(3, "--clients", min=0, help="concurrent clients during the swaps"),
-        as_json: bool = typer.Option(False, "--json", help="print the result as JSON on the last line"),
-    ) -> None:
-        """vLLM in place (pause, patch, resume) against its own full reload, version by version."""
-        result = run(versions=versions, hidden=hidden, layers=layers, clients=clients, engine_python=engine_python,
-                     say=(lambda line: typer.echo(line, err=True)) if as_json else typer.echo)
-        if as_json:
-            print(json.dumps(result))
-        else:
-            typer.echo(f"swap_speedup x{result['swap_speedup']:.2f}, requests failed {result['requests_failed']}")

@@ -1,4 +1,5 @@
-"""CLI: ``weftboard demo``, a complete small RL loop on one machine (see ``rl_loop``)."""
+"""CLI: ``weftboard demo``, a complete small RL loop on one machine (see ``rl_loop``). The loop
+is imported when the command runs (the command line loads no torch, see ``board/cli.py``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-
-from weftboard.subscriber.demo.rl_loop import DemoConfig, run_demo
 
 
 def register(app: typer.Typer, _bench: typer.Typer) -> None:  # no bench command here
@@ -22,6 +21,9 @@ def register(app: typer.Typer, _bench: typer.Typer) -> None:  # no bench command
         live: bool | None = typer.Option(None, "--live/--no-live", help="Live terminal view (default: on a terminal)."),
     ) -> None:
         """A complete small RL loop: trainer, board, two islands (one joins late), trajectories back."""
+        # imported when the command runs: the command line loads no torch (board/cli.py)
+        from weftboard.subscriber.demo.rl_loop import DemoConfig, run_demo
+
         console = Console()
         if not console.is_terminal:  # logs and CI: wide enough for the summary table
             console = Console(width=120)
