@@ -50,9 +50,7 @@ def register(_app: typer.Typer, bench: typer.Typer) -> None:  # a bench command 
         """Publish-to-applied on every island for patches vs full checkpoints; last line JSON."""
         # imported when the command runs: the command line loads no torch (board/cli.py)
         from weftboard.cuda.codec import ENCODINGS
-
-        # imported when the command runs: the command line loads no torch (board/cli.py)
-        from weftboard.publisher.bench.bench_sync import main_cli
+        from weftboard.publisher.bench.bench_sync import main_cli  # (as above)
 
         if encoding not in ENCODINGS:
             raise typer.BadParameter(f"choose one of {', '.join(ENCODINGS)}", param_hint="--encoding")

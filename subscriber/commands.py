@@ -244,6 +244,10 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
         host, port = check_host_port("--listen", listen)
         host = host.strip("[]")  # an IPv6 address binds without its brackets
         host = host or "127.0.0.1"
+        # imported when the command runs (after the usage checks, before anything opens): the
+        # command line loads no torch (board/cli.py)
+        from weftboard.subscriber.engine_island import start_island
+
         configure(json=log_json)
         check_port_free("--listen", host, port)
         store: BlobStore | None = None
@@ -251,9 +255,6 @@ def register(app: typer.Typer, bench: typer.Typer) -> None:
             store = blob_settings.open()
         except OSError as exc:  # a blob directory that cannot be made
             startup_error("sidecar did not start", exc)
-
-        # imported when the command runs: the command line loads no torch (board/cli.py)
-        from weftboard.subscriber.engine_island import start_island
 
         async def main() -> None:
             try:
